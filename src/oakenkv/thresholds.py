@@ -1,0 +1,476 @@
+"""`Thresholds`: the offline profile of one model, its JSON file format, and its validation.
+
+Oaken (Kim et al., ISCA 2025, Section 4.2) splits every key and value vector into three groups with four
+thresholds profiled offline once per model, per decoder layer and separately for keys and values::
+
+    outer (lower)   middle (lower)   inner      middle (upper)   outer (upper)
+    ------------ To_lo ---------- Ti_lo ---- Ti_hi ---------- To_hi ------------>  value
+
+with ``To_lo < Ti_lo <= Ti_hi < To_hi`` (:class:`GroupThresholds`). The quantizer (``oakenkv.quant``) reads
+only these four numbers; the profiler (``oakenkv.profile``) produces them.
+
+File format (one JSON object, ``SCHEMA_VERSION`` 1)::
+
+    {
+      "format": "oakenkv-thresholds",
+      "schema_version": 1,
+      "config": {...OakenConfig.to_dict()...},
+      "model": {"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
+                "name": "default"},
+      "layers": [
+        {"index": 0,
+         "key":   {"thresholds": [to_lo, ti_lo, ti_hi, to_hi], "stats": {...LayerStats...} or null},
+         "value": {"thresholds": [...], "stats": ...}},
+        ...
+      ],
+      "profile": {...free-form metadata: calibration source, window, runs, timing...}
+    }
+
+Floats are written with Python's shortest round-trip repr, so save -> load gives bit-identical thresholds.
+The loader rejects truncated or corrupt JSON, another format or schema version, missing keys, unordered or
+non-finite thresholds and a layer count that contradicts the model fingerprint, always with a
+:class:`ThresholdsFileError` naming the file; loading for another model raises :class:`ModelMismatchError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from oakenkv.config import OakenConfig
+
+__all__ = [
+    "FORMAT_NAME",
+    "SCHEMA_VERSION",
+    "DuplicateThresholdsWarning",
+    "GroupThresholds",
+    "LayerStats",
+    "ModelFingerprint",
+    "ModelMismatchError",
+    "Thresholds",
+    "ThresholdsFileError",
+]
+
+#: Value of the file's "format" field (tells a thresholds file from any other JSON).
+FORMAT_NAME = "oakenkv-thresholds"
+#: Version of the file layout; bump when a field changes meaning. Loading another version is an error.
+SCHEMA_VERSION = 1
+
+Kind = Literal["key", "value"]
+_KINDS: tuple[Kind, Kind] = ("key", "value")
+
+
+class ThresholdsFileError(ValueError):
+    """A thresholds file is unreadable, truncated, of another format/schema, or holds invalid values."""
+
+
+class ModelMismatchError(ValueError):
+    """Thresholds profiled for one model were used with another (different fingerprint)."""
+
+
+class DuplicateThresholdsWarning(UserWarning):
+    """Two decoder layers have bit-identical thresholds: almost surely a broken profile (e.g. one layer
+    recorded twice, or the same tensor captured for every layer)."""
+
+
+def _finite_float(name: str, v: Any) -> float:
+    # bool is an int subclass; a True threshold is a bug, not 1.0.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {f!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class GroupThresholds:
+    """The four group boundaries of one layer's keys or values: ``to_lo < ti_lo <= ti_hi < to_hi``.
+
+    A value ``x`` is outer if ``x < to_lo`` or ``x > to_hi``, inner if ``ti_lo <= x <= ti_hi``, middle
+    otherwise (Eq. 1 of the paper; implemented by ``oakenkv.quant.assign_groups``). ``ti_lo == ti_hi`` is
+    allowed (an empty or single-point inner group, e.g. ``inner_ratio == 0``); the outer bounds must be
+    strictly outside, else the middle group would have an empty side and the group shift would be ill-defined.
+    """
+
+    #: Lower outer threshold: values below it are lower outliers.
+    to_lo: float
+    #: Lower inner threshold.
+    ti_lo: float
+    #: Upper inner threshold.
+    ti_hi: float
+    #: Upper outer threshold: values above it are upper outliers.
+    to_hi: float
+
+    def __post_init__(self) -> None:
+        for name in ("to_lo", "ti_lo", "ti_hi", "to_hi"):
+            object.__setattr__(self, name, _finite_float(name, getattr(self, name)))
+        if not (self.to_lo < self.ti_lo <= self.ti_hi < self.to_hi):
+            raise ValueError(
+                "thresholds must satisfy to_lo < ti_lo <= ti_hi < to_hi, got "
+                f"to_lo={self.to_lo!r}, ti_lo={self.ti_lo!r}, ti_hi={self.ti_hi!r}, to_hi={self.to_hi!r}"
+            )
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        """``(to_lo, ti_lo, ti_hi, to_hi)``: the form ``oakenkv.quant`` accepts."""
+        return (self.to_lo, self.ti_lo, self.ti_hi, self.to_hi)
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence[float]) -> GroupThresholds:
+        """From ``[to_lo, ti_lo, ti_hi, to_hi]`` (a list, tuple, or anything with ``.as_tuple()``)."""
+        if hasattr(seq, "as_tuple"):
+            seq = seq.as_tuple()
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) != 4:
+            raise ValueError(f"thresholds must be a sequence of 4 numbers (to_lo, ti_lo, ti_hi, to_hi), got {seq!r}")
+        return cls(*seq)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What identifies the model a profile belongs to: thresholds of another shape or architecture are wrong.
+
+    Two checkpoints of the same architecture and shape (e.g. a base model and its instruct fine-tune) have the
+    same fingerprint; telling them apart would need a weight hash, which a user may legitimately want to skip
+    (the paper profiles once per model family). ``name`` is informational and not compared.
+    """
+
+    #: ``config.model_type`` of the decoder ("llama", "gemma3_text"): always set, unlike ``architectures``.
+    architecture: str
+    #: Number of decoder layers (= entries per kind in the profile).
+    num_layers: int
+    #: Key/value heads per layer.
+    num_kv_heads: int
+    #: Dimension of one head.
+    head_dim: int
+    #: The name the model was loaded by (not compared).
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ValueError(f"architecture must be a non-empty string, got {self.architecture!r}")
+        for n in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise ValueError(f"name must be a string or None, got {self.name!r}")
+
+    @classmethod
+    def from_model_config(cls, hf_config: Any, name: str | None = None) -> ModelFingerprint:
+        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config)."""
+        cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+        try:
+            num_layers = int(cfg.num_hidden_layers)
+            num_heads = int(cfg.num_attention_heads)
+        except AttributeError as e:
+            raise ValueError(f"{type(cfg).__name__} does not describe a decoder (missing {e.name})") from e
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        arch = getattr(cfg, "model_type", None) or type(cfg).__name__
+        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name)
+
+    def describe(self) -> str:
+        who = f"{self.name!r}: " if self.name else ""
+        return (
+            f"{who}{self.architecture}, {self.num_layers} layers, {self.num_kv_heads} KV heads, "
+            f"head_dim {self.head_dim}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
+        return cls(d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"))
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What the profiler saw for one layer's keys or values (kept in the file to diagnose a profile)."""
+
+    #: Pearson kurtosis E[(x-mu)^4] / var^2 (3 for a Gaussian) of all values of one run, averaged over runs.
+    kurtosis: float
+    #: Values the thresholds were computed from, summed over runs (tokens x heads x head_dim x runs).
+    num_samples: int
+    #: Number of runs (calibration windows) averaged.
+    num_runs: int
+    #: Outer-group ratio the thresholds were profiled for (the config's, or raised by kurtosis tuning).
+    outer_ratio: float
+    #: Inner-group ratio the thresholds were profiled for (the config's, or lowered by kurtosis tuning).
+    inner_ratio: float
+    #: Standard deviation over runs of each threshold (to_lo, ti_lo, ti_hi, to_hi): how stable the average is.
+    run_std: tuple[float, float, float, float] | None = None
+    #: Human-readable notes on ratio adjustments (e.g. "kurtosis 31.2 > 20: outer_ratio +0.005").
+    adjustments: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        k = _finite_float("kurtosis", self.kurtosis)
+        object.__setattr__(self, "kurtosis", k)
+        for n in ("num_samples", "num_runs"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{n} must be a non-negative int, got {v!r}")
+        for n in ("outer_ratio", "inner_ratio"):
+            r = _finite_float(n, getattr(self, n))
+            if not 0.0 <= r < 1.0:
+                raise ValueError(f"{n} must be in [0, 1), got {r!r}")
+            object.__setattr__(self, n, r)
+        if self.run_std is not None:
+            if len(self.run_std) != 4:
+                raise ValueError(f"run_std must have 4 entries, got {self.run_std!r}")
+            object.__setattr__(self, "run_std", tuple(_finite_float("run_std", s) for s in self.run_std))
+        object.__setattr__(self, "adjustments", tuple(str(a) for a in self.adjustments))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kurtosis": self.kurtosis,
+            "num_samples": self.num_samples,
+            "num_runs": self.num_runs,
+            "outer_ratio": self.outer_ratio,
+            "inner_ratio": self.inner_ratio,
+            "run_std": None if self.run_std is None else list(self.run_std),
+            "adjustments": list(self.adjustments),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerStats:
+        run_std = d.get("run_std")
+        return cls(
+            kurtosis=d["kurtosis"],
+            num_samples=d["num_samples"],
+            num_runs=d["num_runs"],
+            outer_ratio=d["outer_ratio"],
+            inner_ratio=d["inner_ratio"],
+            run_std=None if run_std is None else tuple(run_std),
+            adjustments=tuple(d.get("adjustments", ())),
+        )
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The offline profile of one model: per decoder layer, key and value :class:`GroupThresholds`.
+
+    ``keys[i]`` / ``values[i]`` belong to decoder layer ``i``; ``key_stats`` / ``value_stats`` (optional, same
+    length) record what the profiler saw. ``profile`` is free-form JSON-able metadata (calibration source,
+    window, number of runs, timing). Construction validates lengths against the fingerprint and warns
+    (:class:`DuplicateThresholdsWarning`) when two layers of one kind have identical thresholds.
+    """
+
+    #: The method's configuration the profile was made for (ratios; key position).
+    config: OakenConfig
+    #: The model the profile belongs to.
+    fingerprint: ModelFingerprint
+    #: Key thresholds, one per decoder layer.
+    keys: tuple[GroupThresholds, ...]
+    #: Value thresholds, one per decoder layer.
+    values: tuple[GroupThresholds, ...]
+    #: Key statistics, one per decoder layer, or None.
+    key_stats: tuple[LayerStats, ...] | None = None
+    #: Value statistics, one per decoder layer, or None.
+    value_stats: tuple[LayerStats, ...] | None = None
+    #: Free-form metadata about how the profile was made (JSON-able).
+    profile: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, OakenConfig):
+            raise TypeError(f"config must be an OakenConfig, got {type(self.config).__name__}")
+        if not isinstance(self.fingerprint, ModelFingerprint):
+            raise TypeError(f"fingerprint must be a ModelFingerprint, got {type(self.fingerprint).__name__}")
+        n = self.fingerprint.num_layers
+        for kind, seq in (("keys", self.keys), ("values", self.values)):
+            seq = tuple(g if isinstance(g, GroupThresholds) else GroupThresholds.from_sequence(g) for g in seq)
+            object.__setattr__(self, kind, seq)
+            if len(seq) != n:
+                raise ValueError(f"{kind} has {len(seq)} layers but the model ({self.fingerprint.describe()}) has {n}")
+        for kind in ("key_stats", "value_stats"):
+            seq = getattr(self, kind)
+            if seq is None:
+                continue
+            seq = tuple(seq)
+            object.__setattr__(self, kind, seq)
+            if len(seq) != n or not all(isinstance(s, LayerStats) for s in seq):
+                raise ValueError(f"{kind} must hold {n} LayerStats (one per layer), got {len(seq)} entries")
+        for kind, seq in (("key", self.keys), ("value", self.values)):
+            seen: dict[tuple[float, ...], int] = {}
+            for i, g in enumerate(seq):
+                j = seen.setdefault(g.as_tuple(), i)
+                if j != i:
+                    warnings.warn(
+                        f"{kind} thresholds of layers {j} and {i} are identical {g.as_tuple()}: "
+                        "the profile is probably broken (one layer recorded for several); re-run `oakenkv profile`",
+                        DuplicateThresholdsWarning,
+                        stacklevel=3,
+                    )
+                    break
+
+    # ------------------------------------------------------------------------------------------- access
+
+    @property
+    def num_layers(self) -> int:
+        return self.fingerprint.num_layers
+
+    def layer(self, i: int, kind: Kind) -> GroupThresholds:
+        """Thresholds of decoder layer ``i`` for ``kind`` "key" or "value"."""
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        if isinstance(i, bool) or not isinstance(i, int) or not -self.num_layers <= i < self.num_layers:
+            raise IndexError(f"layer index {i!r} out of range for {self.num_layers} layers")
+        return (self.keys if kind == "key" else self.values)[i]
+
+    def stats(self, i: int, kind: Kind) -> LayerStats | None:
+        """Profiling statistics of layer ``i`` for ``kind``, or None when the profile has none."""
+        self.layer(i, kind)  # validates i and kind
+        seq = self.key_stats if kind == "key" else self.value_stats
+        return None if seq is None else seq[i]
+
+    # ------------------------------------------------------------------------------------------- model check
+
+    def check_fingerprint(self, other: ModelFingerprint) -> None:
+        """Raise :class:`ModelMismatchError` naming both models when ``other`` differs from this profile's."""
+        if other != self.fingerprint:
+            raise ModelMismatchError(
+                f"these thresholds were profiled for ({self.fingerprint.describe()}) but the model is "
+                f"({other.describe()}); profile this model with `oakenkv profile --model ...`"
+            )
+
+    def check_model(self, hf_config: Any) -> None:
+        """Raise :class:`ModelMismatchError` (a ValueError) when ``hf_config`` is not the profiled model."""
+        self.check_fingerprint(ModelFingerprint.from_model_config(hf_config))
+
+    # ------------------------------------------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for i in range(self.num_layers):
+            entry: dict[str, Any] = {"index": i}
+            for kind in _KINDS:
+                st = self.stats(i, kind)
+                entry[kind] = {
+                    "thresholds": list(self.layer(i, kind).as_tuple()),
+                    "stats": None if st is None else st.to_dict(),
+                }
+            layers.append(entry)
+        return {
+            "format": FORMAT_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "config": self.config.to_dict(),
+            "model": self.fingerprint.to_dict(),
+            "layers": layers,
+            "profile": self.profile,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> Thresholds:
+        """Parse and validate a decoded file; any problem: :class:`ThresholdsFileError` naming ``source``."""
+
+        def fail(msg: str) -> ThresholdsFileError:
+            return ThresholdsFileError(f"{source}: {msg}")
+
+        if not isinstance(d, dict):
+            raise fail(f"not a thresholds file (top level is {type(d).__name__}, expected an object)")
+        if d.get("format") != FORMAT_NAME:
+            raise fail(f"not a thresholds file (format is {d.get('format')!r}, expected {FORMAT_NAME!r})")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise fail(f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION}); re-profile")
+        try:
+            config = OakenConfig.from_dict(d["config"])
+            fingerprint = ModelFingerprint.from_dict(d["model"])
+            layers = d["layers"]
+            if not isinstance(layers, list):
+                raise fail("'layers' must be a list")
+            keys, values, kstats, vstats = [], [], [], []
+            for pos, entry in enumerate(layers):
+                if entry.get("index") != pos:
+                    raise fail(f"layer entry {pos} has index {entry.get('index')!r} (layers must be in order)")
+                for kind, thr, st in (("key", keys, kstats), ("value", values, vstats)):
+                    try:
+                        thr.append(GroupThresholds.from_sequence(entry[kind]["thresholds"]))
+                    except ValueError as e:
+                        raise fail(f"layer {pos} {kind}: {e}") from e
+                    raw = entry[kind].get("stats")
+                    st.append(None if raw is None else LayerStats.from_dict(raw))
+            if len(keys) != fingerprint.num_layers:
+                raise fail(f"holds {len(keys)} layers but its model fingerprint says {fingerprint.num_layers}")
+            profile = d.get("profile", {})
+            if not isinstance(profile, dict):
+                raise fail("'profile' must be an object")
+
+            def all_or_none(seq: list[LayerStats | None], kind: str) -> tuple[LayerStats, ...] | None:
+                if all(s is None for s in seq):
+                    return None
+                if any(s is None for s in seq):
+                    raise fail(f"{kind} stats are present for some layers only")
+                return tuple(seq)  # type: ignore[arg-type]
+
+            return cls(
+                config=config,
+                fingerprint=fingerprint,
+                keys=tuple(keys),
+                values=tuple(values),
+                key_stats=all_or_none(kstats, "key"),
+                value_stats=all_or_none(vstats, "value"),
+                profile=profile,
+            )
+        except ThresholdsFileError:
+            raise
+        except KeyError as e:
+            raise fail(f"missing field {e.args[0]!r}") from e
+        except (TypeError, ValueError, AttributeError) as e:
+            raise fail(f"invalid content: {e}") from e
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the JSON file atomically (temp file + rename: no reader sees half a file)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        # allow_nan=False: a NaN can only come from a bug upstream, and "NaN" is not JSON.
+        text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, p)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], expect: ModelFingerprint | None = None) -> Thresholds:
+        """Read and validate a thresholds file; with ``expect``, also check it belongs to that model.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ThresholdsFileError: truncated/corrupt JSON, wrong format/schema, missing fields, invalid values.
+            ModelMismatchError: ``expect`` is given and differs from the file's fingerprint.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ThresholdsFileError(f"{p}: not a text file ({e})") from e
+
+        def reject_constant(c: str) -> None:
+            raise ThresholdsFileError(f"{p}: holds {c}, which is not a valid threshold")
+
+        try:
+            d = json.loads(text, parse_constant=reject_constant)
+        except json.JSONDecodeError as e:
+            hint = " (the file looks truncated)" if e.pos >= len(text.rstrip()) - 1 else ""
+            raise ThresholdsFileError(f"{p}: corrupt JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from e
+        th = cls.from_dict(d, source=str(p))
+        if expect is not None:
+            th.check_fingerprint(expect)
+        return th

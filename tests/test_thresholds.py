@@ -1,0 +1,296 @@
+"""Tests of oakenkv.thresholds: validation, the JSON file format, and the model fingerprint check."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from oakenkv.config import OakenConfig
+from oakenkv.thresholds import (
+    SCHEMA_VERSION,
+    DuplicateThresholdsWarning,
+    GroupThresholds,
+    LayerStats,
+    ModelFingerprint,
+    ModelMismatchError,
+    Thresholds,
+    ThresholdsFileError,
+)
+
+FP = ModelFingerprint("llama", 3, 2, 8, name="tiny")
+
+
+def _thr(i: int, scale: float = 1.0) -> GroupThresholds:
+    # Distinct per layer: identical layers would warn.
+    s = scale * (1.0 + 0.1 * i)
+    return GroupThresholds(-2.0 * s, -0.1 * s, 0.12 * s, 2.5 * s)
+
+
+def _stats(i: int) -> LayerStats:
+    return LayerStats(
+        kurtosis=3.0 + i,
+        num_samples=1000,
+        num_runs=4,
+        outer_ratio=0.04,
+        inner_ratio=0.06,
+        run_std=(0.1, 0.01, 0.01, 0.1),
+        adjustments=("x",) if i == 0 else (),
+    )
+
+
+def make(fp: ModelFingerprint = FP, with_stats: bool = True, **kw) -> Thresholds:
+    n = fp.num_layers
+    return Thresholds(
+        config=kw.pop("config", OakenConfig()),
+        fingerprint=fp,
+        keys=tuple(_thr(i) for i in range(n)),
+        values=tuple(_thr(i, 0.5) for i in range(n)),
+        key_stats=tuple(_stats(i) for i in range(n)) if with_stats else None,
+        value_stats=tuple(_stats(i) for i in range(n)) if with_stats else None,
+        profile={"window": 16, "source": "test"},
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------------------------- GroupThresholds
+
+
+def test_group_thresholds_accepts_ordered_and_equal_inner():
+    g = GroupThresholds(-3, -0.5, 0.5, 3)
+    assert g.as_tuple() == (-3.0, -0.5, 0.5, 3.0)
+    assert all(isinstance(v, float) for v in g.as_tuple())
+    GroupThresholds(-1.0, 0.0, 0.0, 1.0)  # empty inner group is legal
+
+
+@pytest.mark.parametrize(
+    "vals",
+    [
+        (-1.0, -1.0, 0.5, 2.0),  # to_lo == ti_lo
+        (-1.0, 0.6, 0.5, 2.0),  # ti_lo > ti_hi
+        (-1.0, -0.5, 2.0, 2.0),  # ti_hi == to_hi
+        (3.0, -0.5, 0.5, 2.0),  # to_lo above everything
+    ],
+)
+def test_group_thresholds_rejects_unordered(vals):
+    with pytest.raises(ValueError, match="to_lo < ti_lo <= ti_hi < to_hi"):
+        GroupThresholds(*vals)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("pos", range(4))
+def test_group_thresholds_rejects_non_finite(bad, pos):
+    vals = [-2.0, -0.1, 0.1, 2.0]
+    vals[pos] = bad
+    with pytest.raises(ValueError, match="finite"):
+        GroupThresholds(*vals)
+
+
+def test_group_thresholds_rejects_non_numbers():
+    with pytest.raises(ValueError, match="number"):
+        GroupThresholds(-1.0, "0", 0.1, 1.0)
+    with pytest.raises(ValueError, match="number"):
+        GroupThresholds(-1.0, False, True, 2.0)
+    with pytest.raises(ValueError, match="4 numbers"):
+        GroupThresholds.from_sequence([1.0, 2.0, 3.0])
+    assert GroupThresholds.from_sequence(GroupThresholds(-1, 0, 0, 1)) == GroupThresholds(-1, 0, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint_from_llama_like_config():
+    cfg = SimpleNamespace(
+        model_type="llama",
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+    )
+    fp = ModelFingerprint.from_model_config(cfg)
+    assert (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim) == ("llama", 30, 3, 64)
+
+
+def test_fingerprint_prefers_explicit_head_dim_and_text_config():
+    text = SimpleNamespace(
+        model_type="gemma3_text",
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        hidden_size=640,
+        head_dim=256,
+    )
+    outer = SimpleNamespace(get_text_config=lambda decoder: text)
+    fp = ModelFingerprint.from_model_config(outer)
+    assert (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim) == ("gemma3_text", 18, 1, 256)
+
+
+def test_fingerprint_name_is_not_compared_and_validation():
+    assert ModelFingerprint("llama", 3, 2, 8, name="a") == ModelFingerprint("llama", 3, 2, 8, name="b")
+    with pytest.raises(ValueError, match="num_layers"):
+        ModelFingerprint("llama", 0, 2, 8)
+    with pytest.raises(ValueError, match="architecture"):
+        ModelFingerprint("", 1, 2, 8)
+
+
+def test_check_model_names_both_models():
+    th = make()
+    other = SimpleNamespace(
+        model_type="llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=32
+    )
+    with pytest.raises(ModelMismatchError, match=r"3 layers.*4 layers") as ei:
+        th.check_model(other)
+    assert isinstance(ei.value, ValueError)
+    same = SimpleNamespace(
+        model_type="llama", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32
+    )
+    th.check_model(same)  # no error
+
+
+# ---------------------------------------------------------------------------------------------- Thresholds
+
+
+def test_thresholds_access():
+    th = make()
+    assert th.num_layers == 3
+    assert th.layer(1, "key") == _thr(1)
+    assert th.layer(-1, "value") == _thr(2, 0.5)
+    assert th.stats(2, "key").kurtosis == 5.0
+    with pytest.raises(ValueError, match="kind"):
+        th.layer(0, "keys")
+    with pytest.raises(IndexError):
+        th.layer(3, "key")
+    assert make(with_stats=False).stats(0, "value") is None
+
+
+def test_thresholds_layer_count_must_match_fingerprint():
+    with pytest.raises(ValueError, match="has 2 layers"):
+        Thresholds(OakenConfig(), FP, keys=(_thr(0), _thr(1)), values=(_thr(0), _thr(1)))
+
+
+def test_duplicate_layers_warn():
+    keys = (_thr(0), _thr(1), _thr(0))
+    with pytest.warns(DuplicateThresholdsWarning, match="layers 0 and 2"):
+        Thresholds(OakenConfig(), FP, keys=keys, values=tuple(_thr(i, 0.5) for i in range(3)))
+
+
+def test_distinct_layers_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make()
+
+
+# ---------------------------------------------------------------------------------------------- file format
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    cfg = OakenConfig(outer_ratio=0.05, key_position="pre_rope")
+    th = make(config=cfg)
+    # Awkward floats must survive exactly (shortest repr round-trips).
+    keys = list(th.keys)
+    keys[0] = GroupThresholds(-1 / 3, -1e-7, 2**-30, 7.123456789012345)
+    th = Thresholds(cfg, FP, tuple(keys), th.values, th.key_stats, th.value_stats, th.profile)
+    p = th.save(tmp_path / "sub" / "t.json")
+    back = Thresholds.load(p)
+    assert back == th
+    assert back.keys[0].as_tuple() == keys[0].as_tuple()
+    assert back.config == cfg
+    assert back.fingerprint.name == "tiny"
+    assert back.profile == {"window": 16, "source": "test"}
+    assert back.key_stats[0].adjustments == ("x",)
+    assert back.key_stats[0].run_std == (0.1, 0.01, 0.01, 0.1)
+    d = json.loads(p.read_text())
+    assert d["schema_version"] == SCHEMA_VERSION and d["format"] == "oakenkv-thresholds"
+    assert not list(p.parent.glob(".*tmp"))  # atomic write leaves no temp file
+
+
+def test_round_trip_without_stats(tmp_path):
+    th = make(with_stats=False)
+    back = Thresholds.load(th.save(tmp_path / "t.json"))
+    assert back == th and back.key_stats is None
+
+
+def test_load_checks_expected_model(tmp_path):
+    p = make().save(tmp_path / "t.json")
+    Thresholds.load(p, expect=ModelFingerprint("llama", 3, 2, 8))
+    with pytest.raises(ModelMismatchError, match=r"head_dim 8.*head_dim 64"):
+        Thresholds.load(p, expect=ModelFingerprint("llama", 3, 2, 64))
+    with pytest.raises(ModelMismatchError, match="mistral"):
+        Thresholds.load(p, expect=ModelFingerprint("mistral", 3, 2, 8))
+
+
+def _write(tmp_path, d_or_text) -> str:
+    p = tmp_path / "bad.json"
+    p.write_text(d_or_text if isinstance(d_or_text, str) else json.dumps(d_or_text))
+    return str(p)
+
+
+def test_truncated_file_is_clear_error(tmp_path):
+    text = json.dumps(make().to_dict(), indent=1)
+    for cut in (0, 1, len(text) // 2, len(text) - 2):
+        with pytest.raises(ThresholdsFileError, match="corrupt JSON"):
+            Thresholds.load(_write(tmp_path, text[:cut]))
+
+
+def test_binary_garbage_is_clear_error(tmp_path):
+    p = tmp_path / "bin.json"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ThresholdsFileError):
+        Thresholds.load(p)
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError):
+        Thresholds.load("/nonexistent/t.json")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(schema_version=99), "schema_version 99"),
+        (lambda d: d.pop("schema_version"), "schema_version None"),
+        (lambda d: d.update(format="something"), "not a thresholds file"),
+        (lambda d: d.pop("config"), "missing field 'config'"),
+        (lambda d: d.pop("model"), "missing field 'model'"),
+        (lambda d: d["model"].pop("head_dim"), "missing field 'head_dim'"),
+        (lambda d: d["layers"][1]["key"].pop("thresholds"), "missing field 'thresholds'"),
+        (lambda d: d["layers"].pop(), "holds 2 layers"),
+        (lambda d: d["layers"].reverse(), "index"),
+        (lambda d: d["layers"][1]["value"].update(thresholds=[1, 0, 2, 3]), "layer 1 value"),
+        (lambda d: d["layers"][0]["key"].update(thresholds=[1, 2, 3]), "4 numbers"),
+        (lambda d: d["layers"][0]["key"].update(thresholds=[-1, None, 0, 1]), "number"),
+        (lambda d: d["config"].update(outer_ratio=2.0), "outer_ratio"),
+        (lambda d: d.update(layers={"0": 1}), "'layers' must be a list"),
+        (lambda d: d["layers"][0]["key"].update(stats=None), "some layers only"),
+    ],
+)
+def test_corrupt_content_is_clear_error(tmp_path, mutate, match):
+    d = make().to_dict()
+    mutate(d)
+    with pytest.raises(ThresholdsFileError, match=match):
+        Thresholds.load(_write(tmp_path, d))
+
+
+@pytest.mark.parametrize("const", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_in_file_is_clear_error(tmp_path, const):
+    text = json.dumps(make().to_dict())
+    d = json.loads(text)
+    d["layers"][2]["key"]["thresholds"][3] = 12345.5
+    text = json.dumps(d).replace("12345.5", const)
+    with pytest.raises(ThresholdsFileError, match=const.lstrip("-")):
+        Thresholds.load(_write(tmp_path, text))
+
+
+def test_top_level_not_object(tmp_path):
+    with pytest.raises(ThresholdsFileError, match="top level is list"):
+        Thresholds.load(_write(tmp_path, "[1, 2]"))
+
+
+def test_duplicate_layers_in_file_warn(tmp_path):
+    d = make().to_dict()
+    d["layers"][2]["value"]["thresholds"] = d["layers"][0]["value"]["thresholds"]
+    with pytest.warns(DuplicateThresholdsWarning):
+        Thresholds.load(_write(tmp_path, d))
