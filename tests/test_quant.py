@@ -1,0 +1,226 @@
+"""The reference quantizer: the paper's formulas on hand-computed vectors, and properties with hypothesis."""
+
+from __future__ import annotations
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oakenkv.config import OakenConfig
+from oakenkv.quant import (
+    GROUP_INNER,
+    GROUP_MIDDLE,
+    GROUP_OUTER,
+    QuantizedVectors,
+    assign_groups,
+    dequantize,
+    error_bound,
+    group_fractions,
+    quantize,
+    quantize_dequantize,
+    thresholds_tuple,
+)
+
+THR = (-4.0, -0.5, 0.5, 4.0)
+
+
+def test_hand_computed_vector_replays_the_paper_formulas():
+    # Groups (Eq. 1), shifts (Eq. 4) and codes worked out by hand in the comments below.
+    x = torch.tensor([[5.0, -6.0, 1.0, -2.0, 3.0, 0.25, -0.5, 0.0]])
+    q = quantize(x, THR)
+    assert q.groups.tolist() == [[2, 2, 0, 0, 0, 1, 1, 1]]
+    # Middle: shifted 0.5, -1.5, 2.5 -> L=-1.5, U=2.5; step(k) = max(1.5/(k+1), 2.5/(15-k)) is 0.25 at k=5, so
+    # gmin = -5.5*0.25 = -1.375, gmax = 2.375; codes floor((s+1.375)/0.25 + 0.5) = 8, 0, 16->15.
+    assert q.mins[0, GROUP_MIDDLE].item() == -1.375 and q.maxs[0, GROUP_MIDDLE].item() == 2.375
+    # Inner (unshifted): gmin=-0.5, gmax=0.25, step=0.75/31: codes 31, 0, floor(0.5/step + 0.5) = 21.
+    assert q.mins[0, GROUP_INNER].item() == -0.5 and q.maxs[0, GROUP_INNER].item() == 0.25
+    # Outer: shifted 1, -2 -> step(k) = max(2/(k+1), 1/(31-k)) is 2/21 at k=20, gmin = -20.5*2/21 (fp16: -1.9521484),
+    # gmax = 1.0; codes 31 and 0.
+    assert q.mins[0, GROUP_OUTER].item() == pytest.approx(-1.9521484, abs=1e-6)
+    assert q.maxs[0, GROUP_OUTER].item() == 1.0
+    assert q.codes.tolist() == [[31, 0, 8, 0, 15, 31, 0, 21]]
+    y = dequantize(q, THR)[0]
+    step_o = (1.0 + 1.9521484375) / 31
+    expected = [
+        -1.9521484375 + 31 * step_o + 4.0,  # 5.0
+        -1.9521484375 - 4.0,  # -6.0, half a step (+fp16 rounding) off
+        -1.375 + 8 * 0.25 + 0.5,  # 1.0 -> 1.125
+        -1.375 - 0.5,  # -2.0 -> -1.875
+        -1.375 + 15 * 0.25 + 0.5,  # 3.0 -> 2.875
+        0.25,
+        -0.5,
+        -0.5 + 21 * (0.75 / 31),
+    ]
+    assert y.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_values_exactly_on_thresholds():
+    x = torch.tensor([[-4.0, -0.5, 0.5, 4.0, 4.0001, -4.0001, 0.4999, -0.5001]])
+    g = assign_groups(x, THR)
+    # On an outer threshold: middle; on an inner threshold: inner.
+    assert g.tolist() == [[0, 1, 1, 0, 2, 2, 1, 0]]
+    y = quantize_dequantize(x, THR)
+    # Middle values keep their side: at or beyond the inner threshold of their side.
+    assert y[0, 0] <= -0.5 and y[0, 3] >= 0.5 and y[0, 7] <= -0.5
+
+
+def test_thresholds_validation():
+    with pytest.raises(ValueError, match="to_lo < ti_lo <= ti_hi < to_hi"):
+        thresholds_tuple((0.0, -1.0, 1.0, 2.0))
+    with pytest.raises(ValueError, match="finite"):
+        thresholds_tuple((-1.0, float("nan"), 0.0, 1.0))
+    with pytest.raises(ValueError, match="4 values"):
+        thresholds_tuple((-1.0, 0.0, 1.0))
+    assert thresholds_tuple((-2.0, 0.0, 0.0, 2.0)) == (-2.0, 0.0, 0.0, 2.0)  # ti_lo == ti_hi is allowed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_inf_input_is_a_clear_error(bad):
+    x = torch.zeros(2, 8)
+    x[1, 3] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize(x, THR)
+
+
+def test_wrong_shape_and_dtype_are_clear_errors():
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        quantize(torch.zeros(2, 3, 4), THR)
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(torch.zeros(2, 4, dtype=torch.int32), THR)
+
+
+def test_fp16_overflowing_range_asks_for_fp32_scales():
+    x = torch.tensor([[1e6, 0.0, 1.0, -1.0]])
+    with pytest.raises(ValueError, match="scale_dtype='float32'"):
+        quantize(x, THR)
+    y = quantize_dequantize(x, THR, OakenConfig(scale_dtype="float32"))
+    assert abs(y[0, 0].item() - 1e6) < 1.0
+
+
+def test_constant_vectors_and_empty_groups():
+    for value in (0.0, 0.3, 2.0, -3.0, 7.0, -9.5):
+        x = torch.full((3, 64), value)
+        q = quantize(x, THR)
+        y = dequantize(q, THR)
+        # A one-valued group is restored to within half a step of its own (tiny or zero) range, plus fp16 rounding.
+        assert torch.allclose(y, x, atol=2e-3 * max(1.0, abs(value)))
+        for g in range(3):
+            if not (q.groups == g).any():
+                assert q.mins[:, g].eq(0).all() and q.maxs[:, g].eq(0).all()
+
+
+def test_single_value_groups():
+    x = torch.tensor([[6.0, 1.0, 0.1, 1.5, 2.0, -1.0]])  # one outer, one inner, four middle
+    q = quantize(x, THR)
+    assert (q.groups == GROUP_OUTER).sum() == 1 and (q.groups == GROUP_INNER).sum() == 1
+    err = (dequantize(q, THR) - x).abs()
+    assert (err <= _slack(q, OakenConfig())).all()
+    # A lone outer or inner value has a zero-width grid: it comes back as itself, up to fp16 rounding.
+    assert err[0, 0] <= 6.0 * 2**-11 and err[0, 2] <= 0.1 * 2**-11
+
+
+def test_head_granularity_is_a_reshape():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3 * 64)
+    per_head = quantize_dequantize(x.reshape(-1, 64), THR).reshape(5, 192)
+    per_token = quantize_dequantize(x, THR)
+    assert per_head.shape == per_token.shape
+    assert not torch.equal(per_head, per_token)  # different scale sets
+    assert (per_head - x).abs().max() < 0.5
+
+
+def test_group_fractions_follow_quantile_thresholds():
+    torch.manual_seed(1)
+    x = torch.randn(4000, 64)
+    q = torch.quantile(x.flatten()[:200_000], torch.tensor([0.02, 0.47, 0.53, 0.98])).tolist()
+    fr = group_fractions(torch.randn(4000, 64), q)  # held-out draw
+    assert fr["outer"] == pytest.approx(0.04, abs=0.003)
+    assert fr["inner"] == pytest.approx(0.06, abs=0.003)
+    assert fr["middle"] == pytest.approx(0.90, abs=0.005)
+
+
+def test_four_bit_outliers_config():
+    torch.manual_seed(2)
+    x = torch.randn(50, 128) * 2
+    cfg = OakenConfig(inner_bits=4, outer_bits=4)
+    q = quantize(x, THR, cfg)
+    assert q.codes.max() <= 15
+    err5 = (quantize_dequantize(x, THR) - x).pow(2).mean()
+    err4 = (quantize_dequantize(x, THR, cfg) - x).pow(2).mean()
+    assert err4 > err5
+
+
+# ---------------------------------------------------------------- properties (hypothesis)
+
+finite32 = st.floats(min_value=-50.0, max_value=50.0, allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def thresholds_strategy(draw):
+    a, b, c, d = sorted(draw(st.lists(st.floats(-20, 20, width=32), min_size=4, max_size=4, unique=True)))
+    equal_inner = draw(st.booleans())
+    return (a, b, b if equal_inner else c, d)
+
+
+@st.composite
+def rows_strategy(draw):
+    n = draw(st.integers(1, 6))
+    d = draw(st.integers(1, 200))
+    arr = draw(hnp.arrays(np.float32, (n, d), elements=finite32))
+    return torch.from_numpy(arr)
+
+
+def _slack(q: QuantizedVectors, cfg: OakenConfig) -> torch.Tensor:
+    """Half a step, widened by the fp16 rounding of the stored end points (relative 2^-11 each)."""
+    bound = error_bound(q, cfg)
+    ends = torch.maximum(q.mins.abs(), q.maxs.abs()).to(torch.float32)  # [N, 3]
+    rnd = torch.zeros_like(bound)
+    for g in range(3):
+        rnd = torch.where(q.groups == g, ends[:, g : g + 1].expand_as(rnd), rnd)
+    return bound * (1 + 2**-5) + rnd * 2**-9 + 1e-6
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy())
+def test_error_within_half_a_step_and_never_on_the_wrong_side(x, thr):
+    cfg = OakenConfig()
+    q = quantize(x, thr, cfg)
+    y = dequantize(q, thr, cfg)
+    to_lo, ti_lo, ti_hi, to_hi = thresholds_tuple(thr)
+    assert (q.codes[q.groups == GROUP_MIDDLE] <= 15).all()
+    assert (q.codes <= 31).all()
+    err = (y - x).abs()
+    assert (err <= _slack(q, cfg)).all(), float((err - _slack(q, cfg)).max())
+    # The side survives: a middle value above ti_hi comes back at or above ti_hi, and so on.
+    mid, out = q.groups == GROUP_MIDDLE, q.groups == GROUP_OUTER
+    assert (y[mid & (x > ti_hi)] >= ti_hi).all()
+    assert (y[mid & (x < ti_lo)] <= ti_lo).all()
+    assert (y[out & (x > to_hi)] >= to_hi).all()
+    assert (y[out & (x < to_lo)] <= to_lo).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy(), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_low_precision_inputs(x, thr, dtype):
+    xl = x.to(dtype)
+    y = quantize_dequantize(xl, thr)
+    assert y.dtype == dtype and y.shape == xl.shape
+    q = quantize(xl, thr)
+    y32 = dequantize(q, thr)
+    # Bound against the input as the quantizer saw it (float32 of the low-precision values).
+    assert ((y32 - xl.float()).abs() <= _slack(q, OakenConfig())).all()
+    # Casting the result back costs at most the output dtype's rounding.
+    assert torch.allclose(y.float(), y32, rtol=2**-7, atol=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy())
+def test_fp32_scales_meet_the_plain_half_step_bound(x, thr):
+    # Without fp16 rounding of the end points, every value is within half a step of its group (float32 slack only).
+    cfg = OakenConfig(scale_dtype="float32")
+    q = quantize(x, thr, cfg)
+    err = (dequantize(q, thr, cfg) - x).abs()
+    assert (err <= error_bound(q, cfg) * (1 + 1e-5) + 1e-5 * (1 + x.abs())).all()
