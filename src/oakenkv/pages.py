@@ -1,0 +1,598 @@
+"""The page pool: Oaken's software MMU for the packed KV cache (paper Section 5.3, Figure 10).
+
+The pool stores opaque per-token byte records and knows nothing of quantization. Every (sequence, stream)
+pair owns two chains of fixed-size pages: a *stream* is one layer's keys or one layer's values of one
+sequence (the cache uses ``stream = 2 * layer + kind``).
+
+* **Dense records** have the same size ``rec`` for every token of a stream (the codec's nibbles plus the six
+  per-token scales). They are written back to back, never straddle a page, so a page holds ``rpp = page_size
+  // rec`` of them and token ``t`` lives at ``(dense_pages[t // rpp], (t % rpp) * rec)``. The dense table is
+  therefore one page id per page, like a vLLM block table; the unused ``page_size - rpp * rec`` bytes at the
+  end of each dense page are reported as fragmentation.
+* **Sparse records** (the COO entries of one token) have variable length ``0 <= L <= page_size``. They are
+  written back to back into the stream's sparse pages; a record that does not fit into the rest of the
+  current page starts a new page. The sparse table holds, per token, its byte length (the paper's 16-bit
+  per-token header, ``uint16``), and per sparse page its id and the first token stored in it; a token's
+  offset is the sum of the lengths before it in its page. Readers walk a stream in token order, so offsets
+  never need to be stored.
+
+A sequence's data for one layer is thus a few contiguous runs: one per dense page (``rpp`` tokens each) and
+one per sparse page, which is what the decode-attention kernel reads.
+
+Invariants (checked by :meth:`PagePool.check_invariants`, exercised in ``tests/test_pages.py``)
+-----------------------------------------------------------------------------------------------
+I1. A page id is either free (reference count 0, on the free list exactly once) or in use (reference count
+    equal to the number of table slots, over all live streams, that name it). Pages in use never exceed
+    ``max_pages``.
+I2. Dense: a stream with ``n`` tokens and record size ``rec`` has exactly ``ceil(n / rpp)`` dense pages; the
+    last one holds ``n - (pages - 1) * rpp`` records (``last_page_len``, in ``1..rpp``), every other one
+    ``rpp``.
+I3. Sparse: page first-tokens are strictly increasing and each names a token with ``L > 0``; the records of
+    page ``p`` are the tokens with ``L > 0`` in ``[first[p], first[p + 1])``; their lengths sum to at most
+    ``page_size``; the stream's ``sparse_tail`` is the sum for its last page. A stream whose records are all
+    empty has no sparse page.
+I4. ``page_fill[p]`` (bytes written into page ``p``) equals what I2/I3 say every owner of ``p`` stores
+    there; a page shared by several streams (after :meth:`PagePool.fork`) is never written: the first append
+    into it copies it (copy on write), so every owner keeps seeing the bytes it wrote.
+I5. A failed operation (budget exhausted, bad input) changes nothing: allocation is ask-then-commit
+    (:meth:`PagePool.plan_append` returns ``None`` when the pages are not there;
+    :meth:`PagePool.append_many` plans every item before writing any).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Largest sparse record (bytes): the per-token length is stored as uint16.
+MAX_SPARSE_RECORD = 65535
+
+
+class PoolExhaustedError(MemoryError):
+    """The page pool's memory budget cannot hold an append; nothing was written."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Size and budget of a :class:`PagePool`."""
+
+    #: Bytes per page, dense and sparse alike (paper: 4 KiB). Must be a multiple of 64 in ``[256, 1 MiB]``.
+    page_size: int = 4096
+    #: Most bytes the pool may hold in pages; ``budget_bytes // page_size`` pages in all.
+    budget_bytes: int = 1 << 30
+    #: Pages allocated up front; storage then doubles on demand up to the budget (never preallocated whole).
+    initial_pages: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or not 256 <= self.page_size <= (1 << 20) or self.page_size % 64:
+            raise ValueError(f"page_size must be a multiple of 64 in [256, 1048576], got {self.page_size!r}")
+        if not isinstance(self.budget_bytes, int) or self.budget_bytes < self.page_size:
+            raise ValueError(
+                f"budget_bytes must be an int of at least one page ({self.page_size}), got {self.budget_bytes!r}"
+            )
+        if not isinstance(self.initial_pages, int) or self.initial_pages < 1:
+            raise ValueError(f"initial_pages must be a positive int, got {self.initial_pages!r}")
+
+    @property
+    def max_pages(self) -> int:
+        """Pages the budget allows."""
+        return self.budget_bytes // self.page_size
+
+
+class _Growable:
+    """A 1-D numpy array with amortised O(1) append; ``.view`` is the live part."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, dtype: type, capacity: int = 16) -> None:
+        self.buf = np.zeros(capacity, dtype=dtype)
+        self.n = 0
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+    def extend(self, values: np.ndarray | list[int]) -> None:
+        values = np.asarray(values, dtype=self.buf.dtype)
+        need = self.n + values.size
+        if need > self.buf.size:
+            new = np.zeros(max(need, 2 * self.buf.size), dtype=self.buf.dtype)
+            new[: self.n] = self.buf[: self.n]
+            self.buf = new
+        self.buf[self.n : need] = values
+        self.n = need
+
+    def copy(self) -> _Growable:
+        g = _Growable(self.buf.dtype.type, max(16, self.n))
+        g.extend(self.view)
+        return g
+
+    def nbytes_used(self) -> int:
+        return self.n * self.buf.itemsize
+
+
+@dataclass
+class StreamTable:
+    """The management tables of one stream (one layer's K or V of one sequence); see the module docstring."""
+
+    #: Tokens stored.
+    num_tokens: int = 0
+    #: Bytes per dense record; 0 until the first append fixes it.
+    rec_size: int = 0
+    #: int32 ``[ceil(num_tokens / rpp)]``: page id of each dense page, in token order.
+    dense_pages: _Growable = field(default_factory=lambda: _Growable(np.int32))
+    #: int32 ``[num_sparse_pages]``: page id of each sparse page, in token order.
+    sparse_pages: _Growable = field(default_factory=lambda: _Growable(np.int32))
+    #: int32 ``[num_sparse_pages]``: first token whose sparse record lives in that page.
+    sparse_first: _Growable = field(default_factory=lambda: _Growable(np.int32))
+    #: uint16 ``[num_tokens]``: sparse record length of each token (the per-token header).
+    sparse_len: _Growable = field(default_factory=lambda: _Growable(np.uint16))
+    #: Bytes used in the last sparse page.
+    sparse_tail: int = 0
+
+    def copy(self) -> StreamTable:
+        return StreamTable(
+            self.num_tokens,
+            self.rec_size,
+            self.dense_pages.copy(),
+            self.sparse_pages.copy(),
+            self.sparse_first.copy(),
+            self.sparse_len.copy(),
+            self.sparse_tail,
+        )
+
+    def table_bytes(self) -> int:
+        """Bytes of management table this stream stores (page ids, first tokens, per-token lengths)."""
+        return (
+            self.dense_pages.nbytes_used()
+            + self.sparse_pages.nbytes_used()
+            + self.sparse_first.nbytes_used()
+            + self.sparse_len.nbytes_used()
+        )
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """What one append needs, computed without touching the pool (ask); :meth:`PagePool.commit` does it."""
+
+    seq: int
+    stream: int
+    #: Tokens to append.
+    num_tokens: int
+    #: Dense record size of the tokens.
+    rec_size: int
+    #: uint16 ``[num_tokens]``: sparse record lengths.
+    sparse_lengths: np.ndarray
+    #: New pages the append takes from the pool, copies on write included (an upper bound when streams share).
+    pages_needed: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Memory accounting of a pool; every byte count is exact."""
+
+    page_size: int
+    #: Pages the budget allows.
+    max_pages: int
+    #: Pages held by at least one stream.
+    pages_in_use: int
+    #: Pages whose storage exists (in use + free-but-allocated).
+    pages_allocated: int
+    #: ``pages_in_use * page_size``: the memory the cache reserves.
+    bytes_reserved: int
+    #: Record bytes actually written into the pages in use (shared pages counted once).
+    bytes_used: int
+    #: Bytes of management tables (dense and sparse).
+    table_bytes: int
+    #: Live sequences.
+    num_sequences: int
+
+    @property
+    def fragmentation(self) -> float:
+        """Fraction of the reserved page bytes holding no record (page tails and partly filled last pages)."""
+        return 0.0 if self.bytes_reserved == 0 else 1.0 - self.bytes_used / self.bytes_reserved
+
+    @property
+    def total_bytes(self) -> int:
+        """What the cache costs in memory: reserved pages plus tables."""
+        return self.bytes_reserved + self.table_bytes
+
+
+class PagePool:
+    """A budgeted pool of byte pages holding many sequences' dense and sparse records (module docstring).
+
+    Not thread-safe: one owner (a cache) drives it.
+    """
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        ps = self.config.page_size
+        n0 = min(self.config.initial_pages, self.config.max_pages)
+        #: uint8 ``[pages_allocated, page_size]``: the page storage. Re-allocated (doubled) on growth, so
+        #: readers must fetch it again after any append.
+        self.data = np.zeros((n0, ps), dtype=np.uint8)
+        #: int32 ``[pages_allocated]``: owners of each page (0 = free).
+        self.refcount = np.zeros(n0, dtype=np.int32)
+        #: int32 ``[pages_allocated]``: bytes written into each page.
+        self.page_fill = np.zeros(n0, dtype=np.int32)
+        # Free pages; popped from the end, so low ids are reused first (keeps storage compact).
+        self._free: list[int] = list(range(n0 - 1, -1, -1))
+        self._seqs: dict[int, list[StreamTable]] = {}
+        self._next_seq = 0
+        self._pages_in_use = 0
+
+    # ---------------------------------------------------------------- sequences
+
+    def new_sequence(self, num_streams: int) -> int:
+        """Register an empty sequence with ``num_streams`` streams; returns its id (never reused)."""
+        if not isinstance(num_streams, int) or num_streams < 1:
+            raise ValueError(f"num_streams must be a positive int, got {num_streams!r}")
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = [StreamTable() for _ in range(num_streams)]
+        return sid
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every page of ``seq`` (reference counts, copy on write); for beam search."""
+        streams = self._streams(seq)
+        sid = self._next_seq
+        self._next_seq += 1
+        copies = [s.copy() for s in streams]
+        for s in copies:
+            for pages in (s.dense_pages.view, s.sparse_pages.view):
+                np.add.at(self.refcount, pages, 1)
+        self._seqs[sid] = copies
+        return sid
+
+    def free(self, seq: int) -> None:
+        """Release a sequence; pages no other sequence holds go back to the free list."""
+        for s in self._streams(seq):
+            for pages in (s.dense_pages.view, s.sparse_pages.view):
+                for p in pages.tolist():
+                    self._decref(p)
+        del self._seqs[seq]
+
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def num_streams(self, seq: int) -> int:
+        return len(self._streams(seq))
+
+    def table(self, seq: int, stream: int) -> StreamTable:
+        """The live tables of one stream (read only: do not modify)."""
+        streams = self._streams(seq)
+        if not 0 <= stream < len(streams):
+            raise IndexError(f"stream {stream} out of range for sequence {seq} ({len(streams)} streams)")
+        return streams[stream]
+
+    def num_tokens(self, seq: int, stream: int) -> int:
+        return self.table(seq, stream).num_tokens
+
+    # ---------------------------------------------------------------- ask then commit
+
+    @property
+    def free_pages(self) -> int:
+        """Pages that can still be handed out (free list plus storage the budget still allows)."""
+        return self.config.max_pages - self._pages_in_use
+
+    def plan_append(self, seq: int, stream: int, rec_size: int, sparse_lengths: np.ndarray) -> AppendPlan | None:
+        """Ask: the pages appending ``len(sparse_lengths)`` tokens takes, or ``None`` if the budget lacks them.
+
+        Args:
+            rec_size: bytes of each dense record (fixed per stream by its first append).
+            sparse_lengths: ``[n]`` integer sparse record lengths, each in ``[0, page_size]``.
+        """
+        plan = self._plan(seq, stream, rec_size, sparse_lengths)
+        return plan if plan.pages_needed <= self.free_pages else None
+
+    def commit(self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, sparse_offsets: np.ndarray) -> None:
+        """Commit: write the records of a plan made by :meth:`plan_append` on the current pool state.
+
+        Args:
+            dense: uint8 ``[n, rec_size]``: dense record of each token.
+            sparse: uint8 ``[S]``: all tokens' sparse records, concatenated.
+            sparse_offsets: int ``[n + 1]``: token ``i``'s sparse record is ``sparse[off[i]:off[i + 1]]``; its
+                differences must equal the plan's lengths.
+        """
+        self._check_records(plan, dense, sparse, sparse_offsets)
+        if plan.pages_needed > self.free_pages:
+            raise PoolExhaustedError(
+                f"page pool exhausted: the append needs {plan.pages_needed} pages, "
+                f"{self.free_pages} are free "
+                f"({self.config.max_pages} pages of {self.config.page_size} B in the budget)"
+            )
+        self._write(plan, dense, sparse, sparse_offsets)
+
+    def append(self, seq: int, stream: int, dense: np.ndarray, sparse: np.ndarray, sparse_offsets: np.ndarray) -> None:
+        """Append ``n`` tokens' records to one stream (plan + commit); raises :class:`PoolExhaustedError`."""
+        self.append_many([(seq, stream, dense, sparse, sparse_offsets)])
+
+    def append_many(self, items: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Append to several distinct streams atomically: all of them, or (budget exhausted) none.
+
+        Each item is ``(seq, stream, dense uint8 [n, rec], sparse uint8 [S], sparse_offsets int [n + 1])``.
+        """
+        plans = []
+        seen = set()
+        for seq, stream, dense, sparse, offs in items:
+            if (seq, stream) in seen:
+                raise ValueError(f"append_many got stream {stream} of sequence {seq} twice")
+            seen.add((seq, stream))
+            dense = np.asarray(dense)
+            offs = np.asarray(offs)
+            if dense.ndim != 2:
+                raise ValueError(f"dense records must be uint8 [n, rec], got shape {tuple(dense.shape)}")
+            if offs.ndim != 1 or offs.shape[0] != dense.shape[0] + 1:
+                raise ValueError(
+                    f"sparse_offsets must be [n + 1] = [{dense.shape[0] + 1}], got shape {tuple(offs.shape)}"
+                )
+            plan = self._plan(seq, stream, dense.shape[1], np.diff(offs))
+            self._check_records(plan, dense, sparse, offs)
+            plans.append(plan)
+        need = sum(p.pages_needed for p in plans)
+        if need > self.free_pages:
+            raise PoolExhaustedError(
+                f"page pool exhausted: appending to {len(plans)} stream(s) needs {need} pages, "
+                f"{self.free_pages} are free ({self.config.max_pages} pages of {self.config.page_size} B = "
+                f"{self.config.budget_bytes} B budget); no sequence was changed"
+            )
+        for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
+            self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
+
+    # ---------------------------------------------------------------- reading (reference paths)
+
+    def records_per_page(self, rec_size: int) -> int:
+        """Dense records one page holds."""
+        return self.config.page_size // rec_size
+
+    def dense_runs(self, seq: int, stream: int) -> list[tuple[int, int, int]]:
+        """The contiguous dense runs of a stream: ``(page, byte offset, tokens)`` in token order."""
+        t = self.table(seq, stream)
+        if t.num_tokens == 0:
+            return []
+        rpp = self.records_per_page(t.rec_size)
+        pages = t.dense_pages.view.tolist()
+        runs = [(p, 0, rpp) for p in pages]
+        last = t.num_tokens - (len(pages) - 1) * rpp
+        runs[-1] = (pages[-1], 0, last)
+        return runs
+
+    def sparse_runs(self, seq: int, stream: int) -> list[tuple[int, int, int, int]]:
+        """The contiguous sparse runs: ``(page, first token, end token, bytes)`` in token order."""
+        t = self.table(seq, stream)
+        pages = t.sparse_pages.view.tolist()
+        first = [*t.sparse_first.view.tolist(), t.num_tokens]
+        lens = t.sparse_len.view
+        return [(p, first[i], first[i + 1], int(lens[first[i] : first[i + 1]].sum())) for i, p in enumerate(pages)]
+
+    def read_dense(self, seq: int, stream: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """uint8 ``[stop - start, rec_size]``: copies of the dense records of tokens ``[start, stop)``."""
+        t = self.table(seq, stream)
+        stop = t.num_tokens if stop is None else stop
+        if not 0 <= start <= stop <= t.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) out of [0, {t.num_tokens}]")
+        if stop == start:
+            return np.zeros((0, t.rec_size), dtype=np.uint8)
+        rpp = self.records_per_page(t.rec_size)
+        tok = np.arange(start, stop)
+        pages = t.dense_pages.view[tok // rpp]
+        offs = (tok % rpp) * t.rec_size
+        idx = (pages.astype(np.int64) * self.config.page_size + offs)[:, None] + np.arange(t.rec_size)
+        return self.data.reshape(-1)[idx]
+
+    def read_sparse(self, seq: int, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        """All sparse records of a stream: ``(bytes uint8 [S], offsets int64 [n + 1])``, the codec's layout."""
+        t = self.table(seq, stream)
+        lens = t.sparse_len.view.astype(np.int64)
+        offsets = np.zeros(t.num_tokens + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        flat = self.data.reshape(-1)
+        first = [*t.sparse_first.view.tolist(), t.num_tokens]
+        for i, p in enumerate(t.sparse_pages.view.tolist()):
+            a, b = first[i], first[i + 1]
+            nbytes = int(offsets[b] - offsets[a])
+            base = p * self.config.page_size
+            out[offsets[a] : offsets[b]] = flat[base : base + nbytes]
+        return out, offsets
+
+    # ---------------------------------------------------------------- accounting
+
+    def stats(self) -> PoolStats:
+        in_use = self.refcount > 0
+        return PoolStats(
+            page_size=self.config.page_size,
+            max_pages=self.config.max_pages,
+            pages_in_use=self._pages_in_use,
+            pages_allocated=int(self.data.shape[0]),
+            bytes_reserved=self._pages_in_use * self.config.page_size,
+            bytes_used=int(self.page_fill[in_use].sum()),
+            table_bytes=sum(s.table_bytes() for ss in self._seqs.values() for s in ss),
+            num_sequences=len(self._seqs),
+        )
+
+    def sequence_bytes(self, seq: int) -> int:
+        """Pages (whole, shared ones counted in full) plus tables that one sequence references."""
+        streams = self._streams(seq)
+        pages = sum(s.dense_pages.n + s.sparse_pages.n for s in streams)
+        return pages * self.config.page_size + sum(s.table_bytes() for s in streams)
+
+    def check_invariants(self) -> None:
+        """Assert invariants I1-I4 (module docstring) over the whole pool; ``AssertionError`` on a violation."""
+        ps = self.config.page_size
+        counts = np.zeros(self.data.shape[0], dtype=np.int64)
+        fill_seen: dict[int, int] = {}
+        for sid, streams in self._seqs.items():
+            for k, s in enumerate(streams):
+                where = f"sequence {sid} stream {k}"
+                dp = s.dense_pages.view
+                np.add.at(counts, dp, 1)
+                if s.num_tokens == 0:
+                    assert dp.size == 0 and s.sparse_pages.n == 0, f"{where}: empty stream holds pages"
+                    continue
+                rpp = ps // s.rec_size
+                assert dp.size == math.ceil(s.num_tokens / rpp), f"{where}: {dp.size} dense pages"
+                last = s.num_tokens - (dp.size - 1) * rpp
+                assert 1 <= last <= rpp, f"{where}: last_page_len {last}"
+                for i, p in enumerate(dp.tolist()):
+                    fill = (rpp if i < dp.size - 1 else last) * s.rec_size
+                    assert fill_seen.setdefault(p, fill) == fill, f"{where}: page {p} fill disagrees among owners"
+                lens = s.sparse_len.view.astype(np.int64)
+                assert lens.size == s.num_tokens, f"{where}: {lens.size} sparse lengths for {s.num_tokens} tokens"
+                sp, first = s.sparse_pages.view, s.sparse_first.view
+                np.add.at(counts, sp, 1)
+                assert sp.size == first.size, f"{where}: sparse table columns differ"
+                assert np.all(np.diff(first) > 0), f"{where}: sparse first tokens not increasing"
+                if sp.size == 0:
+                    assert lens.sum() == 0 and s.sparse_tail == 0, f"{where}: sparse bytes without pages"
+                    continue
+                assert first[0] >= 0 and lens[first[0]] > 0 and lens[: first[0]].sum() == 0, f"{where}: sparse start"
+                bounds = [*first.tolist(), s.num_tokens]
+                for i, p in enumerate(sp.tolist()):
+                    nbytes = int(lens[bounds[i] : bounds[i + 1]].sum())
+                    assert lens[bounds[i]] > 0, f"{where}: sparse page {p} starts at an empty record"
+                    assert nbytes <= ps, f"{where}: sparse page {p} overfull ({nbytes} B)"
+                    assert fill_seen.setdefault(p, nbytes) == nbytes, f"{where}: page {p} fill disagrees"
+                assert s.sparse_tail == int(lens[bounds[-2] :].sum()), f"{where}: sparse_tail"
+        assert np.array_equal(counts, self.refcount.astype(np.int64)), "reference counts differ from table slots"
+        for p, fill in fill_seen.items():
+            assert self.page_fill[p] == fill, f"page {p}: page_fill {self.page_fill[p]} != {fill}"
+        free = self._free
+        assert len(free) == len(set(free)), "a page is on the free list twice"
+        assert all(self.refcount[p] == 0 for p in free), "a page in use is on the free list"
+        assert len(free) + int((self.refcount > 0).sum()) == self.data.shape[0], "a page is lost"
+        assert self._pages_in_use == int((self.refcount > 0).sum()) <= self.config.max_pages, "in-use count"
+
+    # ---------------------------------------------------------------- internals
+
+    def _streams(self, seq: int) -> list[StreamTable]:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise KeyError(f"no live sequence {seq} in the page pool") from None
+
+    def _plan(self, seq: int, stream: int, rec_size: int, sparse_lengths: np.ndarray) -> AppendPlan:
+        t = self.table(seq, stream)
+        ps = self.config.page_size
+        lengths = np.asarray(sparse_lengths)
+        if lengths.ndim != 1:
+            raise ValueError(f"sparse_lengths must be 1-D [n], got shape {tuple(lengths.shape)}")
+        if lengths.size and (lengths.min() < 0 or lengths.max() > min(ps, MAX_SPARSE_RECORD)):
+            raise ValueError(f"sparse record lengths must be in [0, {min(ps, MAX_SPARSE_RECORD)}] bytes")
+        if not isinstance(rec_size, (int, np.integer)) or not 1 <= rec_size <= ps:
+            raise ValueError(f"dense record size must be in [1, page_size={ps}], got {rec_size!r}")
+        if t.num_tokens and rec_size != t.rec_size:
+            raise ValueError(f"stream {stream} of sequence {seq} holds {t.rec_size}-byte records, got {rec_size}")
+        n = int(lengths.size)
+        rpp = ps // rec_size
+        need = 0
+        # Dense: free slots in the last page, then whole pages.
+        slots = (-t.num_tokens) % rpp if t.num_tokens else 0
+        if n and slots and self.refcount[t.dense_pages.view[-1]] > 1:
+            need += 1  # copy on write of the shared last page
+        need += math.ceil(max(0, n - slots) / rpp)
+        # Sparse: greedy placement, a record never straddles pages.
+        on_old_tail = t.sparse_pages.n > 0
+        space = ps - t.sparse_tail if on_old_tail else 0
+        writes_old_tail = False
+        for length in lengths[lengths > 0].tolist():
+            if length <= space:
+                writes_old_tail = writes_old_tail or on_old_tail
+                space -= length
+            else:
+                need += 1
+                on_old_tail = False
+                space = ps - length
+        if writes_old_tail and self.refcount[t.sparse_pages.view[-1]] > 1:
+            need += 1  # copy on write of the shared last sparse page
+        return AppendPlan(seq, stream, n, int(rec_size), lengths.astype(np.uint16), need)
+
+    def _check_records(self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray) -> None:
+        if dense.dtype != np.uint8 or dense.shape != (plan.num_tokens, plan.rec_size):
+            raise ValueError(
+                f"dense records must be uint8 [{plan.num_tokens}, {plan.rec_size}], got {dense.dtype} "
+                f"{tuple(dense.shape)}"
+            )
+        if sparse.dtype != np.uint8 or sparse.ndim != 1:
+            raise ValueError(f"sparse records must be a uint8 [S] array, got {sparse.dtype} {tuple(sparse.shape)}")
+        if offs.shape != (plan.num_tokens + 1,) or (plan.num_tokens and (offs[0] != 0 or offs[-1] > sparse.size)):
+            raise ValueError("sparse_offsets must be [n + 1], start at 0 and end within the sparse bytes")
+        if not np.array_equal(np.diff(offs), plan.sparse_lengths.astype(offs.dtype)):
+            raise ValueError("sparse_offsets do not match the planned record lengths")
+
+    def _alloc(self) -> int:
+        if self._pages_in_use >= self.config.max_pages:  # the plan guarantees this cannot happen
+            raise PoolExhaustedError("page pool exhausted during a commit (plan/commit mismatch)")
+        if not self._free:
+            self._grow()
+        p = self._free.pop()
+        self.refcount[p] = 1
+        self.page_fill[p] = 0
+        self._pages_in_use += 1
+        return p
+
+    def _grow(self) -> None:
+        old = self.data.shape[0]
+        new = min(2 * old, self.config.max_pages)
+        data = np.zeros((new, self.config.page_size), dtype=np.uint8)
+        data[:old] = self.data
+        self.data = data
+        self.refcount = np.concatenate([self.refcount, np.zeros(new - old, dtype=np.int32)])
+        self.page_fill = np.concatenate([self.page_fill, np.zeros(new - old, dtype=np.int32)])
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _decref(self, p: int) -> None:
+        self.refcount[p] -= 1
+        if self.refcount[p] == 0:
+            self.page_fill[p] = 0
+            self._free.append(p)
+            self._pages_in_use -= 1
+
+    def _cow(self, p: int) -> int:
+        """Copy a shared page for the one owner about to write into it; returns the private copy."""
+        q = self._alloc()
+        fill = int(self.page_fill[p])
+        self.data[q, :fill] = self.data[p, :fill]
+        self.page_fill[q] = fill
+        self._decref(p)
+        return q
+
+    def _write(self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray) -> None:
+        t = self.table(plan.seq, plan.stream)
+        n, rec, ps = plan.num_tokens, plan.rec_size, self.config.page_size
+        if n == 0:
+            return
+        t.rec_size = rec
+        rpp = ps // rec
+        # Dense records, page by page.
+        i = 0
+        while i < n:
+            slot = t.num_tokens % rpp
+            if slot == 0:
+                t.dense_pages.extend([self._alloc()])
+            elif self.refcount[t.dense_pages.view[-1]] > 1:
+                t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.view[-1]))
+            p = int(t.dense_pages.view[-1])
+            k = min(n - i, rpp - slot)
+            self.data[p, slot * rec : (slot + k) * rec] = dense[i : i + k].reshape(-1)
+            self.page_fill[p] = (slot + k) * rec
+            t.num_tokens += k
+            i += k
+        # Sparse records, greedily.
+        base = t.num_tokens - n
+        lengths = plan.sparse_lengths
+        for j in np.flatnonzero(lengths).tolist():
+            length = int(lengths[j])
+            if t.sparse_pages.n == 0 or t.sparse_tail + length > ps:
+                t.sparse_pages.extend([self._alloc()])
+                t.sparse_first.extend([base + j])
+                t.sparse_tail = 0
+            elif self.refcount[t.sparse_pages.view[-1]] > 1:
+                t.sparse_pages.buf[t.sparse_pages.n - 1] = self._cow(int(t.sparse_pages.view[-1]))
+            p = int(t.sparse_pages.view[-1])
+            self.data[p, t.sparse_tail : t.sparse_tail + length] = sparse[offs[j] : offs[j + 1]]
+            t.sparse_tail += length
+            self.page_fill[p] = t.sparse_tail
+        t.sparse_len.extend(lengths)
