@@ -128,6 +128,10 @@ class SystemSpec:
 _A100_HBM = MemoryTier("HBM", 80 * GB, 2.0 * TB)
 _ACCEL_HBM = MemoryTier("HBM", 80 * GB, 2.0 * TB)
 _ACCEL_LPDDR = MemoryTier("LPDDR", 256 * GB, 1.1 * TB)
+# The hybrid splits the memory interfaces (PHYs, channels) evenly: half of Oaken-HBM's stacks next to half of
+# Oaken-LPDDR's channels, so it sits between the two in capacity and bandwidth at a comparable interface cost.
+_HYBRID_HBM = MemoryTier("HBM", 40 * GB, 1.0 * TB)
+_HYBRID_LPDDR = MemoryTier("LPDDR", 128 * GB, 0.55 * TB)
 # 256 cores x (32 x 32 matrix MACs) x 1.0 GHz x 2 FLOP/MAC; see the module docstring for why this is not
 # 270e12.
 _ACCEL_FLOPS = 256 * 32 * 32 * 1.0e9 * 2
@@ -147,8 +151,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         ),
         SystemSpec(
             name="vllm-2xa100",
-            description="vLLM on two A100-80GB with pipeline parallelism (the paper's setup for "
-            "models > 80 GB)",
+            description="vLLM on two A100-80GB with pipeline parallelism (the paper's setup for models > 80 GB)",
             peak_flops=312e12,
             clock_hz=1.41e9,
             memory=(_A100_HBM,),
@@ -193,11 +196,12 @@ SYSTEMS: dict[str, SystemSpec] = {
         ),
         SystemSpec(
             name="oaken-hybrid",
-            description="Oaken accelerator with both memories (80 GB HBM + 256 GB LPDDR, data interleaved in "
-            "proportion to bandwidth); a configuration of this project, not of the paper",
+            description="Oaken accelerator with half of each memory system (40 GB HBM at 1.0 TB/s + 128 GB "
+            "LPDDR at 0.55 TB/s, data interleaved in proportion to bandwidth); a configuration of this "
+            "project, not of the paper",
             peak_flops=_ACCEL_FLOPS,
             clock_hz=1.0e9,
-            memory=(_ACCEL_HBM, _ACCEL_LPDDR),
+            memory=(_HYBRID_HBM, _HYBRID_LPDDR),
             kv_format="oaken",
             kv_engine_overhead=OAKEN_ENGINE_OVERHEAD,
         ),

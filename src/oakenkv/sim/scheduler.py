@@ -88,9 +88,7 @@ def simulate_trace(
         used = kv_in_use(running, at_final=static)
         while waiting and len(running) + len(admitted) < max_batch and trace.arrival_s[waiting[0]] <= t:
             r = waiting[0]
-            need = kv_tok * float(
-                kv_tokens_kept(model, final[r] if static else trace.input_len[r] + generated[r])
-            )
+            need = kv_tok * float(kv_tokens_kept(model, final[r] if static else trace.input_len[r] + generated[r]))
             if used + need > free:
                 break
             used += need

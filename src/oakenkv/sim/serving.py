@@ -46,9 +46,7 @@ class RunResult:
     kv_format: str
     batch: int  # requested batch
     batch_run: int  # batch actually run (0: not even one sequence fits)
-    max_batch: (
-        int  # largest batch the scheduler keeps running (policy_max_batch), before power-of-two rounding
-    )
+    max_batch: int  # largest batch the scheduler keeps running (policy_max_batch), before power-of-two rounding
     input_len: int
     output_len: int
     tokens_per_s: float
@@ -57,7 +55,7 @@ class RunResult:
     kv_bytes_per_token: float
     kv_bits_per_value: float
     weight_bytes: float
-    memory_used: float  # weights + KV of batch_run at final length
+    memory_used: float  # weights + resident KV of batch_run (final length, or average if staggered)
     capacity: float
 
     def to_dict(self) -> dict:
@@ -133,9 +131,7 @@ def _kv_format(system: SystemSpec, kv_format: str | None) -> KVFormat:
 
 def memory_needed(model: ModelShape, fmt: KVFormat, batch: int, seq_len: int) -> float:
     """Bytes of weights plus the KV of ``batch`` sequences of ``seq_len`` tokens."""
-    return float(
-        weight_bytes_stored(model) + batch * fmt.bytes_per_token(model) * kv_tokens_kept(model, seq_len)
-    )
+    return float(weight_bytes_stored(model) + batch * fmt.bytes_per_token(model) * kv_tokens_kept(model, seq_len))
 
 
 def max_batch(system: SystemSpec, model: ModelShape, seq_len: int, kv_format: str | None = None) -> int:
@@ -282,6 +278,10 @@ def simulate(
             memory_used=memory_needed(model, fmt, 1, final),
             **common,
         )
+    # a batch that fits runs to its final length together; a larger one under continuous batching is staggered,
+    # so its resident KV is that of the average length (see policy_max_batch)
+    staggered = system.batching == "continuous" and run > max_batch(system, model, final, fmt.name)
+    resident_len = input_len + output_len // 2 if staggered else final
     t_pre = prefill_time(system, model, run, input_len, fmt.name, final)
     ctx = np.arange(input_len + 1, final, dtype=float)  # output_len - 1 decode steps
     t_dec = float(decode_step_times(system, model, run, ctx, fmt.name, final).sum()) if len(ctx) else 0.0
@@ -289,7 +289,7 @@ def simulate(
         tokens_per_s=float(run * output_len / (t_pre + t_dec)),
         prefill_s=t_pre,
         decode_s=t_dec,
-        memory_used=memory_needed(model, fmt, run, final),
+        memory_used=memory_needed(model, fmt, run, resident_len),
         **common,
     )
 

@@ -51,8 +51,7 @@ class ModelShape:
                 raise ValueError(f"model {self.name!r}: {attr} must be >= 1, got {getattr(self, attr)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"model {self.name!r}: n_heads ({self.n_heads}) must be a multiple of "
-                f"n_kv_heads ({self.n_kv_heads})"
+                f"model {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
         if self.ffn not in ("gated", "mlp"):
             raise ValueError(f"model {self.name!r}: ffn must be 'gated' or 'mlp', got {self.ffn!r}")

@@ -118,7 +118,6 @@ def format_table(rows: Iterable[Point]) -> str:
         ref = "OOM" if p.paper is None else f"{p.paper:.0f}"
         err = "-" if p.error_pct is None else f"{p.error_pct:+.1f}"
         lines.append(
-            f"| {p.figure} | {p.model} | {p.system} | {p.batch} | {ref} | {p.simulated:.0f} | {err} "
-            f"| {p.batch_run} |"
+            f"| {p.figure} | {p.model} | {p.system} | {p.batch} | {ref} | {p.simulated:.0f} | {err} | {p.batch_run} |"
         )
     return "\n".join(lines)

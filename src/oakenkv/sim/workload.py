@@ -35,9 +35,7 @@ class Trace:
             if not isinstance(arr, np.ndarray) or arr.ndim != 1:
                 raise ValueError(f"Trace.{name} must be a 1-D numpy array")
         if not (len(a) == len(i) == len(o)) or len(a) == 0:
-            raise ValueError(
-                f"Trace arrays must be non-empty and of equal length, got {len(a)}, {len(i)}, {len(o)}"
-            )
+            raise ValueError(f"Trace arrays must be non-empty and of equal length, got {len(a)}, {len(i)}, {len(o)}")
         if not np.all(np.isfinite(a)) or np.any(a < 0) or np.any(np.diff(a) < 0):
             raise ValueError("Trace.arrival_s must be finite, >= 0 and non-decreasing")
         if np.any(i < 1) or np.any(o < 1):
@@ -58,9 +56,7 @@ def fixed_trace(n: int, input_len: int, output_len: int) -> Trace:
     return Trace(np.zeros(n), np.full(n, input_len, dtype=np.int64), np.full(n, output_len, dtype=np.int64))
 
 
-def _lognormal_lengths(
-    rng: np.random.Generator, n: int, median: float, sigma: float, lo: int, hi: int
-) -> np.ndarray:
+def _lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: float, lo: int, hi: int) -> np.ndarray:
     x = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
     return np.clip(np.rint(x), lo, hi).astype(np.int64)
 
@@ -78,9 +74,7 @@ def conversation_trace(
     """Chat-like trace: log-normal input/output lengths, Poisson arrivals at ``rate`` req/s (None: all at
     0)."""
     if n < 1 or sigma < 0 or input_median <= 0 or output_median <= 0 or not 1 <= min_len <= max_len:
-        raise ValueError(
-            "conversation_trace: need n >= 1, sigma >= 0, positive medians, 1 <= min_len <= max_len"
-        )
+        raise ValueError("conversation_trace: need n >= 1, sigma >= 0, positive medians, 1 <= min_len <= max_len")
     rng = np.random.default_rng(seed)
     inp = _lognormal_lengths(rng, n, input_median, sigma, min_len, max_len)
     out = _lognormal_lengths(rng, n, output_median, sigma, min_len, max_len)
