@@ -45,6 +45,115 @@ def demo(
     run_demo(model=model, windows=windows, window=window, max_new_tokens=max_new_tokens, json_out=json_out)
 
 
+@app.command()
+def simulate(
+    model: Annotated[str, typer.Option(help="Model shape, e.g. llama2-7b, llama2-13b, mixtral-8x7b.")] = "llama2-7b",
+    systems: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated systems: vllm-a100, vllm-2xa100, lpu-hbm, lpu-lpddr, "
+            "oaken-hbm, oaken-lpddr, oaken-hybrid."
+        ),
+    ] = "vllm-a100,lpu-lpddr,oaken-lpddr,oaken-hbm",
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "16,32,64,128,256",
+    input_len: Annotated[int, typer.Option("--input", help="Prompt tokens per request.")] = 1024,
+    output_len: Annotated[int, typer.Option("--output", help="Generated tokens per request.")] = 1024,
+    kv_format: Annotated[
+        str | None, typer.Option(help="Override every system's KV format (fp16, oaken, kivi, qserve, ...).")
+    ] = None,
+    seq_lens: Annotated[
+        str | None,
+        typer.Option(
+            help="Also sweep these total sequence lengths (split evenly into input and "
+            "output) at the largest batch; needed for --plot-seq."
+        ),
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Save a plot of throughput against batch (PNG).")] = None,
+    plot_seq: Annotated[
+        Path | None, typer.Option(help="Save a plot of throughput against sequence length (PNG).")
+    ] = None,
+    paper: Annotated[
+        bool, typer.Option("--paper", help="Print the Figure 11 and Figure 5(b) comparison with the paper.")
+    ] = False,
+) -> None:
+    """Simulate end-to-end serving throughput of the Oaken accelerator and its baselines (no GPU needed)."""
+    from oakenkv.sim import report
+
+    if paper:
+        report.print_paper_comparison()
+        return
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    batches = report.parse_int_list(batch, "--batch")
+    results = report.batch_sweep(model, names, batches, input_len, output_len, kv_format)
+    report.print_results(results, f"{model}, {input_len}:{output_len} tokens")
+    data = {"model": model, "input_len": input_len, "output_len": output_len, **report.payload(results)}
+    if seq_lens:
+        lens = report.parse_int_list(seq_lens, "--seq-lens")
+        by_len = report.length_sweep(model, names, max(batches), lens, kv_format)
+        report.print_results(by_len, f"{model}, batch {max(batches)}")
+        data["by_sequence_length"] = report.payload(by_len)["results"]
+    if json_out is not None:
+        typer.echo(f"wrote {report.write_json(data, json_out)}")
+    if plot is not None:
+        from oakenkv.sim.plots import plot_vs_batch
+
+        typer.echo(f"wrote {plot_vs_batch(results, plot)}")
+    if plot_seq is not None:
+        if not seq_lens:
+            raise typer.BadParameter("--plot-seq needs --seq-lens")
+        from oakenkv.sim.plots import plot_vs_length
+
+        typer.echo(f"wrote {plot_vs_length(by_len, plot_seq)}")
+
+
+@app.command()
+def advise(
+    model: Annotated[str, typer.Option(help="Model shape, e.g. llama2-13b.")] = "llama2-13b",
+    batch: Annotated[int, typer.Option(help="Concurrent requests to serve.")] = 64,
+    input_len: Annotated[int, typer.Option("--input", help="Prompt tokens per request.")] = 1024,
+    output_len: Annotated[int, typer.Option("--output", help="Generated tokens per request.")] = 1024,
+    min_tokens_per_s: Annotated[
+        float | None, typer.Option(help="Throughput goal (generated tokens/s, end to end).")
+    ] = None,
+    min_context: Annotated[
+        int | None, typer.Option(help="Context goal: tokens each of the batch's sequences must reach.")
+    ] = None,
+    systems: Annotated[str, typer.Option(help="Comma-separated candidate systems.")] = (
+        "oaken-hbm,oaken-lpddr,oaken-hybrid"
+    ),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the advice to this JSON file.")] = None,
+) -> None:
+    """Recommend HBM, LPDDR or hybrid memory for a model and workload, with the numbers behind the choice."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from oakenkv.sim.advisor import advise as run_advise
+    from oakenkv.sim.report import write_json
+    from oakenkv.sim.shapes import get_model
+
+    names = tuple(s.strip() for s in systems.split(",") if s.strip())
+    advice = run_advise(get_model(model), batch, input_len, output_len, min_tokens_per_s, min_context, names)
+    table = Table(title=f"{model}, batch {batch}, {input_len}:{output_len} tokens")
+    for col in ("system", "memory", "GB", "TB/s", "runs", "tokens/s", "max context", "verdict"):
+        table.add_column(col)
+    for c in advice.candidates:
+        table.add_row(
+            c.system,
+            c.memory,
+            f"{c.capacity_gb:.0f}",
+            f"{c.bandwidth_tb_s:.2f}",
+            str(c.batch_run),
+            f"{c.tokens_per_s:.0f}",
+            str(c.max_context),
+            "meets goals" if c.meets else c.shortfall,
+        )
+    Console().print(table)
+    typer.echo(f"recommended: {advice.recommended} -- {advice.reason}")
+    if json_out is not None:
+        typer.echo(f"wrote {write_json(advice.to_dict(), json_out)}")
+
+
 def main() -> None:
     app()
 
