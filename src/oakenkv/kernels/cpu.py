@@ -1,0 +1,665 @@
+"""Fast CPU kernels (numba) for the fused dense-and-sparse format: quantize+pack and unpack+dequantize.
+
+Bit-exact with the reference (``oakenkv.quant`` + ``oakenkv.codec``): every step repeats the reference's float32
+operations in the same order (``np.float32`` constants, no fastmath, no FMA contraction, true divisions, never a
+multiplication by a reciprocal). Rows are independent and processed in parallel (``prange`` over blocks of rows);
+each block allocates its scratch once so that narrow rows (D = 64..256) do not pay an allocation per row.
+
+Kernels never raise: they return an error code per row (``ERR_*``) and the Python wrappers raise
+``CorruptDataError`` / ``ValueError`` with the row and the reason. Decoding validates every byte it reads, so
+corrupted or truncated input can never make it read or write out of bounds.
+
+For other numba kernels (the decode-attention kernel) the single-row helpers :func:`decode_row_into` and
+:func:`decode_row_into_lut` are ``@njit`` functions that can be called from inside their loops.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from oakenkv.codec import (
+    ADVANCE_CONTINUE,
+    CHUNK_SIZE,
+    COO_GROUP_BIT,
+    COO_INDEX_MASK,
+    NUM_SCALES,
+    CorruptDataError,
+    EncodedBatch,
+    check_encoded,
+    dense_bytes,
+    num_chunks,
+    scale_torch_dtype,
+)
+from oakenkv.config import OakenConfig
+from oakenkv.quant import STEP_FLOOR, ThresholdsLike, thresholds_tuple
+
+# Row status codes returned by the kernels (0 = fine).
+ERR_OK = 0
+ERR_NONFINITE = 1
+ERR_SCALE_OVERFLOW = 2
+ERR_ESCAPE_TRUNCATED = 3
+ERR_ZERO_ADVANCE = 4
+ERR_ESCAPE_NO_ENTRY = 5
+ERR_POSITION_RANGE = 6
+ERR_FIFTH_BIT = 7
+ERR_SHAPE = 8
+
+ERROR_MESSAGES = {
+    ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
+    ERR_SCALE_OVERFLOW: "a group's range exceeds the fp16 maximum (65504); use OakenConfig(scale_dtype='float32')",
+    ERR_ESCAPE_TRUNCATED: "an escape is cut off before its chunk advance (truncated sparse stream)",
+    ERR_ZERO_ADVANCE: "an escape with a zero chunk advance after an entry (positions must increase)",
+    ERR_ESCAPE_NO_ENTRY: "an escape is not followed by an entry (truncated sparse stream)",
+    ERR_POSITION_RANGE: "a COO entry points past the end of the row",
+    ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
+    ERR_SHAPE: "row buffers have inconsistent sizes",
+}
+
+#: float32 scratch per row for the decode look-up tables: 16 middle + 32 inner + 32 outer codes.
+LUT_SIZE = 80
+_LUT_INNER = 16
+_LUT_OUTER = 48
+
+#: Rows per parallel work item: amortises scratch allocation, small enough to balance 2..64 threads.
+_BLOCK_ROWS = 64
+
+_F32 = np.float32
+_FP16_MAX = 65504.0
+_STEP_FLOOR = np.float32(STEP_FLOOR)
+_INF32 = np.float32(np.inf)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fp16 rounding (numba has no float16 type on CPU): exact round-half-to-even, computed in float64
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def round_to_f16(v):
+    """float32 ``v`` (finite, ``|v| <= 65504``) rounded to the nearest fp16, ties to even, as float32."""
+    a = abs(np.float64(v))
+    if a == 0.0:
+        return v
+    _m, e = math.frexp(a)  # a = m * 2**e, 0.5 <= m < 1
+    # fp16 keeps 11 significant bits down to 2**-14; below that a fixed quantum of 2**-24 (subnormals).
+    quantum = math.ldexp(1.0, e - 11) if e >= -13 else math.ldexp(1.0, -24)
+    r = np.rint(a / quantum) * quantum
+    return np.float32(r if v > 0 else -r)
+
+
+@njit(cache=True, nogil=True)
+def f32_to_f16_bits(v):
+    """The IEEE fp16 bit pattern (uint16) of float32 ``v`` rounded to nearest even; overflow gives +-inf."""
+    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    a = abs(np.float64(v))
+    if a != a:
+        return np.uint16(sign | 0x7E00)
+    if a >= 65520.0:
+        return np.uint16(sign | 0x7C00)
+    if a < 2.0**-14:
+        # subnormal (a rounding carry to 0x400 is exactly the smallest normal's pattern)
+        return np.uint16(sign | int(np.rint(a * 2.0**24)))
+    m, e = math.frexp(a)
+    mant = int(np.rint(m * 2048.0)) - 1024  # 0..1024
+    exp = e - 1 + 15
+    if mant == 1024:
+        mant = 0
+        exp += 1
+    return np.uint16(sign | (exp << 10) | mant)
+
+
+@cache
+def _u16_to_f32_lut(dtype: torch.dtype) -> np.ndarray:
+    """float32 [65536]: the value of every fp16 or bf16 bit pattern (widening is exact)."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype).to(torch.float32).numpy().copy()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Encode: one row
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
+    """(gmin, gmax) float32 of a signed group, before rounding (see quant._signed_grid).
+
+    ``lo_mag``/``lo_minmag``: largest/smallest magnitude of the negative shifted values; ``hi_mag``/``hi_min``:
+    largest/smallest positive shifted value. Both sides: minimise the step over the zero slot k. One side: the
+    plain [min, max] grid if its code nearest zero keeps the side's sign after rounding, else k = -1 / n - 1.
+    """
+    if not has_lo and not has_hi:
+        return _F32(0.0), _F32(0.0)
+    best_step = _INF32
+    best_k = _F32(0.0)
+    nm1 = _F32(n - 1)
+    for kk in range(-1, n):
+        kf = _F32(kk)
+        below = kf + _F32(1.0)
+        above = nm1 - kf
+        need_lo = _F32(0.0)
+        if has_lo:
+            need_lo = lo_mag / max(below, _F32(1.0)) if below > _F32(0.0) else _INF32
+        need_hi = _F32(0.0)
+        if has_hi:
+            need_hi = hi_mag / max(above, _F32(1.0)) if above > _F32(0.0) else _INF32
+        step = max(max(need_lo, need_hi), _STEP_FLOOR)
+        if step < best_step:  # first minimum wins, as torch.argmin
+            best_step = step
+            best_k = kf
+    gmin = -(best_k + _F32(0.5)) * best_step
+    gmax = gmin + nm1 * best_step
+    if has_lo != has_hi:
+        pmin = hi_min if has_hi else -lo_mag
+        pmax = hi_mag if has_hi else -lo_minmag
+        g0 = _round_scale(pmin, fp16)
+        g1 = _round_scale(pmax, fp16)
+        if has_hi:
+            plain = g0 > _F32(0.0)
+        else:
+            v_top = g0 + nm1 * ((g1 - g0) / nm1)
+            plain = v_top < _F32(0.0)
+        if plain:
+            gmin, gmax = pmin, pmax
+    return gmin, gmax
+
+
+@njit(cache=True, nogil=True)
+def _round_scale(v, fp16):
+    """``v`` rounded to the scale dtype and back to float32, exactly as torch's ``.to(float16).float()``."""
+    if not fp16:
+        return v
+    if abs(v) <= _FP16_MAX:
+        return round_to_f16(v)
+    big = _INF32 if abs(v) >= _F32(65520.0) else _F32(_FP16_MAX)
+    return big if v > _F32(0.0) else -big
+
+
+@njit(cache=True, nogil=True)
+def _store_scale(v, fp16):
+    """Round a grid end point to the scale dtype; returns (value, ok)."""
+    if fp16:
+        if abs(v) > _FP16_MAX:
+            return v, False
+        return round_to_f16(v), True
+    return v, True
+
+
+@njit(cache=True, nogil=True)
+def _code_signed(s, lo, step, n):
+    """Code of shifted value s in a signed group with stored grid start lo and float32 step (quant.quantize)."""
+    if not step > _F32(0.0):
+        return 0
+    top = _F32(n - 1)
+    q = np.floor((s - lo) / step + _F32(0.5))
+    q = min(max(q, _F32(0.0)), top)
+    # nudge a code that would decode on the wrong side of zero (decoder arithmetic: v = lo + q * step)
+    v = lo + q * step
+    if s > _F32(0.0) and v <= _F32(0.0):
+        q = q + _F32(1.0)
+    if s < _F32(0.0) and v >= _F32(0.0):
+        q = q - _F32(1.0)
+    q = min(max(q, _F32(0.0)), top)
+    return int(q)
+
+
+@njit(cache=True, nogil=True)
+def _code_plain(s, lo, step, n):
+    if not step > _F32(0.0):
+        return 0
+    q = np.floor((s - lo) / step + _F32(0.5))
+    q = min(max(q, _F32(0.0)), _F32(n - 1))
+    return int(q)
+
+
+@njit(cache=True, nogil=True)
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row):
+    """Quantize and pack one row.
+
+    Args:
+        x: float32 ``[D]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
+        dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
+        dtype); sparse_row: uint8 scratch of at least ``D + 2 * chunks + chunks // 255 + 1`` bytes (out).
+
+    Returns:
+        The number of sparse bytes written (>= 0), or ``-ERR_*``.
+    """
+    d = x.shape[0]
+    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    zero = _F32(0.0)
+    # pass 1: group statistics of the shifted values
+    # per signed group: largest and smallest magnitude of the negative and of the positive shifted values
+    m_lo, m_hi, o_lo, o_hi = zero, zero, zero, zero
+    m_lo_min, m_hi_min, o_lo_min, o_hi_min = _INF32, _INF32, _INF32, _INF32
+    m_has_lo, m_has_hi, o_has_lo, o_has_hi = False, False, False, False
+    i_min, i_max, i_has = _INF32, -_INF32, False
+    for j in range(d):
+        v = x[j]
+        if v - v != zero:  # NaN or inf (v - v is then NaN)
+            return -ERR_NONFINITE
+        if v > to_hi:
+            s = v - to_hi
+            o_has_hi = True
+            o_hi = max(o_hi, s)
+            o_hi_min = min(o_hi_min, s)
+        elif v < to_lo:
+            s = -(v - to_lo)
+            o_has_lo = True
+            o_lo = max(o_lo, s)
+            o_lo_min = min(o_lo_min, s)
+        elif v >= ti_lo and v <= ti_hi:
+            i_has = True
+            i_min = min(i_min, v)
+            i_max = max(i_max, v)
+        elif v > ti_hi:
+            s = v - ti_hi
+            m_has_hi = True
+            m_hi = max(m_hi, s)
+            m_hi_min = min(m_hi_min, s)
+        else:
+            s = -(v - ti_lo)
+            m_has_lo = True
+            m_lo = max(m_lo, s)
+            m_lo_min = min(m_lo_min, s)
+    n_mid, n_in, n_out = 16, 1 << inner_bits, 1 << outer_bits
+    mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
+    og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
+    if not i_has:
+        i_min, i_max = zero, zero
+    ok = True
+    mg0, ok0 = _store_scale(mg0, fp16)
+    mg1, ok1 = _store_scale(mg1, fp16)
+    ig0, ok2 = _store_scale(i_min, fp16)
+    ig1, ok3 = _store_scale(i_max, fp16)
+    og0, ok4 = _store_scale(og0, fp16)
+    og1, ok5 = _store_scale(og1, fp16)
+    ok = ok0 and ok1 and ok2 and ok3 and ok4 and ok5
+    if not ok:
+        return -ERR_SCALE_OVERFLOW
+    scales_row[0], scales_row[1] = mg0, mg1
+    scales_row[2], scales_row[3] = ig0, ig1
+    scales_row[4], scales_row[5] = og0, og1
+    m_step = (mg1 - mg0) / _F32(n_mid - 1)
+    i_step = (ig1 - ig0) / _F32(n_in - 1)
+    o_step = (og1 - og0) / _F32(n_out - 1)
+    # pass 2: codes -> dense nibbles, outliers -> COO stream (state: chunk c, last index p, previous byte prev)
+    nb = 0
+    c, p, prev = 0, -1, 0
+    lo_nib = 0
+    for j in range(d):
+        v = x[j]
+        group = 0  # 0 middle, 1 inner, 2 outer
+        if v > to_hi:
+            code = _code_signed(v - to_hi, og0, o_step, n_out)
+            group = 2
+        elif v < to_lo:
+            code = _code_signed(v - to_lo, og0, o_step, n_out)
+            group = 2
+        elif v >= ti_lo and v <= ti_hi:
+            code = _code_plain(v, ig0, i_step, n_in)
+            group = 1
+        elif v > ti_hi:
+            code = _code_signed(v - ti_hi, mg0, m_step, n_mid)
+        else:
+            code = _code_signed(v - ti_lo, mg0, m_step, n_mid)
+        nib = code & 0xF
+        if j & 1:
+            dense_row[j >> 1] = np.uint8(lo_nib | (nib << 4))
+        else:
+            lo_nib = nib
+        if group != 0:
+            cc = j >> 6
+            i = j & COO_INDEX_MASK
+            e = i | (COO_GROUP_BIT if group == 2 else 0) | (((code >> 4) & 1) << 7)
+            natural = e != prev and ((cc == c and i > p) or (cc == c + 1 and i <= p))
+            if not natural:
+                sparse_row[nb] = np.uint8(prev)
+                nb += 1
+                k = cc - c
+                while k >= ADVANCE_CONTINUE:
+                    sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
+                    nb += 1
+                    k -= ADVANCE_CONTINUE
+                sparse_row[nb] = np.uint8(k)
+                nb += 1
+            sparse_row[nb] = np.uint8(e)
+            nb += 1
+            c, p, prev = cc, i, e
+    if d & 1:
+        dense_row[d >> 1] = np.uint8(lo_nib)
+    return nb
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _encode_rows_f32(x, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, counts):
+    n = x.shape[0]
+    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
+    for b in prange(nblocks):
+        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+            counts[r] = encode_row(x[r], thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _encode_rows_u16(xbits, lut, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, counts):
+    """As _encode_rows_f32 for fp16/bf16 input given as uint16 bit patterns; ``lut`` widens them exactly."""
+    n, d = xbits.shape
+    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
+    for b in prange(nblocks):
+        row = np.empty(d, np.float32)
+        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+            for j in range(d):
+                row[j] = lut[xbits[r, j]]
+            counts[r] = encode_row(row, thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gather_sparse(scratch, counts, offsets, sparse):
+    n = scratch.shape[0]
+    for r in prange(n):
+        o = offsets[r]
+        for t in range(counts[r]):
+            sparse[o + t] = scratch[r, t]
+
+
+def sparse_capacity(dim: int) -> int:
+    """Upper bound on one row's sparse bytes (all values outliers, one escape per chunk)."""
+    ch = num_chunks(dim)
+    return dim + 2 * ch + ch // 255 + 1
+
+
+def _thr_array(thr: ThresholdsLike) -> np.ndarray:
+    return np.asarray(thresholds_tuple(thr), dtype=np.float32)
+
+
+def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> EncodedBatch:
+    """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"encode expects a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2:
+        raise ValueError(f"encode expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
+    n, d = x.shape
+    from oakenkv.codec import MAX_DIM
+
+    if not 1 <= d <= MAX_DIM:
+        raise ValueError(f"row width D must be in [1, {MAX_DIM}], got {d}")
+    thr_a = _thr_array(thr)
+    fp16 = config.scale_dtype == "float16"
+    dense = np.empty((n, dense_bytes(d)), np.uint8)
+    scales = np.empty((n, NUM_SCALES), np.float32)
+    # np.empty: only the bytes a row really writes (~10% of the capacity) are ever touched.
+    scratch = np.empty((n, sparse_capacity(d)), np.uint8)
+    counts = np.empty(n, np.int64)
+    x = x.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        xbits = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+        _encode_rows_u16(
+            xbits,
+            _u16_to_f32_lut(x.dtype),
+            thr_a,
+            config.inner_bits,
+            config.outer_bits,
+            fp16,
+            dense,
+            scales,
+            scratch,
+            counts,
+        )
+    else:
+        x32 = x.to(torch.float32).contiguous().numpy()
+        _encode_rows_f32(x32, thr_a, config.inner_bits, config.outer_bits, fp16, dense, scales, scratch, counts)
+    bad = np.flatnonzero(counts < 0)
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"cannot encode row {r}: {ERROR_MESSAGES[int(-counts[r])]}")
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    sparse = np.empty(int(offsets[-1]), np.uint8)
+    _gather_sparse(scratch, counts, offsets, sparse)
+    return EncodedBatch(
+        dense=torch.from_numpy(dense),
+        scales=torch.from_numpy(scales).to(scale_torch_dtype(config)),
+        sparse=torch.from_numpy(sparse),
+        sparse_offsets=torch.from_numpy(offsets),
+        dim=int(d),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Decode: one row
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
+    """The dequantized value of every code of the row's three groups (float32, exactly quant.dequantize).
+
+    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48...
+    """
+    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    lo = scales_row[0]
+    step = (scales_row[1] - lo) / _F32(15.0)
+    for c in range(16):
+        v = lo + _F32(c) * step
+        lut[c] = v + (ti_hi if v > _F32(0.0) else ti_lo)
+    n_in = 1 << inner_bits
+    lo = scales_row[2]
+    step = (scales_row[3] - lo) / _F32(n_in - 1)
+    for c in range(n_in):
+        lut[_LUT_INNER + c] = lo + _F32(c) * step
+    n_out = 1 << outer_bits
+    lo = scales_row[4]
+    step = (scales_row[5] - lo) / _F32(n_out - 1)
+    for c in range(n_out):
+        v = lo + _F32(c) * step
+        lut[_LUT_OUTER + c] = v + (to_hi if v > _F32(0.0) else to_lo)
+
+
+@njit(cache=True, nogil=True)
+def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out):
+    """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (any dtype)."""
+    ns = sparse_row.shape[0]
+    c, p, prev = 0, -1, 0  # prev = -1 stands for "None" (after an escape)
+    j = 0
+    while j < ns:
+        e = np.int64(sparse_row[j])
+        j += 1
+        if e == prev:
+            k = 0
+            while True:
+                if j >= ns:
+                    return ERR_ESCAPE_TRUNCATED
+                a = np.int64(sparse_row[j])
+                j += 1
+                k += a
+                if a != ADVANCE_CONTINUE:
+                    break
+            if k == 0 and p != -1:
+                return ERR_ZERO_ADVANCE
+            if j >= ns:
+                return ERR_ESCAPE_NO_ENTRY
+            c += k
+            p = -1
+            prev = -1
+            continue
+        i = e & COO_INDEX_MASK
+        if i <= p:
+            c += 1
+        pos = c * CHUNK_SIZE + i
+        if pos >= d:
+            return ERR_POSITION_RANGE
+        nib = (np.int64(dense_row[pos >> 1]) >> ((pos & 1) << 2)) & 0xF
+        b4 = e >> 7
+        if e & COO_GROUP_BIT:
+            if b4 and outer_bits < 5:
+                return ERR_FIFTH_BIT
+            out[pos] = lut[_LUT_OUTER + (nib | (b4 << 4))]
+        else:
+            if b4 and inner_bits < 5:
+                return ERR_FIFTH_BIT
+            out[pos] = lut[_LUT_INNER + (nib | (b4 << 4))]
+        p = i
+        prev = e
+    return ERR_OK
+
+
+@njit(cache=True, nogil=True)
+def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut):
+    """Decode one row into ``out`` using caller-provided scratch ``lut`` (float32 ``[LUT_SIZE]``).
+
+    Args:
+        dense_row: uint8 ``[ceil(D/2)]``; sparse_row: uint8 ``[S]`` (this row's COO stream only);
+        scales_row: float32 ``[6]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; out: float32 ``[D]``.
+
+    Returns:
+        ``ERR_OK`` (0) or an ``ERR_*`` code; ``out`` is then partly written and must not be used.
+    """
+    d = out.shape[0]
+    if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
+        return ERR_SHAPE
+    fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
+    half = d >> 1
+    for j in range(half):
+        b = dense_row[j]
+        out[2 * j] = lut[b & 0xF]
+        out[2 * j + 1] = lut[b >> 4]
+    if d & 1:
+        out[d - 1] = lut[dense_row[half] & 0xF]
+    return _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out)
+
+
+@njit(cache=True, nogil=True)
+def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, outer_bits=5):
+    """Decode one row into float32 ``out[D]`` (allocates its 80-float look-up table; see decode_row_into_lut)."""
+    lut = np.empty(LUT_SIZE, np.float32)
+    return decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut)
+
+
+@njit(cache=True, nogil=True)
+def decode_row_into_f16(dense_row, sparse_row, scales_row, thr, out_bits, inner_bits, outer_bits, lut, lut16):
+    """As decode_row_into_lut but writes fp16 bit patterns (uint16 ``[D]``): the float32 result rounded to fp16."""
+    d = out_bits.shape[0]
+    if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
+        return ERR_SHAPE
+    fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
+    for c in range(LUT_SIZE):
+        lut16[c] = f32_to_f16_bits(lut[c])
+    half = d >> 1
+    for j in range(half):
+        b = dense_row[j]
+        out_bits[2 * j] = lut16[b & 0xF]
+        out_bits[2 * j + 1] = lut16[b >> 4]
+    if d & 1:
+        out_bits[d - 1] = lut16[dense_row[half] & 0xF]
+    return _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut16, out_bits)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out, status):
+    n = dense.shape[0]
+    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
+    for b in prange(nblocks):
+        lut = np.empty(LUT_SIZE, np.float32)
+        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+            status[r] = decode_row_into_lut(
+                dense[r], sparse[offsets[r] : offsets[r + 1]], scales[r], thr, out[r], inner_bits, outer_bits, lut
+            )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _decode_rows_f16(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out_bits, status):
+    n = dense.shape[0]
+    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
+    for b in prange(nblocks):
+        lut = np.empty(LUT_SIZE, np.float32)
+        lut16 = np.empty(LUT_SIZE, np.uint16)
+        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+            status[r] = decode_row_into_f16(
+                dense[r],
+                sparse[offsets[r] : offsets[r + 1]],
+                scales[r],
+                thr,
+                out_bits[r],
+                inner_bits,
+                outer_bits,
+                lut,
+                lut16,
+            )
+
+
+def decode_batch(
+    enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Unpack and dequantize ``enc`` into ``[N, D]`` float32 (or float16: the float32 result rounded once).
+
+    Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
+    """
+    check_encoded(enc, config)
+    if out_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"decode can write float32 or float16, got {out_dtype}")
+    thr_a = _thr_array(thr)
+    n, d = enc.num_rows, enc.dim
+    dense = enc.dense.contiguous().numpy()
+    sparse = enc.sparse.contiguous().numpy()
+    offsets = enc.sparse_offsets.contiguous().numpy()
+    scales = enc.scales.to(torch.float32).contiguous().numpy()
+    status = np.empty(n, np.int64)
+    if out_dtype == torch.float32:
+        out = np.empty((n, d), np.float32)
+        _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out, status)
+        result = torch.from_numpy(out)
+    else:
+        out16 = np.empty((n, d), np.uint16)
+        _decode_rows_f16(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out16, status)
+        result = torch.from_numpy(out16.view(np.int16)).view(torch.float16)
+    bad = np.flatnonzero(status != ERR_OK)
+    if bad.size:
+        r = int(bad[0])
+        raise CorruptDataError(f"row {r}: {ERROR_MESSAGES[int(status[r])]}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stream statistics (for the effective-bit breakdown)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _stream_stats(sparse, offsets, stats):
+    """stats[0] += entries, stats[1] += escape + advance bytes; assumes valid streams (counts what it finds)."""
+    n = offsets.shape[0] - 1
+    for r in range(n):
+        prev = 0
+        j = offsets[r]
+        end = offsets[r + 1]
+        while j < end:
+            e = np.int64(sparse[j])
+            j += 1
+            if e == prev:
+                stats[1] += 1
+                while j < end:
+                    a = sparse[j]
+                    j += 1
+                    stats[1] += 1
+                    if a != ADVANCE_CONTINUE:
+                        break
+                prev = -1
+                continue
+            stats[0] += 1
+            prev = e
+
+
+def sparse_stream_stats(enc: EncodedBatch) -> tuple[int, int]:
+    """(COO entries, escape bytes) over all rows of ``enc``."""
+    stats = np.zeros(2, np.int64)
+    _stream_stats(enc.sparse.contiguous().numpy(), enc.sparse_offsets.contiguous().numpy(), stats)
+    return int(stats[0]), int(stats[1])
+
+
+def num_threads() -> int:
+    return numba.get_num_threads()

@@ -1,0 +1,234 @@
+"""Tests of the fused dense-and-sparse format's reference pack/unpack (oakenkv.codec)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oakenkv import codec
+from oakenkv.codec import CorruptDataError, EncodedBatch
+from oakenkv.config import OakenConfig
+from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, QuantizedVectors, dequantize, quantize
+
+THR = (-2.0, -0.15, 0.15, 2.0)
+
+
+def _qv(codes, groups, n=None):
+    """QuantizedVectors from lists, with arbitrary distinct fp16 scales."""
+    codes = torch.tensor(codes, dtype=torch.uint8).reshape(n or 1, -1)
+    groups = torch.tensor(groups, dtype=torch.uint8).reshape(codes.shape)
+    rows = codes.shape[0]
+    mins = torch.tensor([[-1.0, -0.1, -3.0]] * rows, dtype=torch.float16)
+    maxs = torch.tensor([[1.0, 0.1, 3.0]] * rows, dtype=torch.float16)
+    return QuantizedVectors(codes=codes, groups=groups, mins=mins, maxs=maxs)
+
+
+def _sparse_qv(d, outliers):
+    """One row of width d, all middle code 0 except ``outliers``: {position: (group, code)}."""
+    codes, groups = [0] * d, [GROUP_MIDDLE] * d
+    for pos, (g, c) in outliers.items():
+        codes[pos], groups[pos] = c, g
+    return _qv(codes, groups)
+
+
+def _assert_same_q(a: QuantizedVectors, b: QuantizedVectors):
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.groups, b.groups)
+    assert torch.equal(a.mins, b.mins) and a.mins.dtype == b.mins.dtype
+    assert torch.equal(a.maxs, b.maxs) and a.maxs.dtype == b.maxs.dtype
+
+
+def test_layout_constants():
+    # The byte layout, asserted like ggml's static_asserts.
+    assert codec.CHUNK_SIZE == 64 and codec.COO_INDEX_MASK == 0x3F
+    assert codec.COO_GROUP_BIT == 0x40 and codec.COO_CODE_BIT4 == 0x80
+    assert codec.NUM_SCALES == 6 and codec.HEADER_BITS == 16
+    assert codec.SCALE_NAMES == ("mid_min", "mid_max", "inner_min", "inner_max", "outer_min", "outer_max")
+    assert [codec.dense_bytes(d) for d in (1, 2, 63, 64, 80, 96, 192, 4096)] == [1, 1, 32, 32, 40, 48, 96, 2048]
+    assert [codec.num_chunks(d) for d in (1, 64, 65, 80, 192, 4096)] == [1, 1, 2, 2, 3, 64]
+
+
+@pytest.mark.parametrize("d", [1, 7, 64, 80, 96, 128, 192, 256, 320])
+def test_sizes_of_packed_rows(d):
+    torch.manual_seed(d)
+    x = torch.randn(5, d)
+    enc = codec.pack(quantize(x, THR))
+    assert enc.dense.shape == (5, (d + 1) // 2) and enc.dense.dtype == torch.uint8
+    assert enc.scales.shape == (5, 6) and enc.scales.dtype == torch.float16
+    assert enc.sparse_offsets.shape == (6,) and enc.sparse_offsets.dtype == torch.int64
+    assert enc.sparse.dtype == torch.uint8 and int(enc.sparse_offsets[-1]) == enc.sparse.numel()
+    assert enc.nbytes() == 5 * ((d + 1) // 2 + 12 + 2) + enc.sparse.numel()
+
+
+def test_nibble_order_low_first_and_odd_padding():
+    enc = codec.pack(_qv([1, 2, 3], [0, 0, 0]))
+    assert enc.dense.tolist() == [[0x21, 0x03]]
+
+
+def test_scales_order():
+    q = _qv([0, 0], [0, 0])
+    q.mins = torch.tensor([[1.0, 3.0, 5.0]], dtype=torch.float16)
+    q.maxs = torch.tensor([[2.0, 4.0, 6.0]], dtype=torch.float16)
+    assert codec.pack(q).scales.tolist() == [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]
+
+
+def test_coo_example_from_format_doc():
+    # docs/format.md: inner code 19 at 5, outer code 4 at 70, outer code 1 at 130 (D = 192).
+    q = _sparse_qv(192, {5: (GROUP_INNER, 19), 70: (GROUP_OUTER, 4), 130: (GROUP_OUTER, 1)})
+    enc = codec.pack(q)
+    assert enc.sparse.tolist() == [0x85, 0x85, 0x01, 0x46, 0x42]
+    assert enc.dense[0, 2] == 0x03 << 4  # value 5: high nibble of byte 2 = low 4 bits of 19
+    _assert_same_q(codec.unpack(enc), q)
+
+
+@pytest.mark.parametrize(
+    ("outliers", "stream"),
+    [
+        # natural advance: index 1 <= 60 moves to chunk 1
+        ({60: (GROUP_INNER, 0), 65: (GROUP_INNER, 0)}, [60, 1]),
+        # same byte as the previous entry one chunk later: escape
+        ({5: (GROUP_OUTER, 0), 69: (GROUP_OUTER, 0)}, [0x45, 0x45, 1, 0x45]),
+        # first entry is the byte 0x00 (= the virtual previous byte): escape with advance 0
+        ({0: (GROUP_INNER, 0)}, [0x00, 0x00, 0x00]),
+        # first entry in chunk 2: escape with advance 2 from the virtual 0x00
+        ({130: (GROUP_INNER, 3)}, [0x00, 2, 2]),
+        # an empty chunk in between: escape
+        ({10: (GROUP_INNER, 0), 140: (GROUP_INNER, 0)}, [10, 10, 2, 12]),
+        # no outliers: empty stream
+        ({}, []),
+    ],
+)
+def test_coo_streams(outliers, stream):
+    q = _sparse_qv(192, outliers)
+    enc = codec.pack(q)
+    assert enc.sparse.tolist() == stream
+    _assert_same_q(codec.unpack(enc), q)
+
+
+def test_all_outlier_chunk_is_64_increasing_indices():
+    q = _sparse_qv(128, {64 + i: (GROUP_OUTER, 16 + i % 16) for i in range(64)})
+    enc = codec.pack(q)
+    # escape to chunk 1 from the virtual 0x00, then 64 entries with no further escapes
+    assert enc.sparse.tolist()[:2] == [0x00, 1]
+    assert enc.sparse.numel() == 2 + 64
+    _assert_same_q(codec.unpack(enc), q)
+
+
+def test_every_value_an_outlier_with_odd_width():
+    d = 97
+    q = _sparse_qv(d, {i: (GROUP_INNER if i % 3 else GROUP_OUTER, i % 32) for i in range(d)})
+    enc = codec.pack(q)
+    assert enc.sparse.numel() <= d + 2 * codec.num_chunks(d)
+    _assert_same_q(codec.unpack(enc), q)
+
+
+def test_long_advance_chains_ff_bytes():
+    # D = 32768 (512 chunks): one outlier in the last chunk needs an advance of 511 = 255 + 255 + 1.
+    d = codec.MAX_DIM
+    q = _sparse_qv(d, {d - 1: (GROUP_INNER, 1)})
+    enc = codec.pack(q)
+    assert enc.sparse.tolist() == [0x00, 0xFF, 0xFF, 1, 63]
+    _assert_same_q(codec.unpack(enc), q)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256, 320, 33])
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+def test_round_trip_of_quantized_rows(d, scale_dtype):
+    cfg = OakenConfig(scale_dtype=scale_dtype)
+    torch.manual_seed(1000 + d)
+    x = torch.randn(16, d) * torch.rand(16, 1) * 3
+    x[0] = 0.0  # constant row: only the inner group is non-empty
+    q = quantize(x, THR, cfg)
+    enc = codec.pack(q, cfg)
+    q2 = codec.unpack(enc, cfg)
+    _assert_same_q(q, q2)
+    assert torch.equal(dequantize(q2, THR, cfg), dequantize(q, THR, cfg))
+
+
+def test_four_bit_outlier_groups_round_trip():
+    cfg = OakenConfig(inner_bits=4, outer_bits=4)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)) * 2
+    q = quantize(x, THR, cfg)
+    enc = codec.pack(q, cfg)
+    assert not bool((enc.sparse & 0x80).any())  # no fifth bits
+    _assert_same_q(codec.unpack(enc, cfg), q)
+
+
+def test_pack_rejects_codes_that_do_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.pack(_qv([16, 0], [GROUP_MIDDLE, GROUP_MIDDLE]))
+    with pytest.raises(ValueError, match="uint8"):
+        q = _qv([1, 0], [0, 0])
+        q.codes = q.codes.to(torch.int32)
+        codec.pack(q)
+
+
+def test_effective_bits_counts_the_bytes():
+    torch.manual_seed(7)
+    x = torch.randn(32, 4096)
+    # thresholds at the 2/98% and 47/53% quantiles: ~10% outliers, as the paper's 4/90/6 split
+    qs = torch.quantile(x.flatten()[:100000], torch.tensor([0.02, 0.47, 0.53, 0.98])).tolist()
+    enc = codec.pack(quantize(x, qs))
+    b = codec.effective_bits(enc)
+    assert b.total == pytest.approx(enc.nbytes() * 8 / x.numel())
+    assert b.dense == 4.0 and b.scales == pytest.approx(96 / 4096) and b.header == pytest.approx(16 / 4096)
+    assert b.num_entries == int((quantize(x, qs).groups != GROUP_MIDDLE).sum())
+    assert b.sparse == pytest.approx(8 * (b.num_entries + b.num_escape_bytes) / x.numel())
+    assert 0.09 < b.num_entries / x.numel() < 0.11
+    assert b.total < 4.84
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corrupt input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _enc_with_stream(stream, d=192, cfg=None):
+    enc = codec.pack(_sparse_qv(d, {}), cfg)
+    enc.sparse = torch.tensor(stream, dtype=torch.uint8)
+    enc.sparse_offsets = torch.tensor([0, len(stream)], dtype=torch.int64)
+    return enc
+
+
+@pytest.mark.parametrize(
+    ("stream", "match"),
+    [
+        ([0x85, 0x85], "cut off"),  # escape without its advance
+        ([0x85, 0x85, 0xFF], "cut off"),  # advance continues past the end
+        ([0x85, 0x85, 0x01], "not followed by an entry"),
+        ([0x05, 0x05, 0x00, 0x06], "zero chunk advance"),
+        ([0x00, 0x03, 0x01], "points at value"),  # advance to chunk 3 of a 3-chunk row
+        ([0x3F, 0x01, 0x00, 0x3F, 0x01], "points at value"),  # natural advances past the last chunk
+    ],
+)
+def test_unpack_rejects_corrupt_streams(stream, match):
+    with pytest.raises(CorruptDataError, match=match):
+        codec.unpack(_enc_with_stream(stream))
+
+
+def test_unpack_rejects_fifth_bit_of_four_bit_group():
+    cfg = OakenConfig(inner_bits=4)
+    with pytest.raises(CorruptDataError, match="fifth code bit"):
+        codec.unpack(_enc_with_stream([0x85], cfg=cfg), cfg)
+
+
+def test_unpack_rejects_bad_structure():
+    enc = codec.pack(quantize(torch.randn(3, 64), THR))
+
+    def mutated(**kw):
+        return EncodedBatch(**{**enc.__dict__, **kw})
+
+    with pytest.raises(CorruptDataError, match="dense"):
+        codec.unpack(mutated(dense=enc.dense[:, :-1]))
+    with pytest.raises(CorruptDataError, match="scales"):
+        codec.unpack(mutated(scales=enc.scales.float()))
+    with pytest.raises(CorruptDataError, match="NaN"):
+        codec.unpack(mutated(scales=torch.full_like(enc.scales, float("nan"))))
+    with pytest.raises(CorruptDataError, match="end at len"):
+        codec.unpack(mutated(sparse=enc.sparse[:-1]))
+    with pytest.raises(CorruptDataError, match="non-decreasing"):
+        off = enc.sparse_offsets.clone()
+        off[1] = off[2] + 1
+        codec.unpack(mutated(sparse_offsets=off, sparse=torch.zeros(int(off[-1]), dtype=torch.uint8)))
+    with pytest.raises(CorruptDataError, match="row width"):
+        codec.unpack(mutated(dim=0))
