@@ -1,0 +1,530 @@
+"""Offline threshold profiling: run a model over calibration windows and derive each layer's group thresholds.
+
+Oaken (Kim et al., ISCA 2025, Section 4.2) profiles the thresholds once per model: about 100 inferences over
+calibration text, per decoder layer and separately for keys and values, the thresholds that split the values into
+the configured group ratios (default 4% outer / 90% middle / 6% inner), averaged over the runs.
+
+What is recorded
+----------------
+Exactly the tensors the cache will store: a :class:`KVRecorder` (a ``transformers.DynamicCache`` subclass) sees the
+``key_states`` / ``value_states`` ``[B, H, S, D]`` that every attention layer hands to ``cache.update``. For Llama-style
+models those keys are post-RoPE (``OakenConfig.key_position == "post_rope"``, the default). For ``"pre_rope"`` (what
+the official harness quantizes) the recorder rotates the keys back: a forward pre-hook on every attention module
+captures the ``position_embeddings`` ``(cos, sin)`` it is called with, and ``k = k_rot * cos - rotate_half(k_rot) *
+sin`` inverts ``k_rot = k * cos + rotate_half(k) * sin`` exactly up to float rounding (RoPE rotates each pair of
+dimensions by an angle; the inverse rotates by minus that angle). This is more faithful than hooking ``k_proj``
+because models with a key norm (Gemma 3, Qwen 3) apply it between ``k_proj`` and RoPE. Values have no RoPE.
+
+Thresholds of one run
+---------------------
+Over all values of one run (all tokens x KV heads x head_dim of one window, flattened), with outer ratio ``o`` and
+inner ratio ``i``, exact order statistics (sort + linear interpolation, the same definition as ``torch.quantile``;
+no sampling, so no sampling error; no 16M-element limit)::
+
+    to_lo = q(o / 2)           to_hi = q(1 - o / 2)
+    ti_lo = q(0.5 - i / 2)     ti_hi = q(0.5 + i / 2)      (inner_center="median", the default)
+
+The inner group is the ``i`` of values around the median. The paper describes it as the values "near zero"; for
+these activations the median of a layer's flattened values is close to 0 (default model, 4 x 256 Wikipedia tokens:
+on average 0.02 and at most 0.08 standard deviations away, layer 4 keys), and centring on the median gives exactly
+the requested fraction in every run, whereas a band symmetric around 0 is lopsided in an off-centre layer.
+``inner_center="zero"`` gives that band instead: ``ti_hi = -ti_lo = q_|x|(i)``, the ``i`` of values of smallest
+magnitude. Each of the four thresholds is then averaged over runs, and the standard deviation over runs is
+recorded (:class:`~oakenkv.thresholds.LayerStats.run_std`).
+
+Kurtosis tuning (optional)
+--------------------------
+Heavy-tailed layers have more outliers than the nominal ratio. With ``kurtosis_tuning=True``, per layer and kind,
+Pearson kurtosis (3 for a Gaussian; per run, averaged over runs) above ``KURTOSIS_HIGH`` = 20 raises the outer ratio by
+0.5 points, and below ``KURTOSIS_LOW`` = 5 lowers the inner ratio by 0.3 points. The quantiles for both the nominal
+and the adjusted ratios are collected in the same pass, so tuning costs no second pass; the ratios used and the
+reason are recorded in the layer's :class:`~oakenkv.thresholds.LayerStats`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from oakenkv.config import OakenConfig
+from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+__all__ = [
+    "DEFAULT_SAMPLES",
+    "DEFAULT_WINDOW",
+    "INNER_DELTA",
+    "KURTOSIS_HIGH",
+    "KURTOSIS_LOW",
+    "OUTER_DELTA",
+    "RECOMMENDED_RUNS",
+    "FewRunsWarning",
+    "KVRecorder",
+    "exact_quantiles",
+    "kurtosis",
+    "profile_model",
+    "profile_thresholds",
+    "record_kv",
+    "run_thresholds",
+]
+
+#: The paper's (and the seed's troubleshooting advice's) number of profiling runs; fewer triggers FewRunsWarning.
+RECOMMENDED_RUNS = 100
+#: Default number of calibration windows (= runs) of ``oakenkv profile``.
+DEFAULT_SAMPLES = 100
+#: Default tokens per calibration window: 256 keeps 100 runs of the default model at a few minutes on 2 CPU cores
+#: while the first (attention-sink) token, whose keys are atypical, is under 0.4% of a run's values.
+DEFAULT_WINDOW = 256
+#: Kurtosis tuning: above this kurtosis the outer ratio is raised by OUTER_DELTA.
+KURTOSIS_HIGH = 20.0
+#: Kurtosis tuning: below this kurtosis the inner ratio is lowered by INNER_DELTA.
+KURTOSIS_LOW = 5.0
+#: Kurtosis tuning: +0.5 percentage points of outer ratio.
+OUTER_DELTA = 0.005
+#: Kurtosis tuning: -0.3 percentage points of inner ratio.
+INNER_DELTA = 0.003
+
+InnerCenter = Literal["median", "zero"]
+Kind = Literal["key", "value"]
+
+
+class FewRunsWarning(UserWarning):
+    """Fewer calibration runs than RECOMMENDED_RUNS: the averaged thresholds may be noisy."""
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+def exact_quantiles(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exact quantiles of all elements of ``x`` at levels ``q``, as ``torch.quantile(..., interpolation="linear")``.
+
+    Implemented with one sort so that it has no element-count limit (``torch.quantile`` refuses more than 2^24).
+
+    Args:
+        x: float tensor of any shape (flattened; computed in float64 for the interpolation).
+        q: float tensor ``[L]`` of levels in [0, 1].
+
+    Returns:
+        float64 tensor ``[L]``.
+    """
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        raise ValueError("cannot take quantiles of an empty tensor")
+    s = torch.sort(flat.to(torch.float64)).values
+    pos = q.to(torch.float64) * (n - 1)
+    lo = pos.floor().long().clamp(0, n - 1)
+    hi = pos.ceil().long().clamp(0, n - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo.to(torch.float64))
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    """Pearson kurtosis E[(x-mu)^4] / var^2 of all elements of ``x`` (3 for a Gaussian), in float64.
+
+    Raises ValueError for a constant tensor (kurtosis undefined): a layer whose values are all equal means the
+    recording is broken, and silently returning a number would hide it.
+    """
+    x64 = x.detach().reshape(-1).to(torch.float64)
+    c = x64 - x64.mean()
+    var = (c * c).mean()
+    if not var > 0:
+        raise ValueError("cannot compute kurtosis: all recorded values are equal (broken recording?)")
+    return float((c**4).mean() / (var * var))
+
+
+def _levels(outer: float, inner: float) -> list[float]:
+    return [outer / 2, 0.5 - inner / 2, 0.5 + inner / 2, 1 - outer / 2]
+
+
+def run_thresholds(
+    x: torch.Tensor,
+    outer_ratios: tuple[float, ...],
+    inner_ratios: tuple[float, ...],
+    inner_center: InnerCenter = "median",
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The thresholds of one run for several candidate ratios, and the run's kurtosis.
+
+    Args:
+        x: float tensor, all values of one layer's keys (or values) in one run, any shape (e.g. ``[H, S, D]``).
+        outer_ratios: candidate outer ratios.
+        inner_ratios: candidate inner ratios.
+        inner_center: "median" (quantiles around the median) or "zero" (smallest magnitudes); see module doc.
+
+    Returns:
+        ``outer`` float64 ``[len(outer_ratios), 2]`` (to_lo, to_hi) per candidate, ``inner`` float64
+        ``[len(inner_ratios), 2]`` (ti_lo, ti_hi) per candidate, and the Pearson kurtosis.
+    """
+    flat = x.detach().reshape(-1)
+    outer_levels = torch.tensor([[o / 2, 1 - o / 2] for o in outer_ratios], dtype=torch.float64)
+    if inner_center == "median":
+        inner_levels = torch.tensor([[0.5 - i / 2, 0.5 + i / 2] for i in inner_ratios], dtype=torch.float64)
+        q = exact_quantiles(flat, torch.cat([outer_levels.reshape(-1), inner_levels.reshape(-1)]))
+        outer = q[: outer_levels.numel()].reshape(-1, 2)
+        inner = q[outer_levels.numel() :].reshape(-1, 2)
+    elif inner_center == "zero":
+        outer = exact_quantiles(flat, outer_levels.reshape(-1)).reshape(-1, 2)
+        t = exact_quantiles(flat.abs(), torch.tensor(inner_ratios, dtype=torch.float64))
+        inner = torch.stack([-t, t], dim=1)
+    else:
+        raise ValueError(f"inner_center must be 'median' or 'zero', got {inner_center!r}")
+    return outer, inner, kurtosis(flat)
+
+
+# ---------------------------------------------------------------------------------------------- recording
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # Same convention as transformers' Llama rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _cache_class() -> type[DynamicCache]:
+    from transformers import DynamicCache
+
+    class _Recorder(DynamicCache):
+        """A DynamicCache that also hands every layer's new key/value states to a callback."""
+
+        def __init__(self, sink: Callable[[int, torch.Tensor, torch.Tensor], None], **kw: Any) -> None:
+            super().__init__(**kw)
+            self._sink = sink
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            self._sink(layer_idx, key_states, value_states)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return _Recorder
+
+
+class KVRecorder:
+    """Runs a transformers causal LM and returns, per decoder layer, the keys and values its cache would store.
+
+    Keys are post-RoPE (what ``cache.update`` receives) or, with ``key_position="pre_rope"``, rotated back to
+    pre-RoPE (see the module doc). Use as a context manager so the attention pre-hooks are removed afterwards.
+    """
+
+    def __init__(self, model: Any, key_position: Literal["post_rope", "pre_rope"] = "post_rope") -> None:
+        if key_position not in ("post_rope", "pre_rope"):
+            raise ValueError(f"key_position must be 'post_rope' or 'pre_rope', got {key_position!r}")
+        self.model = model
+        self.key_position = key_position
+        self.num_layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks: list[Any] = []
+        self._keys: list[torch.Tensor | None] = []
+        self._values: list[torch.Tensor | None] = []
+        if key_position == "pre_rope":
+            attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+            if len(attn) != self.num_layers:
+                raise NotImplementedError(
+                    f"pre-RoPE recording found {len(attn)} attention modules (with k_proj and layer_idx) for "
+                    f"{self.num_layers} layers in {type(model).__name__}; use key_position='post_rope'"
+                )
+            for m in attn:
+                self._hooks.append(m.register_forward_pre_hook(self._capture_rope, with_kwargs=True))
+
+    def _capture_rope(self, module: Any, args: tuple, kwargs: dict) -> None:
+        pe = kwargs.get("position_embeddings")
+        if pe is None and len(args) > 1:
+            pe = args[1]
+        if pe is None:
+            raise NotImplementedError(
+                f"{type(module).__name__} is not called with position_embeddings=(cos, sin); cannot undo RoPE"
+            )
+        self._rope[module.layer_idx] = pe
+
+    def _sink(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, H, S, D]
+        if self.key_position == "pre_rope":
+            cos, sin = self._rope[layer_idx]  # [B, S, D] (or [1, S, D])
+            if cos.shape[-1] != k.shape[-1]:
+                raise NotImplementedError(
+                    f"layer {layer_idx} applies RoPE to {cos.shape[-1]} of {k.shape[-1]} head dims (partial "
+                    "rotary); pre-RoPE recording supports full-width RoPE only"
+                )
+            cos, sin = cos.unsqueeze(1).to(k.dtype), sin.unsqueeze(1).to(k.dtype)
+            k = k * cos - _rotate_half(k) * sin
+        self._keys[layer_idx] = k.detach()
+        self._values[layer_idx] = v.detach()
+
+    def __enter__(self) -> KVRecorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @torch.inference_mode()
+    def record(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One forward pass (prefill) over ``input_ids`` int64 ``[B, S]``.
+
+        Returns:
+            ``(keys, values)``: lists with one tensor ``[B, H_kv, S, D]`` per decoder layer (model dtype).
+        """
+        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids must be int64 [B, S], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        self._keys = [None] * self.num_layers
+        self._values = [None] * self.num_layers
+        self._rope.clear()
+        cache = _cache_class()(self._sink, config=self.model.config)
+        params = inspect.signature(self.model.forward).parameters
+        kw: dict[str, Any] = {"use_cache": True}
+        kw["cache" if "cache" in params else "past_key_values"] = cache
+        if "logits_to_keep" in params:
+            kw["logits_to_keep"] = 1  # we need no logits: skip most of the LM head
+        device = next(self.model.parameters()).device
+        self.model(input_ids.to(device), **kw)
+        missing = [i for i, k in enumerate(self._keys) if k is None]
+        if missing:
+            raise RuntimeError(f"layers {missing} never called cache.update: cannot record their keys/values")
+        return self._keys, self._values  # type: ignore[return-value]
+
+
+def record_kv(
+    model: Any, input_ids: torch.Tensor, key_position: Literal["post_rope", "pre_rope"] = "post_rope"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Convenience: the per-layer keys and values ``[B, H_kv, S, D]`` the cache stores for ``input_ids [B, S]``."""
+    with KVRecorder(model, key_position) as rec:
+        return rec.record(input_ids)
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+
+
+@dataclass
+class _Accumulator:
+    """Per-run results of one (layer, kind): candidate thresholds and kurtosis."""
+
+    outer: list[torch.Tensor]  # each float64 [num_outer_candidates, 2]
+    inner: list[torch.Tensor]  # each float64 [num_inner_candidates, 2]
+    kurt: list[float]
+    num_samples: int = 0
+
+
+def _candidates(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    if not tuning:
+        return (config.outer_ratio,), (config.inner_ratio,)
+    raised = config.outer_ratio + OUTER_DELTA
+    lowered = max(config.inner_ratio - INNER_DELTA, 0.0)
+    if raised + config.inner_ratio >= 1.0:
+        raise ValueError(f"kurtosis tuning would raise outer_ratio to {raised}, leaving no middle group")
+    return (config.outer_ratio, raised), (config.inner_ratio, lowered)
+
+
+def _finish(acc: _Accumulator, config: OakenConfig, tuning: bool, layer: int, kind: str):
+    runs = len(acc.kurt)
+    k = sum(acc.kurt) / runs
+    oi, ii, notes = 0, 0, []
+    if tuning and k > KURTOSIS_HIGH:
+        oi = 1
+        notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
+    if tuning and k < KURTOSIS_LOW:
+        ii = 1
+        notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
+    outer_ratios, inner_ratios = _candidates(config, tuning)
+    per_run = torch.stack(
+        [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(acc.outer, acc.inner, strict=True)]
+    )  # [runs, 4]
+    mean = per_run.mean(dim=0)
+    std = per_run.std(dim=0, correction=0)
+    try:
+        thr = GroupThresholds(*(float(v) for v in mean))
+    except ValueError as e:
+        raise ValueError(
+            f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
+        ) from e
+    stats = LayerStats(
+        kurtosis=k,
+        num_samples=acc.num_samples,
+        num_runs=runs,
+        outer_ratio=outer_ratios[oi],
+        inner_ratio=inner_ratios[ii],
+        run_std=tuple(float(s) for s in std),
+        adjustments=tuple(notes),
+    )
+    return thr, stats
+
+
+def profile_thresholds(
+    model: Any,
+    windows: torch.Tensor,
+    config: OakenConfig | None = None,
+    *,
+    kurtosis_tuning: bool = False,
+    inner_center: InnerCenter = "median",
+    batch_size: int = 1,
+    progress: bool = False,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Thresholds:
+    """Profile Oaken thresholds: one run per calibration window, per-run quantiles averaged over runs.
+
+    Args:
+        model: a transformers causal LM (eval mode); its cache must call ``cache.update`` for every layer.
+        windows: int64 ``[R, S]`` token ids: R runs of S tokens (e.g. from ``oakenkv.data.token_windows``).
+        config: ratios and key position (default ``OakenConfig()``); stored in the result.
+        kurtosis_tuning: adjust the ratios per layer and kind by kurtosis (module doc).
+        inner_center: "median" (default) or "zero": how the inner thresholds are placed (module doc).
+        batch_size: windows per forward pass (each window stays its own run; only speed changes).
+        progress: show a rich progress bar.
+        name: model name recorded in the fingerprint.
+        metadata: extra JSON-able entries for ``Thresholds.profile``.
+
+    Warns:
+        FewRunsWarning: fewer than RECOMMENDED_RUNS windows.
+    """
+    config = OakenConfig() if config is None else config
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
+        raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
+    runs, seq = windows.shape
+    if runs < 1 or seq < 1:
+        raise ValueError(f"need at least one window of at least one token, got {tuple(windows.shape)}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if inner_center not in ("median", "zero"):
+        raise ValueError(f"inner_center must be 'median' or 'zero', got {inner_center!r}")
+    if runs < RECOMMENDED_RUNS:
+        warnings.warn(
+            f"profiling with {runs} runs; the paper averages about {RECOMMENDED_RUNS} and fewer runs give noisier "
+            f"thresholds (pass --samples {RECOMMENDED_RUNS} or more)",
+            FewRunsWarning,
+            stacklevel=2,
+        )
+    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
+    outer_ratios, inner_ratios = _candidates(config, kurtosis_tuning)
+    accs = {
+        (layer, kind): _Accumulator([], [], []) for layer in range(fingerprint.num_layers) for kind in ("key", "value")
+    }
+
+    t0 = time.perf_counter()
+    with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
+        for start in range(0, runs, batch_size):
+            batch = windows[start : start + batch_size]
+            keys, values = rec.record(batch)
+            if len(keys) != fingerprint.num_layers:
+                raise RuntimeError(f"recorded {len(keys)} layers, the config says {fingerprint.num_layers}")
+            for layer in range(fingerprint.num_layers):
+                for kind, states in (("key", keys[layer]), ("value", values[layer])):
+                    if states.shape[1] != fingerprint.num_kv_heads or states.shape[3] != fingerprint.head_dim:
+                        raise RuntimeError(
+                            f"layer {layer} {kind}s have shape {tuple(states.shape)}, expected "
+                            f"[B, {fingerprint.num_kv_heads}, S, {fingerprint.head_dim}]"
+                        )
+                    acc = accs[(layer, kind)]
+                    for b in range(states.shape[0]):
+                        x = states[b]  # [H, S, D]: one run
+                        if not torch.isfinite(x).all():
+                            raise ValueError(f"layer {layer} {kind}s of run {start + b} contain NaN/Inf")
+                        o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
+                        acc.outer.append(o)
+                        acc.inner.append(i)
+                        acc.kurt.append(k)
+                        acc.num_samples += x.numel()
+            advance(batch.shape[0])
+    elapsed = time.perf_counter() - t0
+
+    keys_t, values_t, kst, vst = [], [], [], []
+    for layer in range(fingerprint.num_layers):
+        for kind, thr_list, st_list in (("key", keys_t, kst), ("value", values_t, vst)):
+            thr, st = _finish(accs[(layer, kind)], config, kurtosis_tuning, layer, kind)
+            thr_list.append(thr)
+            st_list.append(st)
+    info = {
+        "runs": runs,
+        "window": seq,
+        "key_position": config.key_position,
+        "inner_center": inner_center,
+        "kurtosis_tuning": kurtosis_tuning,
+        "quantiles": "exact (sort + linear interpolation) per run, averaged over runs",
+        "seconds": round(elapsed, 3),
+        "torch_threads": torch.get_num_threads(),
+        **(metadata or {}),
+    }
+    return Thresholds(config, fingerprint, tuple(keys_t), tuple(values_t), tuple(kst), tuple(vst), info)
+
+
+class _progress:
+    """Context manager yielding an ``advance(n)`` callable; a rich progress bar when enabled, else a no-op."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self) -> Callable[[int], None]:
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._p = Progress(
+            TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"), TimeRemainingColumn()
+        )
+        self._p.start()
+        task = self._p.add_task("profile", total=self.total)
+        return lambda n: self._p.advance(task, n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self._p.stop()
+
+
+def profile_model(
+    model: str = "default",
+    *,
+    samples: int = DEFAULT_SAMPLES,
+    window: int = DEFAULT_WINDOW,
+    data: str = "wikipedia",
+    data_path: str | None = None,
+    config: OakenConfig | None = None,
+    kurtosis_tuning: bool = False,
+    inner_center: InnerCenter = "median",
+    batch_size: int = 1,
+    progress: bool = False,
+) -> Thresholds:
+    """Load a model and its calibration text, cut ``samples`` windows of ``window`` tokens, and profile.
+
+    The windows are consecutive and non-overlapping from the start of the text. ``data`` defaults to the
+    calibration text ("wikipedia"); profiling on "wikitext2" (the evaluation text) is allowed but warned about.
+    """
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if data == "wikitext2":
+        warnings.warn(
+            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
+            UserWarning,
+            stacklevel=2,
+        )
+    loaded = load_model(model)
+    text = load_text(data, data_path)
+    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
+            UserWarning,
+            stacklevel=2,
+        )
+    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    return profile_thresholds(
+        loaded.model,
+        ids,
+        config,
+        kurtosis_tuning=kurtosis_tuning,
+        inner_center=inner_center,
+        batch_size=batch_size,
+        progress=progress,
+        name=model,
+        metadata=meta,
+    )

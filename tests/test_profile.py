@@ -1,0 +1,233 @@
+"""Tests of oakenkv.profile: exact quantiles, kurtosis, KV recording, and profiling the real default model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from oakenkv.config import OakenConfig
+from oakenkv.profile import (
+    FewRunsWarning,
+    exact_quantiles,
+    kurtosis,
+    profile_thresholds,
+    record_kv,
+    run_thresholds,
+)
+from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 50_001])
+def test_exact_quantiles_match_torch_quantile(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3 + 0.5
+    q = torch.tensor([0.0, 0.02, 0.47, 0.5, 0.53, 0.98, 1.0], dtype=torch.float64)
+    ours = exact_quantiles(x, q)
+    ref = torch.quantile(x.double(), q)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+
+
+def test_exact_quantiles_rejects_empty():
+    with pytest.raises(ValueError, match="empty"):
+        exact_quantiles(torch.empty(0), torch.tensor([0.5]))
+
+
+def test_kurtosis_of_known_distributions():
+    g = torch.Generator().manual_seed(0)
+    assert kurtosis(torch.randn(400_000, generator=g)) == pytest.approx(3.0, abs=0.05)
+    lap = torch.distributions.Laplace(0.0, 1.0).sample((400_000,))
+    assert kurtosis(lap) == pytest.approx(6.0, abs=0.25)
+    assert kurtosis(torch.tensor([-1.0, 1.0] * 10)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="all recorded values are equal"):
+        kurtosis(torch.ones(10))
+
+
+def test_run_thresholds_give_the_requested_fractions():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 128, 64, generator=g) * 0.7 + 0.2  # one run [H, S, D], off-centre on purpose
+    outer, inner, k = run_thresholds(x, (0.04, 0.045), (0.06, 0.057), "median")
+    assert outer.shape == (2, 2) and inner.shape == (2, 2)
+    n = x.numel()
+    for c, o in enumerate((0.04, 0.045)):
+        frac = ((x < outer[c, 0]) | (x > outer[c, 1])).sum().item() / n
+        assert frac == pytest.approx(o, abs=2 / n)
+    for c, i in enumerate((0.06, 0.057)):
+        frac = ((x >= inner[c, 0]) & (x <= inner[c, 1])).sum().item() / n
+        assert frac == pytest.approx(i, abs=2 / n)
+    # Median-centred: the inner band sits around the median (0.2), not around 0.
+    assert inner[0].mean().item() == pytest.approx(0.2, abs=0.02)
+    assert k == pytest.approx(3.0, abs=0.2)
+
+
+def test_run_thresholds_zero_center_is_symmetric():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20_000, generator=g) + 0.3
+    _, inner, _ = run_thresholds(x, (0.04,), (0.06,), "zero")
+    assert inner[0, 0].item() == -inner[0, 1].item() < 0
+    frac = (x.abs() <= inner[0, 1]).sum().item() / x.numel()
+    assert frac == pytest.approx(0.06, abs=1e-3)
+    with pytest.raises(ValueError, match="inner_center"):
+        run_thresholds(x, (0.04,), (0.06,), "mean")
+
+
+# ---------------------------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def calib_ids(default_tokenizer):
+    from oakenkv.data import load_text, token_windows
+
+    return token_windows(default_tokenizer, load_text("wikipedia"), 128, max_windows=6)
+
+
+@pytest.fixture(scope="module")
+def profiled(default_model, calib_ids) -> Thresholds:
+    with pytest.warns(FewRunsWarning, match="6 runs"):
+        return profile_thresholds(default_model.model, calib_ids, name="default")
+
+
+@pytest.mark.model
+def test_post_rope_recording_is_what_the_cache_stores(default_model, calib_ids):
+    from transformers import DynamicCache
+
+    ids = calib_ids[:1, :32]
+    keys, values = record_kv(default_model.model, ids)
+    cache = DynamicCache(config=default_model.model.config)
+    with torch.inference_mode():
+        default_model.model(ids, cache=cache, use_cache=True)
+    assert len(keys) == len(cache.layers) == 30
+    for i in (0, 17, 29):
+        assert keys[i].shape == (1, 3, 32, 64)
+        assert torch.equal(keys[i], cache.layers[i].keys)
+        assert torch.equal(values[i], cache.layers[i].values)
+
+
+@pytest.mark.model
+def test_pre_rope_recording_undoes_rope(default_model, calib_ids):
+    ids = calib_ids[:2, :48]
+    attn = default_model.model.model.layers[5].self_attn
+    captured = {}
+    hook = attn.k_proj.register_forward_hook(lambda m, a, out: captured.__setitem__("k", out))
+    try:
+        pre, _ = record_kv(default_model.model, ids, "pre_rope")
+    finally:
+        hook.remove()
+    ref = captured["k"].view(2, 48, 3, 64).transpose(1, 2)  # k_proj output as [B, H, S, D]
+    torch.testing.assert_close(pre[5], ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+    post, _ = record_kv(default_model.model, ids)
+    assert not torch.allclose(post[5][:, :, 1:], ref[:, :, 1:])  # RoPE changed positions > 0 ...
+    torch.testing.assert_close(post[5][:, :, 0], ref[:, :, 0])  # ... and is the identity at position 0
+    assert not attn._forward_pre_hooks  # the recorder removed its hooks
+
+
+@pytest.mark.model
+def test_profile_real_model(profiled, default_model, calib_ids, tmp_path):
+    th = profiled
+    th.check_model(default_model.model.config)
+    assert th.fingerprint == ModelFingerprint("llama", 30, 3, 64)
+    assert th.num_layers == 30
+    runs, seq = calib_ids.shape
+    for kind in ("key", "value"):
+        tuples = {th.layer(i, kind).as_tuple() for i in range(30)}
+        assert len(tuples) == 30, f"{kind} thresholds repeat across layers"
+        for i in range(30):
+            st = th.stats(i, kind)
+            assert st.num_runs == runs and st.num_samples == runs * seq * 3 * 64
+            assert st.outer_ratio == 0.04 and st.inner_ratio == 0.06 and st.adjustments == ()
+            assert st.kurtosis > 1.0
+    assert th.profile["runs"] == runs and th.profile["window"] == seq
+    # The outer thresholds of keys are much wider than those of values in early layers (known for Llama-like
+    # models): a sanity check that keys and values were not swapped.
+    assert th.layer(0, "key").to_hi > 5 * th.layer(0, "value").to_hi
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DuplicateThresholdsWarning)
+        assert Thresholds.load(th.save(tmp_path / "t.json"), expect=th.fingerprint) == th
+
+
+@pytest.mark.model
+def test_batching_does_not_change_the_result(default_model, calib_ids):
+    ids = calib_ids[:2, :64]
+    with pytest.warns(FewRunsWarning):
+        a = profile_thresholds(default_model.model, ids, batch_size=1)
+    with pytest.warns(FewRunsWarning):
+        b = profile_thresholds(default_model.model, ids, batch_size=2)
+    for i in range(30):
+        for kind in ("key", "value"):
+            torch.testing.assert_close(
+                torch.tensor(a.layer(i, kind).as_tuple()),
+                torch.tensor(b.layer(i, kind).as_tuple()),
+                rtol=1e-4,
+                atol=1e-5,
+            )
+
+
+@pytest.mark.model
+def test_kurtosis_tuning_adjusts_and_records(default_model, calib_ids):
+    ids = calib_ids[:2, :64]
+    with pytest.warns(FewRunsWarning):
+        plain = profile_thresholds(default_model.model, ids)
+    with pytest.warns(FewRunsWarning):
+        tuned = profile_thresholds(default_model.model, ids, kurtosis_tuning=True)
+    assert tuned.profile["kurtosis_tuning"] is True
+    high = low = 0
+    for i in range(30):
+        for kind in ("key", "value"):
+            st, p, t = tuned.stats(i, kind), plain.layer(i, kind), tuned.layer(i, kind)
+            assert st.kurtosis == pytest.approx(plain.stats(i, kind).kurtosis)
+            if st.kurtosis > 20:
+                high += 1
+                assert st.outer_ratio == pytest.approx(0.045) and "outer_ratio +0.005" in st.adjustments[0]
+                assert t.to_hi < p.to_hi and t.to_lo > p.to_lo  # more outliers: tighter outer thresholds
+            else:
+                assert st.outer_ratio == 0.04 and (t.to_lo, t.to_hi) == (p.to_lo, p.to_hi)
+            if st.kurtosis < 5:
+                low += 1
+                assert st.inner_ratio == pytest.approx(0.057) and "inner_ratio -0.003" in st.adjustments[-1]
+                assert t.ti_hi - t.ti_lo < p.ti_hi - p.ti_lo
+            else:
+                assert st.inner_ratio == 0.06 and (t.ti_lo, t.ti_hi) == (p.ti_lo, p.ti_hi)
+    assert high > 0 and low > 0  # the default model has both kinds of layers, so both branches ran
+
+
+@pytest.mark.model
+def test_held_out_group_fractions_match_the_ratios(profiled, default_model):
+    """Thresholds profiled on the calibration text split held-out WikiText-2 close to 4 / 90 / 6."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.quant import GROUP_INNER, GROUP_OUTER, assign_groups
+
+    ev = token_windows(default_model.tokenizer, load_text("wikitext2"), 256, max_windows=2)
+    keys, values = record_kv(default_model.model, ev)
+    outer, inner = [], []
+    for i in range(30):
+        for kind, x in (("key", keys[i]), ("value", values[i])):
+            g = assign_groups(x, profiled.layer(i, kind))
+            outer.append((g == GROUP_OUTER).float().mean().item())
+            inner.append((g == GROUP_INNER).float().mean().item())
+            # Per layer: loose, the profile used only 6 short runs.
+            assert 0.015 < outer[-1] < 0.09, f"layer {i} {kind}: outer fraction {outer[-1]:.4f}"
+            assert 0.025 < inner[-1] < 0.11, f"layer {i} {kind}: inner fraction {inner[-1]:.4f}"
+    assert sum(outer) / len(outer) == pytest.approx(0.04, abs=0.008)
+    assert sum(inner) / len(inner) == pytest.approx(0.06, abs=0.01)
+
+
+@pytest.mark.model
+def test_profile_rejects_bad_windows(default_model):
+    with pytest.raises(ValueError, match="int64"):
+        profile_thresholds(default_model.model, torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="int64"):
+        profile_thresholds(default_model.model, torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch_size"):
+        profile_thresholds(default_model.model, torch.zeros(1, 8, dtype=torch.int64), batch_size=0)
+    with pytest.raises(ValueError, match="inner_center"):
+        profile_thresholds(default_model.model, torch.zeros(1, 8, dtype=torch.int64), inner_center="x")
+
+
+@pytest.mark.model
+def test_pre_rope_config_is_recorded(default_model, calib_ids):
+    with pytest.warns(FewRunsWarning):
+        th = profile_thresholds(default_model.model, calib_ids[:1, :32], OakenConfig(key_position="pre_rope"))
+    assert th.config.key_position == "pre_rope" and th.profile["key_position"] == "pre_rope"
