@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oakenkv.sim import get_kv_format, get_model, get_system, max_batch, max_context, oaken_bits, paper, simulate
 from oakenkv.sim.advisor import advise, context_table
@@ -381,3 +383,71 @@ def test_plots(tmp_path):
 def test_model_shape_validation():
     with pytest.raises(ValueError, match="ffn"):
         ModelShape(name="x", n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, head_dim=8, d_ffn=8, vocab=8, ffn="moe")
+
+
+def test_cli_trace_and_paper(tmp_path):
+    from typer.testing import CliRunner
+
+    from oakenkv.cli import app
+
+    out = tmp_path / "trace.json"
+    res = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--model",
+            "llama2-7b",
+            "--systems",
+            "oaken-lpddr",
+            "--batch",
+            "64",
+            "--trace",
+            "bursty",
+            "--rate",
+            "4",
+            "--requests",
+            "50",
+            "--json",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    tr = json.loads(out.read_text())["trace"]["results"]["oaken-lpddr"]
+    assert tr["requests"] == 50 and tr["mean_batch"] <= 64
+    res = CliRunner().invoke(app, ["simulate", "--trace", "bursty"])  # bursty needs a rate
+    assert res.exit_code != 0 and "--rate" in str(res.exception)
+    res = CliRunner().invoke(app, ["simulate", "--paper"])
+    assert res.exit_code == 0 and "Figure 11" in res.output and "-12.1" in res.output
+
+
+# ---------------------------------------------------------------- properties
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(sorted(MODELS)),
+    system=st.sampled_from(sorted(SYSTEMS)),
+    batch=st.integers(1, 512),
+    inp=st.integers(1, 4096),
+    out=st.integers(1, 2048),
+)
+def test_runs_respect_capacity_and_are_finite(model, system, batch, inp, out):
+    s, m = SYSTEMS[system], MODELS[model]
+    r = simulate(s, m, batch, inp, out)
+    assert 0 <= r.batch_run <= batch
+    if r.batch_run:
+        assert np.isfinite(r.tokens_per_s) and r.tokens_per_s > 0
+        assert r.memory_used <= s.capacity * (1 + 1e-9)
+    else:
+        assert r.tokens_per_s == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=st.sampled_from(sorted(MODELS)), batch=st.integers(1, 256), factor=st.floats(1.01, 4.0))
+def test_more_bandwidth_is_never_slower(model, batch, factor):
+    base = SYSTEMS["oaken-lpddr"]
+    tier = base.memory[0]
+    faster = dataclasses.replace(base, memory=(MemoryTier(tier.kind, tier.capacity, tier.bandwidth * factor),))
+    a = simulate(base, MODELS[model], batch, 512, 512).tokens_per_s
+    b = simulate(faster, MODELS[model], batch, 512, 512).tokens_per_s
+    assert b >= a * (1 - 1e-12)

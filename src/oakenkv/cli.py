@@ -76,6 +76,18 @@ def simulate(
     paper: Annotated[
         bool, typer.Option("--paper", help="Print the Figure 11 and Figure 5(b) comparison with the paper.")
     ] = False,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            help="Also run a synthetic trace with sampled lengths: 'conversation' or 'bursty' "
+            "(see docs/sim.md); the largest --batch caps the running batch."
+        ),
+    ] = None,
+    requests: Annotated[int, typer.Option(help="Requests in the --trace.")] = 500,
+    rate: Annotated[
+        float | None, typer.Option(help="Mean arrival rate of the --trace in requests/s (default: all at once).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed of the --trace.")] = 0,
 ) -> None:
     """Simulate end-to-end serving throughput of the Oaken accelerator and its baselines (no GPU needed)."""
     from oakenkv.sim import report
@@ -93,6 +105,16 @@ def simulate(
         by_len = report.length_sweep(model, names, max(batches), lens, kv_format)
         report.print_results(by_len, f"{model}, batch {max(batches)}")
         data["by_sequence_length"] = report.payload(by_len)["results"]
+    if trace is not None:
+        runs = report.trace_runs(model, names, trace, requests, rate, seed, max(batches))
+        report.print_trace_results(runs, f"{model}, {trace} trace, {requests} requests")
+        data["trace"] = {
+            "kind": trace,
+            "requests": requests,
+            "rate": rate,
+            "seed": seed,
+            "results": {r.system: r.to_dict() for r in runs},
+        }
     if json_out is not None:
         typer.echo(f"wrote {report.write_json(data, json_out)}")
     if plot is not None:
@@ -152,6 +174,107 @@ def advise(
     typer.echo(f"recommended: {advice.recommended} -- {advice.reason}")
     if json_out is not None:
         typer.echo(f"wrote {write_json(advice.to_dict(), json_out)}")
+
+
+@app.command("profile")
+def profile_cmd(
+    model: Annotated[
+        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
+    ] = "default",
+    samples: Annotated[
+        int,
+        typer.Option(help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn."),
+    ] = 100,
+    window: Annotated[
+        int,
+        typer.Option(
+            help="Tokens per calibration window. 256 (the default) takes about 1-2 s per run for the default "
+            "model on 2 CPU cores, so 100 runs take a few minutes."
+        ),
+    ] = 256,
+    out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Calibration text: 'wikipedia' (the default calibration excerpt) or 'wikitext2' (the "
+            "evaluation text; warned about, since perplexity on it is then not held-out)."
+        ),
+    ] = "wikipedia",
+    data_path: Annotated[
+        Path | None, typer.Option(help="Read the calibration text from this file instead of the built-in source.")
+    ] = None,
+    outer_ratio: Annotated[float, typer.Option(help="Fraction of values in the outer group.")] = 0.04,
+    inner_ratio: Annotated[float, typer.Option(help="Fraction of values in the inner group.")] = 0.06,
+    pre_rope: Annotated[
+        bool,
+        typer.Option(
+            "--pre-rope/--post-rope",
+            help="Profile keys before RoPE (as the official harness) instead of after it (what the cache stores).",
+        ),
+    ] = False,
+    kurtosis_tuning: Annotated[
+        bool,
+        typer.Option(
+            help="Per layer, raise the outer ratio by 0.5 points where kurtosis > 20 and lower the inner ratio by "
+            "0.3 points where kurtosis < 5; the adjustments are recorded in the file."
+        ),
+    ] = False,
+    inner_center: Annotated[
+        str,
+        typer.Option(
+            help="'median': the inner group is the values around the median (default); 'zero': the values of "
+            "smallest magnitude."
+        ),
+    ] = "median",
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass (speed only).")] = 1,
+) -> None:
+    """Profile the per-layer Oaken thresholds of a model on calibration text and save them as JSON."""
+    import warnings
+
+    from oakenkv.config import OakenConfig
+    from oakenkv.profile import profile_model
+
+    config = OakenConfig(
+        outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        th = profile_model(
+            model,
+            samples=samples,
+            window=window,
+            data=data,
+            data_path=None if data_path is None else str(data_path),
+            config=config,
+            kurtosis_tuning=kurtosis_tuning,
+            inner_center=inner_center,  # type: ignore[arg-type]
+            batch_size=batch_size,
+            progress=True,
+        )
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            typer.secho(f"warning: {w.message}", fg="yellow", err=True)
+    path = th.save(out)
+    typer.echo(
+        f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "
+        f"{data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv inspect {path}`)"
+    )
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="A thresholds JSON file written by `oakenkv profile`.")],
+    layers: Annotated[bool, typer.Option(help="Print the per-layer table (--no-layers: header only).")] = True,
+) -> None:
+    """Print a thresholds file: model, config, how it was profiled and the per-layer thresholds and kurtosis."""
+    from oakenkv.thresholds import Thresholds, ThresholdsFileError, print_thresholds
+
+    try:
+        th = Thresholds.load(path)
+    except (FileNotFoundError, ThresholdsFileError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1) from e
+    print_thresholds(th, layers=layers)
 
 
 def main() -> None:

@@ -68,36 +68,33 @@ def write_json(data: dict, path: str | Path) -> Path:
 
 
 def print_results(results: Sequence[RunResult], title: str) -> None:
-    """A rich table: system, batch (run / fits), tokens/s, KV bytes per token, memory used."""
-    from rich.console import Console
+    """A rich table: system, KV bits, batch asked / run / max, tokens/s, KV bytes per token, memory used."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in (
-        "system",
-        "KV format (bits)",
-        "batch",
-        "runs",
-        "max batch",
-        "seq len",
-        "tokens/s",
-        "KV bytes/token",
-        "memory GB",
-    ):
-        table.add_column(col, justify="right" if col not in ("system", "KV format (bits)") else "left")
+    for col in ("system", "KV bits", "in:out", "batch", "runs", "max", "tokens/s", "KV B/token", "mem GB"):
+        table.add_column(col, justify="left" if col == "system" else "right")
     for r in results:
         table.add_row(
             r.system,
-            f"{r.kv_format} ({r.kv_bits_per_value:.2f})",
+            f"{r.kv_bits_per_value:.2f}",
+            f"{r.input_len}:{r.output_len}",
             str(r.batch),
             str(r.batch_run),
             str(r.max_batch),
-            f"{r.input_len}:{r.output_len}",
             f"{r.tokens_per_s:.0f}",
             f"{r.kv_bytes_per_token:,.0f}",
             f"{r.memory_used / 1e9:.1f}",
         )
-    Console().print(table)
+    _console().print(table)
+
+
+def _console():
+    """A console at least 110 columns wide, so that tables stay readable when piped or in a narrow terminal."""
+    from rich.console import Console
+
+    con = Console()
+    return Console(width=max(con.width, 110)) if con.width < 110 else con
 
 
 def print_paper_comparison() -> None:
@@ -111,3 +108,41 @@ def print_paper_comparison() -> None:
         worst, rms = error_summary(rows)
         con.print(f"\n[bold]{name}[/bold]: worst error {worst:.1f}%, RMS {rms:.1f}%")
         con.print(format_table(rows), markup=False)
+
+
+def trace_runs(
+    model: str, systems: Sequence[str], kind: str, requests: int, rate: float | None, seed: int, max_batch: int
+) -> list:
+    """Run a synthetic trace ('conversation' or 'bursty', see oakenkv.sim.workload) through each system."""
+    from oakenkv.sim.scheduler import simulate_trace
+    from oakenkv.sim.workload import bursty_trace, conversation_trace
+
+    if kind == "conversation":
+        trace = conversation_trace(requests, seed=seed, rate=rate)
+    elif kind == "bursty":
+        if rate is None:
+            raise ValueError("a bursty trace needs --rate (mean requests per second)")
+        trace = bursty_trace(requests, rate=rate, seed=seed)
+    else:
+        raise ValueError(f"trace must be 'conversation' or 'bursty', got {kind!r}")
+    m = get_model(model)
+    return [simulate_trace(get_system(s), m, trace, max_batch=max_batch) for s in systems]
+
+
+def print_trace_results(results: Sequence, title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("system", "tokens/s", "mean batch", "mean latency s", "p99 latency s", "mean TTFT s", "preemptions"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in results:
+        table.add_row(
+            r.system,
+            f"{r.tokens_per_s:.0f}",
+            f"{r.mean_batch:.1f}",
+            f"{r.mean_latency_s:.1f}",
+            f"{r.p99_latency_s:.1f}",
+            f"{r.mean_ttft_s:.2f}",
+            str(r.preemptions),
+        )
+    _console().print(table)
