@@ -9,8 +9,7 @@ The rule (stated so that a reader can check a recommendation by hand):
    (LPDDR costs several times less per GB than HBM, which is the paper's case for LPDDR); without one, the
    fastest candidate wins.
 3. If no candidate meets everything, the advisor names the one that comes closest (the largest ratio of
-achieved
-   to required on the worst goal) and says which goal fails and by how much.
+   achieved to required on the worst goal) and says which goal fails and by how much.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ TB = 1e12
 
 #: Fraction of peak memory bandwidth a streaming decode step achieves (global; see the module docstring).
 MEMORY_EFFICIENCY = 1.0
-#: Fraction of peak matrix throughput reached by prefill (global; see module docstring).
+#: Fraction of peak matrix throughput reached by prefill (global; see the module docstring).
 COMPUTE_EFFICIENCY = 1.0
 
 #: Oaken quantization + dequantization engines' share of decode latency at batch 64 (paper Table 4).

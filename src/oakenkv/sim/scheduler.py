@@ -7,10 +7,9 @@ prefill produces its first token).
 Admission follows the system's batching policy:
 * static: a request is admitted only if its KV at its final length fits next to the running ones' final KV
   (the scheduler knows output lengths, an optimistic oracle; a real one reserves a maximum length);
-* continuous (paged): admit while the current KV plus the new prompt fits; when growth overflows memory,
-the most
-  recently admitted sequence is preempted and later recomputed (its prompt and generated tokens are prefilled
-  again), as vLLM does.
+* continuous (paged): admit while the current KV plus the new prompt fits; when growth overflows memory, the
+  most recently admitted sequence is preempted and later recomputed (its prompt and generated tokens are
+  prefilled again), as vLLM does.
 Both cap the running batch at ``max_batch`` (vLLM's ``max_num_seqs``).
 """
 

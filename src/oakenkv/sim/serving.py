@@ -1,13 +1,12 @@
 """The serving model: prefill and decode step times from a roofline over weights, KV traffic and compute.
 
-A decode step of a batch of B sequences at context c (per sequence) costs
+A decode step of a batch of B sequences at context c (per sequence) costs::
 
-    memory:  weights read (attention + LM head + the distinct experts the batch routes to)
-             + B x KV bytes/token x min(c, window)      (read every cached K/V once) + B x KV bytes/token
-             (write the new token's K/V)
-    compute: 2 x B x (active parameters + attention MACs over c) time   = max(memory bytes / (bandwidth x
-    memory_efficiency), FLOP / (peak x compute_efficiency))
-             / (1 - kv_engine_overhead)
+    memory  = weights read (attention + LM head + the distinct experts the batch routes to)
+              + B x KV bytes/token x (min(c, window) + 1)   # read every cached K/V once, write the new token
+    compute = 2 x B x (active parameters + attention MACs over min(c, window))
+    time    = max(memory / (bandwidth x memory_efficiency), compute / (peak FLOP/s x compute_efficiency))
+              / (1 - kv_engine_overhead)
 
 Prefill of one sequence of S tokens is the same roofline with S tokens of compute and one read of the weights
 (prefill runs sequence by sequence, as memory-limited accelerators do; it is compute-bound either way).
@@ -80,9 +79,8 @@ def expected_experts(model: ModelShape, tokens: float | np.ndarray) -> float | n
 
 
 def weight_bytes_read(model: ModelShape, tokens: float | np.ndarray) -> float | np.ndarray:
-    """Weight bytes one forward pass over ``tokens`` tokens reads: all attention weights, the LM head
-    (the input
-    embedding is a gather of a few rows, ignored) and the distinct experts the tokens route to."""
+    """Weight bytes one forward pass over ``tokens`` tokens reads: all attention weights, the LM head (the
+    input embedding is a gather of a few rows, ignored) and the distinct experts the tokens route to."""
     dense = model.n_layers * model.attn_params_per_layer + model.vocab * model.d_model
     experts = model.n_layers * model.expert_params * expected_experts(model, tokens)
     return (dense + experts) * WEIGHT_BYTES
@@ -94,8 +92,7 @@ def kv_tokens_kept(model: ModelShape, ctx: int | np.ndarray) -> int | np.ndarray
 
 
 def tier_shares(system: SystemSpec, stored_per_device: float) -> np.ndarray:
-    """Fraction of the data in each memory tier: proportional to bandwidth, capped by capacity
-    (water-filling).
+    """Fraction of the data in each memory tier: proportional to bandwidth, capped by capacity (water-filling).
 
     Returns shape [n_tiers], summing to 1 (when the data fits; callers check capacity first).
     """
@@ -196,7 +193,9 @@ def step_time_kv(
     attn_macs = model.n_layers * model.n_heads * model.head_dim * 2 * kv_tokens
     flops = 2.0 * (batch * model.active_params + attn_macs)
     t_cmp = flops / (system.peak_flops * system.compute_efficiency * n)
-    return np.maximum(t_mem, t_cmp) / (1.0 - system.kv_engine_overhead)
+    # the (de)quantization engines work only on the system's own KV format (Oaken engines on Oaken KV)
+    overhead = system.kv_engine_overhead if fmt.name == system.kv_format else 0.0
+    return np.maximum(t_mem, t_cmp) / (1.0 - overhead)
 
 
 def decode_step_times(
@@ -207,8 +206,7 @@ def decode_step_times(
     kv_format: str | None = None,
     final_len: int | None = None,
 ) -> np.ndarray:
-    """Seconds of each decode step of ``batch`` sequences at contexts ``ctx`` (tokens attended, shape
-    [steps]).
+    """Seconds of each decode step of ``batch`` sequences at contexts ``ctx`` (float [steps], tokens attended).
 
     ``final_len`` sets how much KV is resident (for tier placement); defaults to the largest context.
     """

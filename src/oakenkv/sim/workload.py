@@ -8,10 +8,9 @@ are illustrative, documented distributions, not fits to a particular dataset:
   median output 256, log-space sigma 0.8 (so the mean is about 1.4x the median and the 99th percentile about
   6x). Arrivals are Poisson at ``rate`` requests/s, or all at t=0 when ``rate`` is None (an offline batch
   job).
-* ``bursty_trace``: conversation lengths with bursty arrivals. Inter-arrival gaps are Gamma distributed
-with mean
-  1/rate and coefficient of variation ``cv`` (cv = 1 is Poisson; cv = 3, the default, gives bursts of near-
-  simultaneous requests separated by long idle gaps).
+* ``bursty_trace``: conversation lengths with bursty arrivals. Inter-arrival gaps are Gamma distributed with
+  mean 1/rate and coefficient of variation ``cv`` (cv = 1 is Poisson; cv = 3, the default, gives bursts of
+  near-simultaneous requests separated by long idle gaps).
 """
 
 from __future__ import annotations
