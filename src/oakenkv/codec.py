@@ -350,7 +350,7 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None) -> QuantizedVec
     config = config or OakenConfig()
     check_encoded(enc, config)
     n, d = enc.num_rows, enc.dim
-    nib = torch.stack([enc.dense & 0xF, enc.dense >> 4], dim=2).reshape(n, -1)[:, :d]
+    nib = torch.stack([enc.dense & 0xF, enc.dense >> 4], dim=2).reshape(n, 2 * dense_bytes(d))[:, :d]
     codes = nib.clone()
     groups = torch.zeros((n, d), dtype=torch.uint8)
     bits = group_bits(config)

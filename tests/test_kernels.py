@@ -1,0 +1,277 @@
+"""The numba CPU kernels (oakenkv.kernels.cpu) against the reference quant.py + codec.py, bit for bit, and fuzzing
+of the decoder with corrupted and random bytes."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oakenkv import codec
+from oakenkv.codec import CorruptDataError, EncodedBatch
+from oakenkv.config import OakenConfig
+from oakenkv.kernels import cpu
+from oakenkv.quant import dequantize, quantize
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+THRESHOLDS = [
+    (-2.0, -0.15, 0.15, 2.0),
+    (-1.0, 0.0, 0.0, 1.0),  # degenerate inner interval: only exact zeros are inner
+    (-0.5, -0.499, 3.0, 3.5),  # asymmetric
+    (-300.0, -1.0, 1.0, 1000.0),  # outer group often empty
+]
+
+
+def _bits32(t: torch.Tensor) -> torch.Tensor:
+    """float32 bit patterns with -0.0 folded into +0.0 (torch's min/max may return either zero)."""
+    return (t.to(torch.float32) + 0.0).view(torch.int32)
+
+
+def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
+    assert a.dim == b.dim
+    assert torch.equal(a.dense, b.dense)
+    assert torch.equal(a.sparse_offsets, b.sparse_offsets)
+    assert torch.equal(a.sparse, b.sparse)
+    assert a.scales.dtype == b.scales.dtype
+    assert torch.equal(_bits32(a.scales), _bits32(b.scales))
+
+
+@st.composite
+def rows(draw):
+    thr = draw(st.sampled_from(THRESHOLDS))
+    d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256]))
+    n = draw(st.integers(1, 5))
+    to_lo, ti_lo, ti_hi, to_hi = thr
+    edge = [
+        to_lo, ti_lo, ti_hi, to_hi, 0.0, -0.0,
+        float(np.nextafter(np.float32(to_hi), np.float32(1e9))),
+        float(np.nextafter(np.float32(to_lo), np.float32(-1e9))),
+        float(np.nextafter(np.float32(ti_hi), np.float32(1e9))),
+        float(np.nextafter(np.float32(ti_lo), np.float32(-1e9))),
+        1e-30, -1e-30, 6e4, -6e4,
+    ]  # fmt: skip
+    kind = draw(st.sampled_from(["random", "edges", "constant", "outliers"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([0.01, 1.0, 3.0, 100.0]))
+    if kind == "random":
+        x = g.standard_normal((n, d)) * scale
+    elif kind == "edges":
+        x = g.choice(np.array(edge), size=(n, d))
+        mask = g.random((n, d)) < 0.3
+        x = np.where(mask, g.standard_normal((n, d)) * scale, x)
+    elif kind == "constant":
+        x = np.full((n, d), draw(st.sampled_from(edge)))
+    else:  # every value of whole chunks an outlier, on both sides or one
+        x = g.standard_normal((n, d)) * 0.5
+        x[:, : min(d, 64)] = (to_hi + 1.0) * draw(st.sampled_from([1.0, -1.0])) * (1 + g.random((n, min(d, 64))))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    cfg = OakenConfig(
+        scale_dtype=draw(st.sampled_from(["float16", "float32"])),
+        inner_bits=draw(st.sampled_from([5, 5, 4])),
+        outer_bits=draw(st.sampled_from([5, 5, 4])),
+    )
+    return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
+
+
+@SETTINGS
+@given(rows())
+def test_encode_decode_bit_exact_with_reference(case):
+    x, thr, cfg = case
+    try:
+        q = quantize(x, thr, cfg)
+    except ValueError as e:  # fp16 scale overflow: the kernel must refuse the same input
+        with pytest.raises(ValueError, match="fp16"):
+            codec.encode(x, thr, cfg)
+        assert "fp16" in str(e)
+        return
+    ref = codec.pack(q, cfg)
+    enc = codec.encode(x, thr, cfg)
+    _assert_same_bytes(enc, ref)
+    want = dequantize(q, thr, cfg)
+    got = codec.decode(enc, thr, cfg)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(_bits32(got), _bits32(want))
+    got16 = cpu.decode_batch(enc, thr, cfg, out_dtype=torch.float16)
+    assert torch.equal(
+        (got16.float() + 0.0).view(torch.int32), (want.to(torch.float16).float() + 0.0).view(torch.int32)
+    )
+
+
+def test_encode_many_rows_is_thread_independent():
+    # several parallel blocks of rows; the result must not depend on the thread count
+    x = torch.randn(300, 192, generator=torch.Generator().manual_seed(0)) * 2
+    thr = THRESHOLDS[0]
+    ref = codec.pack(quantize(x, thr))
+    before = numba.get_num_threads()
+    try:
+        for t in sorted({1, before}):
+            numba.set_num_threads(t)
+            _assert_same_bytes(codec.encode(x, thr), ref)
+            assert torch.equal(codec.decode(ref, thr), dequantize(quantize(x, thr), thr))
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_encode_rejects_bad_input():
+    thr = THRESHOLDS[0]
+    x = torch.randn(4, 64)
+    x[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"row 2.*NaN"):
+        codec.encode(x, thr)
+    with pytest.raises(ValueError, match="fp16"):
+        codec.encode(torch.full((1, 64), 1e5), thr)
+    assert codec.encode(torch.full((1, 64), 1e5), thr, OakenConfig(scale_dtype="float32")).dim == 64
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        codec.encode(torch.randn(64), thr)
+    with pytest.raises(TypeError):
+        codec.encode(torch.ones(2, 64, dtype=torch.int32), thr)
+
+
+def test_fp16_rounding_helpers_match_torch():
+    g = np.random.default_rng(0)
+    bits = g.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    v = bits.view(np.float32)
+    v = v[np.isfinite(v)]
+    # plus every fp16 value and the midpoints between neighbours (ties to even)
+    h = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()
+    h = np.sort(h[np.isfinite(h)])
+    mids = ((h[1:].astype(np.float64) + h[:-1]) / 2).astype(np.float32)
+    v = np.concatenate([v, h, mids, np.float32([0.0, -0.0, 65504, 65519.99, 65520, -65520, 2**-25, 2**-24])])
+    want16 = torch.from_numpy(v).to(torch.float16)
+    want_bits = want16.view(torch.int16).numpy().view(np.uint16)
+    got_bits = np.array([cpu.f32_to_f16_bits(np.float32(a)) for a in v], dtype=np.uint16)
+    assert np.array_equal(got_bits, want_bits)
+    small = np.abs(v) <= 65504
+    got = np.array([cpu.round_to_f16(np.float32(a)) for a in v[small]], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), want16.float().numpy()[small].view(np.uint32))
+
+
+@numba.njit(cache=True)
+def _decode_all_via_row_helper(dense, sparse, offsets, scales, thr, out):
+    # how another numba kernel (decode attention) calls the single-row helper
+    for r in range(dense.shape[0]):
+        err = cpu.decode_row_into(dense[r], sparse[offsets[r] : offsets[r + 1]], scales[r], thr, out[r])
+        if err != 0:
+            return err
+    return 0
+
+
+def test_single_row_helper_callable_from_numba():
+    x = torch.randn(9, 80, generator=torch.Generator().manual_seed(2)) * 2
+    thr = THRESHOLDS[0]
+    enc = codec.encode(x, thr)
+    out = np.empty((9, 80), np.float32)
+    err = _decode_all_via_row_helper(
+        enc.dense.numpy(),
+        enc.sparse.numpy(),
+        enc.sparse_offsets.numpy(),
+        enc.scales.float().numpy(),
+        np.float32(thr),
+        out,
+    )
+    assert err == 0
+    assert torch.equal(torch.from_numpy(out), codec.decode(enc, thr))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fuzzing the decoder: corrupted and random bytes raise CorruptDataError or decode exactly as the reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _reference_or_error(enc, thr, cfg):
+    try:
+        return dequantize(codec.unpack(enc, cfg), thr, cfg)
+    except CorruptDataError:
+        return None
+
+
+def _kernel_or_error(enc, thr, cfg):
+    try:
+        return codec.decode(enc, thr, cfg)
+    except CorruptDataError:
+        return None
+
+
+@st.composite
+def corrupted(draw):
+    d = draw(st.sampled_from([64, 80, 192, 200]))
+    n = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = np.random.default_rng(seed)
+    cfg = OakenConfig(inner_bits=draw(st.sampled_from([4, 5])))
+    x = torch.from_numpy((g.standard_normal((n, d)) * 1.5).astype(np.float32))
+    enc = codec.encode(x, THRESHOLDS[0], cfg)
+    sparse = enc.sparse.numpy().copy()
+    offsets = enc.sparse_offsets.numpy().copy()
+    how = draw(st.sampled_from(["flip", "truncate_row", "random_row", "insert", "offsets"]))
+    if how == "flip" and sparse.size:
+        for _ in range(draw(st.integers(1, 4))):
+            sparse[g.integers(sparse.size)] ^= np.uint8(1 << g.integers(8))
+    elif how == "truncate_row":
+        r = int(g.integers(n))
+        cut = int(g.integers(offsets[r], offsets[r + 1] + 1))
+        sparse = np.delete(sparse, np.arange(cut, offsets[r + 1]))
+        offsets[r + 1 :] -= offsets[r + 1] - cut
+    elif how == "random_row":
+        r = int(g.integers(n))
+        new = g.integers(0, 256, int(g.integers(0, 40)), dtype=np.uint8)
+        sparse = np.concatenate([sparse[: offsets[r]], new, sparse[offsets[r + 1] :]])
+        offsets[r + 1 :] += new.size - (offsets[r + 1] - offsets[r])
+    elif how == "insert":
+        at = int(g.integers(sparse.size + 1))
+        sparse = np.insert(sparse, at, np.uint8(g.integers(256)))
+        offsets[np.searchsorted(offsets, at, side="right") :] += 1
+        offsets[-1] = sparse.size
+    else:
+        offsets[int(g.integers(1, n + 1))] += int(g.integers(-5, 6))
+    enc.sparse = torch.from_numpy(sparse)
+    enc.sparse_offsets = torch.from_numpy(offsets)
+    return enc, cfg
+
+
+@SETTINGS
+@given(corrupted())
+def test_fuzz_decoder_agrees_with_reference_on_corrupt_streams(case):
+    enc, cfg = case
+    want = _reference_or_error(enc, THRESHOLDS[0], cfg)
+    got = _kernel_or_error(enc, THRESHOLDS[0], cfg)
+    assert (want is None) == (got is None)
+    if want is not None:
+        assert torch.equal(_bits32(got), _bits32(want))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 63, 64, 130]), st.integers(0, 3))
+def test_fuzz_random_bytes_never_crash(seed, d, n):
+    g = np.random.default_rng(seed)
+    counts = g.integers(0, 3 * d, n)
+    # random streams biased towards escape-heavy bytes
+    sparse = g.choice(np.array([0, 1, 0xFF, 0x3F, 0x40, 0x80, g.integers(256)], dtype=np.uint8), int(counts.sum()))
+    enc = EncodedBatch(
+        dense=torch.from_numpy(g.integers(0, 256, (n, (d + 1) // 2), dtype=np.uint8)),
+        scales=torch.from_numpy(g.standard_normal((n, 6)).astype(np.float16)),
+        sparse=torch.from_numpy(sparse),
+        sparse_offsets=torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)),
+        dim=d,
+    )
+    want = _reference_or_error(enc, THRESHOLDS[0], OakenConfig())
+    got = _kernel_or_error(enc, THRESHOLDS[0], OakenConfig())
+    assert (want is None) == (got is None)
+    if want is not None:
+        assert torch.equal(_bits32(got), _bits32(want))
+
+
+def test_decode_rejects_wrong_shapes_before_reading():
+    enc = codec.encode(torch.randn(3, 64), THRESHOLDS[0])
+    bad = EncodedBatch(**{**enc.__dict__, "dim": 200})
+    with pytest.raises(CorruptDataError, match="dense"):
+        codec.decode(bad, THRESHOLDS[0])
+    off = enc.sparse_offsets.clone()
+    off[-1] += 10
+    with pytest.raises(CorruptDataError, match="len"):
+        codec.decode(EncodedBatch(**{**enc.__dict__, "sparse_offsets": off}), THRESHOLDS[0])
