@@ -171,6 +171,7 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
     """
     if name == "wikitext2":
         try:
+            # Universal newlines: the shared copy has CRLF line ends, the Hugging Face rows end in "\n".
             return locate_text(name, path).read_text(encoding="utf-8")
         except DataNotFoundError:
             if path is not None or not (_allow_hub_default() if allow_hub is None else allow_hub):

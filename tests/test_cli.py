@@ -1,0 +1,73 @@
+"""The `oakenkv` command: --help, info and demo (in-process through typer's runner, and the console script)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from oakenkv.cli import app
+
+runner = CliRunner()
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    assert "info" in result.output and "demo" in result.output
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("oakenkv") or str(Path(sys.executable).parent / "oakenkv")
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "demo" in result.stdout
+
+
+def test_info_reports_default_model_and_each_data_source_found():
+    from oakenkv.report_info import collect_info
+
+    info = collect_info()
+    for name in ("default", "gemma3-270m"):
+        assert info["models"][name]["found"], info["models"][name]["note"]
+    for name in ("wikitext2", "wikipedia", "piqa", "winogrande", "hellaswag"):
+        assert info["data"][name]["found"], info["data"][name]["note"]
+    assert info["versions"]["torch"] and info["threads"]["torch"] >= 1
+    json.dumps(info)  # JSON-able
+
+    result = runner.invoke(app, ["info"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "MISSING" not in result.output
+    assert "wiki.test.raw" in result.output and "SmolLM2-135M-Instruct.Q4_1.gguf" in result.output
+
+
+def test_demo_prints_fp_perplexity_and_writes_json(default_model, tmp_path):
+    out = tmp_path / "demo.json"
+    args = ["demo", "--windows", "2", "--window", "64", "--max-new-tokens", "4", "--json", str(out)]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "WikiText-2 perplexity" in result.output and "FP" in result.output
+    res = json.loads(out.read_text())
+    assert res["data"] == {"text": "wikitext2", "windows": 2, "window": 64}
+    assert res["fp"]["tokens"] == 2 * 63
+    assert 1.0 < res["fp"]["perplexity"] < 200 and math.isfinite(res["fp"]["nll"])
+    assert res["config"] == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "float32"}
+    assert 1 <= res["generation"]["new_tokens"] <= 4
+
+
+def test_window_nll_matches_transformers_loss(default_model):
+    import torch
+
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.demo import window_nll
+
+    ids = token_windows(default_model.tokenizer, load_text("wikitext2"), 48, max_windows=2)
+    nll, n = window_nll(default_model.model, ids)
+    assert n == 2 * 47
+    with torch.inference_mode():
+        losses = [default_model.model(input_ids=row[None], labels=row[None]).loss for row in ids]
+    assert math.isclose(nll / n, float(sum(losses)) / 2, rel_tol=1e-4)
