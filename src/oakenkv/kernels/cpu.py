@@ -191,41 +191,112 @@ def _store_scale(v, fp16):
     return v, True
 
 
-@njit(cache=True, nogil=True)
-def _code_signed(s, lo, step, n):
-    """Code of shifted value s in a signed group with stored grid start lo and float32 step (quant.quantize)."""
-    if not step > _F32(0.0):
-        return 0
-    top = _F32(n - 1)
-    q = np.floor((s - lo) / step + _F32(0.5))
-    q = min(max(q, _F32(0.0)), top)
-    # nudge a code that would decode on the wrong side of zero (decoder arithmetic: v = lo + q * step)
-    v = lo + q * step
-    if s > _F32(0.0) and v <= _F32(0.0):
-        q = q + _F32(1.0)
-    if s < _F32(0.0) and v >= _F32(0.0):
-        q = q - _F32(1.0)
-    q = min(max(q, _F32(0.0)), top)
-    return int(q)
+_KMIN = np.int32(-(2**31))
+_KMAX = np.int32(2**31 - 1)
+# float bits of the keys _KMIN / _KMAX (what "no value qualified" turns into after the inverse mapping)
+_KMIN_BITS = np.int32(-(2**31) ^ 0x7FFFFFFF)
+_KMAX_BITS = _KMAX
 
 
 @njit(cache=True, nogil=True)
-def _code_plain(s, lo, step, n):
-    if not step > _F32(0.0):
-        return 0
-    q = np.floor((s - lo) / step + _F32(0.5))
-    q = min(max(q, _F32(0.0)), _F32(n - 1))
-    return int(q)
+def _key(b):
+    """Order-preserving int32 key of float32 bits ``b`` (int32), with -0.0 mapped to +0.0's key 0.
+
+    Non-negative floats keep their bits; negative ones get their magnitude bits flipped, so integer order equals
+    float order (and integer min/max reductions vectorize, unlike numba's float max()).
+    """
+    k = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+    return k if k != np.int32(-1) else np.int32(0)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _row_key_stats(xi, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi, out):
+    """Pass 1 of encode_row over the int32 bits ``xi [D]`` of a float32 row; writes int32 keys to ``out[0:6]``:
+
+    max, min, max of values <= to_hi, min of values >= to_lo, min of values >= ti_lo, max of values <= ti_hi
+    (``_KMIN`` / ``_KMAX`` when nothing qualifies). Returns the number of NaN/inf values.
+    """
+    kmax, k_le_tohi, k_le_tihi = _KMIN, _KMIN, _KMIN
+    kmin, k_ge_tolo, k_ge_tilo = _KMAX, _KMAX, _KMAX
+    bad = 0
+    for j in range(xi.shape[0]):
+        b = xi[j]
+        bad += (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
+        k = _key(b)
+        kmax = max(kmax, k)
+        kmin = min(kmin, k)
+        k_le_tohi = max(k_le_tohi, k if k <= k_to_hi else _KMIN)
+        k_ge_tolo = min(k_ge_tolo, k if k >= k_to_lo else _KMAX)
+        k_ge_tilo = min(k_ge_tilo, k if k >= k_ti_lo else _KMAX)
+        k_le_tihi = max(k_le_tihi, k if k <= k_ti_hi else _KMIN)
+    out[0], out[1], out[2], out[3], out[4], out[5] = kmax, kmin, k_le_tohi, k_ge_tolo, k_ge_tilo, k_le_tihi
+    return bad
 
 
 @njit(cache=True, nogil=True)
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row):
+def _min_above(x, lo, hi):
+    """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero."""
+    m = _INF32
+    for j in range(x.shape[0]):
+        v = x[j]
+        if v > lo and v <= hi:
+            m = min(m, v - lo)
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _min_below(x, lo, hi):
+    """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none)."""
+    m = _INF32
+    for j in range(x.shape[0]):
+        v = x[j]
+        if v < hi and v >= lo:
+            m = min(m, hi - v)
+    return m
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out):
+    """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize.
+
+    Branch-free selects so that LLVM can vectorize it; no fast-math (true division, floor, exact order).
+    """
+    zero, one, half = _F32(0.0), _F32(1.0), _F32(0.5)
+    top_m, top_i, top_o = _F32(15.0), _F32(n_in - 1), _F32(n_out - 1)
+    for j in range(x.shape[0]):
+        v = x[j]
+        up_o = v > to_hi
+        dn_o = v < to_lo
+        outer = up_o | dn_o
+        inner = (v >= ti_lo) & (v <= ti_hi)
+        sh = to_hi if up_o else (to_lo if dn_o else (ti_hi if v > ti_hi else (ti_lo if v < ti_lo else zero)))
+        s = v - sh
+        lo = og0 if outer else (ig0 if inner else mg0)
+        step = o_step if outer else (i_step if inner else m_step)
+        top = top_o if outer else (top_i if inner else top_m)
+        safe = step if step > zero else one
+        q = np.floor((s - lo) / safe + half)
+        q = min(max(q, zero), top)
+        # signed groups: nudge a code that would decode on the wrong side (decoder: sign of lo + q * step)
+        w = lo + q * step
+        signed = not inner
+        q = q + one if (signed & (s > zero) & (w <= zero)) else q
+        q = q - one if (signed & (s < zero) & (w >= zero)) else q
+        q = min(max(q, zero), top)
+        q = q if step > zero else zero
+        g = 64 if outer else (32 if inner else 0)
+        comb[j] = np.uint8(np.int32(q) + g)
+
+
+@njit(cache=True, nogil=True)
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, comb, pos, kbuf):
     """Quantize and pack one row.
 
     Args:
         x: float32 ``[D]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
         dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
-        dtype); sparse_row: uint8 scratch of at least ``D + 2 * chunks + chunks // 255 + 1`` bytes (out).
+        dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
+        comb: uint8 ``[D]``, pos: int32 ``[D + 1]`` and kbuf: int32 ``[10]``: scratch.
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -233,54 +304,47 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     d = x.shape[0]
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     zero = _F32(0.0)
-    # pass 1: group statistics of the shifted values
-    # per signed group: largest and smallest magnitude of the negative and of the positive shifted values
-    m_lo, m_hi, o_lo, o_hi = zero, zero, zero, zero
-    m_lo_min, m_hi_min, o_lo_min, o_hi_min = _INF32, _INF32, _INF32, _INF32
-    m_has_lo, m_has_hi, o_has_lo, o_has_hi = False, False, False, False
-    i_min, i_max, i_has = _INF32, -_INF32, False
-    for j in range(d):
-        v = x[j]
-        if v - v != zero:  # NaN or inf (v - v is then NaN)
-            return -ERR_NONFINITE
-        if v > to_hi:
-            s = v - to_hi
-            o_has_hi = True
-            o_hi = max(o_hi, s)
-            o_hi_min = min(o_hi_min, s)
-        elif v < to_lo:
-            s = -(v - to_lo)
-            o_has_lo = True
-            o_lo = max(o_lo, s)
-            o_lo_min = min(o_lo_min, s)
-        elif v >= ti_lo and v <= ti_hi:
-            i_has = True
-            i_min = min(i_min, v)
-            i_max = max(i_max, v)
-        elif v > ti_hi:
-            s = v - ti_hi
-            m_has_hi = True
-            m_hi = max(m_hi, s)
-            m_hi_min = min(m_hi_min, s)
-        else:
-            s = -(v - ti_lo)
-            m_has_lo = True
-            m_lo = max(m_lo, s)
-            m_lo_min = min(m_lo_min, s)
+    # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
+    kth = kbuf[6:10]
+    fbuf = kbuf.view(np.float32)
+    fbuf[6], fbuf[7], fbuf[8], fbuf[9] = to_lo, ti_lo, ti_hi, to_hi
+    for t in range(6, 10):
+        kth[t - 6] = _key(kbuf[t])
+    if _row_key_stats(x.view(np.int32), kth[0], kth[1], kth[2], kth[3], kbuf):
+        return -ERR_NONFINITE
+    for t in range(6):
+        k = kbuf[t]
+        kbuf[t] = k ^ ((k >> 31) & np.int32(0x7FFFFFFF))  # key -> float bits (the mapping is an involution)
+    vmax, vmin, v_le_tohi, v_ge_tolo, v_ge_tilo, v_le_tihi = fbuf[0], fbuf[1], fbuf[2], fbuf[3], fbuf[4], fbuf[5]
+    # outer: largest magnitudes from the row's extremes (v - c is monotonic in v, so max(v) - c = max(v - c))
+    o_has_hi = vmax > to_hi
+    o_has_lo = vmin < to_lo
+    o_hi = vmax - to_hi if o_has_hi else zero
+    o_lo = to_lo - vmin if o_has_lo else zero
+    # middle: extremes among the values inside the outer thresholds
+    m_has_hi = kbuf[2] != _KMIN_BITS and v_le_tohi > ti_hi
+    m_has_lo = kbuf[3] != _KMAX_BITS and v_ge_tolo < ti_lo
+    m_hi = v_le_tohi - ti_hi if m_has_hi else zero
+    m_lo = ti_lo - v_ge_tolo if m_has_lo else zero
+    # a one-sided group also needs its value nearest zero (plain grid): a second, rare pass
+    o_hi_min = _min_above(x, to_hi, _INF32) if o_has_hi and not o_has_lo else _INF32
+    o_lo_min = _min_below(x, -_INF32, to_lo) if o_has_lo and not o_has_hi else _INF32
+    m_hi_min = _min_above(x, ti_hi, to_hi) if m_has_hi and not m_has_lo else _INF32
+    m_lo_min = _min_below(x, to_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
     n_mid, n_in, n_out = 16, 1 << inner_bits, 1 << outer_bits
     mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
     og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
-    if not i_has:
-        i_min, i_max = zero, zero
-    ok = True
+    # inner: min of the values >= ti_lo is the inner minimum if it is <= ti_hi (else the group is empty)
+    i_has = kbuf[4] != _KMAX_BITS and v_ge_tilo <= ti_hi
+    i_min = v_ge_tilo if i_has else zero
+    i_max = v_le_tihi if i_has else zero
     mg0, ok0 = _store_scale(mg0, fp16)
     mg1, ok1 = _store_scale(mg1, fp16)
     ig0, ok2 = _store_scale(i_min, fp16)
     ig1, ok3 = _store_scale(i_max, fp16)
     og0, ok4 = _store_scale(og0, fp16)
     og1, ok5 = _store_scale(og1, fp16)
-    ok = ok0 and ok1 and ok2 and ok3 and ok4 and ok5
-    if not ok:
+    if not (ok0 and ok1 and ok2 and ok3 and ok4 and ok5):
         return -ERR_SCALE_OVERFLOW
     scales_row[0], scales_row[1] = mg0, mg1
     scales_row[2], scales_row[3] = ig0, ig1
@@ -288,61 +352,57 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     m_step = (mg1 - mg0) / _F32(n_mid - 1)
     i_step = (ig1 - ig0) / _F32(n_in - 1)
     o_step = (og1 - og0) / _F32(n_out - 1)
-    # pass 2: codes -> dense nibbles, outliers -> COO stream (state: chunk c, last index p, previous byte prev)
+    # pass 2: codes and groups
+    _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out)
+    # pass 3: dense nibbles, value 2j low, 2j+1 high
+    half = d >> 1
+    for j in range(half):
+        dense_row[j] = np.uint8((comb[2 * j] & 0xF) | ((comb[2 * j + 1] & 0xF) << 4))
+    if d & 1:
+        dense_row[half] = np.uint8(comb[d - 1] & 0xF)
+    # pass 4: branch-free compaction of the outlier positions
+    cnt = 0
+    for j in range(d):
+        pos[cnt] = j
+        cnt += comb[j] >= 32
+    # pass 5: COO stream (state: chunk c, last index p, previous byte prev; see codec's docstring)
     nb = 0
     c, p, prev = 0, -1, 0
-    lo_nib = 0
-    for j in range(d):
-        v = x[j]
-        group = 0  # 0 middle, 1 inner, 2 outer
-        if v > to_hi:
-            code = _code_signed(v - to_hi, og0, o_step, n_out)
-            group = 2
-        elif v < to_lo:
-            code = _code_signed(v - to_lo, og0, o_step, n_out)
-            group = 2
-        elif v >= ti_lo and v <= ti_hi:
-            code = _code_plain(v, ig0, i_step, n_in)
-            group = 1
-        elif v > ti_hi:
-            code = _code_signed(v - ti_hi, mg0, m_step, n_mid)
-        else:
-            code = _code_signed(v - ti_lo, mg0, m_step, n_mid)
-        nib = code & 0xF
-        if j & 1:
-            dense_row[j >> 1] = np.uint8(lo_nib | (nib << 4))
-        else:
-            lo_nib = nib
-        if group != 0:
-            cc = j >> 6
-            i = j & COO_INDEX_MASK
-            e = i | (COO_GROUP_BIT if group == 2 else 0) | (((code >> 4) & 1) << 7)
-            natural = e != prev and ((cc == c and i > p) or (cc == c + 1 and i <= p))
-            if not natural:
-                sparse_row[nb] = np.uint8(prev)
-                nb += 1
-                k = cc - c
-                while k >= ADVANCE_CONTINUE:
-                    sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
-                    nb += 1
-                    k -= ADVANCE_CONTINUE
-                sparse_row[nb] = np.uint8(k)
-                nb += 1
-            sparse_row[nb] = np.uint8(e)
+    for t in range(cnt):
+        j = pos[t]
+        cb = np.int64(comb[j])
+        cc = j >> 6
+        i = j & COO_INDEX_MASK
+        e = i | (COO_GROUP_BIT if cb >= 64 else 0) | (((cb >> 4) & 1) << 7)
+        natural = e != prev and ((cc == c and i > p) or (cc == c + 1 and i <= p))
+        if not natural:
+            sparse_row[nb] = np.uint8(prev)
             nb += 1
-            c, p, prev = cc, i, e
-    if d & 1:
-        dense_row[d >> 1] = np.uint8(lo_nib)
+            k = cc - c
+            while k >= ADVANCE_CONTINUE:
+                sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
+                nb += 1
+                k -= ADVANCE_CONTINUE
+            sparse_row[nb] = np.uint8(k)
+            nb += 1
+        sparse_row[nb] = np.uint8(e)
+        nb += 1
+        c, p, prev = cc, i, e
     return nb
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _encode_rows_f32(x, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, counts):
-    n = x.shape[0]
+    n, d = x.shape
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
+        comb = np.empty(d, np.uint8)
+        pos = np.empty(d + 1, np.int32)
+        kbuf = np.empty(10, np.int32)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            counts[r] = encode_row(x[r], thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r])
+            counts[r] = encode_row(
+                x[r], thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, pos, kbuf
+            )
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -352,10 +412,15 @@ def _encode_rows_u16(xbits, lut, thr, inner_bits, outer_bits, fp16, dense, scale
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
         row = np.empty(d, np.float32)
+        comb = np.empty(d, np.uint8)
+        pos = np.empty(d + 1, np.int32)
+        kbuf = np.empty(10, np.int32)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             for j in range(d):
                 row[j] = lut[xbits[r, j]]
-            counts[r] = encode_row(row, thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r])
+            counts[r] = encode_row(
+                row, thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, pos, kbuf
+            )
 
 
 @njit(cache=True, nogil=True, parallel=True)
