@@ -231,3 +231,30 @@ def test_pre_rope_config_is_recorded(default_model, calib_ids):
     with pytest.warns(FewRunsWarning):
         th = profile_thresholds(default_model.model, calib_ids[:1, :32], OakenConfig(key_position="pre_rope"))
     assert th.config.key_position == "pre_rope" and th.profile["key_position"] == "pre_rope"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.model
+def test_cli_profile_and_inspect(default_model, tmp_path):
+    """`oakenkv profile` writes a valid file with distinct layers and warns below 100 samples; `inspect` reads it."""
+    from typer.testing import CliRunner
+
+    from oakenkv.cli import app
+
+    out = tmp_path / "t.json"
+    runner = CliRunner()
+    res = runner.invoke(app, ["profile", "--samples", "2", "--window", "32", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "warning: profiling with 2 runs" in res.output
+    th = Thresholds.load(out, expect=ModelFingerprint.from_model_config(default_model.model.config))
+    assert th.profile["runs"] == 2 and th.profile["window"] == 32 and th.profile["data"] == "wikipedia"
+    assert len({g.as_tuple() for g in th.keys}) == 30 and len({g.as_tuple() for g in th.values}) == 30
+
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "30 layers" in res.output and "value thresholds per decoder layer" in res.output
+    (tmp_path / "bad.json").write_text(out.read_text()[:100])
+    res = runner.invoke(app, ["inspect", str(tmp_path / "bad.json")])
+    assert res.exit_code == 1 and "corrupt JSON" in res.output

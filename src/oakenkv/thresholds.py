@@ -56,6 +56,7 @@ __all__ = [
     "ModelMismatchError",
     "Thresholds",
     "ThresholdsFileError",
+    "print_thresholds",
 ]
 
 #: Value of the file's "format" field (tells a thresholds file from any other JSON).
@@ -474,3 +475,37 @@ class Thresholds:
         if expect is not None:
             th.check_fingerprint(expect)
         return th
+
+
+def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -> None:
+    """Print a profile for people: model, config, how it was profiled, and (``layers``) a per-layer table.
+
+    ``console`` is a ``rich.console.Console`` (default: a new one on stdout).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if console is None else console
+    c = th.config
+    console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
+    console.print(
+        f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
+        f"bits middle {c.middle_bits}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
+        f"granularity {c.granularity}, scales {c.scale_dtype}"
+    )
+    if th.profile:
+        console.print("[bold]profile[/] " + ", ".join(f"{k}={v}" for k, v in th.profile.items() if v is not None))
+    if not layers:
+        return
+    for kind in _KINDS:
+        table = Table(title=f"{kind} thresholds per decoder layer")
+        for col in ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs", "notes"):
+            table.add_column(col, justify="left" if col == "notes" else "right")
+        for i in range(th.num_layers):
+            st = th.stats(i, kind)
+            cells = [f"{v:+.4f}" for v in th.layer(i, kind).as_tuple()]
+            extra = (
+                ["-", "-", ""] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs), "; ".join(st.adjustments)]
+            )
+            table.add_row(str(i), *cells, *extra)
+        console.print(table)
