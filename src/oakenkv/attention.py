@@ -1,0 +1,244 @@
+"""Decode attention that reads the packed Oaken pages directly, registered in transformers' attention interface.
+
+:func:`enable_oaken_attention` registers ``"oaken"`` in ``transformers.AttentionInterface`` (and its mask in
+``AttentionMaskInterface``: the same boolean masks as ``"sdpa"``) and switches a model to it. The attention function
+:func:`oaken_attention_forward` then receives either
+
+* :class:`~oakenkv.cache.PackedKV` handles (a decode step on an :class:`~oakenkv.cache.OakenCache`): it runs
+  :func:`packed_decode_attention`, a numba kernel that dequantizes key and value rows from the pages inside the
+  softmax loop (``oakenkv.kernels.attention_cpu``) and never rebuilds the float history; or
+* ordinary tensors (prefill, or any other cache): it calls transformers' SDPA attention unchanged.
+
+:func:`reference_packed_attention` is the slow, obvious path the kernel is tested against: dequantize the whole
+history with the reference read path, then float attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV, scale_bytes
+
+#: Smallest split of a row's tokens worth a work item of its own.
+_THREADS_MIN_TOKENS = 256
+#: Below this many (row, token) pairs the kernel runs serially (see ``oakenkv.cache.SERIAL_BELOW_ROWS``).
+PARALLEL_MIN_TOKENS = 4096
+
+
+@cache
+def _f16_lut() -> np.ndarray:
+    """float32 ``[65536]``: the value of every fp16 bit pattern (exact)."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _keep_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int) -> np.ndarray:
+    """uint8 ``[B, T]``: 1 where the single query token may attend, from a bool or additive 4-D mask."""
+    if attention_mask is None:
+        return np.ones((batch, num_tokens), dtype=np.uint8)
+    m = attention_mask
+    if m.dim() != 4 or m.shape[-2] != 1:
+        raise ValueError(f"decode attention expects a [B, 1, 1, T] mask, got {tuple(m.shape)}")
+    m = m[:, 0, 0, :]
+    if m.shape[-1] != num_tokens:
+        raise ValueError(f"the mask covers {m.shape[-1]} tokens but the cache holds {num_tokens}")
+    keep = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    return keep.expand(batch, num_tokens).to(torch.uint8).contiguous().numpy()
+
+
+def _num_splits(batch: int, num_tokens: int) -> int:
+    """Token ranges per row: enough work items for every thread, each at least a few hundred tokens."""
+    from numba import get_num_threads
+
+    threads = get_num_threads()
+    per_row = max(1, -(-2 * threads // batch))
+    return int(max(1, min(per_row, num_tokens // _THREADS_MIN_TOKENS)))
+
+
+def packed_decode_attention(
+    query: torch.Tensor,
+    key: PackedKV,
+    value: PackedKV,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over a layer's packed pages.
+
+    Args:
+        query: ``[B, Hq, 1, hd]`` float (post-RoPE); ``Hq`` a multiple of the KV heads (GQA).
+        key, value: the layer's :class:`PackedKV` handles (``value.kind == VALUE``).
+        attention_mask: ``[B, 1, 1, T]`` bool (True = attend) or additive float, or None (attend to all).
+        scaling: the softmax scale; softcap: logit soft cap (Gemma 2 style) or None.
+
+    Returns:
+        ``[B, 1, Hq, hd]`` in ``query``'s dtype (transformers' attention-output layout).
+    """
+    from oakenkv.codec import CorruptDataError
+    from oakenkv.kernels.attention_cpu import packed_decode_attention, packed_decode_attention_serial
+    from oakenkv.kernels.cpu import ERROR_MESSAGES
+
+    store = key.store
+    if key.kind != KEY or value.kind != VALUE or value.store is not store or value.layer != key.layer:
+        raise ValueError("packed_decode_attention needs the key and value handles of one layer")
+    b, hq, s, hd = query.shape
+    if s != 1:
+        raise ValueError(f"packed decode attention takes one query token per row, got {s}")
+    if hd != store.head_dim or hq % store.num_kv_heads or b != store.batch_size:
+        raise ValueError(
+            f"query [B={b}, Hq={hq}, 1, hd={hd}] does not fit the cache (batch {store.batch_size}, "
+            f"{store.num_kv_heads} KV heads, head_dim {store.head_dim})"
+        )
+    if store.config.scale_dtype != "float16":
+        # The kernel reads fp16 scales; fp32 scales take the reference path (correct, slower).
+        return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
+    t = key.num_tokens
+    pool = store.pool
+    tables = [[pool.table(seq, 2 * key.layer + kind) for kind in (KEY, VALUE)] for seq in store.seqs]
+    dense_pages = np.stack([np.stack([tt.dense_pages.view for tt in row]) for row in tables])
+    sparse_len = np.stack([np.stack([tt.sparse_len.view for tt in row]) for row in tables])
+    sp_pages = [tt.sparse_pages.view for row in tables for tt in row]
+    sparse_ptr = np.zeros(len(sp_pages) + 1, dtype=np.int64)
+    np.cumsum([x.size for x in sp_pages], out=sparse_ptr[1:])
+    sparse_pages = np.concatenate(sp_pages) if sp_pages else np.zeros(0, np.int32)
+    sparse_first = np.concatenate([tt.sparse_first.view for row in tables for tt in row])
+    if sparse_len.shape[2] != t:
+        raise RuntimeError(f"page tables hold {sparse_len.shape[2]} tokens, the handle says {t}")
+    keep = _keep_mask(attention_mask, b, t)
+    q = query[:, :, 0, :].detach().to(torch.float32).contiguous().numpy()
+    out = np.empty((b, hq, hd), dtype=np.float32)
+    parallel = b * t >= PARALLEL_MIN_TOKENS
+    kernel = packed_decode_attention if parallel else packed_decode_attention_serial
+    splits = _num_splits(b, t) if parallel else 1
+    status = np.zeros(b * splits, dtype=np.int64)
+    kernel(
+        q,
+        pool.data.reshape(-1),
+        pool.config.page_size,
+        store.rec_size,
+        scale_bytes(store.config),
+        _f16_lut(),
+        dense_pages,
+        sparse_pages,
+        sparse_first,
+        sparse_ptr,
+        sparse_len,
+        keep,
+        store.thr[key.layer],
+        store.config.inner_bits,
+        store.config.outer_bits,
+        store.num_kv_heads,
+        np.float32(scaling),
+        np.float32(softcap or 0.0),
+        splits,
+        out,
+        status,
+    )
+    bad = np.flatnonzero(status)
+    if bad.size:
+        raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
+    return torch.from_numpy(out).to(query.dtype).unsqueeze(1)
+
+
+def reference_packed_attention(
+    query: torch.Tensor,
+    key: PackedKV,
+    value: PackedKV,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The slow reference of :func:`packed_decode_attention`: dequantize the whole layer, then float attention.
+
+    Same arguments and result (``[B, 1, Hq, hd]``).
+    """
+    k = key.store.read(key.layer, KEY)  # [B, H, T, hd]
+    v = value.store.read(value.layer, VALUE)
+    return float_attention(query, k, v, attention_mask, scaling, softcap)
+
+
+def float_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain float32 attention with GQA: query ``[B, Hq, S, hd]``, keys/values ``[B, H, T, hd]``, mask
+    ``[B, 1, S, T]`` (bool or additive) -> ``[B, S, Hq, hd]``."""
+    q = query.to(torch.float32)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.to(torch.float32).repeat_interleave(group, dim=1)
+    v = values.to(torch.float32).repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    p = torch.softmax(scores, dim=-1)
+    return (p @ v).transpose(1, 2).to(query.dtype)
+
+
+def oaken_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | PackedKV,
+    value: torch.Tensor | PackedKV,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: packed pages at decode, SDPA for everything else."""
+    if isinstance(key, PackedKV):
+        if dropout:
+            raise ValueError("packed decode attention is for inference; dropout must be 0")
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return packed_decode_attention(query, key, value, attention_mask, scaling, softcap), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if softcap:
+        # SDPA has no soft cap; use the eager formula (Gemma 2 style models) on the float tensors.
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return float_attention(query, key, value, attention_mask, scaling, softcap), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def register_oaken_attention() -> None:
+    """Register ``"oaken"`` in transformers' attention and attention-mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, oaken_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def enable_oaken_attention(model: Any) -> str:
+    """Switch ``model`` to the packed-page attention; returns the implementation it used before.
+
+    Prefill and non-Oaken caches keep running SDPA, so the model stays correct with any cache.
+    """
+    register_oaken_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return previous
+
+
+@contextlib.contextmanager
+def oaken_attention(model: Any) -> Iterator[Any]:
+    """Context manager: the model uses the packed-page attention inside the block, its previous one after."""
+    previous = enable_oaken_attention(model)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,293 @@
+"""Decode attention over packed Oaken pages (numba, CPU): one query token per row, flash-decoding style.
+
+The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
+straight from the page pool, dequantizes it into a ``D``-float scratch row with the codec's own single-row
+decoder (``oakenkv.kernels.cpu.decode_row_into_lut``, bit-exact with ``oakenkv.quant.dequantize``), and folds it
+into an online softmax. It never materialises more than one key row and one value row per thread: the float
+history is never rebuilt.
+
+Parallelism: the tokens of each batch row are split into ``num_splits`` contiguous ranges (split-K, as in
+flash-decoding); each (row, split) work item keeps its own running max, sum and accumulator per query head, and a
+final pass combines them. Within a work item, tokens are processed in blocks of ``_BLOCK`` so that the
+accumulator is rescaled once per block, not once per token.
+
+Table layout (see ``oakenkv.pages``): token ``t`` of a stream has its dense record at
+``pool[dense_pages[t // rpp] * page_size + (t % rpp) * rec :][:rec]``; its sparse record is the next
+``sparse_len[t]`` bytes of the sparse page that holds it, found by walking the stream in token order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from oakenkv.kernels.cpu import ERR_OK, LUT_SIZE, decode_row_into_lut
+
+#: Tokens per softmax block inside a work item.
+_BLOCK = 32
+
+_F32 = np.float32
+
+
+@njit(cache=True, nogil=True)
+def _sparse_start(first, lens, t0):
+    """Walker state ``(page index, byte offset)`` of a stream's sparse records at token ``t0``."""
+    sp = -1
+    for i in range(first.shape[0]):
+        if first[i] <= t0:
+            sp = i
+        else:
+            break
+    off = 0
+    if sp >= 0:
+        for t in range(first[sp], t0):
+            off += lens[t]
+    return sp, off
+
+
+@njit(cache=True, nogil=True)
+def _decode_token(
+    pool,
+    page_size,
+    dense_pages,
+    rpp,
+    rec,
+    sb,
+    f16_lut,
+    sc_pages,
+    sc_first,
+    lens,
+    t,
+    sp,
+    off,
+    thr,
+    ib,
+    ob,
+    lut,
+    sc,
+    out,
+):
+    """Decode token ``t`` of one stream into ``out``; returns ``(status, sp, off)`` (the advanced walker)."""
+    base = np.int64(dense_pages[t // rpp]) * page_size + (t % rpp) * rec
+    for i in range(6):
+        bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
+        sc[i] = f16_lut[bits]
+    n = np.int64(lens[t])
+    if n > 0:
+        while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
+            sp += 1
+            off = 0
+        s0 = np.int64(sc_pages[sp]) * page_size + off
+        off += n
+        sparse = pool[s0 : s0 + n]
+    else:
+        sparse = pool[0:0]
+    status = decode_row_into_lut(pool[base + sb : base + rec], sparse, sc, thr, out, ib, ob, lut)
+    return status, sp, off
+
+
+@njit(cache=True, nogil=True)
+def _skip_token(sc_first, lens, t, sp, off):
+    """Advance a sparse walker past token ``t`` without decoding it (masked tokens)."""
+    n = np.int64(lens[t])
+    if n > 0:
+        while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
+            sp += 1
+            off = 0
+        off += n
+    return sp, off
+
+
+def _packed_decode_attention(
+    q,
+    pool,
+    page_size,
+    rec,
+    sb,
+    f16_lut,
+    dense_pages,
+    sparse_pages,
+    sparse_first,
+    sparse_ptr,
+    sparse_len,
+    keep,
+    thr,
+    ib,
+    ob,
+    num_kv_heads,
+    scaling,
+    softcap,
+    num_splits,
+    out,
+    status,
+):
+    """Attention of one query token per row over ``T`` packed tokens.
+
+    Args:
+        q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``num_kv_heads`` (GQA).
+        pool: uint8 ``[P * page_size]`` the page pool's storage, flat.
+        page_size, rec, sb: bytes per page, per dense record, and of the scales at the record's start.
+        f16_lut: float32 ``[65536]``: fp16 bit pattern -> value (exact).
+        dense_pages: int32 ``[B, 2, ceil(T / rpp)]``: dense page ids per row and kind (0 keys, 1 values).
+        sparse_pages, sparse_first: int32 ``[S]``: all rows' and kinds' sparse page ids and first tokens,
+            concatenated; ``sparse_ptr``: int64 ``[2 * B + 1]``, entry ``2 * b + kind`` starts its slice.
+        sparse_len: uint16 ``[B, 2, T]``: per-token sparse record lengths.
+        keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
+        thr: float32 ``[2, 4]``: the layer's key and value thresholds.
+        ib, ob: bits of the inner and outer groups.
+        scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
+        num_splits: token ranges per row processed in parallel.
+        out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
+    """
+    b_n, hq_n, hd = q.shape
+    t_n = sparse_len.shape[2]
+    d = num_kv_heads * hd
+    group = hq_n // num_kv_heads
+    rpp = page_size // rec
+    part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
+    part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
+    part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
+    for w in prange(b_n * num_splits):
+        b = w // num_splits
+        s = w % num_splits
+        t0 = s * t_n // num_splits
+        t1 = (s + 1) * t_n // num_splits
+        lut = np.empty(LUT_SIZE, np.float32)
+        sc = np.empty(6, np.float32)
+        krow = np.empty(d, np.float32)
+        vrow = np.empty(d, np.float32)
+        scores = np.empty((hq_n, _BLOCK), np.float32)
+        m = np.full(hq_n, -np.inf, dtype=np.float32)
+        ell = np.zeros(hq_n, dtype=np.float32)
+        acc = np.zeros((hq_n, hd), dtype=np.float32)
+        kp0, kp1 = sparse_ptr[2 * b], sparse_ptr[2 * b + 1]
+        vp0, vp1 = sparse_ptr[2 * b + 1], sparse_ptr[2 * b + 2]
+        k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
+        v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
+        k_len, v_len = sparse_len[b, 0], sparse_len[b, 1]
+        k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
+        ksp, koff = _sparse_start(k_first, k_len, t0)
+        vsp, voff = _sparse_start(v_first, v_len, t0)
+        err = ERR_OK
+        for tb in range(t0, t1, _BLOCK):
+            te = min(tb + _BLOCK, t1)
+            # Scores of the block.
+            bmax = np.full(hq_n, -np.inf, dtype=np.float32)
+            for t in range(tb, te):
+                j = t - tb
+                if keep[b, t] == 0:
+                    ksp, koff = _skip_token(k_first, k_len, t, ksp, koff)
+                    for h in range(hq_n):
+                        scores[h, j] = -np.inf
+                    continue
+                st, ksp, koff = _decode_token(
+                    pool,
+                    page_size,
+                    k_dense,
+                    rpp,
+                    rec,
+                    sb,
+                    f16_lut,
+                    k_pages,
+                    k_first,
+                    k_len,
+                    t,
+                    ksp,
+                    koff,
+                    thr[0],
+                    ib,
+                    ob,
+                    lut,
+                    sc,
+                    krow,
+                )
+                if st != ERR_OK:
+                    err = st
+                for h in range(hq_n):
+                    kb = (h // group) * hd
+                    dot = _F32(0.0)
+                    for i in range(hd):
+                        dot += q[b, h, i] * krow[kb + i]
+                    x = dot * scaling
+                    if softcap > 0:
+                        x = np.tanh(x / softcap) * softcap
+                    scores[h, j] = x
+                    if x > bmax[h]:
+                        bmax[h] = x
+            # Rescale the running sums to the new maximum once per block.
+            for h in range(hq_n):
+                if bmax[h] > m[h]:
+                    if m[h] > -np.inf:
+                        corr = np.exp(m[h] - bmax[h])
+                        ell[h] *= corr
+                        for i in range(hd):
+                            acc[h, i] *= corr
+                    m[h] = bmax[h]
+            # Values of the block.
+            for t in range(tb, te):
+                j = t - tb
+                if keep[b, t] == 0:
+                    vsp, voff = _skip_token(v_first, v_len, t, vsp, voff)
+                    continue
+                st, vsp, voff = _decode_token(
+                    pool,
+                    page_size,
+                    v_dense,
+                    rpp,
+                    rec,
+                    sb,
+                    f16_lut,
+                    v_pages,
+                    v_first,
+                    v_len,
+                    t,
+                    vsp,
+                    voff,
+                    thr[1],
+                    ib,
+                    ob,
+                    lut,
+                    sc,
+                    vrow,
+                )
+                if st != ERR_OK:
+                    err = st
+                for h in range(hq_n):
+                    p = np.exp(scores[h, j] - m[h])
+                    ell[h] += p
+                    vb = (h // group) * hd
+                    for i in range(hd):
+                        acc[h, i] += p * vrow[vb + i]
+        status[w] = err
+        for h in range(hq_n):
+            part_m[b, s, h] = m[h]
+            part_l[b, s, h] = ell[h]
+            for i in range(hd):
+                part_acc[b, s, h, i] = acc[h, i]
+    # Combine the splits of each row.
+    for b in range(b_n):
+        for h in range(hq_n):
+            mm = -np.inf
+            for s in range(num_splits):
+                if part_m[b, s, h] > mm:
+                    mm = part_m[b, s, h]
+            total = _F32(0.0)
+            for i in range(hd):
+                out[b, h, i] = 0.0
+            if mm == -np.inf:
+                continue  # every token masked: output zeros (as a fully masked row carries no information)
+            for s in range(num_splits):
+                if part_m[b, s, h] == -np.inf:
+                    continue
+                c = np.exp(part_m[b, s, h] - mm)
+                total += part_l[b, s, h] * c
+                for i in range(hd):
+                    out[b, h, i] += part_acc[b, s, h, i] * c
+            for i in range(hd):
+                out[b, h, i] /= total
+
+
+#: Multi-threaded over (row, split) work items: for long contexts.
+packed_decode_attention = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_packed_decode_attention)
+#: The same kernel on the calling thread: for short contexts, where waking threads costs more than the work.
+packed_decode_attention_serial = njit(cache=True, nogil=True, fastmath=True)(_packed_decode_attention)

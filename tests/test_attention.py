@@ -1,0 +1,120 @@
+"""Decode attention over packed pages (src/oakenkv/attention.py, src/oakenkv/kernels/attention_cpu.py).
+
+The kernel is checked against float attention over the dequantized cache (tight tolerance: same numbers, only
+the summation order differs) and against float attention over the original, unquantized K/V (the quantization
+error, bounded loosely and reported).
+"""
+
+from __future__ import annotations
+
+import numba
+import pytest
+import torch
+
+from oakenkv.attention import (
+    float_attention,
+    packed_decode_attention,
+    reference_packed_attention,
+)
+from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
+from oakenkv.config import OakenConfig
+from oakenkv.pages import PoolConfig
+from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+H, HD, HQ = 3, 64, 9  # the default model's attention shape: GQA, 3 query heads per KV head
+
+
+def _thresholds(num_layers: int = 2) -> Thresholds:
+    fp = ModelFingerprint("llama", num_layers, H, HD)
+    keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(num_layers))
+    values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(num_layers))
+    return Thresholds(OakenConfig(), fp, keys, values)
+
+
+def _kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, H, t, HD, generator=g)
+    k[..., 5] *= 6.0  # an outlier channel, as real keys have
+    v = torch.randn(b, H, t, HD, generator=g) * 0.8
+    return k, v
+
+
+def _store(b: int, t: int, seed: int = 0, page_size: int = 4096, chunk: int = 97):
+    store = PagedKVStore(_thresholds(), 2, H, HD, PoolConfig(page_size=page_size), prefill_chunk=chunk)
+    k, v = _kv(b, t, seed)
+    for start in range(0, t, chunk):  # several appends: tokens spread over many dense and sparse pages
+        store.append(1, k[:, :, start : start + chunk], v[:, :, start : start + chunk])
+    handles = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
+    return store, k, v, handles
+
+
+def _mask(b: int, t: int, pad: list[int], window: int | None = None) -> torch.Tensor:
+    """bool [B, 1, 1, T]: left padding of ``pad[b]`` tokens, optional sliding window."""
+    keep = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    for r, p in enumerate(pad):
+        keep[r, ..., :p] = False
+    if window is not None:
+        keep[..., : t - window] = False
+    return keep
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "pad", "window", "page_size"),
+    [
+        (1, 1, [0], None, 4096),
+        (1, 300, [0], None, 4096),
+        (2, 517, [0, 37], None, 512),  # padding; small pages: many page boundaries
+        (3, 260, [5, 0, 100], 64, 4096),  # sliding window on top of padding
+    ],
+)
+def test_kernel_matches_float_attention_over_the_dequantized_cache(b, t, pad, window, page_size):
+    _, k, v, (kh, vh) = _store(b, t, seed=t, page_size=page_size)
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(1))
+    mask = _mask(b, t, pad, window)
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
+    want = reference_packed_attention(q, kh, vh, mask, HD**-0.5)
+    assert got.shape == (b, 1, HQ, HD)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    # Against the original (unquantized) K/V: the quantization error, small but not zero.
+    exact = float_attention(q, k, v, mask, HD**-0.5)
+    rel = ((got - exact).norm() / exact.norm()).item()
+    print(f"B={b} T={t}: relative error vs the unquantized cache {rel:.4f}")
+    assert 0 < rel < 0.1
+
+
+def test_parallel_splits_match_serial():
+    """The multi-threaded kernel (token ranges combined at the end) gives the serial kernel's result."""
+    _, _, _, (kh, vh) = _store(2, 4200, seed=3)  # B * T >= PARALLEL_MIN_TOKENS: the parallel kernel
+    q = torch.randn(2, HQ, 1, HD, generator=torch.Generator().manual_seed(2))
+    mask = _mask(2, 4200, [0, 11])
+    parallel = packed_decode_attention(q, kh, vh, mask, 0.125)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        serial = packed_decode_attention(q, kh, vh, mask, 0.125)
+    finally:
+        numba.set_num_threads(previous)
+    torch.testing.assert_close(parallel, serial, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parallel, reference_packed_attention(q, kh, vh, mask, 0.125), rtol=2e-5, atol=2e-6)
+
+
+def test_softcap_and_additive_mask():
+    _, _, _, (kh, vh) = _store(1, 70, seed=4)
+    q = torch.randn(1, HQ, 1, HD, generator=torch.Generator().manual_seed(5)) * 3
+    additive = torch.zeros(1, 1, 1, 70)
+    additive[..., :10] = torch.finfo(torch.float32).min
+    got = packed_decode_attention(q, kh, vh, additive, 0.125, softcap=5.0)
+    want = reference_packed_attention(q, kh, vh, additive, 0.125, softcap=5.0)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_bad_input_is_rejected():
+    _, _, _, (kh, vh) = _store(1, 10, seed=6)
+    with pytest.raises(ValueError, match="one query token"):
+        packed_decode_attention(torch.zeros(1, HQ, 2, HD), kh, vh, None, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_decode_attention(torch.zeros(1, HQ, 1, 32), kh, vh, None, 0.1)
+    with pytest.raises(ValueError, match="one layer"):
+        packed_decode_attention(torch.zeros(1, HQ, 1, HD), kh, kh, None, 0.1)
+    with pytest.raises(ValueError, match="covers 9 tokens"):
+        packed_decode_attention(torch.zeros(1, HQ, 1, HD), kh, vh, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.1)

@@ -1,0 +1,189 @@
+"""`OakenCache` with transformers' ``generate`` (src/oakenkv/cache.py).
+
+The reference is a fake-quantizing ``DynamicLayer`` cache: it stores ``quantize_dequantize(K/V)`` in float, which
+is by construction what ``OakenCache`` stores in bits. Greedy generation through both must give the same tokens,
+with the float read path and with the packed-page decode attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kv_helpers import quick_thresholds
+from oakenkv.attention import oaken_attention
+from oakenkv.cache import KEY, OakenCache, PackedKV
+from oakenkv.pages import PoolConfig, PoolExhaustedError
+from oakenkv.quant import quantize_dequantize
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
+
+
+class _FakeQuantLayer(DynamicLayer):
+    """A float layer that stores what Oaken would store: the quantized-dequantized K/V (token granularity)."""
+
+    def __init__(self, thresholds, layer_idx):
+        super().__init__()
+        self.thr = thresholds
+        self.layer_idx = layer_idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        def qdq(x, kind):
+            b, h, s, d = x.shape
+            rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)
+            y = quantize_dequantize(rows, self.thr.layer(self.layer_idx, kind), self.thr.config)
+            return y.reshape(b, s, h, d).permute(0, 2, 1, 3).to(x.dtype)
+
+        return super().update(qdq(key_states, "key"), qdq(value_states, "value"))
+
+
+def _fake_quant_cache(thresholds, n_layers):
+    return Cache(layers=[_FakeQuantLayer(thresholds, i) for i in range(n_layers)])
+
+
+@pytest.fixture(scope="module")
+def thresholds(default_model):
+    return quick_thresholds(default_model)
+
+
+@pytest.fixture(scope="module")
+def batch(default_tokenizer):
+    default_tokenizer.padding_side = "left"
+    return default_tokenizer(PROMPTS, return_tensors="pt", padding=True)
+
+
+def _generate(model, inputs, cache, **kw):
+    kw = {"max_new_tokens": 8, "do_sample": False, **kw}
+    with torch.no_grad():
+        return model.generate(**inputs, cache=cache, pad_token_id=model.config.eos_token_id, **kw)
+
+
+def test_prefill_stores_exactly_the_quantized_kv(default_model, thresholds, default_tokenizer):
+    """Layer 0 sees the same input with any cache: the pages must hold quantize_dequantize(K/V) bit for bit."""
+    from transformers import DynamicCache
+
+    model = default_model.model
+    ids = default_tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    ref = DynamicCache(config=model.config)
+    cache = OakenCache(thresholds, model.config, prefill_chunk=5)  # several chunks
+    with torch.no_grad():
+        model(input_ids=ids, cache=ref)
+        model(input_ids=ids, cache=cache)
+    for kind, name, x in ((0, "key", ref.layers[0].keys), (1, "value", ref.layers[0].values)):
+        b, h, s, d = x.shape
+        rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)
+        want = quantize_dequantize(rows, thresholds.layer(0, name), thresholds.config)
+        want = want.reshape(b, s, h, d).permute(0, 2, 1, 3)
+        torch.testing.assert_close(cache.store.read(0, kind), want, rtol=0, atol=0)
+    assert cache.get_seq_length() == ids.shape[1]
+    cache.store.pool.check_invariants()
+
+
+def test_greedy_batch_with_padding_matches_fake_quant(default_model, thresholds, batch):
+    model = default_model.model
+    n = model.config.num_hidden_layers
+    want = _generate(model, batch, _fake_quant_cache(thresholds, n))
+    got_float = _generate(model, batch, OakenCache(thresholds, model.config))
+    with oaken_attention(model):
+        cache = OakenCache(thresholds, model.config)
+        got_packed = _generate(model, batch, cache)
+    assert model.config._attn_implementation != "oaken"  # restored
+    assert torch.equal(got_float, want)
+    assert torch.equal(got_packed, want)
+    assert cache.get_seq_length() == want.shape[1] - 1  # the last token is sampled, never stored
+    cache.store.pool.check_invariants()
+
+
+def test_sampling_runs_and_is_reproducible(default_model, thresholds, batch):
+    model = default_model.model
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        with oaken_attention(model):
+            outs.append(_generate(model, batch, OakenCache(thresholds, model.config), do_sample=True, top_k=20))
+    assert outs[0].shape == (2, batch.input_ids.shape[1] + 8)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_beam_search_matches_fake_quant_and_shares_pages(default_model, thresholds, batch):
+    model = default_model.model
+    n = model.config.num_hidden_layers
+    kw = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6}
+    want = _generate(model, batch, _fake_quant_cache(thresholds, n), **kw)
+    with oaken_attention(model):
+        cache = OakenCache(thresholds, model.config)
+        got = _generate(model, batch, cache, **kw)
+    assert torch.equal(got, want)
+    pool = cache.store.pool
+    pool.check_invariants()
+    # Beams forked from one another share their full pages (reference counts > 1), not copies.
+    assert (pool.refcount > 1).any()
+    assert len(pool.sequences()) == 2 * 3
+
+
+def test_reorder_is_a_table_operation(default_model, thresholds, batch):
+    model = default_model.model
+    cache = OakenCache(thresholds, model.config)
+    with torch.no_grad():
+        model(**batch, cache=cache)
+    before = [cache.store.read(3, KEY)[i] for i in range(2)]
+    pages = cache.stats().pages_in_use
+    cache.reorder_cache(torch.tensor([1, 1, 0]))
+    assert cache.stats().pages_in_use == pages  # forks share pages
+    after = cache.store.read(3, KEY)
+    for i, j in enumerate([1, 1, 0]):
+        assert torch.equal(after[i], before[j])
+    cache.batch_select_indices(torch.tensor([2]))
+    assert torch.equal(cache.store.read(3, KEY)[0], before[0])
+    cache.store.pool.check_invariants()
+
+
+def test_kv_bytes_are_small(default_model, thresholds):
+    """At a few hundred tokens, pages included, the cache is > 4x smaller than fp32 (~5.7x at long contexts)."""
+    model = default_model.model
+    cfg = model.config
+    cache = OakenCache(thresholds, cfg)
+    ids = torch.randint(100, 5000, (1, 400), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * ids.shape[1]
+    stats = cache.stats()
+    print(
+        f"400 tokens: fp32 {fp32} B, Oaken {cache.kv_bytes()} B ({fp32 / cache.kv_bytes():.2f}x), "
+        f"fragmentation {stats.fragmentation:.3f}"
+    )
+    assert fp32 / cache.kv_bytes() > 4.0
+    assert stats.bytes_used <= stats.bytes_reserved
+
+
+def test_budget_exhaustion_is_a_clear_error(default_model, thresholds, batch):
+    model = default_model.model
+    cache = OakenCache(thresholds, model.config, pool_config=PoolConfig(budget_bytes=64 * 4096))
+    with pytest.raises(PoolExhaustedError, match="page pool exhausted"), torch.no_grad():
+        model(**batch, cache=cache)
+    cache.store.pool.check_invariants()
+
+
+def test_decode_returns_handles_only_with_oaken_attention(default_model, thresholds, default_tokenizer):
+    model = default_model.model
+    ids = default_tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    cache = OakenCache(thresholds, model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        k = torch.zeros(1, 3, 1, 64)
+        out = cache.update(k, k, 0)
+        assert isinstance(out[0], torch.Tensor) and out[0].shape == (1, 3, ids.shape[1] + 1, 64)
+        with oaken_attention(model):
+            out = cache.update(k, k, 1)
+        assert isinstance(out[0], PackedKV) and out[0].shape == (1, 3, ids.shape[1] + 1, 64)
+    assert np.all(cache.store.pool.refcount >= 0)
+
+
+def test_rejects_thresholds_of_another_model(default_model, thresholds):
+    from oakenkv.thresholds import ModelMismatchError
+
+    cfg = default_model.model.config.__class__(**{**default_model.model.config.to_dict(), "num_hidden_layers": 4})
+    with pytest.raises((ModelMismatchError, ValueError)):
+        OakenCache(thresholds, cfg)
