@@ -529,6 +529,10 @@ def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
 def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out):
     """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (any dtype)."""
     ns = sparse_row.shape[0]
+    # entry bits that must be 0 for each group: a 4-bit group has no fifth code bit
+    f_in = np.int64(0x80 if inner_bits < 5 else 0)
+    f_out = np.int64(0x80 if outer_bits < 5 else 0)
+    bad_bits = np.int64(0)
     c, p, prev = 0, -1, 0  # prev = -1 stands for "None" (after an escape)
     j = 0
     while j < ns:
@@ -558,19 +562,14 @@ def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out
         pos = c * CHUNK_SIZE + i
         if pos >= d:
             return ERR_POSITION_RANGE
+        # a fifth code bit of a 4-bit group: remembered, not branched on (the lut slot it reads is in bounds)
+        bad_bits |= e & (f_out if e & COO_GROUP_BIT else f_in)
         nib = (np.int64(dense_row[pos >> 1]) >> ((pos & 1) << 2)) & 0xF
-        b4 = e >> 7
-        if e & COO_GROUP_BIT:
-            if b4 and outer_bits < 5:
-                return ERR_FIFTH_BIT
-            out[pos] = lut[_LUT_OUTER + (nib | (b4 << 4))]
-        else:
-            if b4 and inner_bits < 5:
-                return ERR_FIFTH_BIT
-            out[pos] = lut[_LUT_INNER + (nib | (b4 << 4))]
+        # lut index: inner codes at 16.., outer at 48..; the fifth code bit is bit 7 of the entry
+        out[pos] = lut[_LUT_INNER + ((e & COO_GROUP_BIT) >> 1) + (nib | ((e >> 7) << 4))]
         p = i
         prev = e
-    return ERR_OK
+    return ERR_FIFTH_BIT if bad_bits else ERR_OK
 
 
 @njit(cache=True, nogil=True)
@@ -624,43 +623,83 @@ def decode_row_into_f16(dense_row, sparse_row, scales_row, thr, out_bits, inner_
     return _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut16, out_bits)
 
 
+#: Rows at least this wide decode their dense bytes through a 256-entry table of value pairs (one 8-byte load and
+#: store per byte); narrower rows would spend more on building the table than they save.
+_PAIR_LUT_MIN_DIM = 512
+
+
+@njit(cache=True, nogil=True)
+def _dense_via_pairs(dense_row, lut, pairs, wide, out_row, out_wide):
+    """Dense pass through a pair table: ``pairs[2b], pairs[2b+1] = lut[b & 15], lut[b >> 4]`` for every byte b.
+
+    ``pairs`` and ``out_row`` have the same element type (float32 or uint16 fp16 bits); ``wide`` / ``out_wide``
+    are their views with elements of twice the width (uint64 / uint32), so a pair moves as one element.
+    ``out_wide`` covers the first ``2 * (D // 2)`` values; the odd last value is written separately.
+    """
+    for b in range(256):
+        pairs[2 * b] = lut[b & 0xF]
+        pairs[2 * b + 1] = lut[b >> 4]
+    d = out_row.shape[0]
+    half = d >> 1
+    for j in range(half):
+        out_wide[j] = wide[dense_row[j]]
+    if d & 1:
+        out_row[d - 1] = lut[dense_row[half] & 0xF]
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out, status):
-    n = dense.shape[0]
+    n, d = out.shape
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
         lut = np.empty(LUT_SIZE, np.float32)
+        pairs = np.empty(512, np.float32)
+        wide = pairs.view(np.uint64)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            status[r] = decode_row_into_lut(
-                dense[r], sparse[offsets[r] : offsets[r + 1]], scales[r], thr, out[r], inner_bits, outer_bits, lut
-            )
+            sp = sparse[offsets[r] : offsets[r + 1]]
+            if d >= _PAIR_LUT_MIN_DIM:
+                fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
+                _dense_via_pairs(dense[r], lut, pairs, wide, out[r], out[r][: d & ~1].view(np.uint64))
+                status[r] = _scatter_outliers(dense[r], sp, d, inner_bits, outer_bits, lut, out[r])
+            else:
+                status[r] = decode_row_into_lut(dense[r], sp, scales[r], thr, out[r], inner_bits, outer_bits, lut)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_rows_f16(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out_bits, status):
-    n = dense.shape[0]
+    n, d = out_bits.shape
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
         lut = np.empty(LUT_SIZE, np.float32)
         lut16 = np.empty(LUT_SIZE, np.uint16)
+        pairs = np.empty(512, np.uint16)
+        wide = pairs.view(np.uint32)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            status[r] = decode_row_into_f16(
-                dense[r],
-                sparse[offsets[r] : offsets[r + 1]],
-                scales[r],
-                thr,
-                out_bits[r],
-                inner_bits,
-                outer_bits,
-                lut,
-                lut16,
-            )
+            sp = sparse[offsets[r] : offsets[r + 1]]
+            if d >= _PAIR_LUT_MIN_DIM:
+                fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
+                for c in range(LUT_SIZE):
+                    lut16[c] = f32_to_f16_bits(lut[c])
+                _dense_via_pairs(dense[r], lut16, pairs, wide, out_bits[r], out_bits[r][: d & ~1].view(np.uint32))
+                status[r] = _scatter_outliers(dense[r], sp, d, inner_bits, outer_bits, lut16, out_bits[r])
+            else:
+                status[r] = decode_row_into_f16(
+                    dense[r], sp, scales[r], thr, out_bits[r], inner_bits, outer_bits, lut, lut16
+                )
 
 
 def decode_batch(
-    enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig, out_dtype: torch.dtype = torch.float32
+    enc: EncodedBatch,
+    thr: ThresholdsLike,
+    config: OakenConfig,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unpack and dequantize ``enc`` into ``[N, D]`` float32 (or float16: the float32 result rounded once).
+
+    Args:
+        out: optional preallocated contiguous ``[N, D]`` tensor of ``out_dtype`` to decode into (reused buffers
+            avoid page faults on fresh memory in a steady-state loop).
 
     Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
     """
@@ -669,24 +708,27 @@ def decode_batch(
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")
     thr_a = _thr_array(thr)
     n, d = enc.num_rows, enc.dim
+    if out is None:
+        out = torch.empty((n, d), dtype=out_dtype)
+    elif out.shape != (n, d) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {out_dtype} tensor of shape [{n}, {d}], got {out.dtype} {tuple(out.shape)}"
+        )
     dense = enc.dense.contiguous().numpy()
     sparse = enc.sparse.contiguous().numpy()
     offsets = enc.sparse_offsets.contiguous().numpy()
     scales = enc.scales.to(torch.float32).contiguous().numpy()
     status = np.empty(n, np.int64)
     if out_dtype == torch.float32:
-        out = np.empty((n, d), np.float32)
-        _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out, status)
-        result = torch.from_numpy(out)
+        _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out.numpy(), status)
     else:
-        out16 = np.empty((n, d), np.uint16)
-        _decode_rows_f16(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out16, status)
-        result = torch.from_numpy(out16.view(np.int16)).view(torch.float16)
+        out_bits = out.view(torch.int16).numpy().view(np.uint16)
+        _decode_rows_f16(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_bits, status)
     bad = np.flatnonzero(status != ERR_OK)
     if bad.size:
         r = int(bad[0])
         raise CorruptDataError(f"row {r}: {ERROR_MESSAGES[int(status[r])]}")
-    return result
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
