@@ -43,6 +43,7 @@ reason are recorded in the layer's :class:`~oakenkv.thresholds.LayerStats`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -187,6 +188,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@functools.cache
 def _cache_class() -> type[DynamicCache]:
     from transformers import DynamicCache
 
