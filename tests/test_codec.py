@@ -232,3 +232,15 @@ def test_unpack_rejects_bad_structure():
         codec.unpack(mutated(sparse_offsets=off, sparse=torch.zeros(int(off[-1]), dtype=torch.uint8)))
     with pytest.raises(CorruptDataError, match="row width"):
         codec.unpack(mutated(dim=0))
+
+
+def test_codec_benchmark_reports_the_required_keys(tmp_path):
+    from oakenkv.bench.codec import run_codec_bench
+
+    out = tmp_path / "bench.json"
+    r = run_codec_bench(shapes=(("tiny", 128, 256),), reps=1, quanto=False, real_kv=False, json_out=out)
+    for k in ("encode_gbps", "decode_gbps", "memcpy_gbps", "effective_bits"):
+        assert k in r
+    assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["memcpy_gbps"] > 0
+    assert {"total", "dense", "sparse", "scales", "header"} <= set(r["effective_bits"])
+    assert out.exists() and '"encode_gbps"' in out.read_text()

@@ -275,3 +275,34 @@ def test_decode_rejects_wrong_shapes_before_reading():
     off[-1] += 10
     with pytest.raises(CorruptDataError, match="len"):
         codec.decode(EncodedBatch(**{**enc.__dict__, "sparse_offsets": off}), THRESHOLDS[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Storage-comparison formats (oakenkv.kernels.formats)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [7, 192, 200, 640])
+def test_pure_formats_decode_like_the_fused_format(d):
+    from oakenkv.kernels import formats
+
+    cfg = OakenConfig()
+    thr = THRESHOLDS[0]
+    x = torch.randn(70, d, generator=torch.Generator().manual_seed(d)) * 1.3
+    q = quantize(x, thr, cfg)
+    deq = dequantize(q, thr, cfg)
+    want = cpu.decode_batch(codec.pack(q, cfg), thr, cfg, torch.float16)
+    pdn = formats.pack_pure_dense(q)
+    got = formats.decode_pure_dense(pdn, thr, cfg, torch.empty(70, d, dtype=torch.float16))
+    assert torch.equal(got, want)
+    psp = formats.pack_pure_sparse(q, deq)
+    got = formats.decode_pure_sparse(psp, thr, cfg, torch.empty(70, d, dtype=torch.float16))
+    assert torch.equal(got, want)
+    # accounting: 5-bit slots + 2-bit map; 4-bit dense + 24 stored (23 counted) bits per outlier (+ markers)
+    outliers = int((q.groups != 0).sum())
+    assert pdn.bits()["slots"] == pytest.approx(8 * 5 * -(-d // 8) / d)
+    assert psp.num_outliers == outliers
+    assert psp.bits()["bits_paper"] == pytest.approx(
+        8 * ((d + 1) // 2) / d + 23 * outliers / x.numel() + 96 / d + 16 / d
+    )
+    assert psp.records.shape[0] >= outliers

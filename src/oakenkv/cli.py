@@ -277,6 +277,44 @@ def inspect_cmd(
     print_thresholds(th, layers=layers)
 
 
+bench_app = typer.Typer(
+    help="Benchmarks of oakenkv's components; each writes machine-readable JSON with --json.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("codec")
+def bench_codec(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    threads: Annotated[int, typer.Option(help="CPU threads for the kernels, torch and quanto.")] = 2,
+    reps: Annotated[int, typer.Option(help="Timed repetitions per measurement (the best is kept).")] = 5,
+    quanto: Annotated[bool, typer.Option(help="Also time optimum-quanto's int4 quantize/dequantize.")] = True,
+    real_kv: Annotated[
+        bool, typer.Option(help="Also record real K/V of the default model for the storage comparison.")
+    ] = True,
+    real_tokens: Annotated[int, typer.Option(help="WikiText-2 tokens of real K/V to record.")] = 4096,
+) -> None:
+    """Encode/decode throughput of the fused dense-and-sparse format next to memcpy and quanto int4, effective
+    bits, and pure dense vs pure sparse vs fused storage of the default model's real K/V."""
+    from rich.console import Console
+
+    from oakenkv.bench.codec import print_codec_bench, run_codec_bench
+
+    console = Console(stderr=True)
+    with console.status("benchmarking the codec") as status:
+        result = run_codec_bench(
+            threads=threads,
+            reps=reps,
+            quanto=quanto,
+            real_kv=real_kv,
+            real_tokens=real_tokens,
+            json_out=json_out,
+            progress=lambda msg: status.update(f"benchmarking the codec: {msg}"),
+        )
+    print_codec_bench(result)
+
+
 def main() -> None:
     app()
 
