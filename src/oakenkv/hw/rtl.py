@@ -133,7 +133,7 @@ class DequantEngine(wiring.Component):
     """One chunk per cycle: ``dense`` nibbles + compact COO ``entries[:count]`` + row scales -> ``out`` (FX).
 
     Ports: ``dense`` (4 * lanes bits, value i in bits 4i..4i+3), ``entries`` (8-bit COO bytes, lane-sorted,
-    ``count`` valid), ``scales`` (6 fp16 bit patterns), ``thr`` (FX ``to_lo, ti_lo, ti_hi, to_hi``); ``out``
+    entry j in bits 8j..8j+7, ``count`` valid), ``scales`` (6 fp16 bit patterns), ``thr`` (FX ``to_lo, ti_lo, ti_hi, to_hi``); ``out``
     (registered FX values, one cycle later).
     """
 
@@ -142,7 +142,7 @@ class DequantEngine(wiring.Component):
         super().__init__(
             {
                 "dense": In(4 * lanes),
-                "entries": In(8).array(lanes),
+                "entries": In(8 * lanes),
                 "count": In(range(lanes + 1)),
                 "scales": In(16).array(6),
                 "thr": In(signed(S_W)).array(4),
@@ -153,6 +153,7 @@ class DequantEngine(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         to_lo, ti_lo, ti_hi, to_hi = self.thr
+        entries = [self.entries[8 * j : 8 * j + 8] for j in range(self.lanes)]
         # Scale preprocessing (once per row in a real engine; here recomputed each cycle from the held inputs).
         g0s, drs = [], []
         for g in range(3):
@@ -165,11 +166,11 @@ class DequantEngine(wiring.Component):
         for p in range(self.lanes):
             # Zero-insert shifter: lane p takes the entry whose 6-bit index is p (at most one: indices increase).
             hit = Signal(self.lanes, name=f"hit_{p}")
-            m.d.comb += hit.eq(Cat(((e[:6] == p) & (j < self.count)) for j, e in enumerate(self.entries)))
+            m.d.comb += hit.eq(Cat(((e[:6] == p) & (j < self.count)) for j, e in enumerate(entries)))
             gbit, b4 = Signal(name=f"gbit_{p}"), Signal(name=f"b4_{p}")
             m.d.comb += [
-                gbit.eq((hit & Cat(e[6] for e in self.entries)).any()),
-                b4.eq((hit & Cat(e[7] for e in self.entries)).any()),
+                gbit.eq((hit & Cat(e[6] for e in entries)).any()),
+                b4.eq((hit & Cat(e[7] for e in entries)).any()),
             ]
             # Outlier extractor.
             code = Signal(5, name=f"code_{p}")
@@ -194,7 +195,8 @@ class DequantEngine(wiring.Component):
 class QuantEngine(wiring.Component):
     """Quantization engine for one chunk per cycle (two passes per row).
 
-    Control (all sampled at the clock edge): ``clear`` resets the row's min/max registers; ``acc`` folds the
+    ``x`` holds the chunk's FX values, lane p in bits ``41p .. 41p + 40`` (two's complement; one wide port so a
+    testbench sets a chunk in one step). Control (all sampled at the clock edge): ``clear`` resets the row's min/max registers; ``acc`` folds the
     current chunk ``x[:nvals]`` into them (pass 1); ``calc`` latches the scale calculator's outputs; every cycle
     the code units, splitter and zero-remove shifter register the current chunk's ``dense``, ``entries`` and
     ``count`` (pass 2, valid one cycle later). ``scale_bits`` (6 fp16 patterns) and ``ovf`` (an end point
@@ -205,7 +207,7 @@ class QuantEngine(wiring.Component):
         self.lanes, self.bits = lanes, bits
         super().__init__(
             {
-                "x": In(signed(X_W)).array(lanes),
+                "x": In(X_W * lanes),
                 "nvals": In(range(lanes + 1)),
                 "thr": In(signed(S_W)).array(4),
                 "clear": In(1),
@@ -226,7 +228,7 @@ class QuantEngine(wiring.Component):
         # ---- Q1 decomposer -------------------------------------------------------------------------------
         gs, ss, valid = [], [], []
         for p in range(lanes):
-            x = self.x[p]
+            x = self.x[X_W * p : X_W * (p + 1)].as_signed()
             g = Signal(2, name=f"g_{p}")
             s = Signal(signed(S_W), name=f"s_{p}")
             ok = Signal(name=f"ok_{p}")
