@@ -315,6 +315,157 @@ def bench_codec(
     print_codec_bench(result)
 
 
+eval_app = typer.Typer(
+    help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. "
+    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], oaken-official, "
+    "int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
+    no_args_is_help=True,
+)
+app.add_typer(eval_app, name="eval")
+
+
+def _calib_spec(calib_text: str, calib_samples: int, calib_window: int, calib_path: str | None):
+    from oakenkv.eval.calibration import CalibrationSpec
+
+    return CalibrationSpec(calib_text, calib_samples, calib_window, calib_path)
+
+
+def _write_json(obj: dict, path: Path | None) -> None:
+    import json
+
+    text = json.dumps(obj, indent=2)
+    if path is None:
+        typer.echo(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    typer.echo(f"wrote {path}")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: Annotated[
+        str, typer.Option(help=("Model: 'default', 'gemma3-270m', a Hugging Face id, a directory or a .gguf path."))
+    ] = "default",
+    method: Annotated[
+        str, typer.Option(help=("Method spec, e.g. 'oaken', 'int4', 'kivi4', 'oaken:outer=0.06,inner=0.09'."))
+    ] = "oaken",
+    thresholds: Annotated[
+        Path | None, typer.Option(help=("Oaken thresholds file (default: profile on the calibration text)."))
+    ] = None,
+    window: Annotated[int, typer.Option(help="Tokens per window (the paper: 2048).")] = 2048,
+    stride: Annotated[int | None, typer.Option(help="Distance between window starts (default: the window).")] = None,
+    max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows (default: all).")] = None,
+    chunk: Annotated[
+        int | None, typer.Option(help=("Feed each window this many tokens per forward call (default: whole window)."))
+    ] = None,
+    dataset: Annotated[str, typer.Option(help="Evaluation text (oakenkv.data name).")] = "wikitext2",
+    calib_text: Annotated[str, typer.Option(help="Calibration text for thresholds and baseline ranges.")] = "wikipedia",
+    calib_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 16,
+    calib_window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    calib_path: Annotated[
+        str | None, typer.Option(help=("Path of the calibration text file, if not the packaged one."))
+    ] = None,
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json", help=("Write the result (method, ppl, effective_bits, tokens, windows, ...) here.")),
+    ] = None,
+) -> None:
+    """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
+    from oakenkv.eval.ppl import run_ppl
+
+    res = run_ppl(
+        model,
+        method,
+        thresholds=None if thresholds is None else str(thresholds),
+        window=window,
+        stride=stride,
+        max_windows=max_windows,
+        chunk=chunk,
+        dataset=dataset,
+        calibration=_calib_spec(calib_text, calib_samples, calib_window, calib_path),
+    )
+    typer.echo(f"{res.method}: ppl {res.ppl:.4f} at {res.effective_bits:.3f} bits/value ({res.tokens} tokens)")
+    _write_json(res.to_dict(), json_out)
+
+
+@eval_app.command("zeroshot")
+def eval_zeroshot(
+    model: Annotated[str, typer.Option(help="Model name or path (as for `eval ppl`).")] = "default",
+    method: Annotated[str, typer.Option(help="Method spec (as for `eval ppl`).")] = "oaken",
+    tasks: Annotated[
+        str, typer.Option(help=("Comma-separated tasks: piqa, winogrande, hellaswag."))
+    ] = "piqa,winogrande,hellaswag",
+    limit: Annotated[int | None, typer.Option(help="Evaluate only the first N documents of each task.")] = None,
+    thresholds: Annotated[Path | None, typer.Option(help="Oaken thresholds file.")] = None,
+    calib_text: Annotated[str, typer.Option(help="Calibration text for thresholds and baseline ranges.")] = "wikipedia",
+    calib_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 16,
+    calib_window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
+) -> None:
+    """Zero-shot accuracy (lm-evaluation-harness, local task data) with METHOD's cache."""
+    from oakenkv.eval.zeroshot import run_zeroshot
+
+    res = run_zeroshot(
+        model,
+        method,
+        tuple(t.strip() for t in tasks.split(",") if t.strip()),
+        thresholds=None if thresholds is None else str(thresholds),
+        limit=limit,
+        calibration=_calib_spec(calib_text, calib_samples, calib_window, None),
+    )
+    for t, r in res.tasks.items():
+        typer.echo(f"{res.method} {t}: {r['reported_metric']} {r['reported']:.4f}")
+    _write_json(res.to_dict(), json_out)
+
+
+@eval_app.command("calibrate")
+def eval_calibrate(
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "default",
+    sweep: Annotated[
+        str,
+        typer.Option(help=("Comma-separated outlier shares to profile besides the paper's 10% (outer:inner = 4:6).")),
+    ] = "0.08,0.12,0.16,0.20",
+    calib_text: Annotated[str, typer.Option(help="Calibration text.")] = "wikipedia",
+    calib_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 16,
+    calib_window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
+) -> None:
+    """Profile, in one pass, every Oaken configuration the report uses and the baselines' calibrated ranges."""
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval.calibration import calibrate_all
+    from oakenkv.eval.methods import sweep_config
+    from oakenkv.models import load_model
+
+    loaded = load_model(model)
+    base = OakenConfig()
+    configs = [(base, False), (base, True), (base.replace(key_position="pre_rope"), False)]
+    configs += [(sweep_config(float(s)), False) for s in sweep.split(",") if s.strip()]
+    calibrate_all(
+        loaded.model,
+        loaded.tokenizer,
+        model,
+        configs,
+        _calib_spec(calib_text, calib_samples, calib_window, calib_path),
+        progress=True,
+    )
+    typer.echo(f"calibrated {len(configs)} Oaken configurations and the baseline ranges for {model}")
+
+
+@eval_app.command("report")
+def eval_report(
+    results: Annotated[list[Path], typer.Argument(help="JSON result files or directories holding them.")],
+    out: Annotated[Path, typer.Option(help="Markdown file to write.")] = Path("docs/results.md"),
+    plot: Annotated[Path, typer.Option(help="Pareto plot (PNG) to write.")] = Path("docs/results_pareto.png"),
+    header: Annotated[Path | None, typer.Option(help="Markdown to put before the tables (commands, caveats).")] = None,
+) -> None:
+    """Collect `eval ppl` / `eval zeroshot` JSON results into markdown tables and a perplexity-vs-bits plot."""
+    from oakenkv.eval.report import write_report
+
+    write_report(results, out, plot, header)
+    typer.echo(f"wrote {out} and {plot}")
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Regenerate docs/results.md and docs/results_pareto.png: WikiText-2 perplexity and zero-shot accuracy of Oaken
+# and its peers on the default model (and Gemma-3-270m), then the report.
+#
+#   benchmarks/eval_peers.sh [part...]    parts: calib baselines oaken chunked zeroshot textdep gemma report
+#
+# WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 100) documents per task keep this within about
+# an hour on 2 shared CPU cores; WINDOWS= (empty) LIMIT= (empty) runs the full WikiText-2 test set (~140 windows)
+# and the full validation sets. Results are JSON files under OUT (default docs/results); existing files are kept
+# (delete one to re-run it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OAK="${OAK:-.venv/bin/python -m oakenkv.cli}"
+OUT="${OUT:-docs/results}"
+WINDOWS="${WINDOWS-3}"
+LIMIT="${LIMIT-100}"
+MODEL="${MODEL:-default}"
+mw=(); [[ -n "$WINDOWS" ]] && mw=(--max-windows "$WINDOWS")
+lim=(); [[ -n "$LIMIT" ]] && lim=(--limit "$LIMIT")
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(calib baselines oaken chunked zeroshot textdep report)
+
+ppl() {  # ppl <file-stem> <method> [extra args...]
+  local f="$OUT/$MODEL/ppl-$1.json"; shift
+  [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$1" "${mw[@]}" "${@:2}" --json "$f"
+}
+zs() {  # zs <file-stem> <method>
+  local f="$OUT/$MODEL/zs-$1.json"
+  [[ -f "$f" ]] || $OAK eval zeroshot --model "$MODEL" --method "$2" "${lim[@]}" --json "$f"
+}
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    calib)  # one pass over 16 x 256 Wikipedia tokens: every Oaken profile and the baselines' ranges
+      $OAK eval calibrate --model "$MODEL" ;;
+    baselines)
+      for m in fp int4 int5 kivi4 kvquant4 fp8 quanto4; do ppl "$m" "$m"; done ;;
+    oaken)
+      ppl oaken oaken
+      ppl oaken-official oaken-official
+      ppl oaken-prerope oaken:key_position=pre
+      ppl oaken-kurtosis oaken-kurtosis
+      for s in 0.08 0.12 0.16 0.20; do
+        o=$(python3 -c "print(round(0.4*$s,6))"); i=$(python3 -c "print(round(0.6*$s,6))")
+        ppl "oaken-share$s" "oaken:outer=$o,inner=$i"
+      done ;;
+    chunked)  # residual-window methods fed 128 tokens per forward call, as in decoding
+      ppl kivi4-chunk128 kivi4 --chunk 128
+      ppl quanto4-chunk128 quanto4 --chunk 128 ;;
+    zeroshot)
+      for m in fp oaken int4 kivi4 kvquant4 fp8 quanto4; do zs "$m" "$m"; done ;;
+    textdep)  # the paper's claim: thresholds do not depend on the profiling text
+      $OAK eval calibrate --model "$MODEL" --sweep "" --calib-text wikitext2
+      $OAK eval calibrate --model "$MODEL" --sweep "" --calib-text tinyshakespeare || true
+      ppl oaken-calib-wikitext2 oaken --calib-text wikitext2
+      [[ -f "$OUT/$MODEL/ppl-oaken-calib-tinyshakespeare.json" ]] || \
+        ppl oaken-calib-tinyshakespeare oaken --calib-text tinyshakespeare || true
+      .venv/bin/python benchmarks/thresholds_textdep.py --model "$MODEL" --out "$OUT/$MODEL/thresholds-textdep.json" ;;
+    gemma)
+      MODEL=gemma3-270m "$0" calib baselines oaken zeroshot ;;
+    report)
+      $OAK eval report "$OUT" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done

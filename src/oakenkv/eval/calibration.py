@@ -1,0 +1,306 @@
+"""Calibration for the evaluation: Oaken thresholds and baseline ranges, from calibration text only.
+
+Nothing here reads the evaluation text unless asked: the default calibration text is the Wikipedia excerpt
+(``oakenkv.data.load_text("wikipedia")``), not WikiText-2. Results are cached on disk under
+``oakenkv.models.cache_root() / "eval"`` keyed by model, text, window count and length, and the config, so a
+report run profiles each model once.
+
+- :func:`oaken_thresholds`: a :class:`~oakenkv.thresholds.Thresholds` profiled by :mod:`oakenkv.profile`
+  for an :class:`~oakenkv.config.OakenConfig` (post- or pre-RoPE keys, any ratios, optional kurtosis tuning).
+- :func:`kv_ranges`: per layer, the global min/max of the pre-RoPE keys and of the values (the official
+  Oaken harness's grids) and the per-channel quantiles of the pre-RoPE keys (KVQuant's key ranges).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oakenkv.config import OakenConfig
+
+#: Default calibration: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages ~100 runs; 16 keeps
+#: calibration to minutes on 2 shared CPU cores (pass --thresholds for a 100-run profile, or --calib-samples).
+DEFAULT_CALIB_TEXT = "wikipedia"
+DEFAULT_CALIB_SAMPLES = 16
+DEFAULT_CALIB_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Which text and how much of it calibration uses.
+
+    ``text`` is an ``oakenkv.data.load_text`` name ("wikipedia", the default; "wikitext2" is the evaluation
+    text and warns) or "file" for the plain text file at ``text_path``.
+    """
+
+    text: str = DEFAULT_CALIB_TEXT
+    samples: int = DEFAULT_CALIB_SAMPLES
+    window: int = DEFAULT_CALIB_WINDOW
+    text_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.window < 2:
+            raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {self.samples}, {self.window}")
+
+    def tag(self) -> str:
+        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
+        return f"{self.text}{path}-{self.samples}x{self.window}"
+
+
+def _cache_dir() -> Path:
+    from oakenkv.models import cache_root
+
+    d = cache_root() / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
+    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
+    from oakenkv.data import load_text, token_windows
+
+    if spec.text == "wikitext2":
+        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
+    if spec.text == "file":  # any plain UTF-8 text file
+        if spec.text_path is None:
+            raise ValueError("calibration text 'file' needs a path (--calib-path)")
+        text = Path(spec.text_path).read_text(encoding="utf-8")
+    else:
+        text = load_text(spec.text, spec.text_path)
+    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+
+
+def oaken_thresholds(
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    config: OakenConfig,
+    spec: CalibrationSpec | None = None,
+    *,
+    kurtosis_tuning: bool = False,
+    progress: bool = False,
+) -> Any:
+    """Profiled :class:`~oakenkv.thresholds.Thresholds` for ``config`` (cached on disk)."""
+    from oakenkv.profile import FewRunsWarning, profile_thresholds
+    from oakenkv.thresholds import Thresholds
+
+    spec = spec or CalibrationSpec()
+    key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
+    h = hashlib.sha1(key.encode()).hexdigest()[:10]
+    path = _cache_dir() / f"thr-{_safe(model_name)}-{spec.tag()}-{h}.json"
+    if path.is_file():
+        return Thresholds.load(path)
+    ids = calibration_windows(tokenizer, spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FewRunsWarning)
+        thr = profile_thresholds(
+            model,
+            ids,
+            config,
+            kurtosis_tuning=kurtosis_tuning,
+            progress=progress,
+            name=model_name,
+            metadata={"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window},
+        )
+    thr.save(path)
+    return thr
+
+
+@dataclass
+class KVRanges:
+    """Per-layer ranges of the pre-RoPE keys and the values over the calibration windows.
+
+    ``key_extremes[i]`` / ``value_extremes[i]``: global ``(min, max)`` of layer i.
+    ``key_channel_lo[i]`` / ``key_channel_hi[i]``: ``[H, D]`` per-channel quantiles at ``q`` and ``1 - q``,
+    averaged over windows.
+    """
+
+    key_extremes: list[tuple[float, float]]
+    value_extremes: list[tuple[float, float]]
+    key_channel_lo: list[torch.Tensor]
+    key_channel_hi: list[torch.Tensor]
+    q: float
+
+
+def kv_ranges(
+    model: Any, tokenizer: Any, model_name: str, spec: CalibrationSpec | None = None, q: float = 0.005
+) -> KVRanges:
+    """Compute (or load from the disk cache) :class:`KVRanges` on the calibration windows."""
+    from oakenkv.profile import record_kv
+
+    spec = spec or CalibrationSpec()
+    path = _cache_dir() / f"ranges-{_safe(model_name)}-{spec.tag()}-q{q:g}.pt"
+    if path.is_file():
+        d = torch.load(path)
+        return KVRanges(**d)
+    ids = calibration_windows(tokenizer, spec)
+    kmin = kmax = vmin = vmax = None
+    lo_sum: list[torch.Tensor] = []
+    hi_sum: list[torch.Tensor] = []
+    levels = torch.tensor([q, 1 - q])
+    with torch.no_grad():
+        for w in range(ids.shape[0]):
+            keys, values = record_kv(model, ids[w : w + 1], "pre_rope")  # per layer [1, H, S, D]
+            kmn = torch.stack([k.amin() for k in keys])
+            kmx = torch.stack([k.amax() for k in keys])
+            vmn = torch.stack([v.amin() for v in values])
+            vmx = torch.stack([v.amax() for v in values])
+            kmin = kmn if kmin is None else torch.minimum(kmin, kmn)
+            kmax = kmx if kmax is None else torch.maximum(kmax, kmx)
+            vmin = vmn if vmin is None else torch.minimum(vmin, vmn)
+            vmax = vmx if vmax is None else torch.maximum(vmax, vmx)
+            for i, k in enumerate(keys):
+                _, h, s, d = k.shape
+                per_ch = torch.quantile(k[0].permute(1, 0, 2).reshape(s, h * d).float(), levels, dim=0)  # [2, H*D]
+                lo, hi = per_ch[0].reshape(h, d), per_ch[1].reshape(h, d)
+                if w == 0:
+                    lo_sum.append(lo)
+                    hi_sum.append(hi)
+                else:
+                    lo_sum[i] += lo
+                    hi_sum[i] += hi
+    n = ids.shape[0]
+    out = KVRanges(
+        key_extremes=[(float(a), float(b)) for a, b in zip(kmin, kmax, strict=True)],
+        value_extremes=[(float(a), float(b)) for a, b in zip(vmin, vmax, strict=True)],
+        key_channel_lo=[x / n for x in lo_sum],
+        key_channel_hi=[x / n for x in hi_sum],
+        q=q,
+    )
+    torch.save(out.__dict__, path)
+    return out
+
+
+def _pos(config: OakenConfig) -> str:
+    return "pre" if config.key_position == "pre_rope" else "post"
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-60:]
+
+
+def calibrate_all(
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    configs: list[tuple[OakenConfig, bool]],
+    spec: CalibrationSpec | None = None,
+    *,
+    progress: bool = False,
+) -> None:
+    """Profile several Oaken configurations and the baseline ranges in ONE pass over the calibration windows.
+
+    Fills the same disk cache :func:`oaken_thresholds` and :func:`kv_ranges` read (so they return at once
+    afterwards). Thresholds follow :func:`oakenkv.profile.profile_thresholds` exactly (its per-run quantiles,
+    kurtosis rule and averaging, reused from that module), but each window is recorded once (post-RoPE; the
+    pre-RoPE keys are un-rotated from them) instead of once per configuration: on 2 shared CPU cores the
+    forward passes dominate.
+
+    Args:
+        configs: ``(config, kurtosis_tuning)`` pairs.
+    """
+    from oakenkv.eval.rope import RopeTable, invert_rope
+    from oakenkv.profile import _Accumulator, _candidates, _finish, record_kv, run_thresholds
+    from oakenkv.thresholds import ModelFingerprint, Thresholds
+
+    spec = spec or CalibrationSpec()
+    ids = calibration_windows(tokenizer, spec)
+    fp = ModelFingerprint.from_model_config(model.config, name=model_name)
+    n_layers = fp.num_layers
+    todo = []
+    for config, tuning in configs:
+        key = json.dumps([config.to_dict(), tuning], sort_keys=True)
+        path = _cache_dir() / f"thr-{_safe(model_name)}-{spec.tag()}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
+        if not path.is_file():
+            cand = _candidates(config, tuning)
+            accs = {(i, k): _Accumulator([], [], []) for i in range(n_layers) for k in ("key", "value")}
+            todo.append((config, tuning, path, cand, accs))
+    q = 0.005
+    ranges_path = _cache_dir() / f"ranges-{_safe(model_name)}-{spec.tag()}-q{q:g}.pt"
+    need_ranges = not ranges_path.is_file()
+    if not todo and not need_ranges:
+        return
+    union_outer = tuple(sorted({r for *_, (oc, _ic), _a in todo for r in oc}))
+    union_inner = tuple(sorted({r for *_, (_oc, ic), _a in todo for r in ic}))
+    rope = RopeTable(model)
+    kmin = [float("inf")] * n_layers
+    kmax = [float("-inf")] * n_layers
+    vmin = [float("inf")] * n_layers
+    vmax = [float("-inf")] * n_layers
+    lo_sum: list[Any] = [0.0] * n_layers
+    hi_sum: list[Any] = [0.0] * n_layers
+    levels = torch.tensor([q, 1 - q])
+    it = range(ids.shape[0])
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"calibrate {model_name}", unit="window")
+    with torch.no_grad():
+        for w in it:
+            keys, values = record_kv(model, ids[w : w + 1], "post_rope")  # per layer [1, H, S, D]
+            for i in range(n_layers):
+                k_post, v = keys[i], values[i]
+                cos, sin = rope.cos_sin(i, 0, k_post.shape[-2], k_post)
+                k_pre = invert_rope(k_post, cos, sin)
+                kmin[i], kmax[i] = min(kmin[i], float(k_pre.amin())), max(kmax[i], float(k_pre.amax()))
+                vmin[i], vmax[i] = min(vmin[i], float(v.amin())), max(vmax[i], float(v.amax()))
+                _, h, s, d = k_pre.shape
+                per_ch = torch.quantile(k_pre[0].permute(1, 0, 2).reshape(s, h * d), levels, dim=0)  # [2, H*D]
+                lo_sum[i] = lo_sum[i] + per_ch[0].reshape(h, d)
+                hi_sum[i] = hi_sum[i] + per_ch[1].reshape(h, d)
+                # One sort per tensor: the union of every configuration's candidate ratios in one call.
+                tensors = {"post": k_post[0], "pre": k_pre[0], "value": v[0]}
+                done: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+                for name, x in tensors.items():
+                    if name != "value" and not any(_pos(c) == name for c, *_ in todo):
+                        continue
+                    done[name] = run_thresholds(x, union_outer, union_inner)
+                for config, _tuning, _path, (outer_c, inner_c), accs in todo:
+                    for kind, name in (("key", _pos(config)), ("value", "value")):
+                        o_all, i_all, kurt = done[name]
+                        acc = accs[(i, kind)]
+                        acc.outer.append(o_all[[union_outer.index(r) for r in outer_c]])
+                        acc.inner.append(i_all[[union_inner.index(r) for r in inner_c]])
+                        acc.kurt.append(kurt)
+                        acc.num_samples += tensors[name].numel()
+    for config, tuning, path, _cand, accs in todo:
+        kt, vt, ks, vs = [], [], [], []
+        for i in range(n_layers):
+            for kind, tl, sl in (("key", kt, ks), ("value", vt, vs)):
+                thr, st = _finish(accs[(i, kind)], config, tuning, i, kind)
+                tl.append(thr)
+                sl.append(st)
+        Thresholds(
+            config=config,
+            fingerprint=fp,
+            keys=tuple(kt),
+            values=tuple(vt),
+            key_stats=tuple(ks),
+            value_stats=tuple(vs),
+            profile={
+                "data": spec.text,
+                "data_path": spec.text_path,
+                "runs": spec.samples,
+                "window": spec.window,
+                "kurtosis_tuning": tuning,
+                "profiler": "oakenkv.eval.calibration.calibrate_all (oakenkv.profile quantiles, one pass)",
+            },
+        ).save(path)
+    if need_ranges:
+        n = ids.shape[0]
+        torch.save(
+            KVRanges(
+                key_extremes=list(zip(kmin, kmax, strict=True)),
+                value_extremes=list(zip(vmin, vmax, strict=True)),
+                key_channel_lo=[x / n for x in lo_sum],
+                key_channel_hi=[x / n for x in hi_sum],
+                q=q,
+            ).__dict__,
+            ranges_path,
+        )

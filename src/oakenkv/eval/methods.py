@@ -1,0 +1,254 @@
+"""The KV-cache methods the evaluation compares, behind one interface.
+
+A method is named by a spec string ``family[:key=value,...]``, e.g. ``oaken``, ``oaken:outer=0.06,inner=0.09``,
+``int:bits=5``, ``kivi:bits=4,group=32,residual=128``. Aliases: ``int4``, ``int5``, ``kivi4``, ``kvquant4``,
+``quanto4``, ``oaken-kurtosis``.
+
+| family | what the attention reads | keys quantized |
+|---|---|---|
+| ``fp`` | unquantized (16 bits counted) | - |
+| ``oaken`` | :func:`oakenkv.quant.quantize_dequantize` per token vector, profiled thresholds | post (or ``pre``) |
+| ``oaken-official`` | Oaken, calibrated global min/max per layer (``baselines.oaken_official``) | pre-RoPE |
+| ``int`` | per-token-per-head asymmetric INT-n, QServe / Atom style | post-RoPE |
+| ``kivi`` | KIVI: keys per channel in token groups, values per token, fp16 residual | post-RoPE |
+| ``kvquant`` | KVQuant-style 4-bit + 1% fp16 outliers (uniform grid, see its module) | pre-RoPE, per channel |
+| ``fp8`` | FP8 e4m3, per-tensor scale 1.0 (vLLM default) | post-RoPE |
+| ``quanto`` | transformers' ``QuantizedCache(backend="quanto")``, unchanged | post-RoPE |
+
+Oaken's thresholds come from a thresholds file (``thresholds=``) or are profiled on the calibration text
+(:mod:`oakenkv.eval.calibration`; never WikiText-2 by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
+from oakenkv.config import OakenConfig
+
+ALIASES = {
+    "int4": "int:bits=4",
+    "int5": "int:bits=5",
+    "kivi4": "kivi:bits=4",
+    "kvquant4": "kvquant:bits=4",
+    "quanto4": "quanto:bits=4",
+    "oaken-kurtosis": "oaken:kurtosis=1",
+}
+
+#: Each family's parameters and defaults (also the set of accepted keys).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "fp": {},
+    "oaken": {"outer": 0.04, "inner": 0.06, "granularity": "token", "key_position": "post", "kurtosis": 0},
+    "oaken-official": {"outer": 0.04, "inner": 0.06},
+    "int": {"bits": 4, "group": 0},
+    "kivi": {"bits": 4, "group": 32, "residual": 128},
+    "kvquant": {"bits": 4, "outliers": 0.01},
+    "fp8": {"scale": 1.0},
+    "quanto": {"bits": 4, "group": 64, "residual": 128},
+}
+
+#: What each family simplifies relative to the method it stands for (printed in reports).
+SIMPLIFIED = {
+    "kvquant": "uniform 4-bit grid instead of KVQuant's non-uniform nuq4; no attention-sink token; ranges from "
+    "calibration quantiles",
+    "int": "KV format only (no SmoothAttention / weight quantization of QServe, no reordering of Atom)",
+    "fp8": "per-tensor scale 1.0 (vLLM's uncalibrated default)",
+    "quanto": "transformers' QuantizedCache: the first update (the whole prefill) is returned unquantized",
+    "kivi": "",
+}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"family:k=v,..."`` -> ``(family, params)`` with defaults filled in and types checked."""
+    spec = ALIASES.get(spec.strip(), spec.strip())
+    family, _, rest = spec.partition(":")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown method {family!r}; known: {', '.join([*FAMILIES, *ALIASES])}")
+    params = dict(FAMILIES[family])
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or k not in params:
+            raise ValueError(f"method {family!r}: bad parameter {item!r}; accepted: {', '.join(params) or 'none'}")
+        default = params[k]
+        try:
+            params[k] = type(default)(v) if not isinstance(default, str) else v
+        except ValueError as e:
+            raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
+    return family, params
+
+
+def canonical(family: str, params: dict[str, Any]) -> str:
+    """The spec string with only non-default parameters (used as the method's name in results)."""
+    diff = [f"{k}={v}" for k, v in params.items() if v != FAMILIES[family][k]]
+    return family + (":" + ",".join(diff) if diff else "")
+
+
+class OakenQuantizer(KVFakeQuantizer):
+    """Oaken through the reference quantizer :mod:`oakenkv.quant`, one quantization vector per token.
+
+    Token granularity: ``[B, H, S, D] -> [B*S, H*D]`` (one token's keys of all KV heads of a layer, the paper's
+    vector); head granularity: ``[B*S*H, D]``. Stored bits per vector of n values with m inner/outer values:
+    ``4 n + 8 m + 6 * scale_bits + 16`` (dense nibbles, COO entries, six per-token scales, 16-bit sparse count),
+    the fused format's layout (``oakenkv.codec``).
+    """
+
+    def __init__(self, thresholds: Any, config: OakenConfig) -> None:
+        self.thresholds = thresholds
+        self.config = config
+        self.key_position = config.key_position
+        self._scale_bits = 16 if config.scale_dtype == "float16" else 32
+
+    def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        from oakenkv.quant import GROUP_MIDDLE, assign_groups, quantize_dequantize
+
+        check_kv(x, kind)
+        b, h, s, d = x.shape
+        rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)  # [B*S, H*D]: one token vector per row
+        if self.config.granularity == "head":
+            rows = rows.reshape(b * s * h, d)
+        thr = self.thresholds.layer(layer_idx, kind)
+        y = quantize_dequantize(rows, thr, self.config)
+        n_out = int((assign_groups(rows, thr) != GROUP_MIDDLE).sum())
+        bits = 4 * rows.numel() + 8 * n_out + rows.shape[0] * (6 * self._scale_bits + 16)
+        return y.reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous(), bits
+
+
+@dataclass
+class Method:
+    """One evaluated method: how to make a fresh cache for a sequence, and what it is."""
+
+    name: str
+    family: str
+    params: dict[str, Any]
+    make_cache: Callable[[], Any]
+    key_position: str
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_method(
+    spec: str,
+    model: Any,
+    tokenizer: Any,
+    model_name: str = "default",
+    *,
+    thresholds: Any = None,
+    calibration: Any = None,
+    progress: bool = False,
+) -> Method:
+    """Build ``spec`` for ``model``.
+
+    Args:
+        spec: method spec string (module doc).
+        model, tokenizer: the transformers model and tokenizer.
+        model_name: name used for the calibration cache and the results.
+        thresholds: a :class:`~oakenkv.thresholds.Thresholds` (or a path to one) for ``oaken`` (its config
+            then overrides the spec's ratios); default: profiled on the calibration text.
+        calibration: a :class:`~oakenkv.eval.calibration.CalibrationSpec` (default: Wikipedia, 32 x 256).
+    """
+    from transformers import DynamicCache
+
+    from oakenkv.eval import calibration as cal
+    from oakenkv.eval.cache import FakeQuantCache, KiviCache
+    from oakenkv.eval.rope import RopeTable
+
+    family, params = parse_spec(spec)
+    name = canonical(family, params)
+    spec_obj = calibration or cal.CalibrationSpec()
+    note = SIMPLIFIED.get(family, "")
+    extra: dict[str, Any] = {}
+    if family in ("oaken", "oaken-official", "kvquant") and spec_obj != cal.CalibrationSpec():
+        name += f"@{spec_obj.tag()}"  # a non-default calibration is part of what is compared
+
+    def fq(quantizer: KVFakeQuantizer) -> Callable[[], Any]:
+        rope = RopeTable(model) if quantizer.key_position == "pre_rope" else None
+        return lambda: FakeQuantCache(model, quantizer, rope)
+
+    if family == "fp":
+        return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
+    if family == "oaken":
+        if thresholds is not None:
+            if not hasattr(thresholds, "layer"):
+                from oakenkv.thresholds import Thresholds
+
+                extra["thresholds_file"] = str(thresholds)
+                thresholds = Thresholds.load(thresholds)
+            thresholds.check_model(model.config)
+            config = thresholds.config
+            name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
+        else:
+            config = OakenConfig(
+                outer_ratio=params["outer"],
+                inner_ratio=params["inner"],
+                granularity=params["granularity"],
+                key_position="pre_rope" if params["key_position"] == "pre" else "post_rope",
+            )
+            thresholds = cal.oaken_thresholds(
+                model,
+                tokenizer,
+                model_name,
+                config,
+                spec_obj,
+                kurtosis_tuning=bool(params["kurtosis"]),
+                progress=progress,
+            )
+            extra["calibration"] = spec_obj.tag()
+        extra["config"] = config.to_dict()
+        q = OakenQuantizer(thresholds, config)
+        return Method(name, family, params, fq(q), config.key_position, note, extra)
+    if family == "oaken-official":
+        from oakenkv.baselines.oaken_official import OakenOfficialQuantizer
+
+        config = OakenConfig(outer_ratio=params["outer"], inner_ratio=params["inner"], key_position="pre_rope")
+        thr = cal.oaken_thresholds(model, tokenizer, model_name, config, spec_obj, progress=progress)
+        rng = cal.kv_ranges(model, tokenizer, model_name, spec_obj)
+        n = thr.num_layers
+        q = OakenOfficialQuantizer(
+            {"key": [thr.layer(i, "key") for i in range(n)], "value": [thr.layer(i, "value") for i in range(n)]},
+            {"key": rng.key_extremes, "value": rng.value_extremes},
+        )
+        extra["calibration"] = spec_obj.tag()
+        return Method(name, family, params, fq(q), "pre_rope", note, extra)
+    if family == "int":
+        from oakenkv.baselines.uniform import PerTokenIntQuantizer
+
+        q = PerTokenIntQuantizer(params["bits"], params["group"] or None)
+        return Method(name, family, params, fq(q), "post_rope", note)
+    if family == "kivi":
+        b, g, r = params["bits"], params["group"], params["residual"]
+        return Method(name, family, params, lambda: KiviCache(model, b, g, r), "post_rope", note)
+    if family == "kvquant":
+        from oakenkv.baselines.kvquant import KVQuantQuantizer
+
+        rng = cal.kv_ranges(model, tokenizer, model_name, spec_obj, q=params["outliers"] / 2)
+        q = KVQuantQuantizer(
+            list(zip(rng.key_channel_lo, rng.key_channel_hi, strict=True)), params["bits"], params["outliers"]
+        )
+        extra["calibration"] = spec_obj.tag()
+        return Method(name, family, params, fq(q), "pre_rope", note, extra)
+    if family == "fp8":
+        from oakenkv.baselines.fp8 import Fp8Quantizer
+
+        return Method(name, family, params, fq(Fp8Quantizer(params["scale"])), "post_rope", note)
+    if family == "quanto":
+        from transformers import QuantizedCache
+
+        b, g, r = params["bits"], params["group"], params["residual"]
+
+        def make() -> Any:
+            return QuantizedCache(backend="quanto", config=model.config, nbits=b, q_group_size=g, residual_length=r)
+
+        return Method(name, family, params, make, "post_rope", note)
+    raise AssertionError(family)  # parse_spec only returns known families
+
+
+def sweep_config(outlier_share: float) -> OakenConfig:
+    """The paper's configuration with the outlier share (outer + inner) scaled, keeping outer:inner = 4:6.
+
+    Figure 12(a) of the paper varies the share of values that go to the sparse (inner + outer) groups.
+    """
+    return OakenConfig(outer_ratio=round(0.4 * outlier_share, 6), inner_ratio=round(0.6 * outlier_share, 6))

@@ -1,0 +1,157 @@
+"""Perplexity of a model whose KV cache goes through a method, on fixed token windows (WikiText-2 test).
+
+The paper's protocol (Table 2): windows of 2048 tokens with stride 2048, each window evaluated independently
+from an empty cache; the loss is the mean negative log-likelihood of tokens 2..W of each window given the
+previous ones, ``ppl = exp(sum NLL / number of predicted tokens)``.
+
+By default a window is one forward pass (a prefill): every key and value the attention reads has been written
+to the method's cache first, so prefill attention reads quantized K/V too, as in the paper's harness. With
+``chunk``, the window is fed ``chunk`` tokens at a time through the same cache (``chunk=1`` is token-by-token
+decoding); only methods that keep state (KIVI's and quanto's fp16 residual windows) give different results.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from oakenkv.baselines.base import BitCounter
+from oakenkv.eval.cache import stored_bits
+
+
+@dataclass
+class PplResult:
+    """Perplexity of one method on one model (the JSON written by ``oakenkv eval ppl``)."""
+
+    method: str
+    ppl: float
+    effective_bits: float
+    tokens: int
+    windows: int
+    model: str = ""
+    window: int = 0
+    stride: int = 0
+    chunk: int | None = None
+    nll: float = 0.0
+    seconds: float = 0.0
+    dataset: str = "wikitext2"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "ppl", **asdict(self)}
+
+
+def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = None) -> tuple[float, int]:
+    """Summed NLL of ``ids[1:]`` given the prefix, through ``cache``; returns ``(nll_sum, predicted tokens)``.
+
+    Args:
+        ids: int64 ``[S]`` token ids of one window.
+        cache: a fresh (empty) transformers cache.
+        chunk: feed ``chunk`` tokens per forward call (default: the whole window at once).
+    """
+    if ids.dim() != 1 or ids.numel() < 2:
+        raise ValueError(f"a window must be a 1-D tensor of >= 2 token ids, got shape {tuple(ids.shape)}")
+    s = ids.numel()
+    step = s if chunk is None else chunk
+    if step < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    nll = 0.0
+    with torch.no_grad():
+        for a in range(0, s - 1, step):
+            b = min(a + step, s - 1)  # the last token is only a target
+            inp = ids[a:b][None]
+            pos = torch.arange(a, b)[None]
+            out = model(input_ids=inp, past_key_values=cache, use_cache=True, position_ids=pos)
+            logits = out.logits[0].float()  # [b - a, V]
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[a + 1 : b + 1], reduction="sum"))
+    return nll, s - 1
+
+
+def perplexity(
+    model: Any,
+    windows: torch.Tensor,
+    method: Any,
+    *,
+    chunk: int | None = None,
+    progress: bool = False,
+    model_name: str = "",
+) -> PplResult:
+    """Perplexity of ``model`` with ``method``'s cache over ``windows``.
+
+    Args:
+        windows: int64 ``[N, S]`` token windows (``oakenkv.data.token_windows``).
+        method: an :class:`~oakenkv.eval.methods.Method`.
+        chunk: tokens per forward call (module doc).
+    """
+    if windows.dim() != 2 or windows.dtype != torch.int64:
+        raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
+    total_nll, total_tok = 0.0, 0
+    bits = BitCounter()
+    t0 = time.perf_counter()
+    it = range(windows.shape[0])
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(it, desc=f"ppl {method.name}", unit="window")
+        it = bar
+    for i in it:
+        cache = method.make_cache()
+        nll, n = window_nll(model, windows[i], cache, chunk)
+        total_nll += nll
+        total_tok += n
+        bits.merge(stored_bits(cache))
+        if bar is not None:
+            bar.set_postfix(ppl=f"{math.exp(total_nll / total_tok):.4f}")
+    return PplResult(
+        method=method.name,
+        ppl=math.exp(total_nll / total_tok),
+        effective_bits=bits.effective_bits,
+        tokens=total_tok,
+        windows=int(windows.shape[0]),
+        model=model_name,
+        window=int(windows.shape[1]),
+        chunk=chunk,
+        nll=total_nll,
+        seconds=time.perf_counter() - t0,
+        extra={
+            "family": method.family,
+            "params": method.params,
+            "key_position": method.key_position,
+            "note": method.note,
+            **method.extra,
+        },
+    )
+
+
+def run_ppl(
+    model: str = "default",
+    method: str = "oaken",
+    *,
+    thresholds: str | None = None,
+    window: int = 2048,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    chunk: int | None = None,
+    dataset: str = "wikitext2",
+    calibration: Any = None,
+    progress: bool = True,
+) -> PplResult:
+    """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body)."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.eval.methods import build_method
+    from oakenkv.models import load_model
+
+    loaded = load_model(model)
+    ids = token_windows(loaded.tokenizer, load_text(dataset), window, stride, max_windows)
+    m = build_method(
+        method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress
+    )
+    res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model)
+    res.stride = stride or window
+    res.dataset = dataset
+    return res

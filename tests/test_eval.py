@@ -1,0 +1,240 @@
+"""The evaluation harness: fake-quant cache, pre-RoPE round trip, methods, perplexity, zero-shot, report, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from oakenkv.baselines.base import KVFakeQuantizer
+from oakenkv.eval.methods import FAMILIES, Method, build_method, canonical, parse_spec, sweep_config
+from oakenkv.eval.report import pareto_front, write_report
+
+
+class _Identity(KVFakeQuantizer):
+    """Stores keys/values unchanged (counts 16 bits), optionally pre-RoPE: isolates the cache plumbing."""
+
+    def __init__(self, key_position="post_rope"):
+        self.key_position = key_position
+        self.seen = []
+
+    def quantize(self, layer_idx, kind, x):
+        self.seen.append((layer_idx, kind, tuple(x.shape)))
+        return x, 16.0 * x.numel()
+
+
+def _ids(tok, n=64):
+    from oakenkv.data import load_text, token_windows
+
+    return token_windows(tok, load_text("wikitext2"), n, max_windows=1)
+
+
+def _fq_method(model, quantizer):
+    from oakenkv.eval.cache import FakeQuantCache
+
+    return Method("test", "test", {}, lambda: FakeQuantCache(model, quantizer), quantizer.key_position)
+
+
+# ---------------------------------------------------------------------------------------------- specs
+
+
+def test_parse_spec_aliases_defaults_and_errors():
+    assert parse_spec("int4") == ("int", {"bits": 4, "group": 0})
+    assert parse_spec("kivi4")[1] == {"bits": 4, "group": 32, "residual": 128}
+    fam, p = parse_spec("oaken:outer=0.06,inner=0.09")
+    assert fam == "oaken" and p["outer"] == 0.06 and p["inner"] == 0.09
+    assert canonical(fam, p) == "oaken:outer=0.06,inner=0.09"
+    assert canonical("oaken", dict(FAMILIES["oaken"])) == "oaken"
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_spec("nope")
+    with pytest.raises(ValueError, match="bad parameter"):
+        parse_spec("int:width=4")
+    with pytest.raises(ValueError, match="not a int"):
+        parse_spec("int:bits=four")
+
+
+def test_sweep_config_keeps_paper_split():
+    c = sweep_config(0.10)
+    assert c.outer_ratio == pytest.approx(0.04) and c.inner_ratio == pytest.approx(0.06)
+    assert sweep_config(0.2).outlier_ratio == pytest.approx(0.2)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE and cache
+
+
+def test_rope_round_trip_and_matches_transformers(default_model):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from oakenkv.eval.rope import RopeTable, apply_rope, invert_rope
+
+    rope = RopeTable(default_model.model)
+    k = torch.randn(1, 3, 40, 64)
+    cos, sin = rope.cos_sin(0, 7, 40, k)
+    assert cos.shape == (1, 1, 40, 64)
+    assert torch.allclose(invert_rope(apply_rope(k, cos, sin), cos, sin), k, atol=1e-5)
+    _, k_ref = apply_rotary_pos_emb(k, k, cos[:, 0], sin[:, 0])
+    assert torch.allclose(apply_rope(k, cos, sin), k_ref, atol=1e-6)
+    # positions 7.. are the tail of positions 0..: memoized tables are sliced consistently
+    cos0, _ = rope.cos_sin(0, 0, 47, k)
+    assert torch.equal(cos0[..., 7:, :], cos)
+
+
+def test_identity_fake_quant_cache_matches_fp_exactly(default_model):
+    from transformers import DynamicCache
+
+    m, ids = default_model.model, _ids(default_model.tokenizer)
+    q = _Identity()
+    with torch.no_grad():
+        ref = m(input_ids=ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
+        got = m(input_ids=ids, past_key_values=_fq_method(m, q).make_cache(), use_cache=True).logits
+    assert torch.equal(ref, got)
+    n_layers = m.config.num_hidden_layers
+    assert len(q.seen) == 2 * n_layers and q.seen[0] == (0, "key", (1, 3, 64, 64))
+
+
+def test_pre_rope_identity_is_a_round_trip(default_model):
+    from transformers import DynamicCache
+
+    m, ids = default_model.model, _ids(default_model.tokenizer)
+    with torch.no_grad():
+        ref = m(input_ids=ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
+        got = m(input_ids=ids, past_key_values=_fq_method(m, _Identity("pre_rope")).make_cache(), use_cache=True).logits
+    assert (ref - got).abs().max() < 1e-3 * ref.abs().max()
+
+
+def test_fp_method_ppl_equals_plain_forward(default_model):
+    from oakenkv.eval.ppl import perplexity
+
+    m, tok = default_model.model, default_model.tokenizer
+    ids = _ids(tok, 128)
+    with torch.no_grad():
+        loss = m(input_ids=ids, labels=ids).loss
+    r = perplexity(m, ids, build_method("fp", m, tok))
+    assert r.ppl == pytest.approx(math.exp(float(loss)), rel=1e-5)
+    assert r.effective_bits == 16.0 and r.tokens == 127 and r.windows == 1
+
+
+def test_stateless_method_same_in_prefill_and_chunked_decode(default_model):
+    from oakenkv.eval.ppl import perplexity
+
+    m, tok = default_model.model, default_model.tokenizer
+    ids = _ids(tok, 64)
+    meth = build_method("int4", m, tok)
+    whole = perplexity(m, ids, meth)
+    chunked = perplexity(m, ids, meth, chunk=16)
+    fp = perplexity(m, ids, build_method("fp", m, tok))
+    assert chunked.ppl == pytest.approx(whole.ppl, rel=1e-4)
+    assert whole.effective_bits == pytest.approx(4.5)
+    assert whole.ppl != fp.ppl
+
+
+def test_kivi_residual_covers_short_windows(default_model):
+    from oakenkv.eval.ppl import perplexity
+
+    m, tok = default_model.model, default_model.tokenizer
+    ids = _ids(tok, 64)
+    fp = perplexity(m, ids, build_method("fp", m, tok))
+    # residual 128 > 64 tokens: nothing is quantized yet, KIVI is exactly FP and stores fp16
+    long_res = perplexity(m, ids, build_method("kivi:residual=128", m, tok))
+    assert long_res.ppl == fp.ppl and long_res.effective_bits == 16.0
+    short = perplexity(m, ids, build_method("kivi:group=16,residual=32", m, tok))
+    assert short.ppl != fp.ppl
+    # keys: 32 of 64 tokens quantized at 4 + 32/16 bits; values: 32 quantized at 4 + 32/16 (group 16 channels)
+    assert short.effective_bits == pytest.approx((32 * 6 + 32 * 16) / 64)
+
+
+def test_oaken_method_bits_follow_the_format(default_model):
+    from oakenkv.eval.methods import OakenQuantizer
+    from oakenkv.eval.ppl import perplexity
+
+    class Fixed:
+        def layer(self, i, kind):
+            return (-1.0, -0.05, 0.05, 1.0)
+
+    from oakenkv.config import OakenConfig
+
+    m, tok = default_model.model, default_model.tokenizer
+    q = OakenQuantizer(Fixed(), OakenConfig())
+    x = torch.randn(1, 3, 10, 64)
+    y, bits = q.quantize(0, "key", x)
+    n_out = int(((x > 1) | (x < -1) | (x.abs() <= 0.05)).sum())
+    assert bits == 4 * x.numel() + 8 * n_out + 10 * (96 + 16)
+    assert y.shape == x.shape and (y - x).abs().max() < 0.2
+    r = perplexity(m, _ids(tok, 64), _fq_method(m, q))
+    assert 4.5 < r.effective_bits < 8 and math.isfinite(r.ppl)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def test_cli_eval_ppl_writes_json(default_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from oakenkv.cli import app
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(
+        app, ["eval", "ppl", "--method", "int4", "--window", "128", "--max-windows", "1", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert {"method", "ppl", "effective_bits", "tokens", "windows"} <= set(d)
+    assert d["method"] == "int" or d["method"].startswith("int")
+    assert d["tokens"] == 127 and d["windows"] == 1 and d["effective_bits"] == pytest.approx(4.5)
+
+
+@pytest.mark.slow
+def test_zeroshot_small_limit(default_model):
+    from oakenkv.eval.zeroshot import zeroshot
+
+    m, tok = default_model.model, default_model.tokenizer
+    r = zeroshot(m, tok, build_method("int4", m, tok), ["piqa"], limit=4)
+    t = r.tasks["piqa"]
+    assert t["n"] == 4 and 0 <= t["acc_norm"] <= 1 and t["reported_metric"] == "acc_norm"
+    assert r.effective_bits == pytest.approx(4.5)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def test_pareto_front():
+    pts = [(4.5, 0.3), (5.0, 0.1), (5.5, 0.2), (8.0, 0.0), (4.0, 1.0)]
+    assert pareto_front(pts) == [4, 0, 1, 3]
+
+
+def test_report_tables_and_plot(tmp_path):
+    def ppl(method, bits, p):
+        return {
+            "kind": "ppl",
+            "method": method,
+            "ppl": p,
+            "effective_bits": bits,
+            "tokens": 100,
+            "windows": 1,
+            "model": "default",
+            "window": 101,
+            "stride": 101,
+            "extra": {"key_position": "post_rope"},
+        }
+
+    for i, r in enumerate([ppl("fp", 16, 10.0), ppl("oaken", 5.4, 10.2), ppl("int4", 4.5, 11.0)]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    zs = {
+        "kind": "zeroshot",
+        "method": "fp",
+        "model": "default",
+        "effective_bits": 16,
+        "limit": 4,
+        "tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.75, "reported": 0.75, "n": 4}},
+    }
+    (tmp_path / "z.json").write_text(json.dumps(zs))
+    (tmp_path / "other.json").write_text(json.dumps({"unrelated": 1}))
+    md, png = tmp_path / "out" / "results.md", tmp_path / "out" / "p.png"
+    text = write_report([tmp_path], md, png)
+    assert "| oaken | 5.40 | 10.2000 | +0.2000 |" in text
+    assert "| int4 | 4.50 | 11.0000 | +1.0000 |" in text
+    assert "75.00" in text and png.stat().st_size > 1000
+    with pytest.raises(FileNotFoundError):
+        write_report([tmp_path / "missing"], md, png)
