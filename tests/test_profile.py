@@ -31,9 +31,21 @@ def test_exact_quantiles_match_torch_quantile(n):
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
 
 
-def test_exact_quantiles_rejects_empty():
+def test_exact_quantiles_rejects_empty_and_bad_levels_and_widens_bf16():
     with pytest.raises(ValueError, match="empty"):
         exact_quantiles(torch.empty(0), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="levels"):
+        exact_quantiles(torch.ones(4), [1.5])
+    x = torch.randn(1001, dtype=torch.bfloat16)
+    ref = torch.quantile(x.double(), torch.tensor([0.1, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(exact_quantiles(x, [0.1, 0.5]), ref, rtol=0, atol=1e-12)
+
+
+def test_run_thresholds_rejects_non_finite():
+    x = torch.randn(100)
+    x[7] = float("nan")
+    with pytest.raises(ValueError, match="1 recorded values are NaN"):
+        run_thresholds(x, (0.04,), (0.06,))
 
 
 def test_kurtosis_of_known_distributions():

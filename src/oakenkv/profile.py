@@ -18,8 +18,8 @@ because models with a key norm (Gemma 3, Qwen 3) apply it between ``k_proj`` and
 Thresholds of one run
 ---------------------
 Over all values of one run (all tokens x KV heads x head_dim of one window, flattened), with outer ratio ``o`` and
-inner ratio ``i``, exact order statistics (sort + linear interpolation, the same definition as ``torch.quantile``;
-no sampling, so no sampling error; no 16M-element limit)::
+inner ratio ``i``, exact order statistics (``np.partition`` + linear interpolation, the same definition as
+``torch.quantile``; no sampling, so no sampling error; no 16M-element limit)::
 
     to_lo = q(o / 2)           to_hi = q(1 - o / 2)
     ti_lo = q(0.5 - i / 2)     ti_hi = q(0.5 + i / 2)      (inner_center="median", the default)
@@ -47,10 +47,11 @@ import functools
 import inspect
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
@@ -104,45 +105,62 @@ class FewRunsWarning(UserWarning):
 # ---------------------------------------------------------------------------------------------- statistics
 
 
-def exact_quantiles(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """All elements of ``x`` as a flat float32 (or float64) numpy array on the CPU (bf16/fp16 widened exactly)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.to(torch.float32)
+        x = x.cpu().numpy()
+    return np.ascontiguousarray(x).reshape(-1)
+
+
+# The statistics run in numpy on purpose: they are single-threaded there, and torch's multi-threaded sort of a
+# 50k-element run costs ~10x more CPU time than numpy's on a busy 2-core machine (OpenMP threads spin while they
+# wait), which made the statistics cost as much as the model's forward pass.
+
+
+def exact_quantiles(x: torch.Tensor | np.ndarray, q: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Exact quantiles of all elements of ``x`` at levels ``q``, as ``torch.quantile(..., interpolation="linear")``.
 
-    Implemented with one sort so that it has no element-count limit (``torch.quantile`` refuses more than 2^24).
+    The needed order statistics are found with one ``np.partition`` (O(n), exact), so there is no element-count
+    limit (``torch.quantile`` refuses more than 2^24 elements) and no sampling error.
 
     Args:
-        x: float tensor of any shape (flattened; computed in float64 for the interpolation).
-        q: float tensor ``[L]`` of levels in [0, 1].
+        x: float tensor or array of any shape (flattened).
+        q: levels in [0, 1], ``[L]``.
 
     Returns:
-        float64 tensor ``[L]``.
+        float64 tensor ``[L]``: ``s[lo] + (s[hi] - s[lo]) * (pos - lo)`` with ``pos = q * (n - 1)``, ``s`` sorted.
     """
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
+    flat = _as_numpy(x)
+    n = flat.size
     if n == 0:
         raise ValueError("cannot take quantiles of an empty tensor")
-    s = torch.sort(flat.to(torch.float64)).values
-    pos = q.to(torch.float64) * (n - 1)
-    lo = pos.floor().long().clamp(0, n - 1)
-    hi = pos.ceil().long().clamp(0, n - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo.to(torch.float64))
+    qs = np.asarray(q.tolist() if isinstance(q, torch.Tensor) else q, dtype=np.float64)
+    if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():
+        raise ValueError(f"quantile levels must be a 1-D sequence in [0, 1], got {qs!r}")
+    pos = qs * (n - 1)
+    lo = np.clip(np.floor(pos).astype(np.int64), 0, n - 1)
+    hi = np.clip(np.ceil(pos).astype(np.int64), 0, n - 1)
+    part = np.partition(flat, np.unique(np.concatenate([lo, hi])))
+    s_lo, s_hi = part[lo].astype(np.float64), part[hi].astype(np.float64)
+    return torch.from_numpy(s_lo + (s_hi - s_lo) * (pos - lo))
 
 
-def kurtosis(x: torch.Tensor) -> float:
+def kurtosis(x: torch.Tensor | np.ndarray) -> float:
     """Pearson kurtosis E[(x-mu)^4] / var^2 of all elements of ``x`` (3 for a Gaussian), in float64.
 
     Raises ValueError for a constant tensor (kurtosis undefined): a layer whose values are all equal means the
     recording is broken, and silently returning a number would hide it.
     """
-    x64 = x.detach().reshape(-1).to(torch.float64)
+    x64 = _as_numpy(x).astype(np.float64)
     c = x64 - x64.mean()
-    var = (c * c).mean()
+    c2 = c * c
+    var = c2.mean()
     if not var > 0:
         raise ValueError("cannot compute kurtosis: all recorded values are equal (broken recording?)")
-    return float((c**4).mean() / (var * var))
-
-
-def _levels(outer: float, inner: float) -> list[float]:
-    return [outer / 2, 0.5 - inner / 2, 0.5 + inner / 2, 1 - outer / 2]
+    return float((c2 * c2).mean() / (var * var))
 
 
 def run_thresholds(
@@ -162,17 +180,22 @@ def run_thresholds(
     Returns:
         ``outer`` float64 ``[len(outer_ratios), 2]`` (to_lo, to_hi) per candidate, ``inner`` float64
         ``[len(inner_ratios), 2]`` (ti_lo, ti_hi) per candidate, and the Pearson kurtosis.
+
+    Raises:
+        ValueError: ``x`` holds NaN or Inf, or all its values are equal.
     """
-    flat = x.detach().reshape(-1)
-    outer_levels = torch.tensor([[o / 2, 1 - o / 2] for o in outer_ratios], dtype=torch.float64)
+    flat = _as_numpy(x)
+    if not np.isfinite(flat).all():
+        raise ValueError(f"{int((~np.isfinite(flat)).sum())} recorded values are NaN or infinite")
+    outer_levels = [lv for o in outer_ratios for lv in (o / 2, 1 - o / 2)]
     if inner_center == "median":
-        inner_levels = torch.tensor([[0.5 - i / 2, 0.5 + i / 2] for i in inner_ratios], dtype=torch.float64)
-        q = exact_quantiles(flat, torch.cat([outer_levels.reshape(-1), inner_levels.reshape(-1)]))
-        outer = q[: outer_levels.numel()].reshape(-1, 2)
-        inner = q[outer_levels.numel() :].reshape(-1, 2)
+        inner_levels = [lv for i in inner_ratios for lv in (0.5 - i / 2, 0.5 + i / 2)]
+        q = exact_quantiles(flat, outer_levels + inner_levels)
+        outer = q[: len(outer_levels)].reshape(-1, 2)
+        inner = q[len(outer_levels) :].reshape(-1, 2)
     elif inner_center == "zero":
-        outer = exact_quantiles(flat, outer_levels.reshape(-1)).reshape(-1, 2)
-        t = exact_quantiles(flat.abs(), torch.tensor(inner_ratios, dtype=torch.float64))
+        outer = exact_quantiles(flat, outer_levels).reshape(-1, 2)
+        t = exact_quantiles(np.abs(flat), list(inner_ratios))
         inner = torch.stack([-t, t], dim=1)
     else:
         raise ValueError(f"inner_center must be 'median' or 'zero', got {inner_center!r}")
@@ -427,9 +450,10 @@ def profile_thresholds(
                     acc = accs[(layer, kind)]
                     for b in range(states.shape[0]):
                         x = states[b]  # [H, S, D]: one run
-                        if not torch.isfinite(x).all():
-                            raise ValueError(f"layer {layer} {kind}s of run {start + b} contain NaN/Inf")
-                        o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
+                        try:
+                            o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
+                        except ValueError as e:
+                            raise ValueError(f"layer {layer} {kind}s of run {start + b}: {e}") from e
                         acc.outer.append(o)
                         acc.inner.append(i)
                         acc.kurt.append(k)
@@ -449,7 +473,7 @@ def profile_thresholds(
         "key_position": config.key_position,
         "inner_center": inner_center,
         "kurtosis_tuning": kurtosis_tuning,
-        "quantiles": "exact (sort + linear interpolation) per run, averaged over runs",
+        "quantiles": "exact (order statistics + linear interpolation) per run, averaged over runs",
         # Wall time, and this process's CPU time (both cores count): on a shared machine the wall time alone
         # mostly measures the other processes.
         "seconds": round(elapsed, 3),
