@@ -85,7 +85,11 @@ def recon_error(model, ids: torch.Tensor, thr, config) -> dict:
             rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d).float()
             t = thr.layer(li, kind)
             qf, qh = quantize(rows, t, config), quantize_hw(rows, t, config)
-            outs = {"float": dequantize(qf, t, config), "hw_quant": dequantize(qh, t, config), "hw": dequantize_hw(qh, t, config)}
+            outs = {
+                "float": dequantize(qf, t, config),
+                "hw_quant": dequantize(qh, t, config),
+                "hw": dequantize_hw(qh, t, config),
+            }
             for m, y in outs.items():
                 e = (y - rows).abs()
                 acc[m][0] += float((e**2).sum())

@@ -112,9 +112,8 @@ def test_signed_grid_search_is_the_exact_minimum(bits):
         ai, bi = int(a[i]), int(b[i])
         if ai == bi == 0:
             continue
-        inf = Fraction(10**30)
 
-        def step(jj, ai=ai, bi=bi):
+        def step(jj, ai=ai, bi=bi, inf=Fraction(10**30)):
             lo = (Fraction(ai, jj) if jj else inf) if ai else 0
             hi = (Fraction(bi, n - jj) if jj < n else inf) if bi else 0
             return max(lo, hi)
@@ -224,7 +223,7 @@ def test_engine_models_on_real_kv(default_model):
             enc = pack(q)
             qe = QuantEngineModel(t)
             for r in range(rows.shape[0]):
-                dense, scales, stream = qe.encode_row(xf[r].tolist())
+                dense, _, stream = qe.encode_row(xf[r].tolist())
                 assert dense == enc.dense[r].tolist() and stream == enc.row_sparse(r).tolist()
             # hardware and float modes reconstruct the real vectors about equally well
             x16 = rows.half().float()

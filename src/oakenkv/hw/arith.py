@@ -82,9 +82,7 @@ DEQ_SHIFT = 18
 FX_INPUT_MAX = 65504 << FX_FRAC
 
 #: Reciprocal LUT: ``round(2^RECIP_BITS / (1 + (i + 0.5) / 2^LUT_BITS))``, the midpoint of each mantissa bin.
-RECIP_LUT: tuple[int, ...] = tuple(
-    round(2**RECIP_BITS / (1.0 + (i + 0.5) / 2**LUT_BITS)) for i in range(2**LUT_BITS)
-)
+RECIP_LUT: tuple[int, ...] = tuple(round(2**RECIP_BITS / (1.0 + (i + 0.5) / 2**LUT_BITS)) for i in range(2**LUT_BITS))
 #: Small-divisor ROM, indexed by the divisor 0..32 (entry 0 unused): ``ceil(2^DIV_SHIFT / den)``.
 SMALL_RECIP: tuple[int, ...] = (0, *(-(-(2**DIV_SHIFT) // d) for d in range(1, 33)))
 
@@ -162,7 +160,7 @@ def reciprocal(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     p = RECIP_BITS
     d = torch.clamp(d, min=1)
     L = bit_length(d)
-    m = torch.where(L <= p, d << torch.clamp(p - L, min=0), d >> torch.clamp(L - p, min=0))  # [2^(p-1), 2^p)
+    m = torch.where(p >= L, d << torch.clamp(p - L, min=0), d >> torch.clamp(L - p, min=0))  # [2^(p-1), 2^p)
     idx = (m >> (p - 1 - LUT_BITS)) & (2**LUT_BITS - 1)
     y0 = torch.tensor(RECIP_LUT, dtype=torch.int64)[idx]
     t = (m * y0) >> (p - 1)  # m * y0 in Q.p, ~ 2^p
@@ -304,7 +302,9 @@ def quantize_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None
 # --------------------------------------------------------------------------------------------------------------
 
 
-def dequantize_hw_fx(q: QuantizedVectors, t: tuple[int, int, int, int], config: OakenConfig | None = None) -> torch.Tensor:
+def dequantize_hw_fx(
+    q: QuantizedVectors, t: tuple[int, int, int, int], config: OakenConfig | None = None
+) -> torch.Tensor:
     """The dequantization engine's output: int64 FX ``[N, D]``."""
     config = config or OakenConfig()
     _check_config(config)

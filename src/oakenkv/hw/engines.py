@@ -89,7 +89,7 @@ def reciprocal_unit(d: int) -> tuple[int, int]:
     p = RECIP_BITS
     d = max(d, 1)
     L = d.bit_length()
-    m = d << (p - L) if L <= p else d >> (L - p)
+    m = d << (p - L) if p >= L else d >> (L - p)
     y0 = RECIP_LUT[(m >> (p - 1 - LUT_BITS)) & (2**LUT_BITS - 1)]
     t = (m * y0) >> (p - 1)
     return (y0 * ((1 << (p + 1)) - t)) >> p, L
@@ -183,7 +183,9 @@ class QuantEngineModel:
                 r = mx - mn
                 y1, L = reciprocal_unit(r)
                 out.append(
-                    GroupScale(mn, y1, RECIP_BITS + L - 1, r > 0, fx_to_fp16_bits(mn, FX_FRAC), fx_to_fp16_bits(mx, FX_FRAC))
+                    GroupScale(
+                        mn, y1, RECIP_BITS + L - 1, r > 0, fx_to_fp16_bits(mn, FX_FRAC), fx_to_fp16_bits(mx, FX_FRAC)
+                    )
                 )
             else:
                 j, step = signed_grid_unit(mn, mx, self.bits[g])
@@ -330,7 +332,9 @@ class DequantEngineModel:
             out[e & COO_INDEX_MASK] = (True, (e >> 6) & 1, (e >> 7) & 1)
         return out
 
-    def dequant_chunk(self, dense: list[int], entries: list[int], scales: list[tuple[int, int]], n_vals: int) -> list[int]:
+    def dequant_chunk(
+        self, dense: list[int], entries: list[int], scales: list[tuple[int, int]], n_vals: int
+    ) -> list[int]:
         """D1 + D2 for one chunk: ``dense`` bytes (``ceil(n_vals / 2)``) -> ``n_vals`` FX outputs."""
         to_lo, ti_lo, ti_hi, to_hi = self.t
         flags = self.zero_insert(entries)

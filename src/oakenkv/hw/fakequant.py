@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from oakenkv.baselines.base import KVFakeQuantizer, Kind, check_kv
+from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
 from oakenkv.config import OakenConfig
 
 #: "hw": quantization engine + dequantization engine arithmetic; "hw_quant": quantization engine arithmetic,

@@ -19,7 +19,7 @@ and ``oakenkv hw``.
 
 from __future__ import annotations
 
-from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, signed
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
@@ -69,7 +69,7 @@ def _reciprocal(m: Module, d, width: int, name: str) -> tuple[Signal, Signal]:
     L = _bit_length(m, dd, width, f"{name}_L")
     shl = Signal(range(p + 1), name=f"{name}_shl")
     shr = Signal(range(width + 1), name=f"{name}_shr")
-    m.d.comb += [shl.eq(Mux(L <= p, p - L, 0)), shr.eq(Mux(L > p, L - p, 0))]
+    m.d.comb += [shl.eq(Mux(p >= L, p - L, 0)), shr.eq(Mux(p < L, L - p, 0))]
     mant = Signal(p, name=f"{name}_m")  # normalised: leading one at bit p - 1
     m.d.comb += mant.eq(((dd << shl) >> shr)[:p])
     y0 = Signal(p + 1, name=f"{name}_y0")
@@ -133,8 +133,8 @@ class DequantEngine(wiring.Component):
     """One chunk per cycle: ``dense`` nibbles + compact COO ``entries[:count]`` + row scales -> ``out`` (FX).
 
     Ports: ``dense`` (4 * lanes bits, value i in bits 4i..4i+3), ``entries`` (8-bit COO bytes, lane-sorted,
-    entry j in bits 8j..8j+7, ``count`` valid), ``scales`` (6 fp16 bit patterns), ``thr`` (FX ``to_lo, ti_lo, ti_hi, to_hi``); ``out``
-    (registered FX values, one cycle later).
+    entry j in bits 8j..8j+7, ``count`` valid), ``scales`` (6 fp16 bit patterns), ``thr`` (FX ``to_lo, ti_lo,
+    ti_hi, to_hi``); ``out`` (registered FX values, one cycle later).
     """
 
     def __init__(self, lanes: int = 64, bits: tuple[int, int, int] = (4, 5, 5)) -> None:
@@ -196,7 +196,8 @@ class QuantEngine(wiring.Component):
     """Quantization engine for one chunk per cycle (two passes per row).
 
     ``x`` holds the chunk's FX values, lane p in bits ``41p .. 41p + 40`` (two's complement; one wide port so a
-    testbench sets a chunk in one step). Control (all sampled at the clock edge): ``clear`` resets the row's min/max registers; ``acc`` folds the
+    testbench sets a chunk in one step). Control (all sampled at the clock edge): ``clear`` resets the row's
+    min/max registers; ``acc`` folds the
     current chunk ``x[:nvals]`` into them (pass 1); ``calc`` latches the scale calculator's outputs; every cycle
     the code units, splitter and zero-remove shifter register the current chunk's ``dense``, ``entries`` and
     ``count`` (pass 2, valid one cycle later). ``scale_bits`` (6 fp16 patterns) and ``ovf`` (an end point
@@ -312,7 +313,11 @@ class QuantEngine(wiring.Component):
             m.d.comb += prod.eq(base * y1 + Mux(inner, Const(1, 64) << (sh - 1)[:6], 0))
             q = Signal(signed(S_W + 2), name=f"q_{p}")
             m.d.comb += q.eq((prod >> sh) + Mux(inner, 0, lo))
-            top = Mux(g == GROUP_MIDDLE, 2 ** self.bits[GROUP_MIDDLE] - 1, Mux(inner, 2 ** self.bits[1] - 1, 2 ** self.bits[2] - 1))
+            top = Mux(
+                g == GROUP_MIDDLE,
+                2 ** self.bits[GROUP_MIDDLE] - 1,
+                Mux(inner, 2 ** self.bits[1] - 1, 2 ** self.bits[2] - 1),
+            )
             code = Signal(5, name=f"qc_{p}")
             m.d.comb += code.eq(Mux(~ok | ~valid[p] | (q < 0), 0, Mux(q > top, top, q)))
             codes.append(code)
