@@ -485,7 +485,8 @@ def profile_thresholds(
 
 
 class _progress:
-    """Context manager yielding an ``advance(n)`` callable; a rich progress bar when enabled, else a no-op."""
+    """Context manager yielding an ``advance(n)`` callable: a rich progress bar on a terminal, a line per ~10% of
+    the runs when stderr is not a terminal (logs of long runs), or a no-op when disabled."""
 
     def __init__(self, enabled: bool, total: int) -> None:
         self.enabled, self.total = enabled, total
@@ -493,17 +494,34 @@ class _progress:
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
             return lambda n: None
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        console = Console(stderr=True)
         self._p = Progress(
-            TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"), TimeRemainingColumn()
+            TextColumn("profiling"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("runs"),
+            TimeRemainingColumn(),
+            console=console,
         )
+        if not console.is_terminal:
+            self._p = None
+            done, t0, every = [0], time.perf_counter(), max(1, self.total // 10)
+
+            def log(n: int) -> None:
+                before, done[0] = done[0], done[0] + n
+                if done[0] // every > before // every or done[0] == self.total:
+                    console.print(f"profiling: {done[0]}/{self.total} runs, {time.perf_counter() - t0:.1f} s")
+
+            return log
         self._p.start()
         task = self._p.add_task("profile", total=self.total)
         return lambda n: self._p.advance(task, n)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
+        if self.enabled and self._p is not None:
             self._p.stop()
 
 
