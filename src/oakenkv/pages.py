@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 #: Largest sparse record (bytes): the per-token length is stored as uint16.
 MAX_SPARSE_RECORD = 65535
@@ -494,17 +495,9 @@ class PagePool:
             need += 1  # copy on write of the shared last page
         need += math.ceil(max(0, n - slots) / rpp)
         # Sparse: greedy placement, a record never straddles pages.
-        on_old_tail = t.sparse_pages.n > 0
-        space = ps - t.sparse_tail if on_old_tail else 0
-        writes_old_tail = False
-        for length in lengths[lengths > 0].tolist():
-            if length <= space:
-                writes_old_tail = writes_old_tail or on_old_tail
-                space -= length
-            else:
-                need += 1
-                on_old_tail = False
-                space = ps - length
+        space = ps - t.sparse_tail if t.sparse_pages.n else 0
+        new_pages, writes_old_tail, _ = _place_sparse(lengths.astype(np.int64), space, ps)
+        need += new_pages
         if writes_old_tail and self.refcount[t.sparse_pages.view[-1]] > 1:
             need += 1  # copy on write of the shared last sparse page
         return AppendPlan(seq, stream, n, int(rec_size), lengths.astype(np.uint16), need)
@@ -580,19 +573,80 @@ class PagePool:
             self.page_fill[p] = (slot + k) * rec
             t.num_tokens += k
             i += k
-        # Sparse records, greedily.
+        # Sparse records, greedily (placement and copy in numba: one Python step per page, not per token).
         base = t.num_tokens - n
-        lengths = plan.sparse_lengths
-        for j in np.flatnonzero(lengths).tolist():
-            length = int(lengths[j])
-            if t.sparse_pages.n == 0 or t.sparse_tail + length > ps:
-                t.sparse_pages.extend([self._alloc()])
-                t.sparse_first.extend([base + j])
-                t.sparse_tail = 0
-            elif self.refcount[t.sparse_pages.view[-1]] > 1:
+        lengths = plan.sparse_lengths.astype(np.int64)
+        space = ps - t.sparse_tail if t.sparse_pages.n else 0
+        slot = np.empty(n, np.int64)
+        offset = np.empty(n, np.int64)
+        fill = np.zeros(n + 1, np.int64)
+        first = np.zeros(n + 1, np.int64)
+        new_pages, writes_old_tail, tail = _place_sparse(lengths, space, ps, slot, offset, fill, first)
+        page_ids = np.empty(new_pages + 1, np.int64)
+        if writes_old_tail:
+            if self.refcount[t.sparse_pages.view[-1]] > 1:
                 t.sparse_pages.buf[t.sparse_pages.n - 1] = self._cow(int(t.sparse_pages.view[-1]))
-            p = int(t.sparse_pages.view[-1])
-            self.data[p, t.sparse_tail : t.sparse_tail + length] = sparse[offs[j] : offs[j + 1]]
-            t.sparse_tail += length
-            self.page_fill[p] = t.sparse_tail
-        t.sparse_len.extend(lengths)
+            page_ids[0] = t.sparse_pages.view[-1]
+            self.page_fill[page_ids[0]] = fill[0]
+        for k in range(1, new_pages + 1):
+            page_ids[k] = self._alloc()
+            self.page_fill[page_ids[k]] = fill[k]
+        if new_pages:
+            t.sparse_pages.extend(page_ids[1:])
+            t.sparse_first.extend(base + first[1 : new_pages + 1])
+        if new_pages or writes_old_tail:
+            t.sparse_tail = int(tail)
+            _copy_sparse(self.data, page_ids, slot, offset, sparse, np.asarray(offs, dtype=np.int64))
+        t.sparse_len.extend(plan.sparse_lengths)
+
+
+@njit(cache=True, nogil=True)
+def _place_sparse(lengths, space, page_size, slot=None, offset=None, fill=None, first=None):
+    """Greedy placement of sparse records (a record never straddles pages).
+
+    Args:
+        lengths: int64 ``[n]`` record lengths; space: bytes left in the stream's last sparse page (0: none).
+        slot, offset, fill, first: optional int64 outputs: per record its page slot (0 = the current last page,
+            ``k >= 1`` = the k-th new page; -1 for empty records) and byte offset; per slot the bytes it holds
+            afterwards and (``k >= 1``) the index of its first record.
+
+    Returns:
+        ``(new pages, whether the current last page is written, bytes used in the last page afterwards)``.
+    """
+    new = 0
+    writes_old = False
+    left = space
+    for j in range(lengths.shape[0]):
+        length = lengths[j]
+        if length == 0:
+            if slot is not None:
+                slot[j] = -1
+            continue
+        if length <= left:
+            if new == 0:
+                writes_old = True
+            at = page_size - left
+        else:
+            new += 1
+            left = page_size
+            at = 0
+            if first is not None:
+                first[new] = j
+        left -= length
+        if slot is not None:
+            slot[j] = new
+            offset[j] = at
+            fill[new] = page_size - left
+    return new, writes_old, page_size - left
+
+
+@njit(cache=True, nogil=True)
+def _copy_sparse(data, page_ids, slot, offset, sparse, offs):
+    """Copy each placed sparse record ``sparse[offs[j]:offs[j + 1]]`` to ``data[page_ids[slot[j]], offset[j]:]``."""
+    for j in range(slot.shape[0]):
+        if slot[j] < 0:
+            continue
+        p = page_ids[slot[j]]
+        a = offset[j]
+        for i in range(offs[j + 1] - offs[j]):
+            data[p, a + i] = sparse[offs[j] + i]

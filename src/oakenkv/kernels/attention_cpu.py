@@ -2,7 +2,8 @@
 
 The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
 straight from the page pool, dequantizes it into a ``D``-float scratch row with the codec's own single-row
-decoder (``oakenkv.kernels.cpu.decode_row_into_lut``, bit-exact with ``oakenkv.quant.dequantize``), and folds it
+decoder specialised for this loop (same float32 arithmetic as ``oakenkv.kernels.cpu.decode_row_into_lut``,
+bit-exact with ``oakenkv.quant.dequantize``), and folds it
 into an online softmax. It never materialises more than one key row and one value row per thread: the float
 history is never rebuilt.
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from oakenkv.kernels.cpu import ERR_OK, LUT_SIZE, decode_row_into_lut
+from oakenkv.codec import ADVANCE_CONTINUE, CHUNK_SIZE, COO_GROUP_BIT, COO_INDEX_MASK
+from oakenkv.kernels.cpu import ERR_ESCAPE_TRUNCATED, ERR_OK, ERR_POSITION_RANGE
 
 #: Tokens per softmax block inside a work item.
 _BLOCK = 32
@@ -67,23 +69,80 @@ def _decode_token(
     sc,
     out,
 ):
-    """Decode token ``t`` of one stream into ``out``; returns ``(status, sp, off)`` (the advanced walker)."""
+    """Decode token ``t`` of one stream into float32 ``out[D]``; returns ``(status, sp, off)`` (advanced walker).
+
+    The arithmetic is exactly ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference
+    ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. It is
+    specialised for the attention loop: only the 16 middle codes go through a look-up table (every dense nibble
+    is read through it), and the few outliers are computed directly instead of filling 64 more table entries per
+    token. This function is compiled without fastmath (no FMA contraction), so the numbers stay bit-exact even
+    when inlined into the fastmath attention kernel.
+    """
     base = np.int64(dense_pages[t // rpp]) * page_size + (t % rpp) * rec
     for i in range(6):
         bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
         sc[i] = f16_lut[bits]
+    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    lo = sc[0]
+    step = (sc[1] - lo) / _F32(15.0)
+    for c in range(16):
+        v = lo + _F32(c) * step
+        lut[c] = v + (ti_hi if v > _F32(0.0) else ti_lo)
+    d = out.shape[0]
+    dense0 = base + sb
+    for j in range(d >> 1):
+        byte = pool[dense0 + j]
+        out[2 * j] = lut[byte & 0xF]
+        out[2 * j + 1] = lut[byte >> 4]
+    if d & 1:
+        out[d - 1] = lut[pool[dense0 + (d >> 1)] & 0xF]
     n = np.int64(lens[t])
-    if n > 0:
-        while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
-            sp += 1
-            off = 0
-        s0 = np.int64(sc_pages[sp]) * page_size + off
-        off += n
-        sparse = pool[s0 : s0 + n]
-    else:
-        sparse = pool[0:0]
-    status = decode_row_into_lut(pool[base + sb : base + rec], sparse, sc, thr, out, ib, ob, lut)
-    return status, sp, off
+    if n == 0:
+        return ERR_OK, sp, off
+    while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
+        sp += 1
+        off = 0
+    s0 = np.int64(sc_pages[sp]) * page_size + off
+    off += n
+    in_lo = sc[2]
+    in_step = (sc[3] - in_lo) / _F32((1 << ib) - 1)
+    out_lo = sc[4]
+    out_step = (sc[5] - out_lo) / _F32((1 << ob) - 1)
+    # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
+    c, p, prev = 0, -1, 0
+    j = 0
+    while j < n:
+        e = np.int64(pool[s0 + j])
+        j += 1
+        if e == prev:
+            k = 0
+            while True:
+                if j >= n:
+                    return ERR_ESCAPE_TRUNCATED, sp, off
+                a = np.int64(pool[s0 + j])
+                j += 1
+                k += a
+                if a != ADVANCE_CONTINUE:
+                    break
+            c += k
+            p = -1
+            prev = -1
+            continue
+        i = e & COO_INDEX_MASK
+        if i <= p:
+            c += 1
+        pos = c * CHUNK_SIZE + i
+        if pos >= d:
+            return ERR_POSITION_RANGE, sp, off
+        code = ((np.int64(pool[dense0 + (pos >> 1)]) >> ((pos & 1) << 2)) & 0xF) | ((e >> 7) << 4)
+        if e & COO_GROUP_BIT:
+            v = out_lo + _F32(code) * out_step
+            out[pos] = v + (to_hi if v > _F32(0.0) else to_lo)
+        else:
+            out[pos] = in_lo + _F32(code) * in_step
+        p = i
+        prev = e
+    return ERR_OK, sp, off
 
 
 @njit(cache=True, nogil=True)
@@ -152,7 +211,7 @@ def _packed_decode_attention(
         s = w % num_splits
         t0 = s * t_n // num_splits
         t1 = (s + 1) * t_n // num_splits
-        lut = np.empty(LUT_SIZE, np.float32)
+        lut = np.empty(16, np.float32)
         sc = np.empty(6, np.float32)
         krow = np.empty(d, np.float32)
         vrow = np.empty(d, np.float32)
@@ -205,9 +264,13 @@ def _packed_decode_attention(
                     err = st
                 for h in range(hq_n):
                     kb = (h // group) * hd
+                    # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
+                    # (measured: ~1.6x faster than indexing the 3-D arrays directly).
                     dot = _F32(0.0)
+                    qv = q[b, h]
+                    kv = krow[kb : kb + hd]
                     for i in range(hd):
-                        dot += q[b, h, i] * krow[kb + i]
+                        dot += qv[i] * kv[i]
                     x = dot * scaling
                     if softcap > 0:
                         x = np.tanh(x / softcap) * softcap
@@ -256,8 +319,10 @@ def _packed_decode_attention(
                     p = np.exp(scores[h, j] - m[h])
                     ell[h] += p
                     vb = (h // group) * hd
+                    av = acc[h]
+                    vv = vrow[vb : vb + hd]
                     for i in range(hd):
-                        acc[h, i] += p * vrow[vb + i]
+                        av[i] += p * vv[i]
         status[w] = err
         for h in range(hq_n):
             part_m[b, s, h] = m[h]
