@@ -466,6 +466,44 @@ def eval_report(
     typer.echo(f"wrote {out} and {plot}")
 
 
+hw_app = typer.Typer(
+    help="The quantization and dequantization engines: RTL simulation against the Python models, Verilog, "
+    "Yosys cell counts (needs the 'hw' extra).",
+    no_args_is_help=True,
+)
+app.add_typer(hw_app, name="hw")
+
+
+@hw_app.command("report")
+def hw_report_cmd(
+    vectors: Annotated[int, typer.Option(help="Rows of 64 values to simulate (half random, half real K/V).")] = 400,
+    synth: Annotated[bool, typer.Option(help="Synthesise both 64-lane engines with Yosys (minutes).")] = True,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report to this JSON file.")] = None,
+) -> None:
+    """Simulate both engines' RTL bit for bit against the Python models and the codec's bytes, and report cycles,
+    values per cycle and Yosys cell counts next to the paper's Table 4 area ratio."""
+    from oakenkv.hw.report import hw_report
+
+    res = hw_report(vectors=vectors, synth=synth, progress=True)
+    for eng in ("quant", "dequant"):
+        res[eng].get("synth", {}).pop("stat", None)
+    _write_json(res, json_out)
+
+
+@hw_app.command("verilog")
+def hw_verilog_cmd(
+    engine: Annotated[str, typer.Argument(help="'quant' or 'dequant'.")],
+    out: Annotated[Path, typer.Option(help="Verilog file to write.")],
+    lanes: Annotated[int, typer.Option(help="Values per chunk (the paper's engines: 64).")] = 64,
+) -> None:
+    """Emit the Verilog of one engine (Amaranth's built-in Yosys)."""
+    from oakenkv.hw.report import verilog
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(verilog(engine, lanes))
+    typer.echo(f"wrote {out}")
+
+
 def main() -> None:
     app()
 
