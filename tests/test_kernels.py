@@ -146,6 +146,9 @@ def test_fp16_rounding_helpers_match_torch():
     want_bits = want16.view(torch.int16).numpy().view(np.uint16)
     got_bits = np.array([cpu.f32_to_f16_bits(np.float32(a)) for a in v], dtype=np.uint16)
     assert np.array_equal(got_bits, want_bits)
+    arr = np.empty(v.size, np.uint16)
+    cpu.f32_to_f16_bits_array(v, arr)
+    assert np.array_equal(arr, want_bits)
     small = np.abs(v) <= 65504
     got = np.array([cpu.round_to_f16(np.float32(a)) for a in v[small]], dtype=np.float32)
     assert np.array_equal(got.view(np.uint32), want16.float().numpy()[small].view(np.uint32))
@@ -306,3 +309,31 @@ def test_pure_formats_decode_like_the_fused_format(d):
         8 * ((d + 1) // 2) / d + 23 * outliers / x.numel() + 96 / d + 16 / d
     )
     assert psp.records.shape[0] >= outliers
+
+
+@numba.njit(cache=True)
+def _grids(lo, hi, n, out):
+    for r in range(lo.shape[0]):
+        has_lo, has_hi = lo[r] > 0, hi[r] > 0
+        out[r, 0], out[r, 1] = cpu._signed_grid(lo[r], lo[r], has_lo, hi[r], hi[r], has_hi, n, True)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_signed_grid_local_search_equals_the_full_scan(bits):
+    # The kernel finds the zero slot k by a local search; quant._signed_grid scans all k. Rows [-L, U] with
+    # magnitudes over 30 decades, ties on the FLOOR, one side empty (0).
+    from oakenkv.quant import _signed_grid
+
+    g = np.random.default_rng(bits)
+    m = 20000
+    lo = (10.0 ** g.uniform(-9, 4, m)).astype(np.float32)
+    hi = (10.0 ** g.uniform(-9, 4, m)).astype(np.float32)
+    hi[: m // 10] = lo[: m // 10] * g.integers(1, 40, m // 10)  # exact ratios: ties between neighbouring k
+    lo[m // 10 : m // 5] = 0  # upper side only
+    hi[m // 5 : 3 * m // 10] = 0  # lower side only
+    s = torch.from_numpy(np.stack([-lo, hi], axis=1))
+    member = s != 0
+    want_min, want_max = _signed_grid(s, member, bits, torch.float16)
+    got = np.empty((m, 2), np.float32)
+    _grids(lo, hi, 2**bits, got)
+    assert np.array_equal(got[:, 0], want_min.numpy()) and np.array_equal(got[:, 1], want_max.numpy())

@@ -113,9 +113,46 @@ def f32_to_f16_bits(v):
     return np.uint16(sign | (exp << 10) | mant)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def f32_to_f16_bits_array(src, dst):
+    """fp16 bit patterns (uint16 ``dst [n]``) of finite float32 ``src [n]``, round to nearest even, overflow to
+    +-inf; branch-free integer arithmetic (vectorizable), equal to :func:`f32_to_f16_bits` element by element.
+
+    Normal results: drop 13 mantissa bits with round-half-even by adding ``0xFFF + odd`` and rebias the exponent;
+    subnormal results (``|v| < 2**-14``): ``rint(|v| * 2**24)`` (an exact scaling).
+    """
+    si = src.view(np.int32)
+    for j in range(src.shape[0]):
+        b = si[j]
+        sign = (b >> np.int32(16)) & np.int32(0x8000)
+        x = b & np.int32(0x7FFFFFFF)
+        a = abs(src[j])
+        a = a if a < _F32(1.0) else _F32(1.0)  # keeps the unused subnormal branch's int conversion in range
+        den = np.int32(np.rint(a * _F32(2.0**24)))
+        nrm = (x + np.int32(((15 - 127) << 23) + 0xFFF) + ((x >> np.int32(13)) & np.int32(1))) >> np.int32(13)
+        o = den if x < np.int32(113 << 23) else nrm
+        o = np.int32(0x7C00) if x >= np.int32((127 + 16) << 23) else o
+        dst[j] = np.uint16(o | sign)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Encode: one row
 # --------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _step_at(kk, lo_mag, has_lo, hi_mag, has_hi, nm1):
+    """step(k) of quant._signed_grid for zero slot ``kk`` (float32, same operations and order)."""
+    kf = _F32(kk)
+    below = kf + _F32(1.0)
+    above = nm1 - kf
+    need_lo = _F32(0.0)
+    if has_lo:
+        need_lo = lo_mag / max(below, _F32(1.0)) if below > _F32(0.0) else _INF32
+    need_hi = _F32(0.0)
+    if has_hi:
+        need_hi = hi_mag / max(above, _F32(1.0)) if above > _F32(0.0) else _INF32
+    return max(max(need_lo, need_hi), _STEP_FLOOR)
 
 
 @njit(cache=True, nogil=True)
@@ -128,23 +165,30 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
     """
     if not has_lo and not has_hi:
         return _F32(0.0), _F32(0.0)
-    best_step = _INF32
-    best_k = _F32(0.0)
+    # The reference scans every k in [-1, n - 1] for the first minimum of step(k) = max(need_lo, need_hi, FLOOR).
+    # need_lo = L / (k + 1) strictly decreases and need_hi = U / (n - 1 - k) strictly increases with k (consecutive
+    # quotients differ by a factor >= 1 + 1/32, far above float32 rounding, wherever they exceed FLOOR), so step(k)
+    # falls, then rises, and is flat only at its minimum. A local search from the continuous optimum
+    # k + 1 = n L / (L + U) therefore finds the same first minimum in a few evaluations instead of n + 1.
     nm1 = _F32(n - 1)
-    for kk in range(-1, n):
-        kf = _F32(kk)
-        below = kf + _F32(1.0)
-        above = nm1 - kf
-        need_lo = _F32(0.0)
-        if has_lo:
-            need_lo = lo_mag / max(below, _F32(1.0)) if below > _F32(0.0) else _INF32
-        need_hi = _F32(0.0)
-        if has_hi:
-            need_hi = hi_mag / max(above, _F32(1.0)) if above > _F32(0.0) else _INF32
-        step = max(max(need_lo, need_hi), _STEP_FLOOR)
-        if step < best_step:  # first minimum wins, as torch.argmin
-            best_step = step
-            best_k = kf
+    if not has_lo:
+        k = -1
+    elif not has_hi:
+        k = n - 1
+    else:
+        k = min(max(int(np.float64(n) * lo_mag / (np.float64(lo_mag) + hi_mag)) - 1, 0), n - 2)
+    step = _step_at(k, lo_mag, has_lo, hi_mag, has_hi, nm1)
+    while k < n - 1:  # downhill to the right
+        nxt = _step_at(k + 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
+        if not nxt < step:
+            break
+        k, step = k + 1, nxt
+    while k > -1:  # leftmost of equal minima (and downhill to the left)
+        prv = _step_at(k - 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
+        if not prv <= step:
+            break
+        k, step = k - 1, prv
+    best_k, best_step = _F32(k), step
     gmin = -(best_k + _F32(0.5)) * best_step
     gmax = gmin + nm1 * best_step
     if has_lo != has_hi:
@@ -644,8 +688,7 @@ def decode_row_into_f16(dense_row, sparse_row, scales_row, thr, out_bits, inner_
     if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
         return ERR_SHAPE
     fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
-    for c in range(LUT_SIZE):
-        lut16[c] = f32_to_f16_bits(lut[c])
+    f32_to_f16_bits_array(lut[:LUT_SIZE], lut16)
     half = d >> 1
     for j in range(half):
         b = dense_row[j]
@@ -711,8 +754,7 @@ def _decode_rows_f16(dense, sparse, offsets, scales, thr, inner_bits, outer_bits
             sp = sparse[offsets[r] : offsets[r + 1]]
             if d >= _PAIR_LUT_MIN_DIM:
                 fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-                for c in range(LUT_SIZE):
-                    lut16[c] = f32_to_f16_bits(lut[c])
+                f32_to_f16_bits_array(lut, lut16)
                 _dense_via_pairs(dense[r], lut16, pairs, wide, out_bits[r], out_bits[r][: d & ~1].view(np.uint32))
                 status[r] = _scatter_outliers(dense[r], sp, d, inner_bits, outer_bits, lut16, out_bits[r])
             else:

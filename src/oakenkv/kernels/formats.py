@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from oakenkv.codec import CHUNK_SIZE, HEADER_BITS, NUM_SCALES
 from oakenkv.config import OakenConfig
-from oakenkv.kernels.cpu import LUT_SIZE, f32_to_f16_bits, fill_lut
+from oakenkv.kernels.cpu import LUT_SIZE, f32_to_f16_bits_array, fill_lut
 from oakenkv.quant import GROUP_MIDDLE, GROUP_OUTER, QuantizedVectors, ThresholdsLike, thresholds_tuple
 
 _BLOCK_ROWS = 64
@@ -153,8 +153,7 @@ def _decode_pure_dense_f16(codes5, groups2, scales, thr, inner_bits, outer_bits,
         base = np.array([0, 16, 48], np.int64)  # lut offset of each group id
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-            for c in range(LUT_SIZE):
-                lut16[c] = f32_to_f16_bits(lut[c])
+            f32_to_f16_bits_array(lut, lut16)
             for m in range(d // 8):
                 w = np.uint64(0)
                 for t in range(5):
@@ -187,8 +186,7 @@ def _decode_pure_sparse_f16(dense, records, offsets, scales, thr, inner_bits, ou
         wide = pairs.view(np.uint32)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-            for c in range(16):
-                lut16[c] = f32_to_f16_bits(lut[c])
+            f32_to_f16_bits_array(lut[:16], lut16)
             for x in range(256):
                 pairs[2 * x] = lut16[x & 0xF]
                 pairs[2 * x + 1] = lut16[x >> 4]
