@@ -206,3 +206,33 @@ def test_rejects_thresholds_of_another_model(default_model, thresholds):
     cfg = default_model.model.config.__class__(**{**default_model.model.config.to_dict(), "num_hidden_layers": 4})
     with pytest.raises((ModelMismatchError, ValueError)):
         OakenCache(thresholds, cfg)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """Gemma-3-270m (head_dim 256, one KV head, 5 of 6 layers sliding with a 512-token window)."""
+    from oakenkv.models import MissingModelError, load_model
+
+    try:
+        return load_model("gemma3-270m")
+    except MissingModelError as e:
+        pytest.skip(f"Gemma-3-270m is not installed: {e}")
+
+
+def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
+    """A prompt longer than the 512-token window: sliding layers must hide what left it, in the float path and in
+    the packed kernel, exactly like a full-history fake-quant cache under transformers' sliding masks."""
+    model, tok = gemma.model, gemma.tokenizer
+    thr = quick_thresholds(gemma)
+    text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
+    ids = tok(text, return_tensors="pt")
+    assert ids.input_ids.shape[1] > model.config.sliding_window
+    n = model.config.num_hidden_layers
+    kw = {"max_new_tokens": 4}
+    want = _generate(model, ids, _fake_quant_cache(thr, n), **kw)
+    with oaken_attention(model):
+        cache = OakenCache(thr, model.config)
+        got = _generate(model, ids, cache, **kw)
+    assert torch.equal(got, want)
+    assert [layer.is_sliding for layer in cache.layers] == [t == "sliding_attention" for t in model.config.layer_types]
+    cache.store.pool.check_invariants()
