@@ -477,14 +477,15 @@ app.add_typer(hw_app, name="hw")
 @hw_app.command("report")
 def hw_report_cmd(
     vectors: Annotated[int, typer.Option(help="Rows of 64 values to simulate (half random, half real K/V).")] = 400,
-    synth: Annotated[bool, typer.Option(help="Synthesise both 64-lane engines with Yosys (minutes).")] = True,
+    synth: Annotated[bool, typer.Option(help="Synthesise both engines with Yosys (minutes to an hour).")] = True,
+    synth_lanes: Annotated[int, typer.Option(help="Lanes of the synthesised engines (64 = as simulated).")] = 64,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report to this JSON file.")] = None,
 ) -> None:
     """Simulate both engines' RTL bit for bit against the Python models and the codec's bytes, and report cycles,
     values per cycle and Yosys cell counts next to the paper's Table 4 area ratio."""
     from oakenkv.hw.report import hw_report
 
-    res = hw_report(vectors=vectors, synth=synth, progress=True)
+    res = hw_report(vectors=vectors, synth=synth, progress=True, synth_lanes=synth_lanes)
     for eng in ("quant", "dequant"):
         res[eng].get("synth", {}).pop("stat", None)
     _write_json(res, json_out)
