@@ -197,11 +197,10 @@ class QuantEngine(wiring.Component):
 
     ``x`` holds the chunk's FX values, lane p in bits ``41p .. 41p + 40`` (two's complement; one wide port so a
     testbench sets a chunk in one step). Control (all sampled at the clock edge): ``clear`` resets the row's
-    min/max registers; ``acc`` folds the
-    current chunk ``x[:nvals]`` into them (pass 1); ``calc`` latches the scale calculator's outputs; every cycle
-    the code units, splitter and zero-remove shifter register the current chunk's ``dense``, ``entries`` and
-    ``count`` (pass 2, valid one cycle later). ``scale_bits`` (6 fp16 patterns) and ``ovf`` (an end point
-    overflowed fp16) are valid after ``calc``.
+    min/max registers; ``acc`` folds the current chunk ``x[:nvals]`` into them (pass 1); ``calc`` latches the
+    scale calculator's outputs; every cycle the code units, splitter and zero-remove shifter register the
+    current chunk's ``dense``, ``entries`` and ``count`` (pass 2, valid one cycle later). ``scale_bits`` (6 fp16
+    patterns) and ``ovf`` (an end point overflowed fp16) are valid after ``calc``.
     """
 
     def __init__(self, lanes: int = 64, bits: tuple[int, int, int] = (4, 5, 5)) -> None:
