@@ -46,6 +46,38 @@ def demo(
 
 
 @app.command()
+def generate(
+    prompt: Annotated[str, typer.Option(help="The prompt (sent through the chat template when there is one).")],
+    model: Annotated[
+        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
+    ] = "default",
+    thresholds: Annotated[
+        Path | None,
+        typer.Option(help="Thresholds file from `oakenkv profile` (default: a cached 16-window profile)."),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    sample: Annotated[bool, typer.Option(help="Sample instead of greedy decoding.")] = False,
+    chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template.")] = True,
+    fp: Annotated[bool, typer.Option(help="Also generate with the fp32 DynamicCache, for comparison.")] = False,
+) -> None:
+    """Generate text with the Oaken-quantized KV cache and print it with the bytes the cache holds."""
+    from oakenkv.generation import generate_text, load_or_profile_thresholds
+    from oakenkv.models import load_model
+
+    loaded = load_model(model)
+    thr = load_or_profile_thresholds(loaded, thresholds, progress=True)
+    runs = [("oaken", thr)] + ([("fp32", None)] if fp else [])
+    for name, t in runs:
+        g = generate_text(loaded, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample)
+        typer.echo(f"--- {name} ({g.new_tokens} tokens in {g.seconds:.1f} s)")
+        typer.echo(g.text)
+        typer.echo(
+            f"KV cache: {g.kv_bytes:,} bytes for {g.prompt_tokens + g.new_tokens - 1} tokens "
+            f"(fp32 would hold {g.fp32_kv_bytes:,} bytes: {g.fp32_kv_bytes / g.kv_bytes:.2f}x)"
+        )
+
+
+@app.command()
 def simulate(
     model: Annotated[str, typer.Option(help="Model shape, e.g. llama2-7b, llama2-13b, mixtral-8x7b.")] = "llama2-7b",
     systems: Annotated[
@@ -313,6 +345,59 @@ def bench_codec(
             progress=lambda msg: status.update(f"benchmarking the codec: {msg}"),
         )
     print_codec_bench(result)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    context: Annotated[str, typer.Option(help="Comma-separated context lengths in tokens.")] = "1024,4096,16384",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated caches to compare: oaken (OakenCache + packed attention), dynamic (fp32 "
+            "DynamicCache), quanto (QuantizedCache, quanto int4)."
+        ),
+    ] = "oaken,dynamic,quanto",
+    steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).")] = 5,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).")
+    ] = None,
+    thresholds: Annotated[
+        Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name (see `oakenkv info`).")] = "default",
+) -> None:
+    """Time one decode step and count KV-cache bytes at long contexts for OakenCache, transformers'
+    DynamicCache (fp32) and QuantizedCache (quanto int4), all in one run."""
+    import json
+
+    from rich.console import Console
+
+    from oakenkv.bench.decode import print_decode_bench, run_decode_bench
+    from oakenkv.generation import load_or_profile_thresholds
+    from oakenkv.models import load_model
+
+    if threads is not None:
+        import numba
+        import torch
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(threads)
+    contexts = [int(c) for c in context.split(",") if c.strip()]
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    console = Console(stderr=True)
+    with console.status("loading the model and thresholds") as status:
+        thr = None
+        if "oaken" in names:
+            thr = load_or_profile_thresholds(load_model(model), thresholds)
+        result = run_decode_bench(
+            contexts, names, model=model, thresholds=thr, steps=steps, progress=lambda m: status.update(m)
+        )
+    print_decode_bench(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
 
 
 eval_app = typer.Typer(

@@ -1,0 +1,240 @@
+"""Decode-step benchmark: time per generated token and KV-cache bytes at long contexts, for OakenCache and the
+transformers caches it replaces (``oakenkv bench decode``, ``benchmarks/bench_decode.py``).
+
+Methods:
+
+* ``oaken``: :class:`~oakenkv.cache.OakenCache` with the packed-page decode attention (``"oaken"``).
+* ``dynamic``: transformers' ``DynamicCache`` in fp32 (what the CPU model runs in), SDPA attention.
+* ``quanto``: transformers' ``QuantizedCache(backend="quanto", nbits=4)`` (needs ``optimum-quanto``; residual
+  length 128, group size 64: transformers' defaults), SDPA attention.
+
+How a context is built: running a real 16K-token prefill three times would take many minutes on 2 CPU cores and
+would not change a decode step, so the benchmark records the keys and values of one real prefill of
+``source_tokens`` WikiText-2 tokens and tiles them to the context length, then pushes them into each cache with
+its own ``update`` (each cache quantizes them its own way). Every decode step after that is a real forward pass
+of the model with one new token. KV bytes are counted from what each cache holds: tensor storage for the
+transformers caches (quanto's packed data, scales and shifts included), pages in use plus tables for OakenCache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+METHODS = ("oaken", "dynamic", "quanto")
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    method: str
+    context: int
+    #: Median wall time of one decode step (the whole model forward), milliseconds.
+    step_ms: float
+    #: All measured step times, milliseconds.
+    steps_ms: tuple[float, ...]
+    #: KV-cache bytes after filling the context (before the timed steps).
+    kv_bytes: int
+    #: Seconds spent filling the cache (quantizing the context).
+    fill_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_ms": self.step_ms,
+            "kv_bytes": self.kv_bytes,
+            "steps_ms": list(self.steps_ms),
+            "fill_s": self.fill_s,
+        }
+
+
+def tensor_bytes(t: Any) -> int:
+    """Storage bytes of a tensor, recursing into wrapper tensors (quanto's packed tensors, scales, shifts)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of KV state a cache holds (OakenCache: pages in use + tables)."""
+    from oakenkv.cache import OakenCache
+
+    if isinstance(cache, OakenCache):
+        return cache.kv_bytes()
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += tensor_bytes(getattr(layer, name, None))
+    return total
+
+
+def record_source_kv(model: Any, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys (post-RoPE) and values ``[1, H, S, hd]`` of every layer after one real prefill."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def _tile(x: torch.Tensor, n: int) -> torch.Tensor:
+    reps = -(-n // x.shape[2])
+    return x.repeat(1, 1, reps, 1)[:, :, :n].contiguous()
+
+
+def make_cache(method: str, model: Any, thresholds: Any) -> Any:
+    if method == "oaken":
+        from oakenkv.cache import OakenCache
+
+        return OakenCache(thresholds, model.config)
+    if method == "dynamic":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    if method == "quanto":
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=4)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def bench_one(
+    method: str,
+    model: Any,
+    thresholds: Any,
+    source: list[tuple[torch.Tensor, torch.Tensor]],
+    context: int,
+    steps: int,
+    warmup: int = 1,
+) -> DecodeResult:
+    """Fill one cache to ``context`` tokens, then time ``steps`` decode steps (after ``warmup`` untimed ones)."""
+    from oakenkv.attention import oaken_attention
+
+    cache = make_cache(method, model, thresholds)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i, (k, v) in enumerate(source):
+            out = cache.update(_tile(k, context), _tile(v, context), i)
+            del out  # the float tensors returned for prefill attention are not kept
+    fill_s = time.perf_counter() - t0
+    nbytes = kv_bytes(cache)
+    token = torch.tensor([[1000]])
+    times = []
+    ctx = oaken_attention(model) if method == "oaken" else contextlib.nullcontext()
+    with ctx, torch.inference_mode():
+        for s in range(warmup + steps):
+            t = time.perf_counter()
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits
+            dt = time.perf_counter() - t
+            token = logits[:, -1:].argmax(-1)
+            if s >= warmup:
+                times.append(dt * 1e3)
+    return DecodeResult(method, context, statistics.median(times), tuple(times), nbytes, fill_s)
+
+
+def run_decode_bench(
+    contexts: list[int],
+    methods: list[str] | tuple[str, ...] = METHODS,
+    *,
+    model: str = "default",
+    thresholds: Any = None,
+    steps: int = 5,
+    source_tokens: int = 512,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every method at every context; returns ``{"results": {method: {context: {...}}}, "meta": {...}}``.
+
+    Args:
+        contexts: context lengths in tokens (e.g. ``[1024, 4096, 16384]``).
+        methods: any of :data:`METHODS`.
+        model: model name for :func:`oakenkv.models.load_model`.
+        thresholds: a ``Thresholds`` for the model (required for "oaken").
+        steps: timed decode steps per point (the median is reported).
+        source_tokens: WikiText-2 tokens of the real prefill whose K/V are tiled to each context.
+        progress: called with a short message before each point.
+    """
+    import numba
+
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
+    if "oaken" in methods and thresholds is None:
+        raise ValueError("the 'oaken' method needs thresholds")
+    if any(c < 1 for c in contexts) or steps < 1:
+        raise ValueError("contexts and steps must be positive")
+    loaded = load_model(model)
+    ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=source_tokens, max_windows=1)
+    source = record_source_kv(loaded.model, ids)
+    cfg = loaded.model.config
+    fp32_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    results: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    for context in contexts:
+        for m in methods:
+            if progress:
+                progress(f"{m} @ {context} tokens")
+            r = bench_one(m, loaded.model, thresholds, source, context, steps)
+            d = r.to_dict()
+            d["fp32_ratio"] = fp32_per_token * context / r.kv_bytes
+            results[m][str(context)] = d
+    meta = {
+        "model": loaded.name,
+        "torch_threads": torch.get_num_threads(),
+        "numba_threads": numba.get_num_threads(),
+        "steps": steps,
+        "source_tokens": source_tokens,
+        "fp32_bytes_per_token": fp32_per_token,
+        "note": "context = real prefill K/V of WikiText-2 tiled to length; step = one full model forward",
+    }
+    return {"results": results, "meta": meta, "goals": goals(results, contexts)}
+
+
+def goals(results: dict[str, dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
+    """The issue's goals, evaluated where the needed methods ran."""
+    out: dict[str, Any] = {}
+    if "oaken" in results and "dynamic" in results:
+        c = str(max(contexts))
+        o, d = results["oaken"][c], results["dynamic"][c]
+        out[f"kv_bytes_ratio_dynamic_over_oaken@{c}"] = d["kv_bytes"] / o["kv_bytes"]
+        out["kv_bytes_goal (>= 5.5)"] = d["kv_bytes"] / o["kv_bytes"] >= 5.5
+        out[f"step_ratio_oaken_over_dynamic@{c}"] = o["step_ms"] / d["step_ms"]
+        out["step_goal (<= 1.5)"] = o["step_ms"] / d["step_ms"] <= 1.5
+    if "oaken" in results and "quanto" in results:
+        out["faster_than_quanto_at_every_context"] = all(
+            results["oaken"][str(c)]["step_ms"] < results["quanto"][str(c)]["step_ms"] for c in contexts
+        )
+    return out
+
+
+def print_decode_bench(result: dict[str, Any]) -> None:
+    """A table of the results: step time and KV bytes per method and context, with ratios to DynamicCache."""
+    from rich.console import Console
+    from rich.table import Table
+
+    res = result["results"]
+    table = Table(title=f"decode step, {result['meta']['model']} model (median of {result['meta']['steps']} steps)")
+    for col in ("method", "context", "step ms", "x dynamic", "KV MiB", "fp32 / KV"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    for method, points in res.items():
+        for ctx, p in points.items():
+            dyn = res.get("dynamic", {}).get(ctx)
+            ratio = f"{p['step_ms'] / dyn['step_ms']:.2f}" if dyn else "-"
+            table.add_row(
+                method, ctx, f"{p['step_ms']:.1f}", ratio, f"{p['kv_bytes'] / 2**20:.1f}", f"{p['fp32_ratio']:.2f}"
+            )
+    console = Console()
+    console.print(table)
+    for k, v in result.get("goals", {}).items():
+        console.print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")

@@ -1,0 +1,117 @@
+"""Text generation with the Oaken KV cache, and the thresholds it needs (``oakenkv generate``, ``oakenkv demo``).
+
+:func:`load_or_profile_thresholds` reads a thresholds file, or profiles the model once on the calibration text
+and caches the result next to the model cache (``oakenkv.eval.calibration.oaken_thresholds``), so later runs
+start in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def load_or_profile_thresholds(
+    loaded: Any, path: str | Path | None = None, *, samples: int = 16, window: int = 256, progress: bool = False
+) -> Any:
+    """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (checked against the model), or a
+    profile of ``samples`` calibration windows of ``window`` tokens, cached on disk after the first run."""
+    from oakenkv.thresholds import ModelFingerprint, Thresholds
+
+    if path is not None:
+        thr = Thresholds.load(path)
+        thr.check_fingerprint(ModelFingerprint.from_model_config(loaded.model.config, name=thr.fingerprint.name))
+        return thr
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval.calibration import CalibrationSpec, oaken_thresholds
+
+    spec = CalibrationSpec(samples=samples, window=window)
+    return oaken_thresholds(loaded.model, loaded.tokenizer, loaded.name, OakenConfig(), spec, progress=progress)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation and what its KV cache cost."""
+
+    text: str
+    new_tokens: int
+    prompt_tokens: int
+    seconds: float
+    #: Bytes the cache holds at the end (OakenCache: pages in use + tables; float caches: tensor bytes).
+    kv_bytes: int
+    #: What an fp32 DynamicCache holds for the same tokens.
+    fp32_kv_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "seconds": self.seconds,
+            "kv_bytes": self.kv_bytes,
+            "fp32_kv_bytes": self.fp32_kv_bytes,
+            "compression": self.fp32_kv_bytes / self.kv_bytes if self.kv_bytes else None,
+        }
+
+
+def generate_text(
+    loaded: Any,
+    prompt: str,
+    thresholds: Any | None,
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = True,
+    packed_attention: bool = True,
+    do_sample: bool = False,
+) -> Generation:
+    """Generate from ``prompt`` with an :class:`~oakenkv.cache.OakenCache` (``thresholds`` given) or with
+    transformers' fp32 ``DynamicCache`` (``thresholds=None``, the FP baseline).
+
+    Args:
+        chat: wrap the prompt in the tokenizer's chat template when it has one.
+        packed_attention: decode with the packed-page attention (``"oaken"``) instead of the float read path.
+    """
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    from oakenkv.attention import oaken_attention
+    from oakenkv.bench.decode import kv_bytes
+    from oakenkv.cache import OakenCache
+
+    model, tok = loaded.model, loaded.tokenizer
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    else:
+        ids = tok(prompt, return_tensors="pt").input_ids
+    cache = OakenCache(thresholds, model.config) if thresholds is not None else DynamicCache(config=model.config)
+    ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with ctx, torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )
+    seconds = time.perf_counter() - t0
+    new = out[0, ids.shape[1] :]
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    stored = cache.get_seq_length()
+    fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * stored
+    return Generation(
+        text=tok.decode(new, skip_special_tokens=True),
+        new_tokens=int(new.numel()),
+        prompt_tokens=int(ids.shape[1]),
+        seconds=seconds,
+        kv_bytes=kv_bytes(cache),
+        fp32_kv_bytes=fp32,
+    )
