@@ -115,3 +115,51 @@ def generate_text(
         kv_bytes=kv_bytes(cache),
         fp32_kv_bytes=fp32,
     )
+
+
+def stored_bits(cache: Any) -> dict[str, float]:
+    """Bits per stored value of an :class:`~oakenkv.cache.OakenCache`, from its pages.
+
+    ``format``: what the Oaken format stores (dense nibbles + scales + COO bytes + 16-bit header per token);
+    ``with_pages``: everything the cache holds (whole pages in use + tables) per value.
+    """
+    store = cache.store
+    pool = store.pool
+    tokens = dense = sparse = 0
+    for seq in store.seqs:
+        for stream in range(pool.num_streams(seq)):
+            t = pool.table(seq, stream)
+            tokens += t.num_tokens
+            dense += t.num_tokens * t.rec_size
+            sparse += int(t.sparse_len.view.sum())
+    values = tokens * store.dim
+    if values == 0:
+        return {"format": float("nan"), "with_pages": float("nan")}
+    return {
+        "format": 8.0 * (dense + sparse + 2 * tokens) / values,
+        "with_pages": 8.0 * cache.kv_bytes() / values,
+    }
+
+
+def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, int, dict[str, float], int]:
+    """Next-token NLL of token windows scored through an :class:`~oakenkv.cache.OakenCache`.
+
+    Every window is one prefill: its keys and values are quantized into the pages as they are produced, and
+    attention runs over the dequantized (stored) K/V, as in the paper's evaluation.
+
+    Args:
+        windows: int64 ``[N, S]`` token ids; all scored in one batch.
+
+    Returns:
+        ``(total_nll, predicted_tokens, stored_bits, kv_bytes)``.
+    """
+    import torch
+
+    from oakenkv.cache import OakenCache
+
+    cache = OakenCache(thresholds, model.config)
+    with torch.inference_mode():
+        logits = model(input_ids=windows, cache=cache, use_cache=True).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
+    return float(nll.sum()), nll.numel(), stored_bits(cache), cache.kv_bytes()

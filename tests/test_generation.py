@@ -1,0 +1,48 @@
+"""Oaken-vs-FP helpers used by `oakenkv generate` and the demo (src/oakenkv/generation.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kv_helpers import quick_thresholds
+from oakenkv.cache import serial_numba
+from oakenkv.generation import generate_text, oaken_window_nll
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with serial_numba():
+        yield
+    torch.set_num_threads(previous)
+
+
+def test_window_nll_and_stored_bits(default_model):
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.demo import window_nll
+
+    thr = quick_thresholds(default_model)
+    ids = token_windows(default_model.tokenizer, load_text("wikitext2"), 128, max_windows=2)
+    fp_nll, n = window_nll(default_model.model, ids)
+    nll, n2, bits, nbytes = oaken_window_nll(default_model.model, ids, thr)
+    assert n2 == n
+    fp_ppl, ppl = math.exp(fp_nll / n), math.exp(nll / n)
+    print(f"perplexity FP {fp_ppl:.3f} Oaken {ppl:.3f}; bits {bits}")
+    assert ppl != fp_ppl and abs(ppl / fp_ppl - 1) < 0.15  # quantized, but close
+    # D = 192: 4 (nibbles) + 96/192 (scales) + 16/192 (header) + 8 x outliers ~ 5.4 bits; pages add more.
+    assert 5.0 < bits["format"] < 6.0
+    assert bits["with_pages"] > bits["format"]
+    assert nbytes * 8 == pytest.approx(bits["with_pages"] * 2 * 30 * 2 * 128 * 192)
+
+
+def test_generate_text_reports_bytes(default_model):
+    thr = quick_thresholds(default_model)
+    g = generate_text(default_model, "Name a color.", thr, max_new_tokens=4)
+    fp = generate_text(default_model, "Name a color.", None, max_new_tokens=4)
+    assert g.new_tokens == fp.new_tokens == 4
+    assert fp.kv_bytes == fp.fp32_kv_bytes
+    assert g.fp32_kv_bytes == fp.fp32_kv_bytes and g.kv_bytes < g.fp32_kv_bytes
