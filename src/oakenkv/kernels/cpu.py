@@ -15,8 +15,6 @@ For other numba kernels (the decode-attention kernel) the single-row helpers :fu
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 import torch
@@ -80,37 +78,44 @@ _INF32 = np.float32(np.inf)
 
 
 @njit(cache=True, nogil=True)
+def _f16_bits(v):
+    """int32 fp16 bit pattern of finite float32 ``v``: round to nearest even, overflow to +-inf; integer-only.
+
+    Normal results drop 13 mantissa bits with round-half-even (add ``0xFFF`` + the lowest kept bit) and rebias the
+    exponent; subnormal results (``|v| < 2**-14``) are ``rint(|v| * 2**24)``, an exact scaling.
+    """
+    b = np.float32(v).view(np.int32)
+    sign = (b >> np.int32(16)) & np.int32(0x8000)
+    x = b & np.int32(0x7FFFFFFF)
+    if x >= np.int32((127 + 16) << 23):  # >= 65536 (65520..65535 round up to inf too, via the normal path)
+        return sign | np.int32(0x7C00)
+    if x < np.int32(113 << 23):
+        return sign | np.int32(np.rint(abs(np.float32(v)) * _F32(2.0**24)))
+    return sign | ((x + np.int32(((15 - 127) << 23) + 0xFFF) + ((x >> np.int32(13)) & np.int32(1))) >> np.int32(13))
+
+
+@njit(cache=True, nogil=True)
+def _f16_value(h):
+    """float32 value of an fp16 bit pattern ``h`` (int): ``(h & 0x7FFF) << 13`` read as float32 is the magnitude
+    times 2**-112 for normals and subnormals alike; inf stays inf."""
+    em = np.int32(h) & np.int32(0x7FFF)
+    sign = (np.int32(h) & np.int32(0x8000)) << np.int32(16)
+    if em >= np.int32(0x7C00):
+        return np.int32(sign | np.int32(0x7F800000)).view(np.float32)
+    return np.int32(sign | (em << np.int32(13))).view(np.float32) * _F32(2.0**112)
+
+
+@njit(cache=True, nogil=True)
 def round_to_f16(v):
-    """float32 ``v`` (finite, ``|v| <= 65504``) rounded to the nearest fp16, ties to even, as float32."""
-    a = abs(np.float64(v))
-    if a == 0.0:
-        return v
-    _m, e = math.frexp(a)  # a = m * 2**e, 0.5 <= m < 1
-    # fp16 keeps 11 significant bits down to 2**-14; below that a fixed quantum of 2**-24 (subnormals).
-    quantum = math.ldexp(1.0, e - 11) if e >= -13 else math.ldexp(1.0, -24)
-    r = np.rint(a / quantum) * quantum
-    return np.float32(r if v > 0 else -r)
+    """float32 ``v`` (finite) rounded to the nearest fp16, ties to even, as float32 (torch's
+    ``.to(float16).float()``: beyond 65504 it gives 65504 up to 65520, then inf)."""
+    return _f16_value(_f16_bits(v))
 
 
 @njit(cache=True, nogil=True)
 def f32_to_f16_bits(v):
-    """The IEEE fp16 bit pattern (uint16) of float32 ``v`` rounded to nearest even; overflow gives +-inf."""
-    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
-    a = abs(np.float64(v))
-    if a != a:
-        return np.uint16(sign | 0x7E00)
-    if a >= 65520.0:
-        return np.uint16(sign | 0x7C00)
-    if a < 2.0**-14:
-        # subnormal (a rounding carry to 0x400 is exactly the smallest normal's pattern)
-        return np.uint16(sign | int(np.rint(a * 2.0**24)))
-    m, e = math.frexp(a)
-    mant = int(np.rint(m * 2048.0)) - 1024  # 0..1024
-    exp = e - 1 + 15
-    if mant == 1024:
-        mant = 0
-        exp += 1
-    return np.uint16(sign | (exp << 10) | mant)
+    """The IEEE fp16 bit pattern (uint16) of finite float32 ``v`` rounded to nearest even; overflow gives +-inf."""
+    return np.uint16(_f16_bits(v))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -209,12 +214,7 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
 @njit(cache=True, nogil=True)
 def _round_scale(v, fp16):
     """``v`` rounded to the scale dtype and back to float32, exactly as torch's ``.to(float16).float()``."""
-    if not fp16:
-        return v
-    if abs(v) <= _FP16_MAX:
-        return round_to_f16(v)
-    big = _INF32 if abs(v) >= _F32(65520.0) else _F32(_FP16_MAX)
-    return big if v > _F32(0.0) else -big
+    return round_to_f16(v) if fp16 else v
 
 
 @njit(cache=True, nogil=True)
