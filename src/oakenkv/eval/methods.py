@@ -157,7 +157,8 @@ def build_method(
     from oakenkv.eval.rope import RopeTable
 
     family, params = parse_spec(spec)
-    name = canonical(family, params)
+    # Aliases are the familiar names (int4, kivi4, ...): keep them in results.
+    name = spec.strip() if spec.strip() in ALIASES else canonical(family, params)
     spec_obj = calibration or cal.CalibrationSpec()
     note = SIMPLIFIED.get(family, "")
     extra: dict[str, Any] = {}

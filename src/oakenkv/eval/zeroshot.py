@@ -8,7 +8,7 @@ forward pass with a fresh cache of the method (``past_key_values=method.make_cac
 the method's quantized keys and values for the context and the continuation alike.
 
 Reported like the paper: ``acc_norm`` for PIQA and HellaSwag, ``acc`` for Winogrande (both are kept).
-Requests run one at a time (``batch_size=1``): padding would otherwise enter KIVI's token groups.
+Requests are batched (8) except for methods whose groups span tokens (see :func:`zeroshot`).
 """
 
 from __future__ import annotations
@@ -110,19 +110,33 @@ def zeroshot(
     limit: int | None = None,
     model_name: str = "",
     progress: bool = False,
+    batch_size: int | None = None,
 ) -> ZeroShotResult:
-    """Evaluate ``method`` on ``tasks`` (validation sets, the first ``limit`` documents of each)."""
+    """Evaluate ``method`` on ``tasks`` (validation sets, the first ``limit`` documents of each).
+
+    ``batch_size`` defaults to 8, or 1 for methods whose quantization groups span tokens (KIVI's key groups,
+    quanto's groups): lm-eval right-pads a batch, and a pad token must not share a group with real tokens.
+    Per-token methods are unaffected by right padding (causal attention; each token quantized alone).
+    """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import evaluator
+    from lm_eval.api.task import ConfigurableTask
 
-    configs = [_task_config(t) for t in tasks]
-    lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    # Task objects built directly from the configs: simple_evaluate would first index every task YAML lm-eval
+    # ships (minutes on a loaded machine) only to look these three up.
+    task_objs = {}
+    for t in tasks:
+        task = ConfigurableTask(config=_task_config(t))
+        task.set_config(key="num_fewshot", value=0)
+        task_objs[t] = task
+    if batch_size is None:
+        batch_size = 1 if method.family in ("kivi", "quanto", "oaken-official") else 8
+    lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu")
     t0 = time.perf_counter()
-    out = evaluator.simple_evaluate(
-        model=lm,
-        tasks=configs,
-        num_fewshot=0,
+    out = evaluator.evaluate(
+        lm,
+        {"tasks": task_objs},
         limit=limit,
         log_samples=False,
         bootstrap_iters=0,
@@ -143,7 +157,13 @@ def zeroshot(
         effective_bits=lm.bits.effective_bits,
         limit=limit,
         seconds=time.perf_counter() - t0,
-        extra={"family": method.family, "params": method.params, "note": method.note, **method.extra},
+        extra={
+            "family": method.family,
+            "params": method.params,
+            "note": method.note,
+            "batch_size": batch_size,
+            **method.extra,
+        },
     )
 
 
