@@ -229,9 +229,6 @@ def _store_scale(v, fp16):
 
 _KMIN = np.int32(-(2**31))
 _KMAX = np.int32(2**31 - 1)
-# float bits of the keys _KMIN / _KMAX (what "no value qualified" turns into after the inverse mapping)
-_KMIN_BITS = np.int32(-(2**31) ^ 0x7FFFFFFF)
-_KMAX_BITS = _KMAX
 
 
 @njit(cache=True, nogil=True)
@@ -246,17 +243,17 @@ def _key(b):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _row_key_stats(xi, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi, out):
-    """Pass 1 of encode_row over the int32 bits ``xi [D]`` of a float32 row; writes int32 keys to ``out[0:6]``:
+def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
+    """Pass 1 of encode_row over a float32 row ``x [D]``, on the int32 keys of its values.
 
-    max, min, max of values <= to_hi, min of values >= to_lo, min of values >= ti_lo, max of values <= ti_hi
-    (``_KMIN`` / ``_KMAX`` when nothing qualifies). Returns the number of NaN/inf values.
+    Returns ``(bad, max, min, max of values <= to_hi, min of values >= to_lo, min of values >= ti_lo, max of values
+    <= ti_hi)`` as keys (``_KMIN`` / ``_KMAX`` when nothing qualifies), ``bad`` = number of NaN/inf values.
     """
     kmax, k_le_tohi, k_le_tihi = _KMIN, _KMIN, _KMIN
     kmin, k_ge_tolo, k_ge_tilo = _KMAX, _KMAX, _KMAX
     bad = 0
-    for j in range(xi.shape[0]):
-        b = xi[j]
+    for j in range(x.shape[0]):
+        b = np.float32(x[j]).view(np.int32)
         bad += (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
         k = _key(b)
         kmax = max(kmax, k)
@@ -265,8 +262,13 @@ def _row_key_stats(xi, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi, out):
         k_ge_tolo = min(k_ge_tolo, k if k >= k_to_lo else _KMAX)
         k_ge_tilo = min(k_ge_tilo, k if k >= k_ti_lo else _KMAX)
         k_le_tihi = max(k_le_tihi, k if k <= k_ti_hi else _KMIN)
-    out[0], out[1], out[2], out[3], out[4], out[5] = kmax, kmin, k_le_tohi, k_ge_tolo, k_ge_tilo, k_le_tihi
-    return bad
+    return bad, kmax, kmin, k_le_tohi, k_ge_tolo, k_ge_tilo, k_le_tihi
+
+
+@njit(cache=True, nogil=True)
+def _key_value(k):
+    """float32 of an int32 key (the key mapping is an involution on the bits)."""
+    return np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
 
 
 @njit(cache=True, nogil=True)
@@ -325,15 +327,15 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 
 
 @njit(cache=True, nogil=True)
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, comb, pos, kbuf):
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, comb, words, pos):
     """Quantize and pack one row.
 
     Args:
         x: float32 ``[D]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
         dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
         dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
-        comb: uint8 ``[8 * ceil(D/8)]`` with a zero tail, pos: int32 ``[8 * ceil(D/8) + 1]`` and kbuf: int32
-        ``[10]``: scratch (see comb_scratch).
+        comb: uint8 ``[8 * ceil(D/8)]`` with a zero tail, words: its uint64 view, pos: int32
+        ``[8 * ceil(D/8) + 1]``: scratch (see comb_scratch; views are made once per block, not per row).
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -342,25 +344,25 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
-    kth = kbuf[6:10]
-    fbuf = kbuf.view(np.float32)
-    fbuf[6], fbuf[7], fbuf[8], fbuf[9] = to_lo, ti_lo, ti_hi, to_hi
-    for t in range(6, 10):
-        kth[t - 6] = _key(kbuf[t])
-    if _row_key_stats(x.view(np.int32), kth[0], kth[1], kth[2], kth[3], kbuf):
+    bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
+        x,
+        _key(np.float32(to_lo).view(np.int32)),
+        _key(np.float32(ti_lo).view(np.int32)),
+        _key(np.float32(ti_hi).view(np.int32)),
+        _key(np.float32(to_hi).view(np.int32)),
+    )
+    if bad:
         return -ERR_NONFINITE
-    for t in range(6):
-        k = kbuf[t]
-        kbuf[t] = k ^ ((k >> 31) & np.int32(0x7FFFFFFF))  # key -> float bits (the mapping is an involution)
-    vmax, vmin, v_le_tohi, v_ge_tolo, v_ge_tilo, v_le_tihi = fbuf[0], fbuf[1], fbuf[2], fbuf[3], fbuf[4], fbuf[5]
+    vmax, vmin, v_le_tohi, v_ge_tolo = _key_value(k0), _key_value(k1), _key_value(k2), _key_value(k3)
+    v_ge_tilo, v_le_tihi = _key_value(k4), _key_value(k5)
     # outer: largest magnitudes from the row's extremes (v - c is monotonic in v, so max(v) - c = max(v - c))
     o_has_hi = vmax > to_hi
     o_has_lo = vmin < to_lo
     o_hi = vmax - to_hi if o_has_hi else zero
     o_lo = to_lo - vmin if o_has_lo else zero
     # middle: extremes among the values inside the outer thresholds
-    m_has_hi = kbuf[2] != _KMIN_BITS and v_le_tohi > ti_hi
-    m_has_lo = kbuf[3] != _KMAX_BITS and v_ge_tolo < ti_lo
+    m_has_hi = k2 != _KMIN and v_le_tohi > ti_hi
+    m_has_lo = k3 != _KMAX and v_ge_tolo < ti_lo
     m_hi = v_le_tohi - ti_hi if m_has_hi else zero
     m_lo = ti_lo - v_ge_tolo if m_has_lo else zero
     # a one-sided group also needs its value nearest zero (plain grid): a second, rare pass
@@ -372,7 +374,7 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
     og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
     # inner: min of the values >= ti_lo is the inner minimum if it is <= ti_hi (else the group is empty)
-    i_has = kbuf[4] != _KMAX_BITS and v_ge_tilo <= ti_hi
+    i_has = k4 != _KMAX and v_ge_tilo <= ti_hi
     i_min = v_ge_tilo if i_has else zero
     i_max = v_le_tihi if i_has else zero
     mg0, ok0 = _store_scale(mg0, fp16)
@@ -400,7 +402,6 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     # pass 4: compaction of the outlier positions, 8 values per step: words without an outlier (43% of them at
     # 10% outliers) are skipped, the others compacted branch-free. comb's tail beyond D is zero (middle, code 0).
     cnt = 0
-    words = comb.view(np.uint64)
     for w in range((d + 7) >> 3):
         if words[w] & np.uint64(0x6060606060606060) == 0:  # no group bits (32 or 64) in any of the 8 bytes
             continue
@@ -447,10 +448,10 @@ def _encode_rows_f32(x, thr, inner_bits, outer_bits, fp16, dense, scales, scratc
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
         comb, pos = comb_scratch(d)
-        kbuf = np.empty(10, np.int32)
+        words = comb.view(np.uint64)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             counts[r] = encode_row(
-                x[r], thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, pos, kbuf
+                x[r], thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, words, pos
             )
 
 
@@ -462,23 +463,19 @@ def widen_f16_row(h, out):
     alike (same mantissa, exponent bias 127 instead of 15), so one exact multiplication by 2**112 finishes it.
     Inf and NaN become +-inf (the encoder rejects both).
     """
-    oi = out.view(np.int32)
+    scale = _F32(2.0**112)
     for j in range(h.shape[0]):
         v = np.int32(h[j])
         em = v & np.int32(0x7FFF)
         mag = np.int32(0x7F800000) if em >= np.int32(0x7C00) else em << np.int32(13)
-        oi[j] = ((v & np.int32(0x8000)) << np.int32(16)) | mag
-    scale = _F32(2.0**112)
-    for j in range(h.shape[0]):
-        out[j] = out[j] * scale
+        out[j] = np.int32(((v & np.int32(0x8000)) << np.int32(16)) | mag).view(np.float32) * scale
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def widen_bf16_row(h, out):
     """bf16 bit patterns (uint16 ``[D]``) -> exact float32 ``out [D]`` (bf16 is the top half of a float32)."""
-    oi = out.view(np.int32)
     for j in range(h.shape[0]):
-        oi[j] = np.int32(h[j]) << np.int32(16)
+        out[j] = np.int32(np.int32(h[j]) << np.int32(16)).view(np.float32)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -489,14 +486,14 @@ def _encode_rows_u16(xbits, is_bf16, thr, inner_bits, outer_bits, fp16, dense, s
     for b in prange(nblocks):
         row = np.empty(d, np.float32)
         comb, pos = comb_scratch(d)
-        kbuf = np.empty(10, np.int32)
+        words = comb.view(np.uint64)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             if is_bf16:
                 widen_bf16_row(xbits[r], row)
             else:
                 widen_f16_row(xbits[r], row)
             counts[r] = encode_row(
-                row, thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, pos, kbuf
+                row, thr, inner_bits, outer_bits, fp16, dense[r], scales[r], scratch[r], comb, words, pos
             )
 
 
