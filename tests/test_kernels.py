@@ -147,7 +147,7 @@ def test_fp16_rounding_helpers_match_torch():
     got_bits = np.array([cpu.f32_to_f16_bits(np.float32(a)) for a in v], dtype=np.uint16)
     assert np.array_equal(got_bits, want_bits)
     arr = np.empty(v.size, np.uint16)
-    cpu.f32_to_f16_bits_array(v, arr)
+    cpu.f32_to_f16_bits_array(np.ascontiguousarray(v), arr)
     assert np.array_equal(arr, want_bits)
     small = np.abs(v) <= 65504
     got = np.array([cpu.round_to_f16(np.float32(a)) for a in v[small]], dtype=np.float32)

@@ -120,18 +120,16 @@ def f32_to_f16_bits(v):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def f32_to_f16_bits_array(src, dst):
-    """fp16 bit patterns (uint16 ``dst [n]``) of finite float32 ``src [n]``, round to nearest even, overflow to
-    +-inf; branch-free integer arithmetic (vectorizable), equal to :func:`f32_to_f16_bits` element by element.
-
-    Normal results: drop 13 mantissa bits with round-half-even by adding ``0xFFF + odd`` and rebias the exponent;
-    subnormal results (``|v| < 2**-14``): ``rint(|v| * 2**24)`` (an exact scaling).
+    """fp16 bit patterns (uint16 ``dst``) of the first ``len(dst)`` finite float32 values of ``src``, round to
+    nearest even, overflow to +-inf; branch-free integer arithmetic (vectorizable), equal to
+    :func:`f32_to_f16_bits` element by element (see ``_f16_bits``).
     """
-    si = src.view(np.int32)
-    for j in range(src.shape[0]):
-        b = si[j]
+    for j in range(dst.shape[0]):
+        v = src[j]
+        b = np.float32(v).view(np.int32)
         sign = (b >> np.int32(16)) & np.int32(0x8000)
         x = b & np.int32(0x7FFFFFFF)
-        a = abs(src[j])
+        a = abs(v)
         a = a if a < _F32(1.0) else _F32(1.0)  # keeps the unused subnormal branch's int conversion in range
         den = np.int32(np.rint(a * _F32(2.0**24)))
         nrm = (x + np.int32(((15 - 127) << 23) + 0xFFF) + ((x >> np.int32(13)) & np.int32(1))) >> np.int32(13)
@@ -682,10 +680,15 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
 def decode_row_into_f16(dense_row, sparse_row, scales_row, thr, out_bits, inner_bits, outer_bits, lut, lut16):
     """As decode_row_into_lut but writes fp16 bit patterns (uint16 ``[D]``): the float32 result rounded to fp16."""
     d = out_bits.shape[0]
-    if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
+    if (
+        dense_row.shape[0] != (d + 1) // 2
+        or scales_row.shape[0] < 6
+        or lut.shape[0] < LUT_SIZE
+        or lut16.shape[0] != LUT_SIZE
+    ):
         return ERR_SHAPE
     fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
-    f32_to_f16_bits_array(lut[:LUT_SIZE], lut16)
+    f32_to_f16_bits_array(lut, lut16)
     half = d >> 1
     for j in range(half):
         b = dense_row[j]

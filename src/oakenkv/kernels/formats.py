@@ -186,7 +186,7 @@ def _decode_pure_sparse_f16(dense, records, offsets, scales, thr, inner_bits, ou
         wide = pairs.view(np.uint32)
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-            f32_to_f16_bits_array(lut[:16], lut16)
+            f32_to_f16_bits_array(lut, lut16)
             for x in range(256):
                 pairs[2 * x] = lut16[x & 0xF]
                 pairs[2 * x + 1] = lut16[x >> 4]
