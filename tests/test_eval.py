@@ -256,3 +256,35 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
     rows = x.permute(0, 2, 1, 3).reshape(200, 192)
     real = effective_bits(encode(rows, Fixed().layer(0, "value"), cfg)).total
     assert bits / x.numel() <= real < bits / x.numel() + 0.05
+
+
+def test_one_pass_calibration_matches_the_profiler(default_model, tmp_path, monkeypatch):
+    """calibrate_all profiles several configurations in one pass; each must equal oakenkv.profile's own result."""
+    import warnings
+
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval import calibration as cal
+    from oakenkv.profile import profile_thresholds
+
+    monkeypatch.setattr(cal, "_cache_dir", lambda: tmp_path)
+    m, tok = default_model.model, default_model.tokenizer
+    spec = cal.CalibrationSpec(samples=2, window=32)
+    configs = [(OakenConfig(), False), (OakenConfig(key_position="pre_rope"), False), (sweep_config(0.2), True)]
+    cal.calibrate_all(m, tok, "default", configs, spec)
+    assert len(list(tmp_path.glob("thr-*.json"))) == 3 and len(list(tmp_path.glob("ranges-*.pt"))) == 1
+    ids = cal.calibration_windows(tok, spec)
+    for config, tuning in configs:
+        mine = cal.oaken_thresholds(m, tok, "default", config, spec, kurtosis_tuning=tuning)  # from the disk cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = profile_thresholds(m, ids, config, kurtosis_tuning=tuning)
+        for i in range(ref.num_layers):
+            for kind in ("key", "value"):
+                a, b = mine.layer(i, kind).as_tuple(), ref.layer(i, kind).as_tuple()
+                assert a == pytest.approx(b, rel=1e-4, abs=1e-5), (config, i, kind)
+    rng = cal.kv_ranges(m, tok, "default", spec)
+    pre = cal.oaken_thresholds(m, tok, "default", configs[1][0], spec)
+    for i in range(pre.num_layers):
+        lo, hi = rng.key_extremes[i]
+        assert lo < pre.layer(i, "key").to_lo and hi > pre.layer(i, "key").to_hi
+        assert rng.key_channel_lo[i].shape == (3, 64)
