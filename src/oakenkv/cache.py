@@ -22,6 +22,10 @@ sliding mask that transformers builds limits what attention sees. Tokens that le
 eviction yet), so their memory grows with the context like a full layer's; at 4.8 bits per value that is smaller
 than transformers' float window up to ``window * 32 / 4.8`` tokens (about 3.4K for fp32 and window 512).
 
+Running out of the pool's budget raises :class:`~oakenkv.pages.PoolExhaustedError` from the layer that could not
+append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
+step's tokens, so a cache that raised must be ``reset()`` (or dropped) before it is used again.
+
 Beam search and batch selection are table operations: a reordered row is a :meth:`~oakenkv.pages.PagePool.fork`
 of its source sequence (pages shared, copied on write), never a copy of the KV bytes.
 """
@@ -129,6 +133,9 @@ def serial_numba(active: bool = True) -> Iterator[None]:
     import numba
 
     previous = numba.get_num_threads()
+    if previous == 1:
+        yield
+        return
     numba.set_num_threads(1)
     try:
         yield
@@ -220,22 +227,22 @@ class PagedKVStore:
         self.ensure_batch(b)
         encoded = []
         items = []
-        for kind, x in ((KEY, keys), (VALUE, values)):
-            # [B, H, S, hd] -> [B * S, H * hd]: one row per token, all heads of the layer (granularity "token").
-            # The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors was
-            # measured at ~27 ms per call on a loaded 2-core machine (thread wake-ups), numpy's at well under 1 ms.
-            x32 = x.detach().to(torch.float32).numpy()
-            rows = torch.from_numpy(np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim))
-            thr = self.thresholds.layer(layer, _KINDS[kind])
-            with serial_numba(rows.shape[0] < SERIAL_BELOW_ROWS):
-                enc = self.encode(rows, thr, self.config)
-            encoded.append(enc)
-            dense, sparse, offs = to_records(enc)
-            for r in range(b):
-                o = offs[r * s : (r + 1) * s + 1]
-                items.append(
-                    (self.seqs[r], 2 * layer + kind, dense[r * s : (r + 1) * s], sparse[o[0] : o[-1]], o - o[0])
-                )
+        # One serial section for both kinds: switching numba's thread count costs ~20 us a call.
+        with serial_numba(b * s < SERIAL_BELOW_ROWS):
+            for kind, x in ((KEY, keys), (VALUE, values)):
+                # [B, H, S, hd] -> [B * S, H * hd]: one row per token, all heads of the layer (granularity
+                # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
+                # tensors was measured at ~27 ms per call on a loaded 2-core machine (thread wake-ups).
+                x32 = x.detach().to(torch.float32).numpy()
+                rows = torch.from_numpy(np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim))
+                enc = self.encode(rows, self.thresholds.layer(layer, _KINDS[kind]), self.config)
+                encoded.append(enc)
+                dense, sparse, offs = to_records(enc)
+                for r in range(b):
+                    o = offs[r * s : (r + 1) * s + 1]
+                    items.append(
+                        (self.seqs[r], 2 * layer + kind, dense[r * s : (r + 1) * s], sparse[o[0] : o[-1]], o - o[0])
+                    )
         self.pool.append_many(items)
         return encoded[0], encoded[1]
 
