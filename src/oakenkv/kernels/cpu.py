@@ -31,7 +31,6 @@ from oakenkv.codec import (
     check_encoded,
     dense_bytes,
     num_chunks,
-    scale_torch_dtype,
 )
 from oakenkv.config import OakenConfig
 from oakenkv.quant import STEP_FLOOR, ThresholdsLike, thresholds_tuple
@@ -560,7 +559,8 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     _gather_sparse(scratch, counts, offsets, sparse)
     return EncodedBatch(
         dense=torch.from_numpy(dense),
-        scales=torch.from_numpy(scales).to(scale_torch_dtype(config)),
+        # numpy casts: torch ops on small tensors wait for its thread pool on a busy machine (see codec.check_encoded)
+        scales=torch.from_numpy(scales.astype(np.float16) if fp16 else scales),
         sparse=torch.from_numpy(sparse),
         sparse_offsets=torch.from_numpy(offsets),
         dim=int(d),
@@ -792,7 +792,7 @@ def decode_batch(
     dense = enc.dense.contiguous().numpy()
     sparse = enc.sparse.contiguous().numpy()
     offsets = enc.sparse_offsets.contiguous().numpy()
-    scales = enc.scales.to(torch.float32).contiguous().numpy()
+    scales = np.ascontiguousarray(enc.scales.numpy(), dtype=np.float32)
     status = np.empty(n, np.int64)
     if out_dtype == torch.float32:
         _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out.numpy(), status)
