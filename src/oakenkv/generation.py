@@ -163,3 +163,56 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
     return float(nll.sum()), nll.numel(), stored_bits(cache), cache.kv_bytes()
+
+
+def oaken_demo_side(
+    loaded: Any,
+    windows: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    thresholds: Any = None,
+    console: Any = None,
+) -> dict[str, Any]:
+    """The Oaken half of ``oakenkv demo``: profile (or reuse the cached profile), perplexity of the windows
+    through an :class:`~oakenkv.cache.OakenCache`, stored bits and KV bytes, and a greedy generation.
+
+    Args:
+        windows: int64 ``[N, S]`` WikiText-2 windows (the same the FP side scored).
+        thresholds: a ``Thresholds`` (default: the cached 16-window profile, made on first use).
+        console: a rich console for progress (None: silent).
+    """
+    import contextlib
+    import math
+
+    status = console.status if console is not None else (lambda msg: contextlib.nullcontext())
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with status("Profiling Oaken thresholds (16 calibration windows; cached after the first run)..."):
+        thr = thresholds if thresholds is not None else load_or_profile_thresholds(loaded)
+    out["profile_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    total_nll, total_tokens, kv = 0.0, 0, 0
+    bits: dict[str, float] = {}
+    with status(f"Oaken perplexity on {windows.shape[0]} WikiText-2 windows..."):
+        for row in windows:
+            nll, n, bits, kv = oaken_window_nll(loaded.model, row[None], thr)
+            total_nll += nll
+            total_tokens += n
+    seconds = time.perf_counter() - t0
+    cfg = loaded.model.config
+    fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * windows.shape[1]
+    out["oaken"] = {
+        "perplexity": math.exp(total_nll / total_tokens),
+        "nll": total_nll,
+        "tokens": total_tokens,
+        "seconds": seconds,
+        "bits_per_value": bits,
+        "kv_bytes_per_window": kv,
+        "fp32_kv_bytes_per_window": fp32,
+    }
+    if max_new_tokens > 0:
+        with status(f"Generating {max_new_tokens} tokens greedily with the Oaken cache..."):
+            g = generate_text(loaded, prompt, thr, max_new_tokens=max_new_tokens)
+        out["oaken_generation"] = {**g.to_dict(), "tokens_per_s": g.new_tokens / g.seconds if g.seconds else None}
+    return out
