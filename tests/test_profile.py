@@ -257,7 +257,9 @@ def test_cli_profile_and_inspect(default_model, tmp_path):
 
     out = tmp_path / "t.json"
     runner = CliRunner()
-    res = runner.invoke(app, ["profile", "--samples", "2", "--window", "32", "--out", str(out)])
+    # --threads set to the current count: exercises the option without changing the session's torch state.
+    threads = str(torch.get_num_threads())
+    res = runner.invoke(app, ["profile", "--samples", "2", "--window", "32", "--threads", threads, "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "warning: profiling with 2 runs" in res.output
     th = Thresholds.load(out, expect=ModelFingerprint.from_model_config(default_model.model.config))
