@@ -246,3 +246,17 @@ def test_fake_quantizer_modes():
         assert float((y - x).abs().max()) < 1.0
     with pytest.raises(ValueError, match="mode"):
         HwOakenQuantizer(_Thr(), OakenConfig(), mode="float")
+
+
+def test_encode_decode_hw_roundtrip_and_lean_import():
+    import subprocess
+    import sys
+
+    x = _rows(16, 192, seed=7)
+    enc = arith.encode_hw(x, THR)
+    q = arith.quantize_hw(x, THR)
+    assert torch.equal(enc.dense, pack(q).dense) and torch.equal(enc.sparse, pack(q).sparse)
+    assert torch.equal(arith.decode_hw(enc, THR), arith.dequantize_hw(q, THR))
+    # importing the hw package (and the arithmetic) must not pull in amaranth
+    code = "import sys, oakenkv.hw.arith, oakenkv.hw.engines; assert 'amaranth' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -302,6 +302,23 @@ def quantize_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None
 # --------------------------------------------------------------------------------------------------------------
 
 
+def encode_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None):
+    """The codec's hardware-arithmetic mode: ``codec.pack(quantize_hw(x))``, an :class:`~oakenkv.codec.EncodedBatch`
+    byte-identical to what the quantization engine writes (``x``: float ``[N, D]``)."""
+    from oakenkv.codec import pack
+
+    config = config or OakenConfig()
+    return pack(quantize_hw(x, thr, config), config)
+
+
+def decode_hw(enc, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:
+    """Decode an :class:`~oakenkv.codec.EncodedBatch` with the dequantization engine's arithmetic: float32 [N, D]."""
+    from oakenkv.codec import unpack
+
+    config = config or OakenConfig()
+    return dequantize_hw(unpack(enc, config), thr, config)
+
+
 def dequantize_hw_fx(
     q: QuantizedVectors, t: tuple[int, int, int, int], config: OakenConfig | None = None
 ) -> torch.Tensor:
@@ -342,8 +359,10 @@ def quantize_dequantize_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenCo
 
 __all__ = [
     "FX_FRAC",
+    "decode_hw",
     "dequantize_hw",
     "dequantize_hw_fx",
+    "encode_hw",
     "fp16_to_fx",
     "fx_to_float",
     "fx_to_fp16",
