@@ -47,12 +47,19 @@ def run_ppl(windows: int, window: int) -> dict:
     }
     out: dict = {"model": loaded.name, "windows": int(ids.shape[0]), "window": window, "text": "wikitext2"}
     for name, q in methods.items():
-        nll, ntok = 0.0, 0
+        nll, ntok, per = 0.0, 0, []
         t0 = time.perf_counter()
         for i in tqdm(range(ids.shape[0]), desc=f"ppl {name}"):
             a, b = window_nll(model, ids[i], FakeQuantCache(model, q))
             nll, ntok = nll + a, ntok + b
-        out[name] = {"ppl": math.exp(nll / ntok), "nll": nll, "tokens": ntok, "seconds": time.perf_counter() - t0}
+            per.append(a / b)
+        out[name] = {
+            "ppl": math.exp(nll / ntok),
+            "nll": nll,
+            "tokens": ntok,
+            "window_nll_per_token": per,
+            "seconds": time.perf_counter() - t0,
+        }
     with torch.no_grad():  # fp16 baseline: the plain DynamicCache
         from transformers import DynamicCache
 
@@ -61,6 +68,10 @@ def run_ppl(windows: int, window: int) -> dict:
             a, b = window_nll(model, ids[i], DynamicCache(config=model.config))
             nll, ntok = nll + a, ntok + b
         out["fp32_cache"] = {"ppl": math.exp(nll / ntok)}
+    for m in ("hw", "hw_quant"):  # paired per-window difference of mean NLL/token: mean and standard error
+        d = torch.tensor(out[m]["window_nll_per_token"]) - torch.tensor(out["float"]["window_nll_per_token"])
+        se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+        out[f"nll_delta_{m}_vs_float"] = {"mean": float(d.mean()), "stderr": se}
     out["ppl_delta_hw_vs_float"] = out["hw"]["ppl"] - out["float"]["ppl"]
     out["ppl_delta_hw_quant_vs_float"] = out["hw_quant"]["ppl"] - out["float"]["ppl"]
     out["recon"] = recon_error(model, ids[0], thr, config)
