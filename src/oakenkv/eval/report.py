@@ -98,7 +98,9 @@ def thresholds_diff_section(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         out.append(f"Model `{r['model']}`, reference calibration text `{r['reference']}`.\n")
-        out.append("| calibration text | mean abs. threshold difference / layer std | max | ppl | Δ ppl vs reference |")
+        out.append(
+            "| calibration text | mean abs(threshold - reference) / (to_hi - to_lo) | max | ppl | Δ ppl vs reference |"
+        )
         out.append("|---|---:|---:|---:|---:|")
         for t in r["texts"]:
             out.append(
@@ -119,7 +121,13 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     models = sorted(by_model)
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6.5 * max(1, len(models)), 5), squeeze=False)
     for ax, m in zip(axes[0], models, strict=False):
-        rows = [r for r in by_model[m] if r["method"] != "fp"]
+        # quanto in one forward per window never quantizes what attention reads (its prefill is returned as is):
+        # a point at "4.5 bits, no loss" would be misleading, so only its chunked (decode-like) rows are drawn.
+        rows = [
+            r
+            for r in by_model[m]
+            if r["method"] != "fp" and not (r.get("extra", {}).get("family") == "quanto" and not r.get("chunk"))
+        ]
         fp = next((r for r in by_model[m] if r["method"] == "fp" and not r.get("chunk")), None)
         if not rows or fp is None:
             ax.set_title(f"{m}: no FP baseline")
@@ -133,6 +141,8 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
         front = pareto_front(pts)
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=0.8, label="Pareto frontier")
         ax.axhline(0, color="grey", lw=0.5)
+        if max(p[1] for p in pts) > 20 * max(min(abs(p[1]) for p in pts), 0.05):
+            ax.set_yscale("symlog", linthresh=1.0)  # one collapsed method would flatten every other point
         ax.set_xlabel("effective bits per K/V value")
         ax.set_ylabel(f"perplexity increase over FP ({fp['ppl']:.3f})")
         ax.set_title(f"{m}: WikiText-2, {fp['windows']} x {fp['window']} tokens")
@@ -165,7 +175,7 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         if ppl.get(m):
             r0 = ppl[m][0]
             parts.append(
-                f"### WikiText-2 perplexity ({r0.get('windows')} windows of {r0.get('window')} tokens, "
+                f"### WikiText-2 perplexity ({r0.get('windows')} window(s) of {r0.get('window')} tokens, "
                 f"stride {r0.get('stride')})\n"
             )
             parts.append(ppl_table(ppl[m]) + "\n")
@@ -176,7 +186,11 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         parts.append("## Do the thresholds depend on the profiling text?\n")
         parts.append(thresholds_diff_section(diffs))
     plot_pareto({m: rows for m, rows in ppl.items() if rows}, plot)
-    parts.append(f"\n![perplexity increase vs effective bits]({Path(plot).name})\n")
+    parts.append(
+        f"\n![perplexity increase vs effective bits]({Path(plot).name})\n\n"
+        "Red: Oaken variants; blue: peers; dashed: Pareto frontier. quanto's one-forward rows are not drawn (their "
+        "prefill is unquantized, see above).\n"
+    )
     text = "\n".join(parts)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
