@@ -1,8 +1,10 @@
-"""``oakenkv demo``: the end-to-end run on the embedded default model.
+"""``oakenkv demo``: the end-to-end run on the embedded default model, FP next to Oaken.
 
-For now it measures the full-precision (FP) baseline: perplexity on a few WikiText-2 windows and a short greedy
-generation. Later issues add the Oaken-quantized cache next to it (FP vs Oaken); :func:`run_demo` returns a
-plain dict so those rows can be added without changing its callers.
+FP side: perplexity on a few WikiText-2 windows and a short greedy generation with transformers' fp32 cache.
+Oaken side (``oakenkv.generation.oaken_demo_side``): profile the thresholds (16 calibration windows, cached on disk
+after the first run), perplexity of the same windows through the paged OakenCache, the bits per stored value
+(format, and with page overhead), KV bytes, and the same greedy generation with the packed-page attention.
+:func:`run_demo` returns a plain dict (also written as JSON with ``--json``).
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ def run_demo(
 
     generation = _greedy_generation(lm, max_new_tokens, console) if max_new_tokens > 0 else None
 
+    # The Oaken side (profile or cached profile, perplexity through the paged 4.8-bit cache, generation).
+    from oakenkv.generation import oaken_demo_side
+
+    oaken = oaken_demo_side(lm, ids, DEMO_PROMPT, max_new_tokens, console=console)
+    timings["profile_s"] = oaken["profile_s"]
+
     results: dict[str, Any] = {
         "model": model,
         "source": lm.source,
@@ -132,6 +140,8 @@ def run_demo(
         "data": {"text": "wikitext2", "windows": int(ids.shape[0]), "window": window},
         "fp": {"perplexity": ppl, "nll": total_nll, "tokens": total_tokens, "seconds": ppl_s},
         "generation": generation,
+        "oaken": oaken["oaken"],
+        "oaken_generation": oaken.get("oaken_generation"),
         "timings": timings,
         "torch_threads": torch.get_num_threads(),
     }
@@ -140,13 +150,30 @@ def run_demo(
     table.add_column("cache")
     table.add_column(f"WikiText-2 perplexity ({ids.shape[0]} x {window} tokens)", justify="right")
     table.add_column("tokens/s (scoring)", justify="right")
-    table.add_row("FP (full precision)", f"{ppl:.3f}", f"{total_tokens / ppl_s:,.0f}")
+    table.add_column("KV bits/value (format; with pages)", justify="right")
+    table.add_column("KV bytes per window", justify="right")
+    fp32_bytes = oaken["oaken"]["fp32_kv_bytes_per_window"]
+    table.add_row("FP (full precision)", f"{ppl:.3f}", f"{total_tokens / ppl_s:,.0f}", "32", f"{fp32_bytes:,}")
+    o = oaken["oaken"]
+    table.add_row(
+        "Oaken (paged, packed)",
+        f"{o['perplexity']:.3f}",
+        f"{o['tokens'] / o['seconds']:,.0f}",
+        f"{o['bits_per_value']['format']:.2f}; {o['bits_per_value']['with_pages']:.2f}",
+        f"{o['kv_bytes_per_window']:,} ({fp32_bytes / o['kv_bytes_per_window']:.2f}x smaller)",
+    )
     console.print(table)
     if generation is not None:
         console.print(f"[bold]Prompt:[/bold] {generation['prompt']}")
         console.print(
             f"[bold]Greedy ({generation['new_tokens']} tokens, {generation['tokens_per_s']:.1f} tok/s):[/bold] "
             + generation["text"]
+        )
+    og = oaken.get("oaken_generation")
+    if og is not None:
+        console.print(
+            f"[bold]Oaken greedy ({og['new_tokens']} tokens, {og['tokens_per_s']:.1f} tok/s, KV "
+            f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B):[/bold] " + og["text"].strip()
         )
 
     if json_out is not None:
