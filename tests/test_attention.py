@@ -8,6 +8,7 @@ error, bounded loosely and reported).
 from __future__ import annotations
 
 import numba
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,35 @@ def test_bad_input_is_rejected():
         packed_decode_attention(torch.zeros(1, HQ, 1, HD), kh, kh, None, 0.1)
     with pytest.raises(ValueError, match="covers 9 tokens"):
         packed_decode_attention(torch.zeros(1, HQ, 1, HD), kh, vh, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.1)
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+def test_decode_step_append_writes_the_same_pages_as_the_general_path(scale_dtype):
+    """PagedKVStore.append_token (one serial kernel, scalar page bookkeeping) == append, byte for byte."""
+    base = _thresholds()
+    thr = Thresholds(OakenConfig(scale_dtype=scale_dtype), base.fingerprint, base.keys, base.values)
+    b, t0, steps = 2, 50, 40
+    k, v = _kv(b, t0 + steps, seed=3)
+    fast = PagedKVStore(thr, 2, H, HD, PoolConfig(page_size=512))
+    slow = PagedKVStore(thr, 2, H, HD, PoolConfig(page_size=512))
+    for store in (fast, slow):
+        store.append(1, k[:, :, :t0], v[:, :, :t0])
+    for s in range(t0, t0 + steps):  # crosses dense and sparse page boundaries (512-byte pages)
+        # a transposed (non-contiguous) view, as the model's value states are
+        vt = v[:, :, s : s + 1].transpose(1, 2).contiguous().transpose(1, 2)
+        fast.append_token(1, k[:, :, s : s + 1], vt)
+        slow.append(1, k[:, :, s : s + 1], v[:, :, s : s + 1])
+    for stream in (2, 3):
+        for sf, ss in zip(fast.seqs, slow.seqs, strict=True):
+            np.testing.assert_array_equal(fast.pool.read_dense(sf, stream), slow.pool.read_dense(ss, stream))
+            for a, c in zip(fast.pool.read_sparse(sf, stream), slow.pool.read_sparse(ss, stream), strict=True):
+                np.testing.assert_array_equal(a, c)
+    fast.pool.check_invariants()
+    assert fast.stats() == slow.stats()
+    # A NaN is a clear error that leaves the store as it was.
+    before = fast.stats()
+    bad = k[:, :, :1].clone()
+    bad[1, 2, 0, 7] = float("nan")
+    with pytest.raises(ValueError, match="keys of row 1: input contains a NaN"):
+        fast.append_token(1, bad, v[:, :, :1])
+    assert fast.stats() == before and fast.num_tokens(1) == t0 + steps

@@ -102,7 +102,21 @@ def test_random_operations_keep_invariants_and_data(seed, page_size):
     live = [pool.new_sequence(streams)]
     for _ in range(30):
         op = rng.random()
-        if op < 0.6:
+        if op < 0.15:  # one token into every stream of a sequence: the decode step's fast path
+            seq = live[int(rng.integers(len(live)))]
+            dense, sparse, offs = _records(rng, streams, rec, min(page_size, 90))
+            lengths = np.diff(offs)
+            padded = np.zeros((streams, max(1, int(lengths.max()))), np.uint8)
+            for k in range(streams):
+                padded[k, : lengths[k]] = sparse[offs[k] : offs[k + 1]]
+            before = pool.stats()
+            try:
+                pool.append_token([(seq, k) for k in range(streams)], dense, padded, lengths)
+                for k in range(streams):
+                    mirror.add(seq, k, dense[k : k + 1], sparse, offs[k : k + 2])
+            except PoolExhaustedError:
+                assert pool.stats() == before  # nothing changed
+        elif op < 0.6:
             seq = live[int(rng.integers(len(live)))]
             k = int(rng.integers(streams))
             n = int(rng.integers(1, 12))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,6 @@ from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV, scale_bytes
 _THREADS_MIN_TOKENS = 256
 #: Below this many (row, token) pairs the kernel runs serially (see ``oakenkv.cache.SERIAL_BELOW_ROWS``).
 PARALLEL_MIN_TOKENS = 4096
-
-
-@cache
-def _f16_lut() -> np.ndarray:
-    """float32 ``[65536]``: the value of every fp16 bit pattern (exact)."""
-    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def _keep_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int) -> np.ndarray:
@@ -122,7 +115,6 @@ def packed_decode_attention(
         pool.config.page_size,
         store.rec_size,
         scale_bytes(store.config),
-        _f16_lut(),
         dense_pages,
         sparse_pages,
         sparse_first,

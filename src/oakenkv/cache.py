@@ -188,6 +188,11 @@ class PagedKVStore:
         self.rec_size = record_size(self.dim, config)
         self.pool = PagePool(pool_config)
         self.encode, self.decode = _codec_functions(codec)
+        from oakenkv.codec import encode as fast_encode
+
+        #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
+        self.fast = self.encode is fast_encode
+        self._token_scratch: tuple[np.ndarray, ...] | None = None
         self.prefill_chunk = prefill_chunk
         #: Pool sequence id of each batch row.
         self.seqs: list[int] = []
@@ -245,6 +250,48 @@ class PagedKVStore:
                     )
         self.pool.append_many(items)
         return encoded[0], encoded[1]
+
+    def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one new token ``[B, H, 1, hd]`` of one layer for every row (a decode step), atomically.
+
+        Same bytes as :meth:`append`; one serial numba call encodes the ``2 B`` rows straight into page records
+        and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). Needs the fast codec.
+        """
+        from oakenkv.kernels.cpu import ERROR_MESSAGES, encode_records, sparse_capacity
+
+        b, h, s, hd = keys.shape
+        if (h, s, hd) != (self.num_kv_heads, 1, self.head_dim) or values.shape != keys.shape:
+            raise ValueError(
+                f"append_token expects keys and values [B, {self.num_kv_heads}, 1, {self.head_dim}], got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        self.ensure_batch(b)
+        scratch = self._token_scratch
+        if scratch is None or scratch[0].shape[0] != 2 * b:
+            m = 2 * b
+            scratch = (
+                np.empty((m, self.dim), np.float32),
+                np.empty((m, self.rec_size), np.uint8),
+                np.empty((m, sparse_capacity(self.dim)), np.uint8),
+                np.empty(m, np.int64),
+                np.empty((m, 4), np.float32),
+            )
+            self._token_scratch = scratch
+        rows, records, sparse, counts, thr = scratch
+        # [B, H, 1, hd] -> [B, H * hd] rows (keys first, then values); numpy copies on this thread (see append).
+        rows[:b] = keys.detach().to(torch.float32).numpy().reshape(b, self.dim)
+        rows[b:] = values.detach().to(torch.float32).numpy().reshape(b, self.dim)
+        thr[:b] = self.thr[layer, KEY]
+        thr[b:] = self.thr[layer, VALUE]
+        cfg = self.config
+        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, cfg.scale_dtype == "float16", records, sparse, counts)
+        bad = np.flatnonzero(counts < 0)
+        if bad.size:
+            r = int(bad[0])
+            kind = "keys" if r < b else "values"
+            raise ValueError(f"cannot encode the {kind} of row {r % b}: {ERROR_MESSAGES[int(-counts[r])]}")
+        targets = [(seq, 2 * layer + KEY) for seq in self.seqs] + [(seq, 2 * layer + VALUE) for seq in self.seqs]
+        self.pool.append_token(targets, records, sparse, counts)
 
     def read(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``."""
@@ -347,7 +394,12 @@ class OakenLayer(CacheLayerMixin):
         s = key_states.shape[2]
         enc_k = enc_v = None
         chunk = store.prefill_chunk
-        for start in range(0, s, chunk):
+        if s == 1 and past and store.fast:
+            store.append_token(self.layer_idx, key_states, value_states)
+            s_done = 1
+        else:
+            s_done = 0
+        for start in range(s_done, s, chunk):
             ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
             encoded = store.append(self.layer_idx, ks, vs)
             if s <= chunk:

@@ -105,6 +105,15 @@ class _Growable:
         self.buf[self.n : need] = values
         self.n = need
 
+    def push(self, value: int) -> None:
+        """Append one value (the decode step's path: no array conversion)."""
+        if self.n == self.buf.size:
+            new = np.zeros(2 * self.buf.size, dtype=self.buf.dtype)
+            new[: self.n] = self.buf
+            self.buf = new
+        self.buf[self.n] = value
+        self.n += 1
+
     def copy(self) -> _Growable:
         g = _Growable(self.buf.dtype.type, max(16, self.n))
         g.extend(self.view)
@@ -341,6 +350,83 @@ class PagePool:
             )
         for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
             self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
+
+    def append_token(
+        self, targets: list[tuple[int, int]], dense: np.ndarray, sparse: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        """Append one token's records to each of several distinct streams, atomically (the decode step).
+
+        The same result as :meth:`append_many` with one-token items, without its per-item array work: a decode
+        step appends ``2 * layers * batch`` single records, and the general path's planning costs more than
+        the encoding itself.
+
+        Args:
+            targets: ``[(seq, stream), ...]``, ``m`` distinct pairs.
+            dense: uint8 ``[m, rec]``: the dense record for each target.
+            sparse: uint8 ``[m, >= max(lengths)]``: row ``k`` starts with target ``k``'s sparse record.
+            lengths: int ``[m]``: sparse record lengths.
+        """
+        ps = self.config.page_size
+        m, rec = dense.shape
+        if dense.dtype != np.uint8 or sparse.dtype != np.uint8 or len(targets) != m or lengths.shape != (m,):
+            raise ValueError("append_token needs uint8 dense [m, rec], uint8 sparse [m, S] and lengths [m]")
+        if not 1 <= rec <= ps:
+            raise ValueError(f"dense record size must be in [1, page_size={ps}], got {rec}")
+        lens = lengths.tolist()
+        limit = min(ps, MAX_SPARSE_RECORD, sparse.shape[1])
+        tables = [self.table(seq, stream) for seq, stream in targets]
+        if len(set(targets)) != m:
+            raise ValueError("append_token got the same stream twice")
+        rpp = ps // rec
+        need = 0
+        for t, length in zip(tables, lens, strict=True):  # ask
+            if t.num_tokens and t.rec_size != rec:
+                raise ValueError(f"a stream holds {t.rec_size}-byte records, got {rec}")
+            if not 0 <= length <= limit:
+                raise ValueError(f"sparse record lengths must be in [0, {limit}] bytes, got {length}")
+            if t.num_tokens % rpp == 0 or self.refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1:
+                need += 1
+            if length:
+                space = ps - t.sparse_tail if t.sparse_pages.n else 0
+                if length > space or self.refcount[t.sparse_pages.buf[t.sparse_pages.n - 1]] > 1:
+                    need += 1
+        if need > self.free_pages:
+            raise PoolExhaustedError(
+                f"page pool exhausted: appending a token to {m} stream(s) needs {need} pages, {self.free_pages} "
+                f"are free ({self.config.max_pages} pages of {ps} B = {self.config.budget_bytes} B budget); "
+                "no sequence was changed"
+            )
+        data = self.data
+        for k, (t, length) in enumerate(zip(tables, lens, strict=True)):  # commit
+            t.rec_size = rec
+            slot = t.num_tokens % rpp
+            if slot == 0:
+                t.dense_pages.push(self._alloc())
+            elif self.refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1:
+                t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.buf[t.dense_pages.n - 1]))
+            data = self.data  # _alloc may have grown the storage
+            pg = int(t.dense_pages.buf[t.dense_pages.n - 1])
+            data[pg, slot * rec : (slot + 1) * rec] = dense[k]
+            self.page_fill[pg] = (slot + 1) * rec
+            if length:
+                space = ps - t.sparse_tail if t.sparse_pages.n else 0
+                if length > space:
+                    pg = self._alloc()
+                    t.sparse_pages.push(pg)
+                    t.sparse_first.push(t.num_tokens)
+                    at = 0
+                else:
+                    pg = int(t.sparse_pages.buf[t.sparse_pages.n - 1])
+                    if self.refcount[pg] > 1:
+                        pg = self._cow(pg)
+                        t.sparse_pages.buf[t.sparse_pages.n - 1] = pg
+                    at = t.sparse_tail
+                data = self.data
+                data[pg, at : at + length] = sparse[k, :length]
+                t.sparse_tail = at + length
+                self.page_fill[pg] = t.sparse_tail
+            t.sparse_len.push(length)
+            t.num_tokens += 1
 
     # ---------------------------------------------------------------- reading (reference paths)
 

@@ -452,6 +452,38 @@ def _encode_rows_f32(x, thr, inner_bits, outer_bits, fp16, dense, scales, scratc
             )
 
 
+@njit(cache=True, nogil=True)
+def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts):
+    """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
+
+    Args:
+        x: float32 ``[n, D]``; thr: float32 ``[n, 4]``, each row's thresholds (a step mixes keys and values).
+        records: uint8 ``[n, sb + ceil(D/2)]`` (out): the six scales as little-endian fp16 (``sb = 12``) or
+            fp32 (``sb = 24``) bytes, then the nibbles: ``oakenkv.cache.to_records`` of the same rows.
+        sparse: uint8 ``[n, >= sparse_capacity(D)]`` (out): row ``r`` starts with its sparse record.
+        counts: int64 ``[n]`` (out): sparse bytes of each row, or ``-ERR_*``.
+    """
+    n, d = x.shape
+    sb = 12 if fp16 else 24
+    comb, pos = comb_scratch(d)
+    words = comb.view(np.uint64)
+    sc = np.empty(NUM_SCALES, np.float32)
+    for r in range(n):
+        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], comb, words, pos)
+        counts[r] = cnt
+        if cnt < 0:
+            continue
+        for i in range(NUM_SCALES):
+            if fp16:
+                bits = np.int64(f32_to_f16_bits(sc[i]))
+                records[r, 2 * i] = np.uint8(bits & 0xFF)
+                records[r, 2 * i + 1] = np.uint8(bits >> 8)
+            else:
+                bits = np.int64(np.float32(sc[i]).view(np.uint32))
+                for k in range(4):
+                    records[r, 4 * i + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def widen_f16_row(h, out):
     """fp16 bit patterns ``h`` (uint16 ``[D]``) -> exact float32 ``out [D]``, branch-free and vectorizable.
