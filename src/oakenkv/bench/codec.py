@@ -62,12 +62,18 @@ def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
 
 
 def synthetic_kv(tokens: int, values: int, seed: int = 0) -> tuple[torch.Tensor, tuple[float, ...]]:
-    """fp16 Gaussian ``[tokens, values]`` and thresholds at its 2/47/53/98% quantiles (the paper's 4/90/6 split)."""
+    """fp16 Gaussian ``[tokens, values]`` and thresholds at its 2/47/53/98% quantiles (the paper's 4/90/6 split).
+
+    The quantiles are exact order statistics of the fp16 values the encoder sees, so the outlier share is 10%
+    (up to ties): quantiles of a float32 sample put it at 10.014%, which alone moved the 4096-value effective
+    bits from 4.8294 to 4.8306.
+    """
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, values, generator=g)
-    sample = x.flatten()[torch.randperm(x.numel(), generator=g)[:1_000_000]]
-    thr = tuple(torch.quantile(sample, torch.tensor(_SYNTH_LEVELS)).tolist())
-    return x.to(torch.float16), thr
+    x16 = torch.randn(tokens, values, generator=g).to(torch.float16)
+    flat = np.sort(x16.numpy().reshape(-1).astype(np.float32))
+    n = flat.size
+    thr = tuple(float(flat[min(n - 1, int(round(q * n)))]) for q in _SYNTH_LEVELS)
+    return x16, thr
 
 
 def quanto_int4(x: torch.Tensor, reps: int) -> dict[str, float]:
