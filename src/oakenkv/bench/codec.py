@@ -72,7 +72,7 @@ def synthetic_kv(tokens: int, values: int, seed: int = 0) -> tuple[torch.Tensor,
     x16 = torch.randn(tokens, values, generator=g).to(torch.float16)
     flat = np.sort(x16.numpy().reshape(-1).astype(np.float32))
     n = flat.size
-    thr = tuple(float(flat[min(n - 1, int(round(q * n)))]) for q in _SYNTH_LEVELS)
+    thr = tuple(float(flat[min(n - 1, round(q * n))]) for q in _SYNTH_LEVELS)
     return x16, thr
 
 

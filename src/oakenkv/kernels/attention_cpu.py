@@ -117,17 +117,20 @@ def _decode_token(
     out_lo = sc[4]
     out_step = (sc[5] - out_lo) / _F32((1 << ob) - 1)
     # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
+    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path (measured
+    # ~70 -> ~47 ns per 192-value row).
+    src = pool[s0 : s0 + n]
     c, p, prev = 0, -1, 0
     j = 0
     while j < n:
-        e = np.int64(pool[s0 + j])
+        e = np.int64(src[np.uint64(j)])
         j += 1
         if e == prev:
             k = 0
             while True:
                 if j >= n:
                     return ERR_ESCAPE_TRUNCATED, sp, off
-                a = np.int64(pool[s0 + j])
+                a = np.int64(src[np.uint64(j)])
                 j += 1
                 k += a
                 if a != ADVANCE_CONTINUE:
@@ -141,11 +144,12 @@ def _decode_token(
         pos = c * CHUNK_SIZE + i
         if pos >= d:
             return ERR_POSITION_RANGE, sp, off
-        cf = _F32(np.int64(codes[pos]) | ((e >> 7) << 4))
+        upos = np.uint64(pos)
+        cf = _F32(np.int64(codes[upos]) | ((e >> 7) << 4))
         vi = in_lo + cf * in_step
         vo = out_lo + cf * out_step
         vo = vo + (to_hi if vo > zero else to_lo)
-        out[pos] = vo if (e & COO_GROUP_BIT) else vi
+        out[upos] = vo if (e & COO_GROUP_BIT) else vi
         p = i
         prev = e
     return ERR_OK, sp, off
