@@ -258,6 +258,25 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
     assert bits / x.numel() <= real < bits / x.numel() + 0.05
 
 
+def test_oaken_ablation_quantizes_only_one_kind():
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval.methods import OakenQuantizer
+
+    class Fixed:
+        def layer(self, i, kind):
+            return (-1.6, -0.08, 0.08, 1.6)
+
+    x = torch.randn(1, 3, 50, 64, generator=torch.Generator().manual_seed(4))
+    q = OakenQuantizer(Fixed(), OakenConfig(), ("key",))
+    y, bits = q.quantize(0, "value", x)
+    assert y is x and bits == 16 * x.numel()
+    y, bits = q.quantize(0, "key", x)
+    assert not torch.equal(y, x) and bits < 6 * x.numel()
+    assert parse_spec("oaken:only=k")[1]["only"] == "k"
+    with pytest.raises(ValueError, match="kinds must be"):
+        OakenQuantizer(Fixed(), OakenConfig(), ("keys",))
+
+
 def test_one_pass_calibration_matches_the_profiler(default_model, tmp_path, monkeypatch):
     """calibrate_all profiles several configurations in one pass; each must equal oakenkv.profile's own result."""
     import warnings

@@ -15,6 +15,9 @@ A method is named by a spec string ``family[:key=value,...]``, e.g. ``oaken``, `
 | ``fp8`` | FP8 e4m3, per-tensor scale 1.0 (vLLM default) | post-RoPE |
 | ``quanto`` | transformers' ``QuantizedCache(backend="quanto")``, unchanged | post-RoPE |
 
+``oaken:only=k`` (or ``only=v``) is an ablation: only the keys (values) are quantized, the other kind is read
+unquantized and counted at 16 bits; it shows which side costs Oaken its perplexity.
+
 Oaken's thresholds come from a thresholds file (``thresholds=``) or are profiled on the calibration text
 (:mod:`oakenkv.eval.calibration`; never WikiText-2 by default).
 """
@@ -42,7 +45,14 @@ ALIASES = {
 #: Each family's parameters and defaults (also the set of accepted keys).
 FAMILIES: dict[str, dict[str, Any]] = {
     "fp": {},
-    "oaken": {"outer": 0.04, "inner": 0.06, "granularity": "token", "key_position": "post", "kurtosis": 0},
+    "oaken": {
+        "outer": 0.04,
+        "inner": 0.06,
+        "granularity": "token",
+        "key_position": "post",
+        "kurtosis": 0,
+        "only": "kv",
+    },
     "oaken-official": {"outer": 0.04, "inner": 0.06},
     "int": {"bits": 4, "group": 0},
     "kivi": {"bits": 4, "group": 32, "residual": 128},
@@ -96,16 +106,22 @@ class OakenQuantizer(KVFakeQuantizer):
     the fused format's layout (``oakenkv.codec``).
     """
 
-    def __init__(self, thresholds: Any, config: OakenConfig) -> None:
+    def __init__(self, thresholds: Any, config: OakenConfig, kinds: tuple[str, ...] = ("key", "value")) -> None:
+        if not kinds or any(k not in ("key", "value") for k in kinds):
+            raise ValueError(f"kinds must be a non-empty subset of ('key', 'value'), got {kinds!r}")
         self.thresholds = thresholds
         self.config = config
         self.key_position = config.key_position
+        #: The kinds that are quantized; the other one (an ablation) stays unquantized, counted at 16 bits.
+        self.kinds = tuple(kinds)
         self._scale_bits = 16 if config.scale_dtype == "float16" else 32
 
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         from oakenkv.quant import GROUP_MIDDLE, assign_groups, quantize_dequantize
 
         check_kv(x, kind)
+        if kind not in self.kinds:
+            return x, 16.0 * x.numel()
         b, h, s, d = x.shape
         rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)  # [B*S, H*D]: one token vector per row
         if self.config.granularity == "head":
@@ -199,7 +215,12 @@ def build_method(
             )
             extra["calibration"] = spec_obj.tag()
         extra["config"] = config.to_dict()
-        q = OakenQuantizer(thresholds, config)
+        only = {"kv": ("key", "value"), "k": ("key",), "v": ("value",)}.get(params["only"])
+        if only is None:
+            raise ValueError(f"method 'oaken': only={params['only']!r}; use kv (default), k or v")
+        if only != ("key", "value"):
+            note = f"ablation: only the {only[0]}s are quantized, the other kind stays at 16 bits"
+        q = OakenQuantizer(thresholds, config, only)
         return Method(name, family, params, fq(q), config.key_position, note, extra)
     if family == "oaken-official":
         from oakenkv.baselines.oaken_official import OakenOfficialQuantizer
