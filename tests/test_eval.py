@@ -238,6 +238,14 @@ def test_report_tables_and_plot(tmp_path):
     assert "75.00" in text and png.stat().st_size > 1000
     with pytest.raises(FileNotFoundError):
         write_report([tmp_path / "missing"], md, png)
+    # A run over more windows scores other tokens: its own table, listed first, never mixed with the 1-window one.
+    more = tmp_path / "more"
+    more.mkdir()
+    for i, r in enumerate([ppl("fp", 16, 9.0), ppl("oaken", 5.4, 9.5)]):
+        (more / f"{i}.json").write_text(json.dumps({**r, "windows": 20}))
+    text = write_report([tmp_path, more], md, png)
+    assert text.index("(20 window(s)") < text.index("(1 window(s)")
+    assert "| oaken | 5.40 | 9.5000 | +0.5000 |" in text and "| oaken | 5.40 | 10.2000 | +0.2000 |" in text
 
 
 def test_oaken_bit_formula_matches_the_codec_bytes():

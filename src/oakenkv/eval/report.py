@@ -170,22 +170,30 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         else:
             diffs.append(r)
     parts = [Path(header).read_text().rstrip() + "\n"] if header else ["# Results\n"]
+    panels: dict[str, list[dict[str, Any]]] = {}
     for m in sorted(set(ppl) | set(zs)):
         parts.append(f"## Model `{m}`\n")
-        if ppl.get(m):
-            r0 = ppl[m][0]
+        # Runs over different numbers of windows score different tokens: one table (and plot panel) each,
+        # the largest first.
+        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+        for r in ppl.get(m, []):
+            groups[(r.get("windows"), r.get("window"), r.get("stride"))].append(r)
+        for key in sorted(groups, key=lambda k: -(k[0] or 0)):
+            rows = groups[key]
+            r0 = rows[0]
             parts.append(
                 f"### WikiText-2 perplexity ({r0.get('windows')} window(s) of {r0.get('window')} tokens, "
                 f"stride {r0.get('stride')})\n"
             )
-            parts.append(ppl_table(ppl[m]) + "\n")
+            parts.append(ppl_table(rows) + "\n")
+            panels[m if len(groups) == 1 else f"{m}, {key[0]} windows"] = rows
         if zs.get(m):
             parts.append(f"### Zero-shot (first {zs[m][0].get('limit')} validation documents per task)\n")
             parts.append(zeroshot_table(zs[m]) + "\n")
     if diffs:
         parts.append("## Do the thresholds depend on the profiling text?\n")
         parts.append(thresholds_diff_section(diffs))
-    plot_pareto({m: rows for m, rows in ppl.items() if rows}, plot)
+    plot_pareto(panels, plot)
     parts.append(
         f"\n![perplexity increase vs effective bits]({Path(plot).name})\n\n"
         "Red: Oaken variants; blue: peers; dashed: Pareto frontier. quanto's one-forward rows are not drawn (their "
