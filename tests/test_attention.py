@@ -151,3 +151,20 @@ def test_decode_step_append_writes_the_same_pages_as_the_general_path(scale_dtyp
     with pytest.raises(ValueError, match="keys of row 1: input contains a NaN"):
         fast.append_token(1, bad, v[:, :, :1])
     assert fast.stats() == before and fast.num_tokens(1) == t0 + steps
+
+
+def test_mask_conversion_is_cached_per_tensor_and_sees_in_place_changes():
+    from oakenkv.attention import _keep_mask
+
+    mask = _mask(2, 40, [0, 7])
+    first = _keep_mask(mask, 2, 40)
+    assert _keep_mask(mask, 2, 40) is first  # the same tensor: converted once
+    assert first[1, :7].sum() == 0 and first[1, 7:].all() and first[0].all()
+    mask[0, 0, 0, :3] = False  # edited in place: converted again
+    again = _keep_mask(mask, 2, 40)
+    assert again is not first and again[0, :3].sum() == 0
+    other = mask.clone()  # an equal but different tensor is converted on its own
+    assert _keep_mask(other, 2, 40) is not again
+    with torch.inference_mode():
+        inf = _mask(1, 5, [2])
+        assert _keep_mask(inf, 1, 5).tolist() == [[0, 0, 1, 1, 1]]
