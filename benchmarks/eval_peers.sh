@@ -2,7 +2,8 @@
 # Regenerate docs/results.md and docs/results_pareto.png: WikiText-2 perplexity and zero-shot accuracy of Oaken
 # and its peers on the default model (and Gemma-3-270m), then the report.
 #
-#   benchmarks/eval_peers.sh [part...]    parts: calib baselines oaken chunked zeroshot textdep gemma report
+#   benchmarks/eval_peers.sh [part...]    parts: calib baselines oaken chunked ablation windows20 zeroshot textdep
+#                                          gemma report (windows20: 20 windows whatever WINDOWS says, ~1.5 h)
 #
 # WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 50) documents per task keep this within about
 # an hour on 2 shared CPU cores; WINDOWS= (empty) LIMIT= (empty) runs the full WikiText-2 test set (~140 windows)
@@ -20,7 +21,7 @@ LIMIT="${LIMIT-50}"
 MODEL="${MODEL:-default}"
 mw=(); [[ -n "$WINDOWS" ]] && mw=(--max-windows "$WINDOWS")
 lim=(); [[ -n "$LIMIT" ]] && lim=(--limit "$LIMIT")
-parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(calib baselines oaken chunked zeroshot textdep gemma report)
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(calib baselines oaken chunked ablation windows20 zeroshot textdep gemma report)
 
 ppl() {  # ppl <file-stem> <method> [extra args...]
   local f="$OUT/$MODEL/ppl-$1.json"; shift
@@ -57,6 +58,18 @@ for part in "${parts[@]}"; do
       ppl oaken-calib-wikitext2 oaken --calib-text wikitext2
       ppl oaken-calib-lambada oaken --calib-text file --calib-path /tmp/oakenkv-lambada.txt
       .venv/bin/python benchmarks/thresholds_textdep.py --model "$MODEL" --out "$OUT/$MODEL/thresholds-textdep.json" ;;
+    ablation)  # which side costs Oaken its perplexity: only the keys, only the values quantized; longer calibration
+      ppl oaken-onlyk oaken:only=k
+      ppl oaken-onlyv oaken:only=v
+      ppl oaken-calib-100x512 oaken --calib-samples 100 --calib-window 512 ;;
+    windows20)  # the main methods over the first 20 windows (40,940 tokens), in their own directory
+      for spec in fp:fp oaken:oaken kvquant4:kvquant4 int4:int4 int5:int5 kivi4:kivi4 fp8:fp8 \
+                  oaken-official:oaken-official oaken-onlyk:oaken:only=k oaken-onlyv:oaken:only=v; do
+        f="$OUT/$MODEL-20w/ppl-${spec%%:*}.json"; mkdir -p "$OUT/$MODEL-20w"
+        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "${spec#*:}" --max-windows 20 --json "$f"
+      done
+      f="$OUT/$MODEL-20w/ppl-quanto4-chunk128.json"
+      [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method quanto4 --chunk 128 --max-windows 20 --json "$f" ;;
     gemma)  # Gemma-3-270m: one 2048-token window (no quanto: QuantizedCache rejects its sliding-window layers)
       MODEL=gemma3-270m
       $OAK eval calibrate --model "$MODEL" --sweep ""
@@ -66,7 +79,7 @@ for part in "${parts[@]}"; do
       done
       MODEL=default ;;
     report)
-      $OAK eval report "$OUT/default" "$OUT/gemma3-270m" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
+      $OAK eval report "$OUT/default" "$OUT/default-20w" "$OUT/gemma3-270m" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -123,10 +123,13 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     for ax, m in zip(axes[0], models, strict=False):
         # quanto in one forward per window never quantizes what attention reads (its prefill is returned as is):
         # a point at "4.5 bits, no loss" would be misleading, so only its chunked (decode-like) rows are drawn.
+        # Ablations (only the keys or only the values quantized) are diagnostics, not methods: not drawn.
         rows = [
             r
             for r in by_model[m]
-            if r["method"] != "fp" and not (r.get("extra", {}).get("family") == "quanto" and not r.get("chunk"))
+            if r["method"] != "fp"
+            and not (r.get("extra", {}).get("family") == "quanto" and not r.get("chunk"))
+            and r.get("extra", {}).get("params", {}).get("only", "kv") == "kv"
         ]
         fp = next((r for r in by_model[m] if r["method"] == "fp" and not r.get("chunk")), None)
         if not rows or fp is None:
@@ -197,7 +200,7 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
     parts.append(
         f"\n![perplexity increase vs effective bits]({Path(plot).name})\n\n"
         "Red: Oaken variants; blue: peers; dashed: Pareto frontier. quanto's one-forward rows are not drawn (their "
-        "prefill is unquantized, see above).\n"
+        "prefill is unquantized, see above), nor the keys-only / values-only ablations.\n"
     )
     text = "\n".join(parts)
     out.parent.mkdir(parents=True, exist_ok=True)
