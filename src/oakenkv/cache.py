@@ -394,16 +394,14 @@ class OakenLayer(CacheLayerMixin):
         s = key_states.shape[2]
         enc_k = enc_v = None
         chunk = store.prefill_chunk
-        if s == 1 and past and store.fast:
+        if s == 1 and past and store.fast:  # a decode step: the single-token path
             store.append_token(self.layer_idx, key_states, value_states)
-            s_done = 1
         else:
-            s_done = 0
-        for start in range(s_done, s, chunk):
-            ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
-            encoded = store.append(self.layer_idx, ks, vs)
-            if s <= chunk:
-                enc_k, enc_v = encoded
+            for start in range(0, s, chunk):
+                ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
+                encoded = store.append(self.layer_idx, ks, vs)
+                if s <= chunk:
+                    enc_k, enc_v = encoded
         total = past + s
         if s == 1 and self.packed_decode:
             return (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))

@@ -95,22 +95,22 @@ class _Growable:
     def view(self) -> np.ndarray:
         return self.buf[: self.n]
 
-    def extend(self, values: np.ndarray | list[int]) -> None:
-        values = np.asarray(values, dtype=self.buf.dtype)
-        need = self.n + values.size
+    def _reserve(self, need: int) -> None:
         if need > self.buf.size:
             new = np.zeros(max(need, 2 * self.buf.size), dtype=self.buf.dtype)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
+
+    def extend(self, values: np.ndarray | list[int]) -> None:
+        values = np.asarray(values, dtype=self.buf.dtype)
+        need = self.n + values.size
+        self._reserve(need)
         self.buf[self.n : need] = values
         self.n = need
 
     def push(self, value: int) -> None:
         """Append one value (the decode step's path: no array conversion)."""
-        if self.n == self.buf.size:
-            new = np.zeros(2 * self.buf.size, dtype=self.buf.dtype)
-            new[: self.n] = self.buf
-            self.buf = new
+        self._reserve(self.n + 1)
         self.buf[self.n] = value
         self.n += 1
 
@@ -396,7 +396,6 @@ class PagePool:
                 f"are free ({self.config.max_pages} pages of {ps} B = {self.config.budget_bytes} B budget); "
                 "no sequence was changed"
             )
-        data = self.data
         for k, (t, length) in enumerate(zip(tables, lens, strict=True)):  # commit
             t.rec_size = rec
             slot = t.num_tokens % rpp
@@ -404,9 +403,9 @@ class PagePool:
                 t.dense_pages.push(self._alloc())
             elif self.refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1:
                 t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.buf[t.dense_pages.n - 1]))
-            data = self.data  # _alloc may have grown the storage
             pg = int(t.dense_pages.buf[t.dense_pages.n - 1])
-            data[pg, slot * rec : (slot + 1) * rec] = dense[k]
+            # self.data is read after every _alloc: growing the pool replaces the array
+            self.data[pg, slot * rec : (slot + 1) * rec] = dense[k]
             self.page_fill[pg] = (slot + 1) * rec
             if length:
                 space = ps - t.sparse_tail if t.sparse_pages.n else 0
@@ -421,8 +420,7 @@ class PagePool:
                         pg = self._cow(pg)
                         t.sparse_pages.buf[t.sparse_pages.n - 1] = pg
                     at = t.sparse_tail
-                data = self.data
-                data[pg, at : at + length] = sparse[k, :length]
+                self.data[pg, at : at + length] = sparse[k, :length]
                 t.sparse_tail = at + length
                 self.page_fill[pg] = t.sparse_tail
             t.sparse_len.push(length)

@@ -119,18 +119,18 @@ def _decode_token(
     # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
     # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path (measured
     # ~70 -> ~47 ns per 192-value row).
-    src = pool[s0 : s0 + n]
+    coo = pool[s0 : s0 + n]
     c, p, prev = 0, -1, 0
     j = 0
     while j < n:
-        e = np.int64(src[np.uint64(j)])
+        e = np.int64(coo[np.uint64(j)])
         j += 1
         if e == prev:
             k = 0
             while True:
                 if j >= n:
                     return ERR_ESCAPE_TRUNCATED, sp, off
-                a = np.int64(src[np.uint64(j)])
+                a = np.int64(coo[np.uint64(j)])
                 j += 1
                 k += a
                 if a != ADVANCE_CONTINUE:
