@@ -99,6 +99,28 @@ def test_parallel_splits_match_serial():
     torch.testing.assert_close(parallel, reference_packed_attention(q, kh, vh, mask, 0.125), rtol=2e-5, atol=2e-6)
 
 
+def test_no_two_cached_kernels_share_one_python_function():
+    """numba's on-disk cache keys an entry by the Python function's source location and the signature, not by the
+    compile options: two ``njit`` dispatchers of one function (say parallel and serial) share one cache entry and
+    both run whichever was compiled first. This happened to the decode-attention kernel (its parallel version ran
+    on one thread); keep every cached kernel its own function."""
+    import importlib
+    import pkgutil
+
+    import oakenkv
+    from numba.core.registry import CPUDispatcher
+
+    seen: dict[int, tuple[int, str]] = {}  # id(py_func) -> (id(dispatcher), its name)
+    for info in pkgutil.walk_packages(oakenkv.__path__, "oakenkv."):
+        if info.name.startswith(("oakenkv.eval", "oakenkv.bench")):
+            continue  # heavy optional imports; they define no kernels
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if isinstance(obj, CPUDispatcher):
+                first = seen.setdefault(id(obj.py_func), (id(obj), f"{info.name}.{name}"))
+                assert first[0] == id(obj), f"{first[1]} and {info.name}.{name} compile one Python function"
+
+
 def test_softcap_and_additive_mask():
     _, _, _, (kh, vh) = _store(1, 70, seed=4)
     q = torch.randn(1, HQ, 1, HD, generator=torch.Generator().manual_seed(5)) * 3

@@ -167,7 +167,8 @@ def _skip_token(sc_first, lens, t, sp, off):
     return sp, off
 
 
-def _packed_decode_attention(
+@njit(cache=True, nogil=True, fastmath=True)
+def _work_item(
     q,
     pool,
     page_size,
@@ -186,156 +187,146 @@ def _packed_decode_attention(
     scaling,
     softcap,
     num_splits,
-    out,
-    status,
+    w,
+    part_m,
+    part_l,
+    part_acc,
 ):
-    """Attention of one query token per row over ``T`` packed tokens.
-
-    Args:
-        q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``num_kv_heads`` (GQA).
-        pool: uint8 ``[P * page_size]`` the page pool's storage, flat.
-        page_size, rec, sb: bytes per page, per dense record, and of the scales at the record's start.
-        dense_pages: int32 ``[B, 2, ceil(T / rpp)]``: dense page ids per row and kind (0 keys, 1 values).
-        sparse_pages, sparse_first: int32 ``[S]``: all rows' and kinds' sparse page ids and first tokens,
-            concatenated; ``sparse_ptr``: int64 ``[2 * B + 1]``, entry ``2 * b + kind`` starts its slice.
-        sparse_len: uint16 ``[B, 2, T]``: per-token sparse record lengths.
-        keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
-        thr: float32 ``[2, 4]``: the layer's key and value thresholds.
-        ib, ob: bits of the inner and outer groups.
-        scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
-        num_splits: token ranges per row processed in parallel.
-        out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
-    """
-    b_n, hq_n, hd = q.shape
+    """Work item ``w`` of :func:`packed_decode_attention`: row ``b = w // num_splits``, token range
+    ``s = w % num_splits``. Writes its running max, sum and accumulator per query head to ``part_*[b, s]``;
+    returns ``ERR_OK`` or the first codec error code met."""
+    hq_n, hd = q.shape[1], q.shape[2]
     t_n = sparse_len.shape[2]
     d = num_kv_heads * hd
     group = hq_n // num_kv_heads
     rpp = page_size // rec
-    part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
-    part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
-    part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
-    for w in prange(b_n * num_splits):
-        b = w // num_splits
-        s = w % num_splits
-        t0 = s * t_n // num_splits
-        t1 = (s + 1) * t_n // num_splits
-        sc = np.empty(6, np.float32)
-        codes = np.empty(d, np.uint8)
-        krow = np.empty(d, np.float32)
-        vrow = np.empty(d, np.float32)
-        scores = np.empty((hq_n, _BLOCK), np.float32)
-        m = np.full(hq_n, -np.inf, dtype=np.float32)
-        ell = np.zeros(hq_n, dtype=np.float32)
-        acc = np.zeros((hq_n, hd), dtype=np.float32)
-        kp0, kp1 = sparse_ptr[2 * b], sparse_ptr[2 * b + 1]
-        vp0, vp1 = sparse_ptr[2 * b + 1], sparse_ptr[2 * b + 2]
-        k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
-        v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
-        k_len, v_len = sparse_len[b, 0], sparse_len[b, 1]
-        k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
-        ksp, koff = _sparse_start(k_first, k_len, t0)
-        vsp, voff = _sparse_start(v_first, v_len, t0)
-        err = ERR_OK
-        for tb in range(t0, t1, _BLOCK):
-            te = min(tb + _BLOCK, t1)
-            # Scores of the block.
-            bmax = np.full(hq_n, -np.inf, dtype=np.float32)
-            for t in range(tb, te):
-                j = t - tb
-                if keep[b, t] == 0:
-                    ksp, koff = _skip_token(k_first, k_len, t, ksp, koff)
-                    for h in range(hq_n):
-                        scores[h, j] = -np.inf
-                    continue
-                st, ksp, koff = _decode_token(
-                    pool,
-                    page_size,
-                    k_dense,
-                    rpp,
-                    rec,
-                    sb,
-                    k_pages,
-                    k_first,
-                    k_len,
-                    t,
-                    ksp,
-                    koff,
-                    thr[0],
-                    ib,
-                    ob,
-                    sc,
-                    krow,
-                    codes,
-                )
-                if st != ERR_OK:
-                    err = st
+    b = w // num_splits
+    s = w % num_splits
+    t0 = s * t_n // num_splits
+    t1 = (s + 1) * t_n // num_splits
+    sc = np.empty(6, np.float32)
+    codes = np.empty(d, np.uint8)
+    krow = np.empty(d, np.float32)
+    vrow = np.empty(d, np.float32)
+    scores = np.empty((hq_n, _BLOCK), np.float32)
+    m = np.full(hq_n, -np.inf, dtype=np.float32)
+    ell = np.zeros(hq_n, dtype=np.float32)
+    acc = np.zeros((hq_n, hd), dtype=np.float32)
+    kp0, kp1 = sparse_ptr[2 * b], sparse_ptr[2 * b + 1]
+    vp0, vp1 = sparse_ptr[2 * b + 1], sparse_ptr[2 * b + 2]
+    k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
+    v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
+    k_len, v_len = sparse_len[b, 0], sparse_len[b, 1]
+    k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
+    ksp, koff = _sparse_start(k_first, k_len, t0)
+    vsp, voff = _sparse_start(v_first, v_len, t0)
+    err = ERR_OK
+    for tb in range(t0, t1, _BLOCK):
+        te = min(tb + _BLOCK, t1)
+        # Scores of the block.
+        bmax = np.full(hq_n, -np.inf, dtype=np.float32)
+        for t in range(tb, te):
+            j = t - tb
+            if keep[b, t] == 0:
+                ksp, koff = _skip_token(k_first, k_len, t, ksp, koff)
                 for h in range(hq_n):
-                    kb = (h // group) * hd
-                    # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
-                    # (measured: ~1.6x faster than indexing the 3-D arrays directly).
-                    dot = _F32(0.0)
-                    qv = q[b, h]
-                    kv = krow[kb : kb + hd]
-                    for i in range(hd):
-                        dot += qv[i] * kv[i]
-                    x = dot * scaling
-                    if softcap > 0:
-                        x = np.tanh(x / softcap) * softcap
-                    scores[h, j] = x
-                    if x > bmax[h]:
-                        bmax[h] = x
-            # Rescale the running sums to the new maximum once per block.
+                    scores[h, j] = -np.inf
+                continue
+            st, ksp, koff = _decode_token(
+                pool,
+                page_size,
+                k_dense,
+                rpp,
+                rec,
+                sb,
+                k_pages,
+                k_first,
+                k_len,
+                t,
+                ksp,
+                koff,
+                thr[0],
+                ib,
+                ob,
+                sc,
+                krow,
+                codes,
+            )
+            if st != ERR_OK:
+                err = st
             for h in range(hq_n):
-                if bmax[h] > m[h]:
-                    if m[h] > -np.inf:
-                        corr = np.exp(m[h] - bmax[h])
-                        ell[h] *= corr
-                        for i in range(hd):
-                            acc[h, i] *= corr
-                    m[h] = bmax[h]
-            # Values of the block.
-            for t in range(tb, te):
-                j = t - tb
-                if keep[b, t] == 0:
-                    vsp, voff = _skip_token(v_first, v_len, t, vsp, voff)
-                    continue
-                st, vsp, voff = _decode_token(
-                    pool,
-                    page_size,
-                    v_dense,
-                    rpp,
-                    rec,
-                    sb,
-                    v_pages,
-                    v_first,
-                    v_len,
-                    t,
-                    vsp,
-                    voff,
-                    thr[1],
-                    ib,
-                    ob,
-                    sc,
-                    vrow,
-                    codes,
-                )
-                if st != ERR_OK:
-                    err = st
-                for h in range(hq_n):
-                    p = np.exp(scores[h, j] - m[h])
-                    ell[h] += p
-                    vb = (h // group) * hd
-                    av = acc[h]
-                    vv = vrow[vb : vb + hd]
-                    for i in range(hd):
-                        av[i] += p * vv[i]
-        status[w] = err
+                kb = (h // group) * hd
+                # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
+                # (measured: ~1.6x faster than indexing the 3-D arrays directly).
+                dot = _F32(0.0)
+                qv = q[b, h]
+                kv = krow[kb : kb + hd]
+                for i in range(hd):
+                    dot += qv[i] * kv[i]
+                x = dot * scaling
+                if softcap > 0:
+                    x = np.tanh(x / softcap) * softcap
+                scores[h, j] = x
+                if x > bmax[h]:
+                    bmax[h] = x
+        # Rescale the running sums to the new maximum once per block.
         for h in range(hq_n):
-            part_m[b, s, h] = m[h]
-            part_l[b, s, h] = ell[h]
-            for i in range(hd):
-                part_acc[b, s, h, i] = acc[h, i]
-    # Combine the splits of each row.
+            if bmax[h] > m[h]:
+                if m[h] > -np.inf:
+                    corr = np.exp(m[h] - bmax[h])
+                    ell[h] *= corr
+                    for i in range(hd):
+                        acc[h, i] *= corr
+                m[h] = bmax[h]
+        # Values of the block.
+        for t in range(tb, te):
+            j = t - tb
+            if keep[b, t] == 0:
+                vsp, voff = _skip_token(v_first, v_len, t, vsp, voff)
+                continue
+            st, vsp, voff = _decode_token(
+                pool,
+                page_size,
+                v_dense,
+                rpp,
+                rec,
+                sb,
+                v_pages,
+                v_first,
+                v_len,
+                t,
+                vsp,
+                voff,
+                thr[1],
+                ib,
+                ob,
+                sc,
+                vrow,
+                codes,
+            )
+            if st != ERR_OK:
+                err = st
+            for h in range(hq_n):
+                p = np.exp(scores[h, j] - m[h])
+                ell[h] += p
+                vb = (h // group) * hd
+                av = acc[h]
+                vv = vrow[vb : vb + hd]
+                for i in range(hd):
+                    av[i] += p * vv[i]
+    for h in range(hq_n):
+        part_m[b, s, h] = m[h]
+        part_l[b, s, h] = ell[h]
+        for i in range(hd):
+            part_acc[b, s, h, i] = acc[h, i]
+    return err
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _combine(part_m, part_l, part_acc, out):
+    """Combine the splits of each row: ``out[b, h] = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m)``."""
+    b_n, num_splits, hq_n = part_m.shape
+    hd = out.shape[2]
     for b in range(b_n):
         for h in range(hq_n):
             mm = -np.inf
@@ -358,7 +349,137 @@ def _packed_decode_attention(
                 out[b, h, i] /= total
 
 
-#: Multi-threaded over (row, split) work items: for long contexts.
-packed_decode_attention = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_packed_decode_attention)
-#: The same kernel on the calling thread: for short contexts, where waking threads costs more than the work.
-packed_decode_attention_serial = njit(cache=True, nogil=True, fastmath=True)(_packed_decode_attention)
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def packed_decode_attention(
+    q,
+    pool,
+    page_size,
+    rec,
+    sb,
+    dense_pages,
+    sparse_pages,
+    sparse_first,
+    sparse_ptr,
+    sparse_len,
+    keep,
+    thr,
+    ib,
+    ob,
+    num_kv_heads,
+    scaling,
+    softcap,
+    num_splits,
+    out,
+    status,
+):
+    """Attention of one query token per row over ``T`` packed tokens, multi-threaded over (row, split) work
+    items: for long contexts.
+
+    Args:
+        q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``num_kv_heads`` (GQA).
+        pool: uint8 ``[P * page_size]`` the page pool's storage, flat.
+        page_size, rec, sb: bytes per page, per dense record, and of the scales at the record's start.
+        dense_pages: int32 ``[B, 2, ceil(T / rpp)]``: dense page ids per row and kind (0 keys, 1 values).
+        sparse_pages, sparse_first: int32 ``[S]``: all rows' and kinds' sparse page ids and first tokens,
+            concatenated; ``sparse_ptr``: int64 ``[2 * B + 1]``, entry ``2 * b + kind`` starts its slice.
+        sparse_len: uint16 ``[B, 2, T]``: per-token sparse record lengths.
+        keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
+        thr: float32 ``[2, 4]``: the layer's key and value thresholds.
+        ib, ob: bits of the inner and outer groups.
+        scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
+        num_splits: token ranges per row processed in parallel.
+        out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
+    """
+    b_n, hq_n, hd = q.shape
+    part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
+    part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
+    part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
+    for w in prange(b_n * num_splits):
+        status[w] = _work_item(
+            q,
+            pool,
+            page_size,
+            rec,
+            sb,
+            dense_pages,
+            sparse_pages,
+            sparse_first,
+            sparse_ptr,
+            sparse_len,
+            keep,
+            thr,
+            ib,
+            ob,
+            num_kv_heads,
+            scaling,
+            softcap,
+            num_splits,
+            w,
+            part_m,
+            part_l,
+            part_acc,
+        )
+    _combine(part_m, part_l, part_acc, out)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def packed_decode_attention_serial(
+    q,
+    pool,
+    page_size,
+    rec,
+    sb,
+    dense_pages,
+    sparse_pages,
+    sparse_first,
+    sparse_ptr,
+    sparse_len,
+    keep,
+    thr,
+    ib,
+    ob,
+    num_kv_heads,
+    scaling,
+    softcap,
+    num_splits,
+    out,
+    status,
+):
+    """:func:`packed_decode_attention` on the calling thread: for short contexts, where waking threads costs
+    more than the work.
+
+    A function of its own, not a second ``njit`` of the same Python function: numba's on-disk cache keys an
+    entry by the function's source location and signature, not by its compile options, so two dispatchers of
+    one function share one cache entry, and whichever compiled first is what both run (the parallel kernel
+    ran serially whenever the serial one had been cached first).
+    """
+    b_n, hq_n, hd = q.shape
+    part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
+    part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
+    part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
+    for w in range(b_n * num_splits):
+        status[w] = _work_item(
+            q,
+            pool,
+            page_size,
+            rec,
+            sb,
+            dense_pages,
+            sparse_pages,
+            sparse_first,
+            sparse_ptr,
+            sparse_len,
+            keep,
+            thr,
+            ib,
+            ob,
+            num_kv_heads,
+            scaling,
+            softcap,
+            num_splits,
+            w,
+            part_m,
+            part_l,
+            part_acc,
+        )
+    _combine(part_m, part_l, part_acc, out)
