@@ -107,8 +107,9 @@ def test_no_two_cached_kernels_share_one_python_function():
     import importlib
     import pkgutil
 
-    import oakenkv
     from numba.core.registry import CPUDispatcher
+
+    import oakenkv
 
     seen: dict[int, tuple[int, str]] = {}  # id(py_func) -> (id(dispatcher), its name)
     for info in pkgutil.walk_packages(oakenkv.__path__, "oakenkv."):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oakenkv import data
-from oakenkv.data import DataNotFoundError, load_task, load_text, strip_wiki_markup, token_windows
+from oakenkv.data import DataNotFoundError, adds_bos, load_task, load_text, strip_wiki_markup, token_windows
 
 # ------------------------------------------------------------------------------------------------ WikiText-2
 
@@ -173,6 +173,36 @@ def test_token_windows_layout():
     assert s.shape == (19, 10) and torch.equal(s[1, :5], w[0, 5:])
     assert token_windows(CharTokenizer(), text, window=30).shape == (3, 30)  # the 10-token tail is dropped
     assert token_windows(CharTokenizer(), text, window=10, max_windows=4).shape == (4, 10)
+
+
+class BosCharTokenizer(CharTokenizer):
+    """CharTokenizer that, like Gemma's, puts BOS (id 1) in front of a text unless told not to."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=True, return_attention_mask=False, verbose=False):
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def test_token_windows_start_with_bos_when_the_tokenizer_adds_one():
+    text = "".join(chr(65 + i % 26) for i in range(100))
+    assert adds_bos(BosCharTokenizer()) and not adds_bos(CharTokenizer())
+    w = token_windows(BosCharTokenizer(), text, window=10)
+    # BOS + 9 text tokens per window; the text advances by 9, so the windows cover it without gaps or overlap
+    assert w.shape == (11, 10) and (w[:, 0] == 1).all()
+    assert w[0, 1:].tolist() == [ord(c) for c in text[:9]] and w[1, 1].item() == ord(text[9])
+    s = token_windows(BosCharTokenizer(), text, window=10, stride=5)
+    assert (s[:, 0] == 1).all() and torch.equal(s[1, 1:5], w[0, 6:10])
+    plain = token_windows(BosCharTokenizer(), text, window=10, bos=False)
+    assert torch.equal(plain, token_windows(CharTokenizer(), text, window=10))
+    with pytest.raises(ValueError, match="no BOS token"):
+        token_windows(CharTokenizer(), text, window=10, bos=True)
+
+
+def test_the_default_model_gets_no_bos(default_tokenizer):
+    """SmolLM2's tokenizer adds no BOS, so its windows (and every cached profile) are unchanged."""
+    assert not adds_bos(default_tokenizer)
 
 
 @pytest.mark.parametrize(

@@ -313,11 +313,15 @@ def token_windows(
     window: int,
     stride: int | None = None,
     max_windows: int | None = None,
+    *,
+    bos: bool | None = None,
 ) -> torch.Tensor:
     """Tokenize ``text`` and cut it into fixed-length windows for perplexity or profiling.
 
-    Windows start at ``0, stride, 2*stride, ...`` and only whole windows are kept (the tail is dropped). No
-    special tokens (BOS/EOS) are added: every window is a plain slice of the token stream.
+    Windows start at ``0, stride, 2*stride, ...`` of the token stream and only whole windows are kept (the tail
+    is dropped); no EOS is added. With ``bos``, every window starts with the tokenizer's BOS token, as the model
+    saw its inputs in training, followed by ``window - 1`` text tokens; the text then advances by
+    ``min(stride, window - 1)`` tokens per window (non-overlapping windows still cover it without gaps).
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -325,6 +329,9 @@ def token_windows(
         window: tokens per window (>= 2: perplexity needs at least one prediction).
         stride: distance between window starts; default ``window`` (non-overlapping).
         max_windows: keep at most this many windows; only the needed prefix of the text is tokenized.
+        bos: start every window with BOS; None (default): when the tokenizer adds BOS to a text by default
+            (:func:`adds_bos`: Gemma's does, SmolLM2's does not). Without it, Gemma 3's perplexity is far off
+            (the model never saw text without its BOS attention sink).
 
     Returns:
         int64 tensor ``[num_windows, window]`` of token ids.
@@ -341,14 +348,31 @@ def token_windows(
     if not isinstance(text, str) or not text:
         raise ValueError("text must be a non-empty string")
 
-    ids = _tokenize_prefix(tokenizer, text, None if max_windows is None else (max_windows - 1) * stride + window)
-    n = 0 if len(ids) < window else (len(ids) - window) // stride + 1
+    if bos is None:
+        bos = adds_bos(tokenizer)
+    elif bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError("bos=True but the tokenizer has no BOS token")
+    body, step = (window - 1, min(stride, window - 1)) if bos else (window, stride)
+    ids = _tokenize_prefix(tokenizer, text, None if max_windows is None else (max_windows - 1) * step + body)
+    n = 0 if len(ids) < body else (len(ids) - body) // step + 1
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {window}")
-    t = torch.tensor(ids, dtype=torch.int64)
-    return t.unfold(0, window, stride)[:n].contiguous()
+        raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {body}")
+    t = torch.tensor(ids, dtype=torch.int64).unfold(0, body, step)[:n]
+    if bos:
+        first = torch.full((n, 1), int(tokenizer.bos_token_id), dtype=torch.int64)
+        t = torch.cat([first, t], dim=1)
+    return t.contiguous()
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` puts its BOS token in front of a text by default (``tokenizer(text)``)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a", return_attention_mask=False, verbose=False)["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
 
 
 def _tokenize_prefix(tokenizer: Any, text: str, need: int | None) -> list[int]:

@@ -61,6 +61,13 @@ def _cache_dir() -> Path:
     return d
 
 
+def _tag(spec: CalibrationSpec, tokenizer: Any) -> str:
+    """Cache-file tag of the calibration windows: the spec's, plus ``-bos`` when the windows start with BOS."""
+    from oakenkv.data import adds_bos
+
+    return spec.tag() + ("-bos" if adds_bos(tokenizer) else "")
+
+
 def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
     """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
     from oakenkv.data import load_text, token_windows
@@ -93,7 +100,7 @@ def oaken_thresholds(
     spec = spec or CalibrationSpec()
     key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
     h = hashlib.sha1(key.encode()).hexdigest()[:10]
-    path = _cache_dir() / f"thr-{_safe(model_name)}-{spec.tag()}-{h}.json"
+    path = _cache_dir() / f"thr-{_safe(model_name)}-{_tag(spec, tokenizer)}-{h}.json"
     if path.is_file():
         return Thresholds.load(path)
     ids = calibration_windows(tokenizer, spec)
@@ -135,7 +142,7 @@ def kv_ranges(
     from oakenkv.profile import record_kv
 
     spec = spec or CalibrationSpec()
-    path = _cache_dir() / f"ranges-{_safe(model_name)}-{spec.tag()}-q{q:g}.pt"
+    path = _cache_dir() / f"ranges-{_safe(model_name)}-{_tag(spec, tokenizer)}-q{q:g}.pt"
     if path.is_file():
         d = torch.load(path)
         return KVRanges(**d)
@@ -216,13 +223,14 @@ def calibrate_all(
     todo = []
     for config, tuning in configs:
         key = json.dumps([config.to_dict(), tuning], sort_keys=True)
-        path = _cache_dir() / f"thr-{_safe(model_name)}-{spec.tag()}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
+        digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+        path = _cache_dir() / f"thr-{_safe(model_name)}-{_tag(spec, tokenizer)}-{digest}.json"
         if not path.is_file():
             cand = _candidates(config, tuning)
             accs = {(i, k): _Accumulator([], [], []) for i in range(n_layers) for k in ("key", "value")}
             todo.append((config, tuning, path, cand, accs))
     q = 0.005
-    ranges_path = _cache_dir() / f"ranges-{_safe(model_name)}-{spec.tag()}-q{q:g}.pt"
+    ranges_path = _cache_dir() / f"ranges-{_safe(model_name)}-{_tag(spec, tokenizer)}-q{q:g}.pt"
     need_ranges = not ranges_path.is_file()
     if not todo and not need_ranges:
         return

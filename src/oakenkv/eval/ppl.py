@@ -39,6 +39,8 @@ class PplResult:
     nll: float = 0.0
     seconds: float = 0.0
     dataset: str = "wikitext2"
+    #: every window starts with the tokenizer's BOS token (``oakenkv.data.token_windows``; Gemma: yes)
+    bos: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def run_ppl(
     progress: bool = True,
 ) -> PplResult:
     """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body)."""
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.data import adds_bos, load_text, token_windows
     from oakenkv.eval.methods import build_method
     from oakenkv.models import load_model
 
@@ -154,4 +156,5 @@ def run_ppl(
     res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model)
     res.stride = stride or window
     res.dataset = dataset
+    res.bos = adds_bos(loaded.tokenizer)
     return res
