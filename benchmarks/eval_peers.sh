@@ -70,12 +70,13 @@ for part in "${parts[@]}"; do
       done
       f="$OUT/$MODEL-20w/ppl-quanto4-chunk128.json"
       [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method quanto4 --chunk 128 --max-windows 20 --json "$f" ;;
-    gemma)  # Gemma-3-270m: one 2048-token window (no quanto: QuantizedCache rejects its sliding-window layers)
+    gemma)  # Gemma-3-270m: three 2048-token windows, BOS first as its tokenizer does (token_windows)
+      # (no quanto: QuantizedCache rejects its sliding-window layers)
       MODEL=gemma3-270m
       $OAK eval calibrate --model "$MODEL" --sweep ""
       for m in fp oaken int4 int5 kvquant4 fp8 kivi4 oaken-official; do
         f="$OUT/$MODEL/ppl-$m.json"
-        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "${GEMMA_WINDOWS:-1}" --json "$f"
+        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "${GEMMA_WINDOWS:-3}" --json "$f"
       done
       MODEL=default ;;
     report)

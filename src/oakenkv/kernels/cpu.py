@@ -439,36 +439,6 @@ def comb_scratch(d):
     return np.zeros(d8, np.uint8), np.empty(d8 + 1, np.int32)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _encode_rows_f32(x, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
-    """Encode float32 rows ``x [N, D]``; each block of rows writes its sparse bytes back to back in its own part of
-    ``scratch`` (uint8 ``[N * sparse_capacity(D)]``): row ``r``'s are at ``starts[r]`` (``counts[r]`` bytes)."""
-    n, d = x.shape
-    cap = scratch.shape[0] // max(n, 1)
-    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
-    for b in prange(nblocks):
-        comb, pos = comb_scratch(d)
-        words = comb.view(np.uint64)
-        cursor = b * _BLOCK_ROWS * cap
-        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            cnt = encode_row(
-                x[r],
-                thr,
-                inner_bits,
-                outer_bits,
-                fp16,
-                dense[r],
-                scales[r],
-                scratch[cursor : cursor + cap],
-                comb,
-                words,
-                pos,
-            )
-            counts[r] = cnt
-            starts[r] = cursor
-            cursor += max(cnt, 0)
-
-
 @njit(cache=True, nogil=True)
 def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts):
     """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
@@ -524,10 +494,20 @@ def widen_bf16_row(h, out):
         out[j] = np.int32(np.int32(h[j]) << np.int32(16)).view(np.float32)
 
 
+#: Input kinds of _encode_rows.
+_KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _encode_rows_u16(xbits, is_bf16, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
-    """As _encode_rows_f32 for fp16 or bf16 input given as uint16 bit patterns, widened exactly per row."""
-    n, d = xbits.shape
+def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
+    """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
+    ``xbits`` (uint16 ``[N, D]``), widened exactly per row; the other input is unused (pass any ``[N, 0]``).
+
+    Each block of rows writes its sparse bytes back to back in its own part of ``scratch`` (uint8
+    ``[N * sparse_capacity(D)]``): row ``r``'s are at ``starts[r]`` (``counts[r]`` bytes, or ``-ERR_*``).
+    """
+    n = dense.shape[0]
+    d = x32.shape[1] if kind == _KIND_F32 else xbits.shape[1]
     cap = scratch.shape[0] // max(n, 1)
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
@@ -536,7 +516,9 @@ def _encode_rows_u16(xbits, is_bf16, thr, inner_bits, outer_bits, fp16, dense, s
         words = comb.view(np.uint64)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            if is_bf16:
+            if kind == _KIND_F32:
+                row[:] = x32[r]
+            elif kind == _KIND_BF16:
                 widen_bf16_row(xbits[r], row)
             else:
                 widen_f16_row(xbits[r], row)
@@ -601,23 +583,16 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     counts = np.empty(n, np.int64)
     x = x.detach()
     if x.dtype in (torch.float16, torch.bfloat16):
+        kind = _KIND_BF16 if x.dtype == torch.bfloat16 else _KIND_F16
         xbits = x.contiguous().view(torch.int16).numpy().view(np.uint16)
-        _encode_rows_u16(
-            xbits,
-            x.dtype == torch.bfloat16,
-            thr_a,
-            config.inner_bits,
-            config.outer_bits,
-            fp16,
-            dense,
-            scales,
-            scratch,
-            starts,
-            counts,
-        )
+        x32 = np.empty((n, 0), np.float32)
     else:
+        kind = _KIND_F32
         x32 = x.to(torch.float32).contiguous().numpy()
-        _encode_rows_f32(x32, thr_a, config.inner_bits, config.outer_bits, fp16, dense, scales, scratch, starts, counts)
+        xbits = np.empty((n, 0), np.uint16)
+    _encode_rows(
+        x32, xbits, kind, thr_a, config.inner_bits, config.outer_bits, fp16, dense, scales, scratch, starts, counts
+    )
     bad = np.flatnonzero(counts < 0)
     if bad.size:
         r = int(bad[0])
