@@ -67,7 +67,7 @@ def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = No
             b = min(a + step, s - 1)  # the last token is only a target
             inp = ids[a:b][None]
             pos = torch.arange(a, b)[None]
-            out = model(input_ids=inp, past_key_values=cache, use_cache=True, position_ids=pos)
+            out = model(input_ids=inp, cache=cache, use_cache=True, position_ids=pos)
             logits = out.logits[0].float()  # [b - a, V]
             nll += float(torch.nn.functional.cross_entropy(logits, ids[a + 1 : b + 1], reduction="sum"))
     return nll, s - 1

