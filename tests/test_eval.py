@@ -266,6 +266,33 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
     assert bits / x.numel() <= real < bits / x.numel() + 0.05
 
 
+@pytest.mark.parametrize(
+    "changes", [{}, {"granularity": "head"}, {"scale_dtype": "float32"}, {"inner_bits": 4, "outer_ratio": 0.1}]
+)
+def test_oaken_method_is_the_reference_quantizer_bit_for_bit(changes):
+    """The eval runs the codec kernels' round trip; it must be quant.quantize_dequantize exactly."""
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval.methods import OakenQuantizer
+    from oakenkv.quant import quantize_dequantize
+
+    thr = (-1.6, -0.08, 0.08, 1.6)
+
+    class Fixed:
+        def layer(self, i, kind):
+            return thr
+
+    cfg = OakenConfig().replace(**changes)
+    x = torch.randn(2, 3, 37, 64, generator=torch.Generator().manual_seed(5)) * 0.8
+    x[0, 1, 3] = 0.0  # a zero vector and a heavy-tailed token
+    x[1, :, 7] *= 40
+    y, _ = OakenQuantizer(Fixed(), cfg).quantize(0, "key", x)
+    rows = x.permute(0, 2, 1, 3).reshape(2 * 37, 192)
+    if cfg.granularity == "head":
+        rows = rows.reshape(-1, 64)
+    want = quantize_dequantize(rows, thr, cfg).reshape(2, 37, 3, 64).permute(0, 2, 1, 3)
+    assert torch.equal(y, want)
+
+
 def test_oaken_ablation_quantizes_only_one_kind():
     from oakenkv.config import OakenConfig
     from oakenkv.eval.methods import OakenQuantizer

@@ -98,7 +98,7 @@ def canonical(family: str, params: dict[str, Any]) -> str:
 
 
 class OakenQuantizer(KVFakeQuantizer):
-    """Oaken through the reference quantizer :mod:`oakenkv.quant`, one quantization vector per token.
+    """Oaken's quantize-dequantize (:mod:`oakenkv.quant`, run through the codec's kernels), one vector per token.
 
     Token granularity: ``[B, H, S, D] -> [B*S, H*D]`` (one token's keys of all KV heads of a layer, the paper's
     vector); head granularity: ``[B*S*H, D]``. Stored bits per vector of n values with m inner/outer values:
@@ -117,7 +117,8 @@ class OakenQuantizer(KVFakeQuantizer):
         self._scale_bits = 16 if config.scale_dtype == "float16" else 32
 
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from oakenkv.quant import GROUP_MIDDLE, assign_groups, quantize_dequantize
+        from oakenkv.kernels.cpu import decode_batch, encode_batch
+        from oakenkv.quant import GROUP_MIDDLE, assign_groups
 
         check_kv(x, kind)
         if kind not in self.kinds:
@@ -127,7 +128,9 @@ class OakenQuantizer(KVFakeQuantizer):
         if self.config.granularity == "head":
             rows = rows.reshape(b * s * h, d)
         thr = self.thresholds.layer(layer_idx, kind)
-        y = quantize_dequantize(rows, thr, self.config)
+        # The numba codec's round trip: bit-identical to quant.quantize_dequantize (tests/test_eval.py checks it)
+        # and ~40x faster, which took a third off an Oaken perplexity run.
+        y = decode_batch(encode_batch(rows, thr, self.config), thr, self.config)
         n_out = int((assign_groups(rows, thr) != GROUP_MIDDLE).sum())
         bits = 4 * rows.numel() + 8 * n_out + rows.shape[0] * (6 * self._scale_bits + 16)
         return y.reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous(), bits
