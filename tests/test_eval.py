@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,6 +247,38 @@ def test_report_tables_and_plot(tmp_path):
     text = write_report([tmp_path, more], md, png)
     assert text.index("(20 window(s)") < text.index("(1 window(s)")
     assert "| oaken | 5.40 | 9.5000 | +0.5000 |" in text and "| oaken | 5.40 | 10.2000 | +0.2000 |" in text
+
+
+def test_paired_delta_interval():
+    """The paired bootstrap: exact delta, an interval around it, and pairing that cancels shared window noise."""
+    from oakenkv.eval.report import paired_delta
+
+    rng = np.random.default_rng(1)
+    hard = rng.normal(3.0, 0.5, size=40) * 100  # windows differ a lot in difficulty (100 tokens each)
+    a, b = hard + 2.0, hard  # method a costs exactly 0.02 nats per token on every window
+    d, lo, hi = paired_delta(list(a), list(b), 4000)
+    assert d == pytest.approx(math.exp(a.sum() / 4000) - math.exp(b.sum() / 4000))
+    assert 0 < lo <= d <= hi and hi - lo < 0.5 * d  # a constant per-window cost: an interval well above 0
+    noisy = b + rng.normal(0, 5.0, size=40)  # no systematic difference: the interval holds 0
+    _, lo, hi = paired_delta(list(noisy), list(b), 4000)
+    assert lo < 0 < hi
+    with pytest.raises(ValueError, match="equally long"):
+        paired_delta([1.0, 2.0], [1.0], 200)
+
+
+def test_report_shows_paired_intervals(tmp_path):
+    base = {"kind": "ppl", "tokens": 300, "windows": 3, "model": "default", "window": 101, "stride": 101}
+    nll = {"fp": [200.0, 250.0, 300.0], "oaken": [203.0, 252.0, 304.0], "int4": [210.0, 262.0, 309.0]}
+    for i, (m, w) in enumerate(nll.items()):
+        p = math.exp(sum(w) / 300)
+        (tmp_path / f"{i}.json").write_text(
+            json.dumps({**base, "method": m, "ppl": p, "effective_bits": 16 - i, "window_nll": w})
+        )
+    text = write_report([tmp_path], tmp_path / "r.md", tmp_path / "r.png")
+    assert "Δ 95% CI" in text and "paired bootstrap" in text
+    row = next(line for line in text.splitlines() if line.startswith("| int4 |"))
+    vs_oaken = math.exp(sum(nll["int4"]) / 300) - math.exp(sum(nll["oaken"]) / 300)
+    assert f"{vs_oaken:+.3f} [" in row
 
 
 def test_oaken_bit_formula_matches_the_codec_bytes():

@@ -41,6 +41,9 @@ class PplResult:
     dataset: str = "wikitext2"
     #: every window starts with the tokenizer's BOS token (``oakenkv.data.token_windows``; Gemma: yes)
     bos: bool = False
+    #: summed NLL of each window, in order (each window predicts ``tokens / windows`` tokens): lets two methods
+    #: run on the same windows be compared window by window (``oakenkv.eval.report.paired_delta``)
+    window_nll: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,6 +95,7 @@ def perplexity(
     if windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
     total_nll, total_tok = 0.0, 0
+    per_window: list[float] = []
     bits = BitCounter()
     t0 = time.perf_counter()
     it = range(windows.shape[0])
@@ -106,6 +110,7 @@ def perplexity(
         nll, n = window_nll(model, windows[i], cache, chunk)
         total_nll += nll
         total_tok += n
+        per_window.append(nll)
         bits.merge(stored_bits(cache))
         if bar is not None:
             bar.set_postfix(ppl=f"{math.exp(total_nll / total_tok):.4f}")
@@ -120,6 +125,7 @@ def perplexity(
         chunk=chunk,
         nll=total_nll,
         seconds=time.perf_counter() - t0,
+        window_nll=per_window,
         extra={
             "family": method.family,
             "params": method.params,

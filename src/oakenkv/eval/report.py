@@ -50,6 +50,42 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
+def paired_delta(
+    nll_a: list[float], nll_b: list[float], tokens: int, *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``ppl_a - ppl_b`` over the same windows and its 95% paired-bootstrap interval ``(delta, low, high)``.
+
+    ``nll_a`` / ``nll_b``: summed NLL of each window (``PplResult.window_nll``) of two runs over the same windows;
+    ``tokens``: predicted tokens in all. Windows are resampled with replacement, the same ones for both methods,
+    so what the windows share (hard text, easy text) cancels and only the methods' difference varies.
+    """
+    import numpy as np
+
+    a, b = np.asarray(nll_a, dtype=np.float64), np.asarray(nll_b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
+        raise ValueError(f"paired_delta needs two equally long lists of >= 2 window NLLs, got {a.shape} and {b.shape}")
+    per_window = tokens / a.size
+    delta = math.exp(a.sum() / tokens) - math.exp(b.sum() / tokens)
+    idx = np.random.default_rng(seed).integers(0, a.size, size=(n_boot, a.size))
+    boot = np.exp(a[idx].mean(axis=1) / per_window) - np.exp(b[idx].mean(axis=1) / per_window)
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    return float(delta), float(lo), float(hi)
+
+
+def _paired(r: dict[str, Any], ref: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """:func:`paired_delta` of two result rows when both hold per-window NLLs of the same windows."""
+    if ref is None or r is ref:
+        return None
+    a, b = r.get("window_nll") or [], ref.get("window_nll") or []
+    if len(a) < 2 or len(a) != len(b) or r.get("tokens") != ref.get("tokens") or r.get("window") != ref.get("window"):
+        return None
+    return paired_delta(a, b, r["tokens"])
+
+
+def _ci(p: tuple[float, float, float] | None) -> str:
+    return "" if p is None else f"[{p[1]:+.3f}, {p[2]:+.3f}]"
+
+
 def _fmt(x: float, nd: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
@@ -57,18 +93,33 @@ def _fmt(x: float, nd: int = 3) -> str:
 def ppl_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of one model's perplexity results, FP first then by effective bits."""
     fp = next((r for r in rows if r["method"] == "fp" and not r.get("chunk")), None)
+    oaken = next((r for r in rows if r["method"] == "oaken" and not r.get("chunk")), None)
+    # 95% paired-bootstrap intervals over windows, where the runs recorded per-window NLLs (window_nll)
+    paired = any(_paired(r, fp) for r in rows)
+    ci_head = " Δ 95% CI | − oaken (95% CI) |" if paired else ""
     lines = [
-        "| method | eff. bits | perplexity | Δ vs FP | tokens | windows | keys quantized | note |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        f"| method | eff. bits | perplexity | Δ vs FP |{ci_head} tokens | windows | keys quantized | note |",
+        "|---|---:|---:|---:|" + ("---:|---:|" if paired else "") + "---:|---:|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["method"] != "fp", r["effective_bits"], r["method"])):
         d = r["ppl"] - fp["ppl"] if fp else float("nan")
         name = r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "")
         kp = r.get("extra", {}).get("key_position", "")
         kp = {"post_rope": "post-RoPE", "pre_rope": "pre-RoPE"}.get(kp, kp) if r["method"] != "fp" else "-"
+        cis = ""
+        if paired:
+            vs_oaken = _paired(r, oaken)
+            vs = "" if vs_oaken is None else f"{vs_oaken[0]:+.3f} {_ci(vs_oaken)}"
+            cis = f" {_ci(_paired(r, fp))} | {vs} |"
         lines.append(
-            f"| {name} | {_fmt(r['effective_bits'], 2)} | {_fmt(r['ppl'], 4)} | {d:+.4f} | {r['tokens']} | "
+            f"| {name} | {_fmt(r['effective_bits'], 2)} | {_fmt(r['ppl'], 4)} | {d:+.4f} |{cis} {r['tokens']} | "
             f"{r['windows']} | {kp} | {r.get('extra', {}).get('note', '')} |"
+        )
+    if paired:
+        lines.append(
+            "\nΔ 95% CI: paired bootstrap over the windows (2000 resamples) of the method's perplexity minus FP's; "
+            "− oaken: the method's perplexity minus Oaken's, with its interval (negative: the method loses less "
+            "than Oaken; an interval that holds 0: no difference this evaluation can tell)."
         )
     return "\n".join(lines)
 
