@@ -3,7 +3,8 @@
 # and its peers on the default model (and Gemma-3-270m), then the report.
 #
 #   benchmarks/eval_peers.sh [part...]    parts: calib baselines oaken chunked ablation windows20 zeroshot textdep
-#                                          gemma report (windows20: 20 windows whatever WINDOWS says, ~1.5 h)
+#                                          full gemma report (windows20: 20 windows whatever WINDOWS says, ~1.5 h;
+#                                          full: every window, FULL_METHODS, ~35 min each; not in the default list)
 #
 # WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 50) documents per task keep this within about
 # an hour on 2 shared CPU cores; WINDOWS= (empty) LIMIT= (empty) runs the full WikiText-2 test set (~140 windows)
@@ -70,6 +71,12 @@ for part in "${parts[@]}"; do
       done
       f="$OUT/$MODEL-20w/ppl-quanto4-chunk128.json"
       [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method quanto4 --chunk 128 --max-windows 20 --json "$f" ;;
+    full)  # the main methods over the whole WikiText-2 test set (147 windows; ~35 min per method on one core)
+      mkdir -p "$OUT/$MODEL-full"
+      for m in ${FULL_METHODS:-fp oaken kvquant4 fp8 int4 int5 kivi4 oaken-official}; do
+        f="$OUT/$MODEL-full/ppl-$m.json"
+        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --json "$f"
+      done ;;
     gemma)  # Gemma-3-270m: three 2048-token windows, BOS first as its tokenizer does (token_windows)
       # (no quanto: QuantizedCache rejects its sliding-window layers)
       MODEL=gemma3-270m
@@ -80,7 +87,8 @@ for part in "${parts[@]}"; do
       done
       MODEL=default ;;
     report)
-      $OAK eval report "$OUT/default" "$OUT/default-20w" "$OUT/gemma3-270m" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
+      dirs=(); for d in default default-20w default-full gemma3-270m; do [[ -d "$OUT/$d" ]] && dirs+=("$OUT/$d"); done
+      $OAK eval report "${dirs[@]}" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
