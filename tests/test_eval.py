@@ -167,6 +167,49 @@ def test_oaken_method_bits_follow_the_format(default_model):
     assert 4.5 < r.effective_bits < 8 and math.isfinite(r.ppl)
 
 
+def test_perplexity_resumes_from_its_checkpoint(default_model, tmp_path, monkeypatch):
+    """An interrupted run leaves a checkpoint; the next run does only the missing windows, same result."""
+    import oakenkv.eval.ppl as ppl_mod
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.eval.ppl import perplexity
+
+    m, tok = default_model.model, default_model.tokenizer
+    ids = token_windows(tok, load_text("wikitext2"), 32, max_windows=3)
+    method = build_method("int4", m, tok, "default")
+    whole = perplexity(m, ids, method, model_name="default")
+    assert len(whole.window_nll) == 3 and sum(whole.window_nll) == pytest.approx(whole.nll)
+
+    ckpt = tmp_path / "sub" / "run.partial.json"
+    real, calls = ppl_mod.window_nll, []
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppl_mod, "window_nll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        perplexity(m, ids, method, model_name="default", checkpoint=ckpt)
+    state = json.loads(ckpt.read_text())
+    assert state["kind"] == "ppl_checkpoint" and state["window_nll"] == whole.window_nll[:2]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppl_mod, "window_nll", counting)
+    calls.clear()
+    resumed = perplexity(m, ids, method, model_name="default", checkpoint=ckpt)
+    assert len(calls) == 1 and not ckpt.exists()  # only the third window ran; the checkpoint is gone
+    assert resumed.window_nll == whole.window_nll and resumed.ppl == whole.ppl
+    assert resumed.effective_bits == whole.effective_bits and resumed.tokens == whole.tokens
+    # a checkpoint of another run (other windows) is refused, not mixed in
+    ckpt.write_text(json.dumps({**state, "windows_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match="not a checkpoint of this run"):
+        perplexity(m, ids, method, model_name="default", checkpoint=ckpt)
+
+
 # ---------------------------------------------------------------------------------------------- commands
 
 
@@ -184,6 +227,7 @@ def test_cli_eval_ppl_writes_json(default_model, tmp_path):
     assert {"method", "ppl", "effective_bits", "tokens", "windows"} <= set(d)
     assert d["method"] == "int4"
     assert d["tokens"] == 127 and d["windows"] == 1 and d["effective_bits"] == pytest.approx(4.5)
+    assert len(d["window_nll"]) == 1 and not (tmp_path / "r.partial.json").exists()  # checkpoint removed at the end
 
 
 @pytest.mark.slow

@@ -468,10 +468,20 @@ def eval_ppl(
         Path | None,
         typer.Option("--json", help=("Write the result (method, ppl, effective_bits, tokens, windows, ...) here.")),
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help=(
+                "With --json OUT: keep OUT's .partial.json checkpoint after every window and resume an interrupted "
+                "run from it (same method, model and windows; removed when the run completes)."
+            )
+        ),
+    ] = True,
 ) -> None:
     """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
     from oakenkv.eval.ppl import run_ppl
 
+    checkpoint = json_out.with_name(json_out.stem + ".partial.json") if json_out is not None and resume else None
     res = run_ppl(
         model,
         method,
@@ -482,6 +492,7 @@ def eval_ppl(
         chunk=chunk,
         dataset=dataset,
         calibration=_calib_spec(calib_text, calib_samples, calib_window, calib_path),
+        checkpoint=checkpoint,
     )
     typer.echo(f"{res.method}: ppl {res.ppl:.4f} at {res.effective_bits:.3f} bits/value ({res.tokens} tokens)")
     _write_json(res.to_dict(), json_out)

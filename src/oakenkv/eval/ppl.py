@@ -12,9 +12,12 @@ decoding); only methods that keep state (KIVI's and quanto's fp16 residual windo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +87,7 @@ def perplexity(
     chunk: int | None = None,
     progress: bool = False,
     model_name: str = "",
+    checkpoint: str | Path | None = None,
 ) -> PplResult:
     """Perplexity of ``model`` with ``method``'s cache over ``windows``.
 
@@ -91,30 +95,69 @@ def perplexity(
         windows: int64 ``[N, S]`` token windows (``oakenkv.data.token_windows``).
         method: an :class:`~oakenkv.eval.methods.Method`.
         chunk: tokens per forward call (module doc).
+        checkpoint: a JSON file rewritten after every window (per-window NLLs, stored bits, time). If it exists
+            when the run starts and belongs to the same method, model, chunking and windows, the run resumes
+            after its last window (the result is the same as an uninterrupted run's: windows are independent);
+            if it belongs to another run, ``ValueError``. Removed when the run completes.
     """
     if windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
-    total_nll, total_tok = 0.0, 0
     per_window: list[float] = []
     bits = BitCounter()
+    spent = 0.0
+    ident = {
+        "method": method.name,
+        "model": model_name,
+        "chunk": chunk,
+        "settings_sha256": hashlib.sha256(
+            json.dumps([method.params, method.extra], sort_keys=True, default=str).encode()
+        ).hexdigest(),
+        "windows_sha256": hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest(),
+    }
+    ckpt = None if checkpoint is None else Path(checkpoint)
+    if ckpt is not None and ckpt.exists():
+        try:
+            state = json.loads(ckpt.read_text())
+            same = state.get("kind") == "ppl_checkpoint" and all(state.get(k) == v for k, v in ident.items())
+        except (json.JSONDecodeError, AttributeError):
+            same = False
+        if not same:
+            raise ValueError(
+                f"{ckpt} is not a checkpoint of this run (method {method.name!r}, model {model_name!r}, "
+                f"{windows.shape[0]} windows of {windows.shape[1]} tokens, chunk {chunk}); delete it to start over"
+            )
+        per_window = [float(x) for x in state["window_nll"]][: windows.shape[0]]
+        bits.add(state["bits"], state["values"])
+        spent = float(state["seconds"])
+    if ckpt is not None:
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+    done = len(per_window)
     t0 = time.perf_counter()
-    it = range(windows.shape[0])
+    it = range(done, windows.shape[0])
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(it, desc=f"ppl {method.name}", unit="window")
+        if done:
+            tqdm.write(f"resuming {method.name} from {ckpt} after {done} of {windows.shape[0]} windows")
+        bar = tqdm(it, desc=f"ppl {method.name}", unit="window", initial=done, total=windows.shape[0])
         it = bar
+    per_tok = windows.shape[1] - 1
     for i in it:
         cache = method.make_cache()
-        nll, n = window_nll(model, windows[i], cache, chunk)
-        total_nll += nll
-        total_tok += n
+        nll, _ = window_nll(model, windows[i], cache, chunk)
         per_window.append(nll)
         bits.merge(stored_bits(cache))
+        if ckpt is not None:
+            state = {"kind": "ppl_checkpoint", **ident, "window_nll": per_window, "bits": bits.bits}
+            state |= {"values": bits.values, "seconds": spent + time.perf_counter() - t0}
+            tmp = ckpt.with_name(ckpt.name + ".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(ckpt)  # atomic: an interrupted write never leaves a torn checkpoint
         if bar is not None:
-            bar.set_postfix(ppl=f"{math.exp(total_nll / total_tok):.4f}")
-    return PplResult(
+            bar.set_postfix(ppl=f"{math.exp(sum(per_window) / (len(per_window) * per_tok)):.4f}")
+    total_nll, total_tok = sum(per_window), len(per_window) * per_tok
+    result = PplResult(
         method=method.name,
         ppl=math.exp(total_nll / total_tok),
         effective_bits=bits.effective_bits,
@@ -124,7 +167,7 @@ def perplexity(
         window=int(windows.shape[1]),
         chunk=chunk,
         nll=total_nll,
-        seconds=time.perf_counter() - t0,
+        seconds=spent + time.perf_counter() - t0,
         window_nll=per_window,
         extra={
             "family": method.family,
@@ -134,6 +177,9 @@ def perplexity(
             **method.extra,
         },
     )
+    if ckpt is not None:
+        ckpt.unlink(missing_ok=True)
+    return result
 
 
 def run_ppl(
@@ -148,8 +194,11 @@ def run_ppl(
     dataset: str = "wikitext2",
     calibration: Any = None,
     progress: bool = True,
+    checkpoint: str | Path | None = None,
 ) -> PplResult:
-    """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body)."""
+    """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body).
+
+    ``checkpoint``: see :func:`perplexity` (resume an interrupted run)."""
     from oakenkv.data import adds_bos, load_text, token_windows
     from oakenkv.eval.methods import build_method
     from oakenkv.models import load_model
@@ -159,7 +208,7 @@ def run_ppl(
     m = build_method(
         method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress
     )
-    res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model)
+    res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model, checkpoint=checkpoint)
     res.stride = stride or window
     res.dataset = dataset
     res.bos = adds_bos(loaded.tokenizer)
