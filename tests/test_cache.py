@@ -236,3 +236,29 @@ def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
     assert torch.equal(got, want)
     assert [layer.is_sliding for layer in cache.layers] == [t == "sliding_attention" for t in model.config.layer_types]
     cache.store.pool.check_invariants()
+    # Sliding layers released the pages of tokens that left the window (whole pages); full layers kept all.
+    store, seq = cache.store, cache.store.seqs[0]
+    window = model.config.sliding_window
+    total = store.num_tokens(0)
+    for i, layer in enumerate(cache.layers):
+        table = store.pool.table(seq, 2 * i + KEY)
+        if layer.is_sliding:
+            assert table.evicted_before == total - 1 - window + 1  # the last step's query position - window + 1
+            rpp = store.pool.records_per_page(table.rec_size)
+            assert (table.dense_pages.view == -1).sum() == table.evicted_before // rpp
+        else:
+            assert table.evicted_before == 0 and (table.dense_pages.view >= 0).all()
+    with oaken_attention(model):
+        keep = OakenCache(thr, model.config, evict_sliding=False)
+        assert torch.equal(_generate(model, ids, keep, **kw), want)
+    assert cache.kv_bytes() < 0.6 * keep.kv_bytes()
+    # A mask that does not hide an evicted token is an error, never a read of a released page.
+    from oakenkv.attention import packed_decode_attention
+    from oakenkv.cache import VALUE
+    from oakenkv.codec import CorruptDataError
+
+    sliding = next(i for i, layer in enumerate(cache.layers) if layer.is_sliding)
+    q = torch.randn(1, model.config.num_attention_heads, 1, store.head_dim)
+    k, v = PackedKV(store, sliding, KEY, total), PackedKV(store, sliding, VALUE, total)
+    with pytest.raises(CorruptDataError, match="evicted"):
+        packed_decode_attention(q, k, v, None, 0.0625)

@@ -27,6 +27,8 @@ class _Mirror:
     def __init__(self) -> None:
         self.dense: dict[tuple[int, int], list[np.ndarray]] = {}
         self.sparse: dict[tuple[int, int], list[bytes]] = {}
+        #: tokens below this were evicted (PagePool.evict_before)
+        self.watermark: dict[tuple[int, int], int] = {}
 
     def add(self, seq, stream, dense, sparse, offs):
         self.dense.setdefault((seq, stream), []).append(dense.copy())
@@ -37,20 +39,28 @@ class _Mirror:
         pool.check_invariants()
         for (seq, stream), chunks in self.dense.items():
             want = np.concatenate(chunks)
-            np.testing.assert_array_equal(pool.read_dense(seq, stream), want)
-            sparse, offs = pool.read_sparse(seq, stream)
+            wm = self.watermark.get((seq, stream), 0)
+            np.testing.assert_array_equal(pool.read_dense(seq, stream, wm), want[wm:])
+            sparse, offs = pool.read_sparse(seq, stream, wm)
             got = [sparse[offs[i] : offs[i + 1]].tobytes() for i in range(len(offs) - 1)]
-            assert got == self.sparse[(seq, stream)]
+            assert got == self.sparse[(seq, stream)][wm:]
+            if 0 < wm < len(want):
+                with pytest.raises(IndexError, match="evicted"):
+                    pool.read_dense(seq, stream, wm - 1)
+                with pytest.raises(IndexError, match="evicted"):
+                    pool.read_sparse(seq, stream, wm - 1)
 
     def fork(self, src, dst, streams):
         for k in range(streams):
             if (src, k) in self.dense:
                 self.dense[(dst, k)] = list(self.dense[(src, k)])
                 self.sparse[(dst, k)] = list(self.sparse[(src, k)])
+                self.watermark[(dst, k)] = self.watermark.get((src, k), 0)
 
     def drop(self, seq):
         for key in [k for k in self.dense if k[0] == seq]:
             del self.dense[key], self.sparse[key]
+            self.watermark.pop(key, None)
 
 
 def test_config_validation():
@@ -93,7 +103,8 @@ def test_dense_layout_follows_the_table():
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([256, 512, 4096]))
 def test_random_operations_keep_invariants_and_data(seed, page_size):
-    """Appends, forks (copy on write), frees and exhaustion in random order never lose or mix up a byte."""
+    """Appends, evictions, forks (copy on write), frees and exhaustion in random order never lose or mix up a
+    byte that is still meant to be there."""
     rng = np.random.default_rng(seed)
     pool = PagePool(PoolConfig(page_size=page_size, budget_bytes=page_size * 40, initial_pages=2))
     mirror = _Mirror()
@@ -116,6 +127,16 @@ def test_random_operations_keep_invariants_and_data(seed, page_size):
                     mirror.add(seq, k, dense[k : k + 1], sparse, offs[k : k + 2])
             except PoolExhaustedError:
                 assert pool.stats() == before  # nothing changed
+        elif op < 0.25:  # a sliding window moves on: release what lies below a random token
+            seq = live[int(rng.integers(len(live)))]
+            k = int(rng.integers(streams))
+            n = pool.num_tokens(seq, k)
+            token = int(rng.integers(0, n + 1))
+            before = pool.stats().pages_in_use
+            released = pool.evict_before(seq, k, token)
+            assert pool.stats().pages_in_use <= before and (released > 0 or pool.stats().pages_in_use == before)
+            if n:
+                mirror.watermark[(seq, k)] = max(mirror.watermark.get((seq, k), 0), token)
         elif op < 0.6:
             seq = live[int(rng.integers(len(live)))]
             k = int(rng.integers(streams))
@@ -156,6 +177,38 @@ def test_fork_shares_pages_and_copies_on_write():
     assert pool.table(a, 0).dense_pages.view[0] == pool.table(b, 0).dense_pages.view[0]  # full page still shared
     assert pool.table(a, 0).dense_pages.view[1] != pool.table(b, 0).dense_pages.view[1]  # tail copied
     pool.check_invariants()
+    pool.free(a)
+    pool.free(b)
+    assert pool.stats().pages_in_use == 0
+    pool.check_invariants()
+
+
+def test_evict_before_releases_whole_pages_below_the_watermark():
+    pool = PagePool(PoolConfig(page_size=256, budget_bytes=256 * 64))
+    rng = np.random.default_rng(3)
+    a = pool.new_sequence(1)
+    dense, sparse, offs = _records(rng, 40, 50, 30)  # 5 records per dense page: 8 dense pages
+    pool.append(a, 0, dense, sparse, offs)
+    b = pool.fork(a)  # shares every page
+    used = pool.stats().pages_in_use
+    assert pool.evict_before(a, 0, 12) >= 2  # dense pages 0 and 1 (tokens 0..9) go from a's table
+    assert pool.stats().pages_in_use == used  # ... but b still holds them
+    t = pool.table(a, 0)
+    assert t.dense_pages.view[:2].tolist() == [-1, -1] and t.dense_pages.view[2] >= 0 and t.evicted_before == 12
+    released_b = pool.evict_before(b, 0, 12)
+    assert pool.stats().pages_in_use == used - released_b  # now they are free
+    pool.check_invariants()
+    np.testing.assert_array_equal(pool.read_dense(a, 0, 12), dense[12:])
+    got, o = pool.read_sparse(a, 0, 12)
+    assert got.tobytes() == sparse[offs[12] :].tobytes() and o.tolist() == (offs[12:] - offs[12]).tolist()
+    assert pool.evict_before(a, 0, 5) == 0 and pool.table(a, 0).evicted_before == 12  # never moves back
+    pool.evict_before(a, 0, 10_000)  # past the end: everything but the pages appends still write
+    t = pool.table(a, 0)
+    assert t.dense_pages.view[-1] >= 0 and (t.sparse_pages.n == 0 or t.sparse_pages.view[-1] >= 0)
+    d2, s2, o2 = _records(rng, 7, 50, 30)
+    pool.append(a, 0, d2, s2, o2)  # appends go on after eviction
+    pool.check_invariants()
+    np.testing.assert_array_equal(pool.read_dense(a, 0, 40), d2)
     pool.free(a)
     pool.free(b)
     assert pool.stats().pages_in_use == 0

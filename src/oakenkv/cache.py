@@ -18,9 +18,11 @@ What ``update`` returns
   lightweight :class:`PackedKV` handles; the attention function reads the packed pages directly.
 
 Sliding-window layers (Gemma 3: 5 of every 6 layers, window 512) are quantized and paged like full layers; the
-sliding mask that transformers builds limits what attention sees. Tokens that left the window stay stored (no
-eviction yet), so their memory grows with the context like a full layer's; at 4.8 bits per value that is smaller
-than transformers' float window up to ``window * 32 / 4.8`` tokens (about 3.4K for fp32 and window 512).
+sliding mask that transformers builds limits what attention sees, and each update releases the pages that hold
+only tokens no query can reach any more (``PagedKVStore.evict_before``, whole pages: a sliding layer keeps the
+window plus at most one page of records before it). The tables keep their per-token entries (2 bytes of
+sparse length per token and stream) and evicted tokens read as zeros in the float path; the kernel never reads
+them (the mask hides them). ``OakenCache(..., evict_sliding=False)`` keeps everything.
 
 Running out of the pool's budget raises :class:`~oakenkv.pages.PoolExhaustedError` from the layer that could not
 append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
@@ -294,18 +296,34 @@ class PagedKVStore:
         self.pool.append_token(targets, records, sparse, counts)
 
     def read(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``."""
+        """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``.
+
+        Tokens a sliding window evicted (:meth:`evict_before`) read as zeros; the sliding mask hides them.
+        """
         out = []
         for seq in self.seqs:
             stream = 2 * layer + kind
-            dense = self.pool.read_dense(seq, stream)
-            sparse, offs = self.pool.read_sparse(seq, stream)
+            table = self.pool.table(seq, stream)
+            start = table.evicted_before
+            dense = self.pool.read_dense(seq, stream, start)
+            sparse, offs = self.pool.read_sparse(seq, stream, start)
             enc = from_records(dense, sparse, offs, self.dim, self.config)
             thr = self.thresholds.layer(layer, _KINDS[kind])
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
                 x = self.decode(enc, thr, self.config) if enc.num_rows else torch.zeros(0, self.dim)
+            if start:
+                x = torch.cat([torch.zeros(start, self.dim, dtype=x.dtype), x])
             out.append(x.reshape(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2))
         return torch.stack(out).to(dtype)
+
+    def evict_before(self, layer: int, token: int) -> int:
+        """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
+        returns the table slots released. For sliding-window layers: no query will attend to those tokens."""
+        released = 0
+        for seq in self.seqs:
+            for kind in (KEY, VALUE):
+                released += self.pool.evict_before(seq, 2 * layer + kind, token)
+        return released
 
     def reorder(self, index: list[int]) -> None:
         """New row ``i`` = old row ``index[i]`` (beam search, batch selection): forks and frees, no KV copies."""
@@ -364,12 +382,16 @@ class OakenLayer(CacheLayerMixin):
     # Cropping would need truncating page tables; assisted decoding is not supported yet.
     is_croppable = False
 
-    def __init__(self, store: PagedKVStore, layer_idx: int, sliding_window: int | None = None) -> None:
+    def __init__(
+        self, store: PagedKVStore, layer_idx: int, sliding_window: int | None = None, evict: bool = True
+    ) -> None:
         super().__init__()
         self.store = store
         self.layer_idx = layer_idx
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
+        #: Sliding layers: release the pages of tokens that left the window (module docstring).
+        self.evict = evict
         #: Whether decode steps return :class:`PackedKV` handles (set by the cache from the model's attention).
         self.packed_decode = False
 
@@ -404,21 +426,30 @@ class OakenLayer(CacheLayerMixin):
                     enc_k, enc_v = encoded
         total = past + s
         if s == 1 and self.packed_decode:
-            return (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))
-        if past == 0 and enc_k is not None:
+            result = (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))
+        elif past == 0 and enc_k is not None:
             # The whole history is what we just encoded: decode it directly instead of reading the pages back.
             b = key_states.shape[0]
             with serial_numba(b * s < SERIAL_BELOW_ROWS):
                 # [B * S, D] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs).
-                keys, values = (
+                result = tuple(
                     store.decode(enc, store.thresholds.layer(self.layer_idx, name), store.config)
                     .view(b, s, store.num_kv_heads, store.head_dim)
                     .permute(0, 2, 1, 3)
                     .to(key_states.dtype)
                     for enc, name in ((enc_k, "key"), (enc_v, "value"))
                 )
-            return keys, values
-        return store.read(self.layer_idx, KEY, key_states.dtype), store.read(self.layer_idx, VALUE, key_states.dtype)
+        else:
+            result = (
+                store.read(self.layer_idx, KEY, key_states.dtype),
+                store.read(self.layer_idx, VALUE, key_states.dtype),
+            )
+        if self.is_sliding and self.evict:
+            # transformers' sliding mask lets a query at position p see keys above p - window. The next query
+            # (position ``total``) and all later ones see none below total - window + 1; this step's float tensors
+            # are already built, and its packed decode query (position total - 1) reads from total - window on.
+            store.evict_before(self.layer_idx, total - self.sliding_window)
+        return result
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Every stored token is returned (sliding layers too: the sliding mask hides what left the window).
@@ -456,6 +487,8 @@ class OakenCache(Cache):
         pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
         codec: "auto" (fast kernels when installed), "fast" or "reference".
         prefill_chunk: tokens encoded per chunk during prefill.
+        evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
+            them (the sliding mask still hides them).
 
     Example::
 
@@ -474,6 +507,7 @@ class OakenCache(Cache):
         pool_config: PoolConfig | None = None,
         codec: str = "auto",
         prefill_chunk: int = 256,
+        evict_sliding: bool = True,
     ) -> None:
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
@@ -489,7 +523,7 @@ class OakenCache(Cache):
             if kind == "full_attention":
                 layers.append(OakenLayer(self.store, i))
             elif kind == "sliding_attention":
-                layers.append(OakenLayer(self.store, i, sliding_window=text.sliding_window))
+                layers.append(OakenLayer(self.store, i, sliding_window=text.sliding_window, evict=evict_sliding))
             else:
                 raise ValueError(f"OakenCache supports full and sliding attention layers, layer {i} is {kind!r}")
         super().__init__(layers=layers)

@@ -34,6 +34,11 @@ I3. Sparse: page first-tokens are strictly increasing and each names a token wit
 I4. ``page_fill[p]`` (bytes written into page ``p``) equals what I2/I3 say every owner of ``p`` stores
     there; a page shared by several streams (after :meth:`PagePool.fork`) is never written: the first append
     into it copies it (copy on write), so every owner keeps seeing the bytes it wrote.
+I6. Eviction (:meth:`PagePool.evict_before`, for sliding-window layers) releases only pages all of whose tokens
+    lie below the stream's ``evicted_before`` watermark and replaces their table slots by ``EVICTED`` (-1): the
+    tables keep their length and their indexing by absolute token number, evicted slots form a prefix of each
+    page list, and the last dense and sparse pages (the ones appends write) are never evicted. Readers refuse
+    tokens below the watermark; I1-I4 hold for the remaining slots.
 I5. A failed operation (budget exhausted, bad input) changes nothing: allocation is ask-then-commit
     (:meth:`PagePool.plan_append` returns ``None`` when the pages are not there;
     :meth:`PagePool.append_many` plans every item before writing any).
@@ -49,6 +54,9 @@ from numba import njit
 
 #: Largest sparse record (bytes): the per-token length is stored as uint16.
 MAX_SPARSE_RECORD = 65535
+
+#: Table slot of a page released by :meth:`PagePool.evict_before` (sliding-window layers).
+EVICTED = -1
 
 
 class PoolExhaustedError(MemoryError):
@@ -141,6 +149,8 @@ class StreamTable:
     sparse_len: _Growable = field(default_factory=lambda: _Growable(np.uint16))
     #: Bytes used in the last sparse page.
     sparse_tail: int = 0
+    #: Tokens below this one may have lost their pages (:meth:`PagePool.evict_before`); 0: nothing evicted.
+    evicted_before: int = 0
 
     def copy(self) -> StreamTable:
         return StreamTable(
@@ -151,6 +161,7 @@ class StreamTable:
             self.sparse_first.copy(),
             self.sparse_len.copy(),
             self.sparse_tail,
+            self.evicted_before,
         )
 
     def table_bytes(self) -> int:
@@ -252,7 +263,7 @@ class PagePool:
         copies = [s.copy() for s in streams]
         for s in copies:
             for pages in (s.dense_pages.view, s.sparse_pages.view):
-                np.add.at(self.refcount, pages, 1)
+                np.add.at(self.refcount, pages[pages != EVICTED], 1)
         self._seqs[sid] = copies
         return sid
 
@@ -261,7 +272,8 @@ class PagePool:
         for s in self._streams(seq):
             for pages in (s.dense_pages.view, s.sparse_pages.view):
                 for p in pages.tolist():
-                    self._decref(p)
+                    if p != EVICTED:
+                        self._decref(p)
         del self._seqs[seq]
 
     def sequences(self) -> list[int]:
@@ -279,6 +291,37 @@ class PagePool:
 
     def num_tokens(self, seq: int, stream: int) -> int:
         return self.table(seq, stream).num_tokens
+
+    def evict_before(self, seq: int, stream: int, token: int) -> int:
+        """Release the pages of one stream that hold only tokens below ``token`` (a sliding window's past).
+
+        Tokens below ``token`` can no longer be read (readers raise ``IndexError``; the attention kernel reports
+        an error if a mask lets it reach one); the others are untouched. Whole pages only: a page that also
+        holds a token at or above ``token`` stays. Shared pages (after :meth:`fork`) are only dereferenced.
+        Returns the number of table slots released.
+        """
+        t = self.table(seq, stream)
+        token = min(int(token), t.num_tokens)
+        if token <= t.evicted_before or t.num_tokens == 0:
+            return 0
+        t.evicted_before = token
+        released = 0
+        rpp = self.config.page_size // t.rec_size
+        dense = t.dense_pages.buf
+        for k in range(min(token // rpp, t.dense_pages.n - 1)):  # page k holds tokens [k rpp, (k + 1) rpp)
+            if dense[k] != EVICTED:
+                self._decref(int(dense[k]))
+                dense[k] = EVICTED
+                released += 1
+        first, sparse = t.sparse_first.buf, t.sparse_pages.buf
+        for i in range(t.sparse_pages.n - 1):  # page i holds tokens [first[i], first[i + 1])
+            if first[i + 1] > token:
+                break
+            if sparse[i] != EVICTED:
+                self._decref(int(sparse[i]))
+                sparse[i] = EVICTED
+                released += 1
+        return released
 
     # ---------------------------------------------------------------- ask then commit
 
@@ -442,7 +485,7 @@ class PagePool:
         runs = [(p, 0, rpp) for p in pages]
         last = t.num_tokens - (len(pages) - 1) * rpp
         runs[-1] = (pages[-1], 0, last)
-        return runs
+        return [r for r in runs if r[0] != EVICTED]
 
     def sparse_runs(self, seq: int, stream: int) -> list[tuple[int, int, int, int]]:
         """The contiguous sparse runs: ``(page, first token, end token, bytes)`` in token order."""
@@ -450,7 +493,11 @@ class PagePool:
         pages = t.sparse_pages.view.tolist()
         first = [*t.sparse_first.view.tolist(), t.num_tokens]
         lens = t.sparse_len.view
-        return [(p, first[i], first[i + 1], int(lens[first[i] : first[i + 1]].sum())) for i, p in enumerate(pages)]
+        return [
+            (p, first[i], first[i + 1], int(lens[first[i] : first[i + 1]].sum()))
+            for i, p in enumerate(pages)
+            if p != EVICTED
+        ]
 
     def read_dense(self, seq: int, stream: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """uint8 ``[stop - start, rec_size]``: copies of the dense records of tokens ``[start, stop)``."""
@@ -458,6 +505,8 @@ class PagePool:
         stop = t.num_tokens if stop is None else stop
         if not 0 <= start <= stop <= t.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) out of [0, {t.num_tokens}]")
+        if start < t.evicted_before and stop > start:
+            raise IndexError(f"tokens below {t.evicted_before} were evicted (sliding window); asked from {start}")
         if stop == start:
             return np.zeros((0, t.rec_size), dtype=np.uint8)
         rpp = self.records_per_page(t.rec_size)
@@ -467,21 +516,29 @@ class PagePool:
         idx = (pages.astype(np.int64) * self.config.page_size + offs)[:, None] + np.arange(t.rec_size)
         return self.data.reshape(-1)[idx]
 
-    def read_sparse(self, seq: int, stream: int) -> tuple[np.ndarray, np.ndarray]:
-        """All sparse records of a stream: ``(bytes uint8 [S], offsets int64 [n + 1])``, the codec's layout."""
+    def read_sparse(self, seq: int, stream: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The sparse records of tokens ``[start, n)``: ``(bytes uint8 [S], offsets int64 [n - start + 1])``, the
+        codec's layout."""
         t = self.table(seq, stream)
+        if not 0 <= start <= t.num_tokens:
+            raise IndexError(f"start {start} out of [0, {t.num_tokens}]")
+        if start < t.evicted_before and start < t.num_tokens:
+            raise IndexError(f"tokens below {t.evicted_before} were evicted (sliding window); asked from {start}")
         lens = t.sparse_len.view.astype(np.int64)
         offsets = np.zeros(t.num_tokens + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
-        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        out = np.empty(int(offsets[-1] - offsets[start]), dtype=np.uint8)
         flat = self.data.reshape(-1)
         first = [*t.sparse_first.view.tolist(), t.num_tokens]
         for i, p in enumerate(t.sparse_pages.view.tolist()):
-            a, b = first[i], first[i + 1]
+            a, b = max(first[i], start), first[i + 1]
+            if b <= a:
+                continue
+            skip = int(offsets[a] - offsets[first[i]])  # bytes of this page's tokens before start
             nbytes = int(offsets[b] - offsets[a])
-            base = p * self.config.page_size
-            out[offsets[a] : offsets[b]] = flat[base : base + nbytes]
-        return out, offsets
+            base = p * self.config.page_size + skip
+            out[offsets[a] - offsets[start] : offsets[b] - offsets[start]] = flat[base : base + nbytes]
+        return out, offsets[start:] - offsets[start]
 
     # ---------------------------------------------------------------- accounting
 
@@ -501,7 +558,9 @@ class PagePool:
     def sequence_bytes(self, seq: int) -> int:
         """Pages (whole, shared ones counted in full) plus tables that one sequence references."""
         streams = self._streams(seq)
-        pages = sum(s.dense_pages.n + s.sparse_pages.n for s in streams)
+        pages = sum(
+            int((s.dense_pages.view != EVICTED).sum() + (s.sparse_pages.view != EVICTED).sum()) for s in streams
+        )
         return pages * self.config.page_size + sum(s.table_bytes() for s in streams)
 
     def check_invariants(self) -> None:
@@ -513,7 +572,7 @@ class PagePool:
             for k, s in enumerate(streams):
                 where = f"sequence {sid} stream {k}"
                 dp = s.dense_pages.view
-                np.add.at(counts, dp, 1)
+                np.add.at(counts, dp[dp != EVICTED], 1)
                 if s.num_tokens == 0:
                     assert dp.size == 0 and s.sparse_pages.n == 0, f"{where}: empty stream holds pages"
                     continue
@@ -521,13 +580,18 @@ class PagePool:
                 assert dp.size == math.ceil(s.num_tokens / rpp), f"{where}: {dp.size} dense pages"
                 last = s.num_tokens - (dp.size - 1) * rpp
                 assert 1 <= last <= rpp, f"{where}: last_page_len {last}"
+                gone = int((dp == EVICTED).sum())
+                assert np.all(dp[:gone] == EVICTED), f"{where}: evicted dense slots are not a prefix"
+                assert gone < dp.size and gone * rpp <= s.evicted_before, f"{where}: a dense page above the watermark"
                 for i, p in enumerate(dp.tolist()):
+                    if p == EVICTED:
+                        continue
                     fill = (rpp if i < dp.size - 1 else last) * s.rec_size
                     assert fill_seen.setdefault(p, fill) == fill, f"{where}: page {p} fill disagrees among owners"
                 lens = s.sparse_len.view.astype(np.int64)
                 assert lens.size == s.num_tokens, f"{where}: {lens.size} sparse lengths for {s.num_tokens} tokens"
                 sp, first = s.sparse_pages.view, s.sparse_first.view
-                np.add.at(counts, sp, 1)
+                np.add.at(counts, sp[sp != EVICTED], 1)
                 assert sp.size == first.size, f"{where}: sparse table columns differ"
                 assert np.all(np.diff(first) > 0), f"{where}: sparse first tokens not increasing"
                 if sp.size == 0:
@@ -535,11 +599,15 @@ class PagePool:
                     continue
                 assert first[0] >= 0 and lens[first[0]] > 0 and lens[: first[0]].sum() == 0, f"{where}: sparse start"
                 bounds = [*first.tolist(), s.num_tokens]
+                gone = int((sp == EVICTED).sum())
+                assert np.all(sp[:gone] == EVICTED), f"{where}: evicted sparse slots are not a prefix"
+                assert (gone < sp.size and bounds[gone] <= s.evicted_before) or gone == 0, f"{where}: sparse eviction"
                 for i, p in enumerate(sp.tolist()):
                     nbytes = int(lens[bounds[i] : bounds[i + 1]].sum())
                     assert lens[bounds[i]] > 0, f"{where}: sparse page {p} starts at an empty record"
                     assert nbytes <= ps, f"{where}: sparse page {p} overfull ({nbytes} B)"
-                    assert fill_seen.setdefault(p, nbytes) == nbytes, f"{where}: page {p} fill disagrees"
+                    if p != EVICTED:
+                        assert fill_seen.setdefault(p, nbytes) == nbytes, f"{where}: page {p} fill disagrees"
                 assert s.sparse_tail == int(lens[bounds[-2] :].sum()), f"{where}: sparse_tail"
         assert np.array_equal(counts, self.refcount.astype(np.int64)), "reference counts differ from table slots"
         for p, fill in fill_seen.items():

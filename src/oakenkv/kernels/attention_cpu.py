@@ -15,6 +15,8 @@ accumulator is rescaled once per block, not once per token.
 Table layout (see ``oakenkv.pages``): token ``t`` of a stream has its dense record at
 ``pool[dense_pages[t // rpp] * page_size + (t % rpp) * rec :][:rec]``; its sparse record is the next
 ``sparse_len[t]`` bytes of the sparse page that holds it, found by walking the stream in token order.
+Page ids of -1 (``pages.EVICTED``: a sliding window released them) are never dereferenced: masked tokens are
+skipped without reading their pages, and an unmasked token on a released page stops the row with ``ERR_EVICTED``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from oakenkv.codec import ADVANCE_CONTINUE, CHUNK_SIZE, COO_GROUP_BIT, COO_INDEX_MASK
-from oakenkv.kernels.cpu import ERR_ESCAPE_TRUNCATED, ERR_OK, ERR_POSITION_RANGE, _f16_value
+from oakenkv.kernels.cpu import ERR_ESCAPE_TRUNCATED, ERR_EVICTED, ERR_OK, ERR_POSITION_RANGE, _f16_value
 
 #: Tokens per softmax block inside a work item.
 _BLOCK = 32
@@ -80,7 +82,10 @@ def _decode_token(
     is compiled without fastmath (no FMA contraction), so the numbers stay bit-exact even when inlined into the
     fastmath attention kernel.
     """
-    base = np.int64(dense_pages[t // rpp]) * page_size + (t % rpp) * rec
+    page = np.int64(dense_pages[t // rpp])
+    if page < 0:  # released by a sliding window (pages.EVICTED): the mask should have hidden this token
+        return ERR_EVICTED, sp, off
+    base = page * page_size + (t % rpp) * rec
     for i in range(6):
         bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
         sc[i] = _f16_value(bits)
@@ -110,7 +115,10 @@ def _decode_token(
     while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
         sp += 1
         off = 0
-    s0 = np.int64(sc_pages[sp]) * page_size + off
+    spage = np.int64(sc_pages[sp])
+    if spage < 0:
+        return ERR_EVICTED, sp, off
+    s0 = spage * page_size + off
     off += n
     in_lo = sc[2]
     in_step = (sc[3] - in_lo) / _F32((1 << ib) - 1)
@@ -220,7 +228,6 @@ def _work_item(
     k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
     ksp, koff = _sparse_start(k_first, k_len, t0)
     vsp, voff = _sparse_start(v_first, v_len, t0)
-    err = ERR_OK
     for tb in range(t0, t1, _BLOCK):
         te = min(tb + _BLOCK, t1)
         # Scores of the block.
@@ -253,7 +260,7 @@ def _work_item(
                 codes,
             )
             if st != ERR_OK:
-                err = st
+                return st  # the first error ends the item: a walker past a bad record would misread what follows
             for h in range(hq_n):
                 kb = (h // group) * hd
                 # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
@@ -305,7 +312,7 @@ def _work_item(
                 codes,
             )
             if st != ERR_OK:
-                err = st
+                return st  # the first error ends the item: a walker past a bad record would misread what follows
             for h in range(hq_n):
                 p = np.exp(scores[h, j] - m[h])
                 ell[h] += p
@@ -319,7 +326,7 @@ def _work_item(
         part_l[b, s, h] = ell[h]
         for i in range(hd):
             part_acc[b, s, h, i] = acc[h, i]
-    return err
+    return ERR_OK
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -345,8 +352,9 @@ def _combine(part_m, part_l, part_acc, out):
                 total += part_l[b, s, h] * c
                 for i in range(hd):
                     out[b, h, i] += part_acc[b, s, h, i] * c
-            for i in range(hd):
-                out[b, h, i] /= total
+            if total > 0:  # not when a failed work item left nothing (the caller raises on its status)
+                for i in range(hd):
+                    out[b, h, i] /= total
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)

@@ -45,6 +45,7 @@ ERR_ESCAPE_NO_ENTRY = 5
 ERR_POSITION_RANGE = 6
 ERR_FIFTH_BIT = 7
 ERR_SHAPE = 8
+ERR_EVICTED = 9
 
 ERROR_MESSAGES = {
     ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
@@ -55,6 +56,7 @@ ERROR_MESSAGES = {
     ERR_POSITION_RANGE: "a COO entry points past the end of the row",
     ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
     ERR_SHAPE: "row buffers have inconsistent sizes",
+    ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
 }
 
 #: float32 scratch per row for the decode look-up tables: 16 middle + 32 inner + 32 outer codes.
