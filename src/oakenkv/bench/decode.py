@@ -14,6 +14,11 @@ would not change a decode step, so the benchmark records the keys and values of 
 its own ``update`` (each cache quantizes them its own way). Every decode step after that is a real forward pass
 of the model with one new token. KV bytes are counted from what each cache holds: tensor storage for the
 transformers caches (quanto's packed data, scales and shifts included), pages in use plus tables for OakenCache.
+
+Timing: at each context all caches are filled first, then timed in interleaved rounds (one step of each method
+per round, the starting method rotating), so that the load drifts of a shared machine hit every method alike
+and step ``i`` of two methods forms a pair; ``oaken`` reports the median of its per-round ratios to each other
+method and how many rounds it won.
 """
 
 from __future__ import annotations
@@ -108,38 +113,46 @@ def make_cache(method: str, model: Any, thresholds: Any) -> Any:
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def bench_one(
-    method: str,
-    model: Any,
-    thresholds: Any,
-    source: list[tuple[torch.Tensor, torch.Tensor]],
-    context: int,
-    steps: int,
-    warmup: int = 1,
-) -> DecodeResult:
-    """Fill one cache to ``context`` tokens, then time ``steps`` decode steps (after ``warmup`` untimed ones)."""
-    from oakenkv.attention import oaken_attention
-
+def fill_cache(method: str, model: Any, thresholds: Any, source: list[tuple[torch.Tensor, torch.Tensor]], context: int):
+    """A fresh cache of ``method`` holding ``context`` tokens (the source K/V tiled); returns ``(cache, seconds)``."""
     cache = make_cache(method, model, thresholds)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i, (k, v) in enumerate(source):
             out = cache.update(_tile(k, context), _tile(v, context), i)
             del out  # the float tensors returned for prefill attention are not kept
-    fill_s = time.perf_counter() - t0
-    nbytes = kv_bytes(cache)
-    token = torch.tensor([[1000]])
-    times = []
-    ctx = oaken_attention(model) if method == "oaken" else contextlib.nullcontext()
+    return cache, time.perf_counter() - t0
+
+
+def time_steps(model: Any, caches: dict[str, Any], steps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Decode-step times (ms) of several caches, interleaved: round ``r`` times one step of every cache, starting
+    with a different one each round, so that drifting machine load hits every method alike and step ``i`` of two
+    methods can be compared as a pair. The ``"oaken"`` attention is on for all of them: it runs SDPA for float
+    caches (a type check per layer) and reads the packed pages for OakenCache."""
+    from oakenkv.attention import oaken_attention
+
+    names = list(caches)
+    times: dict[str, list[float]] = {m: [] for m in names}
+    tokens = {m: torch.tensor([[1000]]) for m in names}
+    ctx = oaken_attention(model) if "oaken" in names else contextlib.nullcontext()
     with ctx, torch.inference_mode():
-        for s in range(warmup + steps):
-            t = time.perf_counter()
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits
-            dt = time.perf_counter() - t
-            token = logits[:, -1:].argmax(-1)
-            if s >= warmup:
-                times.append(dt * 1e3)
-    return DecodeResult(method, context, statistics.median(times), tuple(times), nbytes, fill_s)
+        for r in range(warmup + steps):
+            for k in range(len(names)):
+                m = names[(r + k) % len(names)]
+                t = time.perf_counter()
+                logits = model(input_ids=tokens[m], cache=caches[m], use_cache=True).logits
+                dt = time.perf_counter() - t
+                tokens[m] = logits[:, -1:].argmax(-1)
+                if r >= warmup:
+                    times[m].append(dt * 1e3)
+    return times
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, Any]:
+    """Step-by-step comparison of two methods timed in the same rounds: median of ``a_i / b_i`` and how often
+    ``a`` was faster."""
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return {"median_ratio": statistics.median(ratios), "faster_steps": sum(r < 1 for r in ratios), "steps": len(ratios)}
 
 
 def run_decode_bench(
@@ -153,6 +166,10 @@ def run_decode_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every method at every context; returns ``{"results": {method: {context: {...}}}, "meta": {...}}``.
+
+    At each context every method's cache is filled, then their decode steps are timed in interleaved rounds
+    (:func:`time_steps`); ``oaken`` also gets ``paired_vs_<method>``: the median step-time ratio over the rounds
+    and in how many rounds it was the faster one.
 
     Args:
         contexts: context lengths in tokens (e.g. ``[1024, 4096, 16384]``).
@@ -171,6 +188,8 @@ def run_decode_bench(
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
+    if len(set(methods)) != len(methods) or not methods:
+        raise ValueError(f"methods must be distinct and not empty, got {list(methods)}")
     if "oaken" in methods and thresholds is None:
         raise ValueError("the 'oaken' method needs thresholds")
     if any(c < 1 for c in contexts) or steps < 1:
@@ -182,13 +201,25 @@ def run_decode_bench(
     fp32_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for context in contexts:
+        caches, filled = {}, {}
         for m in methods:
             if progress:
-                progress(f"{m} @ {context} tokens")
-            r = bench_one(m, loaded.model, thresholds, source, context, steps)
+                progress(f"filling {m} @ {context} tokens")
+            caches[m], fill_s = fill_cache(m, loaded.model, thresholds, source, context)
+            filled[m] = (kv_bytes(caches[m]), fill_s)
+        if progress:
+            progress(f"timing {', '.join(methods)} @ {context} tokens")
+        times = time_steps(loaded.model, caches, steps)
+        del caches
+        for m in methods:
+            r = DecodeResult(m, context, statistics.median(times[m]), tuple(times[m]), *filled[m])
             d = r.to_dict()
             d["fp32_ratio"] = fp32_per_token * context / r.kv_bytes
             results[m][str(context)] = d
+        if "oaken" in methods:
+            for other in methods:
+                if other != "oaken":
+                    results["oaken"][str(context)][f"paired_vs_{other}"] = paired(times["oaken"], times[other])
     meta = {
         "model": loaded.name,
         "torch_threads": torch.get_num_threads(),
@@ -196,7 +227,8 @@ def run_decode_bench(
         "steps": steps,
         "source_tokens": source_tokens,
         "fp32_bytes_per_token": fp32_per_token,
-        "note": "context = real prefill K/V of WikiText-2 tiled to length; step = one full model forward",
+        "note": "context = real prefill K/V of WikiText-2 tiled to length; step = one full model forward; "
+        "methods timed in interleaved rounds",
     }
     return {"results": results, "meta": meta, "goals": goals(results, contexts)}
 
@@ -215,6 +247,11 @@ def goals(results: dict[str, dict[str, Any]], contexts: list[int]) -> dict[str, 
         out["faster_than_quanto_at_every_context"] = all(
             results["oaken"][str(c)]["step_ms"] < results["quanto"][str(c)]["step_ms"] for c in contexts
         )
+        pairs = [results["oaken"][str(c)].get("paired_vs_quanto") for c in contexts]
+        if all(pairs):
+            out["faster_than_quanto_paired_at_every_context (median step ratio < 1)"] = all(
+                p["median_ratio"] < 1 for p in pairs
+            )
     return out
 
 
@@ -236,5 +273,12 @@ def print_decode_bench(result: dict[str, Any]) -> None:
             )
     console = Console()
     console.print(table)
+    for ctx, p in res.get("oaken", {}).items():
+        for k, v in p.items():
+            if k.startswith("paired_vs_"):
+                console.print(
+                    f"oaken / {k[len('paired_vs_') :]} @ {ctx}: median step ratio {v['median_ratio']:.3f}, "
+                    f"faster in {v['faster_steps']} of {v['steps']} rounds"
+                )
     for k, v in result.get("goals", {}).items():
         console.print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
