@@ -34,14 +34,14 @@ I3. Sparse: page first-tokens are strictly increasing and each names a token wit
 I4. ``page_fill[p]`` (bytes written into page ``p``) equals what I2/I3 say every owner of ``p`` stores
     there; a page shared by several streams (after :meth:`PagePool.fork`) is never written: the first append
     into it copies it (copy on write), so every owner keeps seeing the bytes it wrote.
+I5. A failed operation (budget exhausted, bad input) changes nothing: allocation is ask-then-commit
+    (:meth:`PagePool.plan_append` returns ``None`` when the pages are not there;
+    :meth:`PagePool.append_many` plans every item before writing any).
 I6. Eviction (:meth:`PagePool.evict_before`, for sliding-window layers) releases only pages all of whose tokens
     lie below the stream's ``evicted_before`` watermark and replaces their table slots by ``EVICTED`` (-1): the
     tables keep their length and their indexing by absolute token number, evicted slots form a prefix of each
     page list, and the last dense and sparse pages (the ones appends write) are never evicted. Readers refuse
     tokens below the watermark; I1-I4 hold for the remaining slots.
-I5. A failed operation (budget exhausted, bad input) changes nothing: allocation is ask-then-commit
-    (:meth:`PagePool.plan_append` returns ``None`` when the pages are not there;
-    :meth:`PagePool.append_many` plans every item before writing any).
 """
 
 from __future__ import annotations
@@ -302,24 +302,19 @@ class PagePool:
         """
         t = self.table(seq, stream)
         token = min(int(token), t.num_tokens)
-        if token <= t.evicted_before or t.num_tokens == 0:
+        if token <= t.evicted_before:
             return 0
         t.evicted_before = token
+        # Dense page k holds tokens [k rpp, (k + 1) rpp), sparse page i tokens [first[i], first[i + 1]); the last
+        # page of each list is never released. Evicted slots are a prefix (I6), so only the slots between that
+        # prefix and the new bound change: a decode step does not walk the whole history of a long context.
+        dense_end = min(token // (self.config.page_size // t.rec_size), t.dense_pages.n - 1)
+        sparse_end = int(np.searchsorted(t.sparse_first.view[1:], token, side="right"))
         released = 0
-        rpp = self.config.page_size // t.rec_size
-        dense = t.dense_pages.buf
-        for k in range(min(token // rpp, t.dense_pages.n - 1)):  # page k holds tokens [k rpp, (k + 1) rpp)
-            if dense[k] != EVICTED:
-                self._decref(int(dense[k]))
-                dense[k] = EVICTED
-                released += 1
-        first, sparse = t.sparse_first.buf, t.sparse_pages.buf
-        for i in range(t.sparse_pages.n - 1):  # page i holds tokens [first[i], first[i + 1])
-            if first[i + 1] > token:
-                break
-            if sparse[i] != EVICTED:
-                self._decref(int(sparse[i]))
-                sparse[i] = EVICTED
+        for view, end in ((t.dense_pages.view, dense_end), (t.sparse_pages.view, sparse_end)):
+            for k in range(int(np.count_nonzero(view[:end] == EVICTED)), end):
+                self._decref(int(view[k]))
+                view[k] = EVICTED
                 released += 1
         return released
 

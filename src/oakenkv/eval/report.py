@@ -95,13 +95,18 @@ def ppl_table(rows: list[dict[str, Any]]) -> str:
     fp = next((r for r in rows if r["method"] == "fp" and not r.get("chunk")), None)
     oaken = next((r for r in rows if r["method"] == "oaken" and not r.get("chunk")), None)
     # 95% paired-bootstrap intervals over windows, where the runs recorded per-window NLLs (window_nll)
-    paired = any(_paired(r, fp) for r in rows)
+    vs_fp = [_paired(r, fp) for r in rows]
+    paired = any(vs_fp)
     ci_head = " Δ 95% CI | − oaken (95% CI) |" if paired else ""
     lines = [
         f"| method | eff. bits | perplexity | Δ vs FP |{ci_head} tokens | windows | keys quantized | note |",
         "|---|---:|---:|---:|" + ("---:|---:|" if paired else "") + "---:|---:|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["method"] != "fp", r["effective_bits"], r["method"])):
+    order = sorted(
+        range(len(rows)), key=lambda i: (rows[i]["method"] != "fp", rows[i]["effective_bits"], rows[i]["method"])
+    )
+    for i in order:
+        r = rows[i]
         d = r["ppl"] - fp["ppl"] if fp else float("nan")
         name = r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "")
         kp = r.get("extra", {}).get("key_position", "")
@@ -110,7 +115,7 @@ def ppl_table(rows: list[dict[str, Any]]) -> str:
         if paired:
             vs_oaken = _paired(r, oaken)
             vs = "" if vs_oaken is None else f"{vs_oaken[0]:+.3f} {_ci(vs_oaken)}"
-            cis = f" {_ci(_paired(r, fp))} | {vs} |"
+            cis = f" {_ci(vs_fp[i])} | {vs} |"
         lines.append(
             f"| {name} | {_fmt(r['effective_bits'], 2)} | {_fmt(r['ppl'], 4)} | {d:+.4f} |{cis} {r['tokens']} | "
             f"{r['windows']} | {kp} | {r.get('extra', {}).get('note', '')} |"
