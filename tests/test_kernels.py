@@ -43,7 +43,7 @@ def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
 @st.composite
 def rows(draw):
     thr = draw(st.sampled_from(THRESHOLDS))
-    d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256]))
+    d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256, 513, 1024]))
     n = draw(st.integers(1, 5))
     to_lo, ti_lo, ti_hi, to_hi = thr
     edge = [
@@ -152,6 +152,23 @@ def test_fp16_rounding_helpers_match_torch():
     small = np.abs(v) <= 65504
     got = np.array([cpu.round_to_f16(np.float32(a)) for a in v[small]], dtype=np.float32)
     assert np.array_equal(got.view(np.uint32), want16.float().numpy()[small].view(np.uint32))
+    # the conversions the decoder uses (one instruction each where the CPU has them) and their integer fallbacks
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    every = every[(every & 0x7C00) != 0x7C00]  # finite fp16 patterns
+    want_w = torch.from_numpy(every.view(np.int16)).view(torch.float16).float().numpy()
+    for integer in (False, True):
+        out_bits, out_w = np.empty(v.size, np.uint16), np.empty(every.size, np.float32)
+        _convert_all(np.ascontiguousarray(v), out_bits, every, out_w, integer)
+        assert np.array_equal(out_bits, want_bits)
+        assert np.array_equal(out_w.view(np.uint32), want_w.view(np.uint32))
+
+
+@numba.njit
+def _convert_all(v, out_bits, h, out_w, integer):
+    for i in range(v.shape[0]):
+        out_bits[i] = cpu._f16_bits_int(v[i]) if integer else cpu.f16_bits(v[i])
+    for i in range(h.shape[0]):
+        out_w[i] = cpu._f16_widen_int(h[i]) if integer else cpu.f16_widen(h[i])
 
 
 @numba.njit(cache=True)
@@ -202,7 +219,7 @@ def _kernel_or_error(enc, thr, cfg):
 
 @st.composite
 def corrupted(draw):
-    d = draw(st.sampled_from([64, 80, 192, 200]))
+    d = draw(st.sampled_from([64, 80, 192, 200, 600]))
     n = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**31 - 1))
     g = np.random.default_rng(seed)
@@ -249,7 +266,7 @@ def test_fuzz_decoder_agrees_with_reference_on_corrupt_streams(case):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 63, 64, 130]), st.integers(0, 3))
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 63, 64, 130, 515]), st.integers(0, 3))
 def test_fuzz_random_bytes_never_crash(seed, d, n):
     g = np.random.default_rng(seed)
     counts = g.integers(0, 3 * d, n)
@@ -267,6 +284,20 @@ def test_fuzz_random_bytes_never_crash(seed, d, n):
     assert (want is None) == (got is None)
     if want is not None:
         assert torch.equal(_bits32(got), _bits32(want))
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_decode_rejects_nonfinite_scales(scale_dtype, bad):
+    cfg = OakenConfig(scale_dtype=scale_dtype)
+    for d in (64, 600):  # both outlier paths (computed and table)
+        enc = codec.encode(torch.randn(5, d, generator=torch.Generator().manual_seed(d)), THRESHOLDS[0], cfg)
+        enc.scales[3, 4] = bad
+        for out_dtype in (torch.float32, torch.float16):
+            with pytest.raises(CorruptDataError, match=r"row 3: scales contain NaN or infinite"):
+                cpu.decode_batch(enc, THRESHOLDS[0], cfg, out_dtype)
+        with pytest.raises(CorruptDataError, match="scales contain NaN or infinite"):
+            codec.unpack(enc, cfg)
 
 
 def test_decode_rejects_wrong_shapes_before_reading():

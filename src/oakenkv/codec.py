@@ -307,10 +307,11 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch
     )
 
 
-def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None) -> None:
+def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_scales: bool = True) -> None:
     """Validate the structure of an :class:`EncodedBatch` (shapes, dtypes, offsets, finite scales).
 
-    The COO streams themselves are validated while decoding. Raises :class:`CorruptDataError`.
+    The COO streams themselves are validated while decoding. ``check_scales=False`` skips the finiteness check of
+    the scales, for a decoder that checks each row's itself. Raises :class:`CorruptDataError`.
     """
     config = config or OakenConfig()
     if not isinstance(enc.dim, int) or not 1 <= enc.dim <= MAX_DIM:
@@ -331,7 +332,7 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None) -> None:
         )
     # numpy, not torch, for these whole-array checks: torch's intra-op thread pool makes every small op wait for
     # a time slice on a busy machine (16 ms each measured), numpy stays on the calling thread.
-    if not np.isfinite(enc.scales.detach().cpu().numpy()).all():
+    if check_scales and not np.isfinite(enc.scales.detach().cpu().numpy()).all():
         raise CorruptDataError("scales contain NaN or infinite values")
     if enc.sparse.dtype != torch.uint8 or enc.sparse.dim() != 1:
         raise CorruptDataError(f"sparse must be a 1-D uint8 tensor, got {enc.sparse.dtype} {tuple(enc.sparse.shape)}")

@@ -15,10 +15,15 @@ For other numba kernels (the decode-attention kernel) the single-row helpers :fu
 
 from __future__ import annotations
 
+import platform
+
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import intrinsic, overload
 
 from oakenkv.codec import (
     ADVANCE_CONTINUE,
@@ -46,6 +51,7 @@ ERR_POSITION_RANGE = 6
 ERR_FIFTH_BIT = 7
 ERR_SHAPE = 8
 ERR_EVICTED = 9
+ERR_SCALE_NONFINITE = 10
 
 ERROR_MESSAGES = {
     ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
@@ -57,6 +63,7 @@ ERROR_MESSAGES = {
     ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
     ERR_SHAPE: "row buffers have inconsistent sizes",
     ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
+    ERR_SCALE_NONFINITE: "scales contain NaN or infinite values",
 }
 
 #: float32 scratch per row for the decode look-up tables: 16 middle + 32 inner + 32 outer codes.
@@ -110,33 +117,88 @@ def _f16_value(h):
 def round_to_f16(v):
     """float32 ``v`` (finite) rounded to the nearest fp16, ties to even, as float32 (torch's
     ``.to(float16).float()``: beyond 65504 it gives 65504 up to 65520, then inf)."""
-    return _f16_value(_f16_bits(v))
+    return f16_widen(f16_bits(np.float32(v)))
 
 
 @njit(cache=True, nogil=True)
 def f32_to_f16_bits(v):
     """The IEEE fp16 bit pattern (uint16) of finite float32 ``v`` rounded to nearest even; overflow gives +-inf."""
-    return np.uint16(_f16_bits(v))
+    return f16_bits(np.float32(v))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def f32_to_f16_bits_array(src, dst):
     """fp16 bit patterns (uint16 ``dst``) of the first ``len(dst)`` finite float32 values of ``src``, round to
-    nearest even, overflow to +-inf; branch-free integer arithmetic (vectorizable), equal to
-    :func:`f32_to_f16_bits` element by element (see ``_f16_bits``).
-    """
+    nearest even, overflow to +-inf (vectorizes where the CPU converts fp16); equal to :func:`f32_to_f16_bits`."""
     for j in range(dst.shape[0]):
-        v = src[j]
-        b = np.float32(v).view(np.int32)
-        sign = (b >> np.int32(16)) & np.int32(0x8000)
-        x = b & np.int32(0x7FFFFFFF)
-        a = abs(v)
-        a = a if a < _F32(1.0) else _F32(1.0)  # keeps the unused subnormal branch's int conversion in range
-        den = np.int32(np.rint(a * _F32(2.0**24)))
-        nrm = (x + np.int32(((15 - 127) << 23) + 0xFFF) + ((x >> np.int32(13)) & np.int32(1))) >> np.int32(13)
-        o = den if x < np.int32(113 << 23) else nrm
-        o = np.int32(0x7C00) if x >= np.int32((127 + 16) << 23) else o
-        dst[j] = np.uint16(o | sign)
+        dst[j] = f16_bits(np.float32(src[j]))
+
+
+def _host_converts_f16() -> bool:
+    """Whether LLVM lowers float <-> half conversions to instructions on this host (x86 F16C, any aarch64).
+
+    Elsewhere LLVM would call compiler-rt helpers that numba's JIT may not link, so the integer versions are used.
+    """
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # pragma: no cover - llvmlite without host feature queries
+        return False
+
+
+#: True where ``f16_bits`` / ``f16_widen`` compile to one conversion instruction (vectorizable: vcvtps2ph /
+#: vcvtph2ps); False: the integer versions above (same results, tested against each other and torch).
+HW_F16 = _host_converts_f16()
+
+
+@intrinsic
+def _f16_bits_hw(typingctx, v):
+    """LLVM ``fptrunc float -> half`` (IEEE round to nearest even, overflow to inf), as its uint16 bit pattern."""
+    if v != types.float32:
+        return None
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _f16_widen_hw(typingctx, h):
+    """LLVM ``fpext half -> float`` of a uint16 bit pattern (exact)."""
+    if h != types.uint16:
+        return None
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _f16_bits_int(v):
+    return np.uint16(_f16_bits(v))
+
+
+@njit(cache=True, nogil=True)
+def _f16_widen_int(h):
+    return _f16_value(h)
+
+
+# f16_bits(v): uint16 fp16 bit pattern of float32 ``v`` (round to nearest even, overflow to +-inf);
+# f16_widen(h): float32 value of the uint16 fp16 bit pattern ``h`` (exact). Both callable from @njit code only.
+if HW_F16:
+    f16_bits, f16_widen = _f16_bits_hw, _f16_widen_hw
+else:  # pragma: no cover - every x86-64 CPU with AVX has F16C
+    f16_bits, f16_widen = _f16_bits_int, _f16_widen_int
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -326,20 +388,20 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 
 
 @njit(cache=True, nogil=True)
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, comb, words, pos):
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch):
     """Quantize and pack one row.
 
     Args:
         x: float32 ``[D]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
         dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
         dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
-        comb: uint8 ``[8 * ceil(D/8)]`` with a zero tail, words: its uint64 view, pos: int32
-        ``[8 * ceil(D/8) + 1]``: scratch (see comb_scratch; views are made once per block, not per row).
+        scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
     """
     d = x.shape[0]
+    comb, words, halves, bmask, cmask = scratch
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
@@ -392,36 +454,36 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     o_step = (og1 - og0) / _F32(n_out - 1)
     # pass 2: codes and groups
     _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out)
-    # pass 3: dense nibbles, value 2j low, 2j+1 high
+    # pass 3: dense nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
     half = d >> 1
     for j in range(half):
-        dense_row[j] = np.uint8((comb[2 * j] & 0xF) | ((comb[2 * j + 1] & 0xF) << 4))
+        w = halves[j]
+        dense_row[j] = np.uint8((w & np.uint16(0xF)) | ((w >> np.uint16(4)) & np.uint16(0xF0)))
     if d & 1:
         dense_row[half] = np.uint8(comb[d - 1] & 0xF)
-    # pass 4: compaction of the outlier positions, 8 values per step: words without an outlier (43% of them at
-    # 10% outliers) are skipped, the others compacted branch-free. comb's tail beyond D is zero (middle, code 0).
-    cnt = 0
-    for w in range((d + 7) >> 3):
-        if words[w] & np.uint64(0x6060606060606060) == 0:  # no group bits (32 or 64) in any of the 8 bytes
-            continue
-        base = w << 3
-        for t in range(8):
-            pos[cnt] = base + t
-            cnt += comb[base + t] >= 32
-    # pass 5: COO stream (state: chunk c, last index p, previous byte prev; see codec's docstring)
+    # pass 4: one bit per value, set for an outlier (a byte >= 32: it has a group bit). Per 8 bytes: adding 0x60
+    # to each byte (<= 95, no carry) sets its bit 7 iff it is >= 32, and the multiplication gathers the 8 bits into
+    # the top byte. Vectorizes; the byte masks of 8 consecutive words are one chunk's 64-bit mask (little-endian).
+    # comb's tail beyond D is zero (middle, code 0).
+    for w in range(words.shape[0]):
+        g = ((words[w] + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
+        bmask[w] = np.uint8((g * np.uint64(0x0102040810204080)) >> np.uint64(56))
+    # pass 5: per chunk, its COO entries from the set bits. State: chunk c, last index p, previous byte prev (see
+    # codec's docstring); only a chunk's first entry can need an escape: later ones have larger indices.
     nb = 0
     c, p, prev = 0, -1, 0
-    for t in range(cnt):
-        j = pos[t]
-        cb = np.int64(comb[j])
-        cc = j >> 6
-        i = j & COO_INDEX_MASK
+    for ch in range(cmask.shape[0]):
+        m = cmask[ch]
+        if m == np.uint64(0):
+            continue
+        base = ch * CHUNK_SIZE
+        i = np.int64(trailing_zeros(m))
+        cb = np.int64(comb[base + i])
         e = i | (COO_GROUP_BIT if cb >= 64 else 0) | (((cb >> 4) & 1) << 7)
-        natural = e != prev and ((cc == c and i > p) or (cc == c + 1 and i <= p))
-        if not natural:
+        if not (e != prev and ((ch == c and i > p) or (ch == c + 1 and i <= p))):
             sparse_row[nb] = np.uint8(prev)
             nb += 1
-            k = cc - c
+            k = ch - c
             while k >= ADVANCE_CONTINUE:
                 sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
                 nb += 1
@@ -430,15 +492,27 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
             nb += 1
         sparse_row[nb] = np.uint8(e)
         nb += 1
-        c, p, prev = cc, i, e
+        m &= m - np.uint64(1)
+        while m != np.uint64(0):
+            i = np.int64(trailing_zeros(m))
+            m &= m - np.uint64(1)
+            cb = np.int64(comb[base + i])
+            e = i | (COO_GROUP_BIT if cb >= 64 else 0) | (((cb >> 4) & 1) << 7)
+            sparse_row[nb] = np.uint8(e)
+            nb += 1
+        c, p, prev = ch, i, e
     return nb
 
 
 @njit(cache=True, nogil=True)
 def comb_scratch(d):
-    """Scratch of encode_row for rows of ``d`` values: ``comb`` (zero tail) and ``pos``."""
-    d8 = (d + 7) & ~7
-    return np.zeros(d8, np.uint8), np.empty(d8 + 1, np.int32)
+    """Scratch of encode_row for rows of ``d`` values: ``comb`` (uint8 code + 32 * group per value, whole chunks
+    with a zero tail) with its uint64 and uint16 views, and ``bmask`` (uint8, one outlier bit per value of each
+    8-byte word) with its uint64 view ``cmask`` (one 64-bit mask per chunk)."""
+    nch = (d + CHUNK_SIZE - 1) // CHUNK_SIZE
+    comb = np.zeros(nch * CHUNK_SIZE, np.uint8)
+    bmask = np.zeros(nch * 8, np.uint8)
+    return comb, comb.view(np.uint64), comb.view(np.uint16), bmask, bmask.view(np.uint64)
 
 
 @njit(cache=True, nogil=True)
@@ -454,11 +528,10 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts
     """
     n, d = x.shape
     sb = 12 if fp16 else 24
-    comb, pos = comb_scratch(d)
-    words = comb.view(np.uint64)
+    scr = comb_scratch(d)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
-        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], comb, words, pos)
+        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr)
         counts[r] = cnt
         if cnt < 0:
             continue
@@ -475,18 +548,10 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def widen_f16_row(h, out):
-    """fp16 bit patterns ``h`` (uint16 ``[D]``) -> exact float32 ``out [D]``, branch-free and vectorizable.
-
-    ``(h & 0x7FFF) << 13`` read as float32 is the fp16 magnitude times 2**-112 for normal and subnormal values
-    alike (same mantissa, exponent bias 127 instead of 15), so one exact multiplication by 2**112 finishes it.
-    Inf and NaN become +-inf (the encoder rejects both).
-    """
-    scale = _F32(2.0**112)
+    """fp16 bit patterns ``h`` (uint16 ``[D]``) -> exact float32 ``out [D]`` (vectorizes where the CPU converts
+    fp16; NaN and inf stay non-finite: the encoder rejects both)."""
     for j in range(h.shape[0]):
-        v = np.int32(h[j])
-        em = v & np.int32(0x7FFF)
-        mag = np.int32(0x7F800000) if em >= np.int32(0x7C00) else em << np.int32(13)
-        out[j] = np.int32(((v & np.int32(0x8000)) << np.int32(16)) | mag).view(np.float32) * scale
+        out[j] = f16_widen(h[j])
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -504,6 +569,7 @@ _KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
 def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
     """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
     ``xbits`` (uint16 ``[N, D]``), widened exactly per row; the other input is unused (pass any ``[N, 0]``).
+    ``scales`` (out, ``[N, 6]``): float32, or uint16 fp16 bit patterns when the scale dtype is fp16.
 
     Each block of rows writes its sparse bytes back to back in its own part of ``scratch`` (uint8
     ``[N * sparse_capacity(D)]``): row ``r``'s are at ``starts[r]`` (``counts[r]`` bytes, or ``-ERR_*``).
@@ -514,8 +580,8 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
         row = np.empty(d, np.float32)
-        comb, pos = comb_scratch(d)
-        words = comb.view(np.uint64)
+        sc = np.empty(NUM_SCALES, np.float32)
+        scr = comb_scratch(d)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             if kind == _KIND_F32:
@@ -531,25 +597,25 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 outer_bits,
                 fp16,
                 dense[r],
-                scales[r],
+                sc,
                 scratch[cursor : cursor + cap],
-                comb,
-                words,
-                pos,
+                scr,
             )
+            for i in range(NUM_SCALES):
+                scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
             counts[r] = cnt
             starts[r] = cursor
             cursor += max(cnt, 0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather_sparse(scratch, starts, counts, offsets, sparse):
-    n = counts.shape[0]
-    for r in prange(n):
-        o = offsets[r]
-        s0 = starts[r]
-        for t in range(counts[r]):
-            sparse[o + t] = scratch[s0 + t]
+def _gather_sparse(scratch, starts, offsets, sparse):
+    """Copy each block's sparse bytes (its rows back to back from ``starts`` of its first row) to ``sparse``."""
+    n = starts.shape[0]
+    for b in prange((n + _BLOCK_ROWS - 1) // _BLOCK_ROWS):
+        r0, r1 = b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)
+        o0, o1 = offsets[r0], offsets[r1]
+        sparse[o0:o1] = scratch[starts[r0] : starts[r0] + o1 - o0]
 
 
 def sparse_capacity(dim: int) -> int:
@@ -576,7 +642,7 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     thr_a = _thr_array(thr)
     fp16 = config.scale_dtype == "float16"
     dense = np.empty((n, dense_bytes(d)), np.uint8)
-    scales = np.empty((n, NUM_SCALES), np.float32)
+    scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
     # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only ~10% of
     # it is ever touched (fresh pages cost a fault each: ~1 us, ~10% of the encode time at 4096 x 4096 when every
     # row had a page of its own).
@@ -602,11 +668,10 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     sparse = np.empty(int(offsets[-1]), np.uint8)
-    _gather_sparse(scratch, starts, counts, offsets, sparse)
+    _gather_sparse(scratch, starts, offsets, sparse)
     return EncodedBatch(
         dense=torch.from_numpy(dense),
-        # numpy casts: torch ops on small tensors wait for its thread pool on a busy machine (see codec.check_encoded)
-        scales=torch.from_numpy(scales.astype(np.float16) if fp16 else scales),
+        scales=torch.from_numpy(scales.view(np.int16)).view(torch.float16) if fp16 else torch.from_numpy(scales),
         sparse=torch.from_numpy(sparse),
         sparse_offsets=torch.from_numpy(offsets),
         dim=int(d),
@@ -643,10 +708,20 @@ def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
         lut[_LUT_OUTER + c] = v + (to_hi if v > _F32(0.0) else to_lo)
 
 
-@njit(cache=True, nogil=True)
-def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out):
-    """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (any dtype)."""
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (float32 or fp16
+    bits as uint16).
+
+    An outlier's value comes from ``lut`` (``LUT_SIZE`` entries of ``out``'s type, see :func:`fill_lut`) or, if
+    ``lut`` is empty, is computed from ``grid`` (float32 ``(inner_min, inner_step, outer_min, outer_step, to_lo,
+    to_hi)``) with the same float32 operations as ``fill_lut``: cheaper than a whole table for the ~20 outliers
+    of a narrow row, dearer for the ~400 of a 4096-value row.
+    """
     ns = sparse_row.shape[0]
+    direct = lut.shape[0] == 0
+    i_lo, i_step, o_lo, o_step, to_lo, to_hi = grid[0], grid[1], grid[2], grid[3], grid[4], grid[5]
+    zero = _F32(0.0)
     # Indices are cast to unsigned: they are >= 0 by construction and bounds-checked against ns / d, and numba
     # then skips its negative-index wrap-around checks (~18% faster decode at 4096 values per row).
     # entry bits that must be 0 for each group: a 4-bit group has no fifth code bit
@@ -682,15 +757,28 @@ def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out
         pos = c * CHUNK_SIZE + i
         if pos >= d:
             return ERR_POSITION_RANGE
-        # a fifth code bit of a 4-bit group: remembered, not branched on (the lut slot it reads is in bounds)
-        bad_bits |= e & (f_out if e & COO_GROUP_BIT else f_in)
+        # a fifth code bit of a 4-bit group: remembered, not branched on (the code it gives is still in range)
+        outer = (e & COO_GROUP_BIT) != 0
+        bad_bits |= e & (f_out if outer else f_in)
         upos = np.uint64(pos)
-        nib = (np.int64(dense_row[upos >> np.uint64(1)]) >> ((pos & 1) << 2)) & 0xF
-        # lut index: inner codes at 16.., outer at 48..; the fifth code bit is bit 7 of the entry
-        out[upos] = lut[_LUT_INNER + ((e & COO_GROUP_BIT) >> 1) + (nib | ((e >> 7) << 4))]
+        code = ((np.int64(dense_row[upos >> np.uint64(1)]) >> ((pos & 1) << 2)) & 0xF) | ((e >> 7) << 4)
+        if direct:
+            # branch-free: the group of consecutive outliers is random, a branch on it would mispredict
+            v = (o_lo if outer else i_lo) + _F32(code) * (o_step if outer else i_step)
+            w = v + (to_hi if v > zero else to_lo)
+            out[upos] = _out_elem(w if outer else v, out)
+        else:
+            # lut index: inner codes at 16.., outer at 48..
+            out[upos] = lut[_LUT_INNER + ((e & COO_GROUP_BIT) >> 1) + code]
         p = i
         prev = e
     return ERR_FIFTH_BIT if bad_bits else ERR_OK
+
+
+@njit(cache=True, nogil=True)
+def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out):
+    """Walk one row's COO stream and overwrite its outliers in ``out`` from ``lut`` (see _walk_outliers)."""
+    return _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, _NO_GRID, out)
 
 
 @njit(cache=True, nogil=True)
@@ -725,91 +813,132 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
     return decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut)
 
 
-@njit(cache=True, nogil=True)
-def decode_row_into_f16(dense_row, sparse_row, scales_row, thr, out_bits, inner_bits, outer_bits, lut, lut16):
-    """As decode_row_into_lut but writes fp16 bit patterns (uint16 ``[D]``): the float32 result rounded to fp16."""
-    d = out_bits.shape[0]
-    if (
-        dense_row.shape[0] != (d + 1) // 2
-        or scales_row.shape[0] < 6
-        or lut.shape[0] < LUT_SIZE
-        or lut16.shape[0] != LUT_SIZE
-    ):
-        return ERR_SHAPE
-    fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
-    f32_to_f16_bits_array(lut, lut16)
-    half = d >> 1
-    for j in range(half):
-        b = dense_row[j]
-        out_bits[2 * j] = lut16[b & 0xF]
-        out_bits[2 * j + 1] = lut16[b >> 4]
+# --------------------------------------------------------------------------------------------------------------
+# Batch decode, generic over the output (float32, or fp16 bit patterns as uint16) and the stored scales (float32,
+# or fp16 bit patterns as uint16): the overloads below pick the conversions when numba compiles each combination.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _out_elem(v, out):  # pragma: no cover - only its overload runs, inside @njit code
+    """float32 ``v`` as an element of ``out``: itself, or its fp16 bit pattern for a uint16 ``out``."""
+    raise NotImplementedError
+
+
+@overload(_out_elem)
+def _out_elem_impl(v, out):
+    if out.dtype == types.uint16:
+        return lambda v, out: f16_bits(v)
+    return lambda v, out: v
+
+
+def _out_pair(v0, v1, out):  # pragma: no cover - only its overload runs, inside @njit code
+    """Two consecutive elements of ``out`` (values ``v0``, ``v1``) as one element of twice the width."""
+    raise NotImplementedError
+
+
+@overload(_out_pair)
+def _out_pair_impl(v0, v1, out):
+    if out.dtype == types.uint16:
+        return lambda v0, v1, out: np.uint32(f16_bits(v0)) | (np.uint32(f16_bits(v1)) << np.uint32(16))
+    return lambda v0, v1, out: (
+        np.uint64(np.float32(v0).view(np.uint32)) | (np.uint64(np.float32(v1).view(np.uint32)) << np.uint64(32))
+    )
+
+
+def _pairs_view(out):  # pragma: no cover - only its overload runs, inside @njit code
+    """The first ``2 * (len(out) // 2)`` elements of ``out`` viewed as elements of twice the width."""
+    raise NotImplementedError
+
+
+@overload(_pairs_view)
+def _pairs_view_impl(out):
+    if out.dtype == types.uint16:
+        return lambda out: out[: out.shape[0] & ~1].view(np.uint32)
+    return lambda out: out[: out.shape[0] & ~1].view(np.uint64)
+
+
+def _scale(sr, i):  # pragma: no cover - only its overload runs, inside @njit code
+    """float32 scale ``i`` of a stored row of scales (float32, or fp16 bit patterns as uint16)."""
+    raise NotImplementedError
+
+
+@overload(_scale)
+def _scale_impl(sr, i):
+    if sr.dtype == types.uint16:
+        return lambda sr, i: f16_widen(sr[i])
+    return lambda sr, i: _F32(sr[i])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _scales_finite(sr):
+    ok = True
+    for i in range(NUM_SCALES):
+        ok &= np.isfinite(_scale(sr, i))
+    return ok
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
+    """Every nibble of ``dense_row`` dequantized as a middle-group code into ``out`` (float32 or fp16 bits), with
+    ``fill_lut``'s float32 operations; the outliers are overwritten afterwards. Vectorizes: no table look-up, two
+    values per store."""
+    zero = _F32(0.0)
+    wide = _pairs_view(out)
+    for j in range(wide.shape[0]):
+        b = np.int32(dense_row[j])
+        v0 = lo + _F32(b & np.int32(0xF)) * step
+        v1 = lo + _F32(b >> np.int32(4)) * step
+        v0 = v0 + (ti_hi if v0 > zero else ti_lo)
+        v1 = v1 + (ti_hi if v1 > zero else ti_lo)
+        wide[j] = _out_pair(v0, v1, out)
+    d = out.shape[0]
     if d & 1:
-        out_bits[d - 1] = lut16[dense_row[half] & 0xF]
-    return _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut16, out_bits)
+        v = lo + _F32(dense_row[d >> 1] & 0xF) * step
+        out[d - 1] = _out_elem(v + (ti_hi if v > zero else ti_lo), out)
 
 
-#: Rows at least this wide decode their dense bytes through a 256-entry table of value pairs (one 8-byte load and
-#: store per byte); narrower rows would spend more on building the table than they save.
-_PAIR_LUT_MIN_DIM = 512
+#: Rows at least this wide take their outliers' values from a per-row table (~40 outliers or more), narrower rows
+#: compute each one (see _walk_outliers).
+_LUT_MIN_DIM = 512
 
-
-@njit(cache=True, nogil=True)
-def _dense_via_pairs(dense_row, lut, pairs, wide, out_row, out_wide):
-    """Dense pass through a pair table: ``pairs[2b], pairs[2b+1] = lut[b & 15], lut[b >> 4]`` for every byte b.
-
-    ``pairs`` and ``out_row`` have the same element type (float32 or uint16 fp16 bits); ``wide`` / ``out_wide``
-    are their views with elements of twice the width (uint64 / uint32), so a pair moves as one element.
-    ``out_wide`` covers the first ``2 * (D // 2)`` values; the odd last value is written separately.
-    """
-    for b in range(256):
-        pairs[2 * b] = lut[b & 0xF]
-        pairs[2 * b + 1] = lut[b >> 4]
-    d = out_row.shape[0]
-    half = d >> 1
-    for j in range(half):
-        out_wide[j] = wide[dense_row[j]]
-    if d & 1:
-        out_row[d - 1] = lut[dense_row[half] & 0xF]
+_NO_LUT32 = np.empty(0, np.float32)
+_NO_LUT16 = np.empty(0, np.uint16)
+_NO_GRID = np.zeros(6, np.float32)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out, status):
+    """Decode every row into ``out`` ([N, D] float32, or uint16 fp16 bits); ``status[r]``: ERR_OK or ``ERR_*``."""
     n, d = out.shape
+    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    n_in, n_out = _F32((1 << inner_bits) - 1), _F32((1 << outer_bits) - 1)
+    use_lut = d >= _LUT_MIN_DIM
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
-        lut = np.empty(LUT_SIZE, np.float32)
-        pairs = np.empty(512, np.float32)
-        wide = pairs.view(np.uint64)
+        sc32 = np.empty(NUM_SCALES, np.float32)
+        lut32 = np.empty(LUT_SIZE, np.float32)
+        lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
+        grid = np.empty(6, np.float32)
+        grid[4], grid[5] = to_lo, to_hi
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            sp = sparse[offsets[r] : offsets[r + 1]]
-            if d >= _PAIR_LUT_MIN_DIM:
-                fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-                _dense_via_pairs(dense[r], lut, pairs, wide, out[r], out[r][: d & ~1].view(np.uint64))
-                status[r] = _scatter_outliers(dense[r], sp, d, inner_bits, outer_bits, lut, out[r])
+            sr = scales[r]
+            if not _scales_finite(sr):
+                status[r] = ERR_SCALE_NONFINITE
+                continue
+            lo = _scale(sr, 0)
+            _dense_middle(dense[r], lo, (_scale(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out[r])
+            if use_lut:
+                for i in range(NUM_SCALES):
+                    sc32[i] = _scale(sr, i)
+                fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
+                for i in range(LUT_SIZE):
+                    lut[i] = _out_elem(lut32[i], lut)
             else:
-                status[r] = decode_row_into_lut(dense[r], sp, scales[r], thr, out[r], inner_bits, outer_bits, lut)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _decode_rows_f16(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out_bits, status):
-    n, d = out_bits.shape
-    nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
-    for b in prange(nblocks):
-        lut = np.empty(LUT_SIZE, np.float32)
-        lut16 = np.empty(LUT_SIZE, np.uint16)
-        pairs = np.empty(512, np.uint16)
-        wide = pairs.view(np.uint32)
-        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+                i_lo, o_lo = _scale(sr, 2), _scale(sr, 4)
+                grid[0], grid[1] = i_lo, (_scale(sr, 3) - i_lo) / n_in
+                grid[2], grid[3] = o_lo, (_scale(sr, 5) - o_lo) / n_out
             sp = sparse[offsets[r] : offsets[r + 1]]
-            if d >= _PAIR_LUT_MIN_DIM:
-                fill_lut(scales[r], thr, inner_bits, outer_bits, lut)
-                f32_to_f16_bits_array(lut, lut16)
-                _dense_via_pairs(dense[r], lut16, pairs, wide, out_bits[r], out_bits[r][: d & ~1].view(np.uint32))
-                status[r] = _scatter_outliers(dense[r], sp, d, inner_bits, outer_bits, lut16, out_bits[r])
-            else:
-                status[r] = decode_row_into_f16(
-                    dense[r], sp, scales[r], thr, out_bits[r], inner_bits, outer_bits, lut, lut16
-                )
+            status[r] = _walk_outliers(dense[r], sp, d, inner_bits, outer_bits, lut, grid, out[r])
 
 
 def decode_batch(
@@ -827,7 +956,8 @@ def decode_batch(
 
     Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
     """
-    check_encoded(enc, config)
+    # the kernel checks that each row's scales are finite (numpy's isfinite over fp16 cost 4% of a decode)
+    check_encoded(enc, config, check_scales=False)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")
     thr_a = _thr_array(thr)
@@ -841,13 +971,12 @@ def decode_batch(
     dense = enc.dense.contiguous().numpy()
     sparse = enc.sparse.contiguous().numpy()
     offsets = enc.sparse_offsets.contiguous().numpy()
-    scales = np.ascontiguousarray(enc.scales.numpy(), dtype=np.float32)
+    # fp16 values travel as their bit patterns (numba has no float16 type on the CPU); the kernel widens them
+    scales = enc.scales.contiguous()
+    scales = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.float16 else scales.numpy()
+    out_np = out.numpy() if out_dtype == torch.float32 else out.view(torch.int16).numpy().view(np.uint16)
     status = np.empty(n, np.int64)
-    if out_dtype == torch.float32:
-        _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out.numpy(), status)
-    else:
-        out_bits = out.view(torch.int16).numpy().view(np.uint16)
-        _decode_rows_f16(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_bits, status)
+    _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_np, status)
     bad = np.flatnonzero(status != ERR_OK)
     if bad.size:
         r = int(bad[0])
