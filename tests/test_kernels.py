@@ -102,6 +102,41 @@ def test_encode_decode_bit_exact_with_reference(case):
     )
 
 
+@st.composite
+def fp16_rows_near_thresholds(draw):
+    """fp16 rows made of the fp16 values around each threshold (the statistics of fp16 input run on 16-bit keys,
+    with each float32 threshold turned into the nearest fp16 key on its side: these rows probe that rounding)."""
+    kind = draw(st.sampled_from(["exact", "between", "tiny", "zeros", "random"]))
+    if kind == "zeros":
+        thr = draw(st.sampled_from([(-1.0, 0.0, 0.0, 1.0), (-1.0, -0.0, 0.0, 1.0), (-3e-5, -0.0, 1e-8, 2.0)]))
+    else:
+        g = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+        scale = {"exact": 4.0, "between": 4.0, "tiny": 1e-6, "random": 100.0}[kind]
+        t = np.sort(g.standard_normal(4) * scale).astype(np.float16 if kind == "exact" else np.float32)
+        if kind == "between":  # halfway between two fp16 neighbours: not representable in fp16
+            t = t.astype(np.float16).astype(np.float32) + np.float32(2.0**-12)
+        thr = tuple(float(v) for v in np.sort(t.astype(np.float32)))
+    g = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    near = []
+    for t in thr:
+        h = int(np.float16(t).view(np.uint16))
+        for dh in range(-3, 4):
+            near.append(np.uint16((h + dh) & 0xFFFF))
+    pool = np.array(near + [0x0000, 0x8000, 0x0001, 0x8001, 0x7BFF, 0xFBFF], dtype=np.uint16)
+    pool = pool[(pool & 0x7C00) != 0x7C00]
+    d = draw(st.sampled_from([5, 64, 100]))
+    x = g.choice(pool, size=(draw(st.integers(1, 4)), d)).view(np.float16)
+    return torch.from_numpy(x.copy()), thr
+
+
+@SETTINGS
+@given(fp16_rows_near_thresholds())
+def test_fp16_input_statistics_match_reference(case):
+    x, thr = case
+    cfg = OakenConfig(scale_dtype="float32")  # no fp16 scale overflow for rows with +-65504
+    _assert_same_bytes(codec.encode(x, thr, cfg), codec.pack(quantize(x, thr, cfg), cfg))
+
+
 def test_encode_many_rows_is_thread_independent():
     # several parallel blocks of rows; the result must not depend on the thread count
     x = torch.randn(300, 192, generator=torch.Generator().manual_seed(0)) * 2

@@ -326,6 +326,79 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
     return bad, kmax, kmin, k_le_tohi, k_ge_tolo, k_ge_tilo, k_le_tihi
 
 
+_I16 = np.int16
+_K16MIN = np.int16(-(2**15))
+_K16MAX = np.int16(2**15 - 1)
+
+
+@njit(cache=True, nogil=True)
+def _key16(h):
+    """Order-preserving int32 key of fp16 bits ``h`` (as _key, on 16 bits; -0.0 has +0.0's key 0)."""
+    b = np.int32(np.int16(h))
+    k = b ^ ((b >> np.int32(15)) & np.int32(0x7FFF))
+    return k if k != np.int32(-1) else np.int32(0)
+
+
+@njit(cache=True, nogil=True)
+def _key16_le(t):
+    """Largest fp16 key of a value <= float32 ``t`` (so that ``v <= t`` iff ``key16(v) <= _key16_le(t)``)."""
+    h = f16_bits(t)
+    k = _key16(h)
+    return np.int16(k - 1 if f16_widen(h) > t else k)
+
+
+@njit(cache=True, nogil=True)
+def _key16_ge(t):
+    """Smallest fp16 key of a value >= float32 ``t``."""
+    h = f16_bits(t)
+    k = _key16(h)
+    return np.int16(k + 1 if f16_widen(h) < t else k)
+
+
+@njit(cache=True, nogil=True)
+def _key16_to_key(k, empty):
+    """The int32 key (see _key) of the fp16 value with key ``k``; ``empty`` for the 16-bit "none" sentinels."""
+    if k == _K16MIN or k == _K16MAX:
+        return empty
+    b = np.int32(k) ^ ((np.int32(k) >> np.int32(15)) & np.int32(0x7FFF))
+    return _key(np.float32(f16_widen(np.uint16(b & np.int32(0xFFFF)))).view(np.int32))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _row_key_stats16(h, thr):
+    """_row_key_stats on fp16 input ``h`` (int16 bit patterns of the row), twice the lanes of float32 keys.
+
+    Same results as _row_key_stats of the widened row: a comparison with a float32 threshold is one with the
+    largest (smallest) fp16 key on its side, fp16 -> float32 preserves order, and both fold -0.0 into +0.0.
+    NaN keys are meaningless, but such a row is rejected by ``bad``.
+    """
+    k_to_lo, k_ti_lo = _key16_ge(thr[0]), _key16_ge(thr[1])
+    k_ti_hi, k_to_hi = _key16_le(thr[2]), _key16_le(thr[3])
+    kmax, k_le_tohi, k_le_tihi = _K16MIN, _K16MIN, _K16MIN
+    kmin, k_ge_tolo, k_ge_tilo = _K16MAX, _K16MAX, _K16MAX
+    bad = _I16(0)
+    for j in range(h.shape[0]):
+        b = h[j]
+        bad |= _I16((b & _I16(0x7C00)) == _I16(0x7C00))
+        k = _I16(b ^ ((b >> _I16(15)) & _I16(0x7FFF)))
+        k = k if k != _I16(-1) else _I16(0)
+        kmax = max(kmax, k)
+        kmin = min(kmin, k)
+        k_le_tohi = max(k_le_tohi, k if k <= k_to_hi else _K16MIN)
+        k_ge_tolo = min(k_ge_tolo, k if k >= k_to_lo else _K16MAX)
+        k_ge_tilo = min(k_ge_tilo, k if k >= k_ti_lo else _K16MAX)
+        k_le_tihi = max(k_le_tihi, k if k <= k_ti_hi else _K16MIN)
+    return (
+        bad,
+        _key16_to_key(kmax, _KMIN),
+        _key16_to_key(kmin, _KMAX),
+        _key16_to_key(k_le_tohi, _KMIN),
+        _key16_to_key(k_ge_tolo, _KMAX),
+        _key16_to_key(k_ge_tilo, _KMAX),
+        _key16_to_key(k_le_tihi, _KMIN),
+    )
+
+
 @njit(cache=True, nogil=True)
 def _key_value(k):
     """float32 of an int32 key (the key mapping is an involution on the bits)."""
@@ -388,7 +461,7 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 
 
 @njit(cache=True, nogil=True)
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch):
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16):
     """Quantize and pack one row.
 
     Args:
@@ -396,6 +469,8 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
         dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
         dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
+        h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
+            keys), or empty.
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -405,13 +480,16 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
-    bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
-        x,
-        _key(np.float32(to_lo).view(np.int32)),
-        _key(np.float32(ti_lo).view(np.int32)),
-        _key(np.float32(ti_hi).view(np.int32)),
-        _key(np.float32(to_hi).view(np.int32)),
-    )
+    if h16.shape[0] == d:
+        bad, k0, k1, k2, k3, k4, k5 = _row_key_stats16(h16, thr)
+    else:
+        bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
+            x,
+            _key(np.float32(to_lo).view(np.int32)),
+            _key(np.float32(ti_lo).view(np.int32)),
+            _key(np.float32(ti_hi).view(np.int32)),
+            _key(np.float32(to_hi).view(np.int32)),
+        )
     if bad:
         return -ERR_NONFINITE
     vmax, vmin, v_le_tohi, v_ge_tolo = _key_value(k0), _key_value(k1), _key_value(k2), _key_value(k3)
@@ -529,9 +607,10 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts
     n, d = x.shape
     sb = 12 if fp16 else 24
     scr = comb_scratch(d)
+    no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
-        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr)
+        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr, no_h16)
         counts[r] = cnt
         if cnt < 0:
             continue
@@ -582,14 +661,17 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
         row = np.empty(d, np.float32)
         sc = np.empty(NUM_SCALES, np.float32)
         scr = comb_scratch(d)
+        no_h16 = np.empty(0, np.int16)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
+            h16 = no_h16
             if kind == _KIND_F32:
                 row[:] = x32[r]
             elif kind == _KIND_BF16:
                 widen_bf16_row(xbits[r], row)
             else:
                 widen_f16_row(xbits[r], row)
+                h16 = xbits[r].view(np.int16)
             cnt = encode_row(
                 row,
                 thr,
@@ -600,6 +682,7 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 sc,
                 scratch[cursor : cursor + cap],
                 scr,
+                h16,
             )
             for i in range(NUM_SCALES):
                 scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
