@@ -122,7 +122,7 @@ def fp16_rows_near_thresholds(draw):
         h = int(np.float16(t).view(np.uint16))
         for dh in range(-3, 4):
             near.append(np.uint16((h + dh) & 0xFFFF))
-    pool = np.array(near + [0x0000, 0x8000, 0x0001, 0x8001, 0x7BFF, 0xFBFF], dtype=np.uint16)
+    pool = np.array([*near, 0x0000, 0x8000, 0x0001, 0x8001, 0x7BFF, 0xFBFF], dtype=np.uint16)
     pool = pool[(pool & 0x7C00) != 0x7C00]
     d = draw(st.sampled_from([5, 64, 100]))
     x = g.choice(pool, size=(draw(st.integers(1, 4)), d)).view(np.float16)

@@ -358,7 +358,7 @@ def _key16_ge(t):
 @njit(cache=True, nogil=True)
 def _key16_to_key(k, empty):
     """The int32 key (see _key) of the fp16 value with key ``k``; ``empty`` for the 16-bit "none" sentinels."""
-    if k == _K16MIN or k == _K16MAX:
+    if k == _K16MIN or k == _K16MAX:  # noqa: SIM109 (numba: plain comparisons)
         return empty
     b = np.int32(k) ^ ((np.int32(k) >> np.int32(15)) & np.int32(0x7FFF))
     return _key(np.float32(f16_widen(np.uint16(b & np.int32(0xFFFF)))).view(np.int32))
