@@ -364,16 +364,25 @@ def _key16_to_key(k, empty):
     return _key(np.float32(f16_widen(np.uint16(b & np.int32(0xFFFF)))).view(np.int32))
 
 
+@njit(cache=True, nogil=True)
+def threshold_keys16(thr):
+    """int16 ``[4]``: the fp16 keys that _row_key_stats16 compares with (computed once per batch)."""
+    k = np.empty(4, np.int16)
+    k[0], k[1] = _key16_ge(thr[0]), _key16_ge(thr[1])
+    k[2], k[3] = _key16_le(thr[2]), _key16_le(thr[3])
+    return k
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _row_key_stats16(h, thr):
-    """_row_key_stats on fp16 input ``h`` (int16 bit patterns of the row), twice the lanes of float32 keys.
+def _row_key_stats16(h, k16):
+    """_row_key_stats on fp16 input ``h`` (int16 bit patterns of the row), twice the lanes of float32 keys;
+    ``k16``: :func:`threshold_keys16` of the thresholds.
 
     Same results as _row_key_stats of the widened row: a comparison with a float32 threshold is one with the
     largest (smallest) fp16 key on its side, fp16 -> float32 preserves order, and both fold -0.0 into +0.0.
     NaN keys are meaningless, but such a row is rejected by ``bad``.
     """
-    k_to_lo, k_ti_lo = _key16_ge(thr[0]), _key16_ge(thr[1])
-    k_ti_hi, k_to_hi = _key16_le(thr[2]), _key16_le(thr[3])
+    k_to_lo, k_ti_lo, k_ti_hi, k_to_hi = k16[0], k16[1], k16[2], k16[3]
     kmax, k_le_tohi, k_le_tihi = _K16MIN, _K16MIN, _K16MIN
     kmin, k_ge_tolo, k_ge_tilo = _K16MAX, _K16MAX, _K16MAX
     bad = _I16(0)
@@ -461,7 +470,7 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 
 
 @njit(cache=True, nogil=True)
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16):
+def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16):
     """Quantize and pack one row.
 
     Args:
@@ -470,7 +479,7 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
         dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
         h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
-            keys), or empty.
+            keys, compared with ``k16 = threshold_keys16(thr)``), or empty (``k16`` unused).
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -481,7 +490,7 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
     if h16.shape[0] == d:
-        bad, k0, k1, k2, k3, k4, k5 = _row_key_stats16(h16, thr)
+        bad, k0, k1, k2, k3, k4, k5 = _row_key_stats16(h16, k16)
     else:
         bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
             x,
@@ -610,7 +619,9 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts
     no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
-        cnt = encode_row(x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr, no_h16)
+        cnt = encode_row(
+            x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr, no_h16, no_h16
+        )
         counts[r] = cnt
         if cnt < 0:
             continue
@@ -662,6 +673,8 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
         sc = np.empty(NUM_SCALES, np.float32)
         scr = comb_scratch(d)
         no_h16 = np.empty(0, np.int16)
+        k16 = threshold_keys16(thr)
+        x16 = xbits.view(np.int16)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             h16 = no_h16
@@ -671,7 +684,7 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 widen_bf16_row(xbits[r], row)
             else:
                 widen_f16_row(xbits[r], row)
-                h16 = xbits[r].view(np.int16)
+                h16 = x16[r]
             cnt = encode_row(
                 row,
                 thr,
@@ -683,6 +696,7 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 scratch[cursor : cursor + cap],
                 scr,
                 h16,
+                k16,
             )
             for i in range(NUM_SCALES):
                 scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
@@ -914,32 +928,6 @@ def _out_elem_impl(v, out):
     return lambda v, out: v
 
 
-def _out_pair(v0, v1, out):  # pragma: no cover - only its overload runs, inside @njit code
-    """Two consecutive elements of ``out`` (values ``v0``, ``v1``) as one element of twice the width."""
-    raise NotImplementedError
-
-
-@overload(_out_pair)
-def _out_pair_impl(v0, v1, out):
-    if out.dtype == types.uint16:
-        return lambda v0, v1, out: np.uint32(f16_bits(v0)) | (np.uint32(f16_bits(v1)) << np.uint32(16))
-    return lambda v0, v1, out: (
-        np.uint64(np.float32(v0).view(np.uint32)) | (np.uint64(np.float32(v1).view(np.uint32)) << np.uint64(32))
-    )
-
-
-def _pairs_view(out):  # pragma: no cover - only its overload runs, inside @njit code
-    """The first ``2 * (len(out) // 2)`` elements of ``out`` viewed as elements of twice the width."""
-    raise NotImplementedError
-
-
-@overload(_pairs_view)
-def _pairs_view_impl(out):
-    if out.dtype == types.uint16:
-        return lambda out: out[: out.shape[0] & ~1].view(np.uint32)
-    return lambda out: out[: out.shape[0] & ~1].view(np.uint64)
-
-
 def _scale(sr, i):  # pragma: no cover - only its overload runs, inside @njit code
     """float32 scale ``i`` of a stored row of scales (float32, or fp16 bit patterns as uint16)."""
     raise NotImplementedError
@@ -963,18 +951,15 @@ def _scales_finite(sr):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
     """Every nibble of ``dense_row`` dequantized as a middle-group code into ``out`` (float32 or fp16 bits), with
-    ``fill_lut``'s float32 operations; the outliers are overwritten afterwards. Vectorizes: no table look-up, two
-    values per store."""
+    ``fill_lut``'s float32 operations; the outliers are overwritten afterwards. Vectorizes (no table look-up)."""
     zero = _F32(0.0)
-    wide = _pairs_view(out)
-    for j in range(wide.shape[0]):
+    d = out.shape[0]
+    for j in range(d >> 1):
         b = np.int32(dense_row[j])
         v0 = lo + _F32(b & np.int32(0xF)) * step
         v1 = lo + _F32(b >> np.int32(4)) * step
-        v0 = v0 + (ti_hi if v0 > zero else ti_lo)
-        v1 = v1 + (ti_hi if v1 > zero else ti_lo)
-        wide[j] = _out_pair(v0, v1, out)
-    d = out.shape[0]
+        out[2 * j] = _out_elem(v0 + (ti_hi if v0 > zero else ti_lo), out)
+        out[2 * j + 1] = _out_elem(v1 + (ti_hi if v1 > zero else ti_lo), out)
     if d & 1:
         v = lo + _F32(dense_row[d >> 1] & 0xF) * step
         out[d - 1] = _out_elem(v + (ti_hi if v > zero else ti_lo), out)
