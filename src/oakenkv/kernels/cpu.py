@@ -201,6 +201,18 @@ else:  # pragma: no cover - every x86-64 CPU with AVX has F16C
     f16_bits, f16_widen = _f16_bits_int, _f16_widen_int
 
 
+def _f32_at(a, i):  # pragma: no cover - only its overload runs, inside @njit code
+    """Element ``i`` of ``a`` as float32: ``a`` float32, or fp16 bit patterns (uint16), widened exactly."""
+    raise NotImplementedError
+
+
+@overload(_f32_at)
+def _f32_at_impl(a, i):
+    if a.dtype == types.uint16:
+        return lambda a, i: f16_widen(a[i])
+    return lambda a, i: _F32(a[i])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Encode: one row
 # --------------------------------------------------------------------------------------------------------------
@@ -314,7 +326,7 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
     kmin, k_ge_tolo, k_ge_tilo = _KMAX, _KMAX, _KMAX
     bad = 0
     for j in range(x.shape[0]):
-        b = np.float32(x[j]).view(np.int32)
+        b = np.float32(_f32_at(x, j)).view(np.int32)
         bad += (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
         k = _key(b)
         kmax = max(kmax, k)
@@ -419,7 +431,7 @@ def _min_above(x, lo, hi):
     """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero."""
     m = _INF32
     for j in range(x.shape[0]):
-        v = x[j]
+        v = _f32_at(x, j)
         if v > lo and v <= hi:
             m = min(m, v - lo)
     return m
@@ -430,7 +442,7 @@ def _min_below(x, lo, hi):
     """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none)."""
     m = _INF32
     for j in range(x.shape[0]):
-        v = x[j]
+        v = _f32_at(x, j)
         if v < hi and v >= lo:
             m = min(m, hi - v)
     return m
@@ -445,7 +457,7 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
     zero, one, half = _F32(0.0), _F32(1.0), _F32(0.5)
     top_m, top_i, top_o = _F32(15.0), _F32(n_in - 1), _F32(n_out - 1)
     for j in range(x.shape[0]):
-        v = x[j]
+        v = _f32_at(x, j)
         up_o = v > to_hi
         dn_o = v < to_lo
         outer = up_o | dn_o
@@ -474,7 +486,8 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     """Quantize and pack one row.
 
     Args:
-        x: float32 ``[D]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
+        x: float32 ``[D]``, or fp16 bit patterns (uint16 ``[D]``, each value widened exactly where it is read);
+            thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
         dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
         dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
@@ -658,7 +671,8 @@ _KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
 @njit(cache=True, nogil=True, parallel=True)
 def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
     """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
-    ``xbits`` (uint16 ``[N, D]``), widened exactly per row; the other input is unused (pass any ``[N, 0]``).
+    ``xbits`` (uint16 ``[N, D]``; fp16 is read in place, bf16 widened exactly per row); the other input is
+    unused (pass any ``[N, 0]``).
     ``scales`` (out, ``[N, 6]``): float32, or uint16 fp16 bit patterns when the scale dtype is fp16.
 
     Each block of rows writes its sparse bytes back to back in its own part of ``scratch`` (uint8
@@ -677,27 +691,14 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
         x16 = xbits.view(np.int16)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            h16 = no_h16
-            if kind == _KIND_F32:
-                row[:] = x32[r]
-            elif kind == _KIND_BF16:
-                widen_bf16_row(xbits[r], row)
+            sp = scratch[cursor : cursor + cap]
+            if kind == _KIND_F16:  # read in place, each value widened where it is used
+                cnt = encode_row(xbits[r], thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, x16[r], k16)
+            elif kind == _KIND_F32:
+                cnt = encode_row(x32[r], thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, no_h16, k16)
             else:
-                widen_f16_row(xbits[r], row)
-                h16 = x16[r]
-            cnt = encode_row(
-                row,
-                thr,
-                inner_bits,
-                outer_bits,
-                fp16,
-                dense[r],
-                sc,
-                scratch[cursor : cursor + cap],
-                scr,
-                h16,
-                k16,
-            )
+                widen_bf16_row(xbits[r], row)
+                cnt = encode_row(row, thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, no_h16, k16)
             for i in range(NUM_SCALES):
                 scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
             counts[r] = cnt
@@ -928,23 +929,11 @@ def _out_elem_impl(v, out):
     return lambda v, out: v
 
 
-def _scale(sr, i):  # pragma: no cover - only its overload runs, inside @njit code
-    """float32 scale ``i`` of a stored row of scales (float32, or fp16 bit patterns as uint16)."""
-    raise NotImplementedError
-
-
-@overload(_scale)
-def _scale_impl(sr, i):
-    if sr.dtype == types.uint16:
-        return lambda sr, i: f16_widen(sr[i])
-    return lambda sr, i: _F32(sr[i])
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def _scales_finite(sr):
     ok = True
     for i in range(NUM_SCALES):
-        ok &= np.isfinite(_scale(sr, i))
+        ok &= np.isfinite(_f32_at(sr, i))
     return ok
 
 
@@ -993,18 +982,18 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
             if not _scales_finite(sr):
                 status[r] = ERR_SCALE_NONFINITE
                 continue
-            lo = _scale(sr, 0)
-            _dense_middle(dense[r], lo, (_scale(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out[r])
+            lo = _f32_at(sr, 0)
+            _dense_middle(dense[r], lo, (_f32_at(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out[r])
             if use_lut:
                 for i in range(NUM_SCALES):
-                    sc32[i] = _scale(sr, i)
+                    sc32[i] = _f32_at(sr, i)
                 fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
                 for i in range(LUT_SIZE):
                     lut[i] = _out_elem(lut32[i], lut)
             else:
-                i_lo, o_lo = _scale(sr, 2), _scale(sr, 4)
-                grid[0], grid[1] = i_lo, (_scale(sr, 3) - i_lo) / n_in
-                grid[2], grid[3] = o_lo, (_scale(sr, 5) - o_lo) / n_out
+                i_lo, o_lo = _f32_at(sr, 2), _f32_at(sr, 4)
+                grid[0], grid[1] = i_lo, (_f32_at(sr, 3) - i_lo) / n_in
+                grid[2], grid[3] = o_lo, (_f32_at(sr, 5) - o_lo) / n_out
             sp = sparse[offsets[r] : offsets[r + 1]]
             status[r] = _walk_outliers(dense[r], sp, d, inner_bits, outer_bits, lut, grid, out[r])
 
