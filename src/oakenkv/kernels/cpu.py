@@ -213,6 +213,18 @@ def _f32_at_impl(a, i):
     return lambda a, i: _F32(a[i])
 
 
+def _out_elem(v, out):  # pragma: no cover - only its overload runs, inside @njit code
+    """float32 ``v`` as an element of ``out``: itself, or its fp16 bit pattern for a uint16 ``out``."""
+    raise NotImplementedError
+
+
+@overload(_out_elem)
+def _out_elem_impl(v, out):
+    if out.dtype == types.uint16:
+        return lambda v, out: f16_bits(v)
+    return lambda v, out: v
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Encode: one row
 # --------------------------------------------------------------------------------------------------------------
@@ -650,14 +662,6 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def widen_f16_row(h, out):
-    """fp16 bit patterns ``h`` (uint16 ``[D]``) -> exact float32 ``out [D]`` (vectorizes where the CPU converts
-    fp16; NaN and inf stay non-finite: the encoder rejects both)."""
-    for j in range(h.shape[0]):
-        out[j] = f16_widen(h[j])
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def widen_bf16_row(h, out):
     """bf16 bit patterns (uint16 ``[D]``) -> exact float32 ``out [D]`` (bf16 is the top half of a float32)."""
     for j in range(h.shape[0]):
@@ -682,13 +686,13 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
     d = x32.shape[1] if kind == _KIND_F32 else xbits.shape[1]
     cap = scratch.shape[0] // max(n, 1)
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
+    k16 = threshold_keys16(thr)
+    x16 = xbits.view(np.int16)
+    no_h16 = np.empty(0, np.int16)
     for b in prange(nblocks):
         row = np.empty(d, np.float32)
         sc = np.empty(NUM_SCALES, np.float32)
         scr = comb_scratch(d)
-        no_h16 = np.empty(0, np.int16)
-        k16 = threshold_keys16(thr)
-        x16 = xbits.view(np.int16)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             sp = scratch[cursor : cursor + cap]
@@ -913,20 +917,9 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
 
 # --------------------------------------------------------------------------------------------------------------
 # Batch decode, generic over the output (float32, or fp16 bit patterns as uint16) and the stored scales (float32,
-# or fp16 bit patterns as uint16): the overloads below pick the conversions when numba compiles each combination.
+# or fp16 bit patterns as uint16): the overloads _out_elem / _f32_at pick the conversions when numba compiles each
+# combination.
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _out_elem(v, out):  # pragma: no cover - only its overload runs, inside @njit code
-    """float32 ``v`` as an element of ``out``: itself, or its fp16 bit pattern for a uint16 ``out``."""
-    raise NotImplementedError
-
-
-@overload(_out_elem)
-def _out_elem_impl(v, out):
-    if out.dtype == types.uint16:
-        return lambda v, out: f16_bits(v)
-    return lambda v, out: v
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
