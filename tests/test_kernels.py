@@ -167,6 +167,28 @@ def test_encode_rejects_bad_input():
         codec.encode(torch.ones(2, 64, dtype=torch.int32), thr)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_encode_rejects_every_nonfinite_value_and_keeps_the_largest_finite(dtype):
+    """Non-finite values are found from the row's extreme keys (no separate test per value): every kind of NaN and
+    inf, at either end of the row's order, is rejected; the largest finite values of the dtype are not."""
+    thr = THRESHOLDS[0]
+    f32 = OakenConfig(scale_dtype="float32")
+    big = torch.finfo(dtype).max
+    ok = torch.randn(3, 80).to(dtype)
+    ok[0, 7], ok[1, 0], ok[2, 79] = big, -big, torch.finfo(dtype).tiny
+    if dtype != torch.float32:  # a float32 max would overflow the float32 range computations themselves
+        enc = cpu.encode_batch(ok, thr, f32)
+        _assert_same_bytes(enc, codec.pack(quantize(ok.float(), thr, f32), f32))
+    nan_bits = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF]  # +-quiet, signalling, all-ones
+    bad = [float("inf"), float("-inf")] + [np.uint32(b).view(np.float32).item() for b in nan_bits]
+    for v in bad:
+        for col in (0, 41, 79):
+            x = torch.randn(3, 80)
+            x[1, col] = v
+            with pytest.raises(ValueError, match=r"row 1.*NaN or infinite"):
+                cpu.encode_batch(x.to(dtype), thr, f32)
+
+
 def test_fp16_rounding_helpers_match_torch():
     g = np.random.default_rng(0)
     bits = g.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

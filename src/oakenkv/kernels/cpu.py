@@ -314,6 +314,9 @@ def _store_scale(v, fp16):
 
 _KMIN = np.int32(-(2**31))
 _KMAX = np.int32(2**31 - 1)
+# keys of +inf and -inf: every finite float32 lies strictly between them, every NaN beyond them
+_KEY_INF = np.int32(0x7F800000)
+_KEY_NEG_INF = np.int32(np.int32(np.uint32(0xFF800000).view(np.int32)) ^ np.int32(0x7FFFFFFF))
 
 
 @njit(cache=True, nogil=True)
@@ -332,14 +335,14 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
     """Pass 1 of encode_row over a float32 row ``x [D]``, on the int32 keys of its values.
 
     Returns ``(bad, max, min, max of values <= to_hi, min of values >= to_lo, min of values >= ti_lo, max of values
-    <= ti_hi)`` as keys (``_KMIN`` / ``_KMAX`` when nothing qualifies), ``bad`` = number of NaN/inf values.
+    <= ti_hi)`` as keys (``_KMIN`` / ``_KMAX`` when nothing qualifies), ``bad``: the row holds a NaN or inf.
+    Non-finite values have the most extreme keys (beyond +-inf's), so ``bad`` comes from the row's extremes: no
+    accumulator of its own, whose 64-bit lanes would narrow the vectorization.
     """
     kmax, k_le_tohi, k_le_tihi = _KMIN, _KMIN, _KMIN
     kmin, k_ge_tolo, k_ge_tilo = _KMAX, _KMAX, _KMAX
-    bad = 0
     for j in range(x.shape[0]):
         b = np.float32(_f32_at(x, j)).view(np.int32)
-        bad += (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
         k = _key(b)
         kmax = max(kmax, k)
         kmin = min(kmin, k)
@@ -347,12 +350,16 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
         k_ge_tolo = min(k_ge_tolo, k if k >= k_to_lo else _KMAX)
         k_ge_tilo = min(k_ge_tilo, k if k >= k_ti_lo else _KMAX)
         k_le_tihi = max(k_le_tihi, k if k <= k_ti_hi else _KMIN)
+    bad = kmax >= _KEY_INF or kmin <= _KEY_NEG_INF
     return bad, kmax, kmin, k_le_tohi, k_ge_tolo, k_ge_tilo, k_le_tihi
 
 
 _I16 = np.int16
 _K16MIN = np.int16(-(2**15))
 _K16MAX = np.int16(2**15 - 1)
+# fp16 keys of +inf (0x7C00) and -inf (bits 0xFC00): finite values lie strictly between, NaNs beyond
+_KEY16_INF = np.int16(0x7C00)
+_KEY16_NEG_INF = np.int16(np.int16(np.uint16(0xFC00).view(np.int16)) ^ np.int16(0x7FFF))
 
 
 @njit(cache=True, nogil=True)
@@ -404,15 +411,13 @@ def _row_key_stats16(h, k16):
 
     Same results as _row_key_stats of the widened row: a comparison with a float32 threshold is one with the
     largest (smallest) fp16 key on its side, fp16 -> float32 preserves order, and both fold -0.0 into +0.0.
-    NaN keys are meaningless, but such a row is rejected by ``bad``.
+    NaN keys are meaningless, but such a row is rejected by ``bad`` (from the extremes, as in _row_key_stats).
     """
     k_to_lo, k_ti_lo, k_ti_hi, k_to_hi = k16[0], k16[1], k16[2], k16[3]
     kmax, k_le_tohi, k_le_tihi = _K16MIN, _K16MIN, _K16MIN
     kmin, k_ge_tolo, k_ge_tilo = _K16MAX, _K16MAX, _K16MAX
-    bad = _I16(0)
     for j in range(h.shape[0]):
         b = h[j]
-        bad |= _I16((b & _I16(0x7C00)) == _I16(0x7C00))
         k = _I16(b ^ ((b >> _I16(15)) & _I16(0x7FFF)))
         k = k if k != _I16(-1) else _I16(0)
         kmax = max(kmax, k)
@@ -422,7 +427,7 @@ def _row_key_stats16(h, k16):
         k_ge_tilo = min(k_ge_tilo, k if k >= k_ti_lo else _K16MAX)
         k_le_tihi = max(k_le_tihi, k if k <= k_ti_hi else _K16MIN)
     return (
-        bad,
+        kmax >= _KEY16_INF or kmin <= _KEY16_NEG_INF,
         _key16_to_key(kmax, _KMIN),
         _key16_to_key(kmin, _KMAX),
         _key16_to_key(k_le_tohi, _KMIN),
