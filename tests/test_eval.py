@@ -239,6 +239,9 @@ def test_zeroshot_small_limit(default_model):
     t = r.tasks["piqa"]
     assert t["n"] == 4 and 0 <= t["acc_norm"] <= 1 and t["reported_metric"] == "acc_norm"
     assert r.effective_bits == pytest.approx(4.5)
+    pd = t["per_doc"]  # per-document scores, for paired comparisons: they average to the accuracy
+    assert pd["doc_id"] == [0, 1, 2, 3] and set(pd["acc_norm"]) <= {0, 1}
+    assert sum(pd["acc_norm"]) / 4 == pytest.approx(t["acc_norm"]) and sum(pd["acc"]) / 4 == pytest.approx(t["acc"])
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -308,6 +311,53 @@ def test_paired_delta_interval():
     assert lo < 0 < hi
     with pytest.raises(ValueError, match="equally long"):
         paired_delta([1.0, 2.0], [1.0], 200)
+
+
+def test_paired_accuracy():
+    from oakenkv.eval.report import paired_accuracy
+
+    rng = np.random.default_rng(2)
+    fp = rng.integers(0, 2, size=400)
+    same = fp.copy()
+    same[:10] ^= 1  # 10 answers flip, both ways: no difference to find
+    d, lo, hi, gained, lost = paired_accuracy(list(same), list(fp))
+    assert gained + lost == 10 and d == pytest.approx((gained - lost) / 400) and lo < 0 < hi
+    worse = fp.copy()
+    worse[np.flatnonzero(fp == 1)[:40]] = 0  # 40 right answers lost
+    d, lo, hi, gained, lost = paired_accuracy(list(worse), list(fp))
+    assert (d, gained, lost) == (pytest.approx(-0.1), 0, 40) and hi < 0 and lo < d < hi
+    with pytest.raises(ValueError, match="equally long"):
+        paired_accuracy([1, 0], [1])
+
+
+def test_report_zeroshot_paired_and_grouped_by_limit(tmp_path):
+    def zs(method, correct, limit):
+        n = len(correct)
+        return {
+            "kind": "zeroshot",
+            "method": method,
+            "model": "default",
+            "effective_bits": {"fp": 16, "int4": 4.5}[method],
+            "limit": limit,
+            "tasks": {
+                "piqa": {
+                    "acc_norm": sum(correct) / n,
+                    "reported": sum(correct) / n,
+                    "reported_metric": "acc_norm",
+                    "n": n,
+                    "per_doc": {"doc_id": list(range(n)), "acc_norm": correct},
+                }
+            },
+        }
+
+    fp = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1]
+    q = [0, 1, 0, 0, 0, 1, 1, 1, 1, 1]  # loses docs 0 and 3, gains doc 7
+    for i, r in enumerate([zs("fp", fp, 10), zs("int4", q, 10), zs("fp", fp[:4], 4)]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    text = write_report([tmp_path], tmp_path / "r.md", tmp_path / "r.png")
+    assert text.index("first 10 validation documents") < text.index("first 4 validation documents")
+    row = next(line for line in text.splitlines() if line.startswith("| int4 |") and "Δ" not in line and "[" in line)
+    assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" in row  # piqa paired; no winogrande/hellaswag
 
 
 def test_report_shows_paired_intervals(tmp_path):

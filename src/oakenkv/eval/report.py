@@ -72,6 +72,26 @@ def paired_delta(
     return float(delta), float(lo), float(hi)
 
 
+def paired_accuracy(
+    a: list[int], b: list[int], *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float, int, int]:
+    """Accuracy of ``a`` minus that of ``b`` (0/1 per document, the same documents) with its 95% paired-bootstrap
+    interval, and the documents only ``a`` answers right / only ``b`` does: ``(delta, low, high, gained, lost)``.
+
+    Documents are resampled with replacement, the same ones for both, so only the answers that differ between
+    the two methods move the interval (documents both get right or both get wrong cancel).
+    """
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or x.size < 2:
+        raise ValueError(f"paired_accuracy needs two equally long lists of >= 2 scores, got {x.shape} and {y.shape}")
+    d = x - y
+    idx = np.random.default_rng(seed).integers(0, d.size, size=(n_boot, d.size))
+    lo, hi = np.quantile(d[idx].mean(axis=1), [0.025, 0.975])
+    return float(d.mean()), float(lo), float(hi), int((d > 0).sum()), int((d < 0).sum())
+
+
 def _paired(r: dict[str, Any], ref: dict[str, Any] | None) -> tuple[float, float, float] | None:
     """:func:`paired_delta` of two result rows when both hold per-window NLLs of the same windows."""
     if ref is None or r is ref:
@@ -148,6 +168,48 @@ def zeroshot_table(rows: list[dict[str, Any]]) -> str:
             + f" | {100 * sum(have) / len(have):.2f} | {'/'.join(str(x) for x in sorted(n))} |"
         )
     return "\n".join(lines)
+
+
+def zeroshot_paired_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: each method's accuracy minus FP's on the same documents (the paper's metric per task),
+    with a 95% paired-bootstrap interval and the answers it gains / loses; empty without per-document scores."""
+    tasks = ["piqa", "winogrande", "hellaswag"]
+    fp = next((r for r in rows if r["method"] == "fp"), None)
+    if fp is None:
+        return ""
+
+    def scores(r: dict[str, Any], t: str) -> tuple[list[int], list[int]] | None:
+        e = r["tasks"].get(t, {})
+        pd = e.get("per_doc") or {}
+        m = e.get("reported_metric") or ("acc" if t == "winogrande" else "acc_norm")
+        return (pd["doc_id"], pd[m]) if m in pd and "doc_id" in pd else None
+
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["effective_bits"], r["method"])):
+        if r is fp:
+            continue
+        cells = []
+        for t in tasks:
+            a, b = scores(r, t), scores(fp, t)
+            if a is None or b is None or a[0] != b[0] or len(a[0]) < 2:
+                cells.append("n/a")
+                continue
+            d, lo, hi, gained, lost = paired_accuracy(a[1], b[1])
+            cells.append(f"{100 * d:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] (+{gained}/−{lost})")
+        if any(c != "n/a" for c in cells):
+            lines.append(f"| {r['method']} | {_fmt(r['effective_bits'], 2)} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = [
+        "| method | eff. bits | " + " | ".join(f"{t} Δ vs FP" for t in tasks) + " |",
+        "|---|---:|" + "---:|" * len(tasks),
+    ]
+    note = (
+        "\nΔ vs FP: the method's accuracy minus FP's in points on the same documents, 95% paired bootstrap "
+        "(2000 resamples); (+g/−l): documents only the method answers right / only FP does. An interval that "
+        "holds 0: no difference these documents can tell."
+    )
+    return "\n".join(head + lines) + "\n" + note
 
 
 def thresholds_diff_section(rows: list[dict[str, Any]]) -> str:
@@ -246,9 +308,17 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
             )
             parts.append(ppl_table(rows) + "\n")
             panels[m if len(groups) == 1 else f"{m}, {key[0]} windows"] = rows
-        if zs.get(m):
-            parts.append(f"### Zero-shot (first {zs[m][0].get('limit')} validation documents per task)\n")
-            parts.append(zeroshot_table(zs[m]) + "\n")
+        # likewise one zero-shot table per number of documents, the largest first
+        zgroups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        for r in zs.get(m, []):
+            zgroups[r.get("limit")].append(r)
+        for lim in sorted(zgroups, key=lambda x: -(x or math.inf)):
+            what = "every validation document" if lim is None else f"first {lim} validation documents per task"
+            parts.append(f"### Zero-shot ({what})\n")
+            parts.append(zeroshot_table(zgroups[lim]) + "\n")
+            paired = zeroshot_paired_table(zgroups[lim])
+            if paired:
+                parts.append(paired + "\n")
     if diffs:
         parts.append("## Do the thresholds depend on the profiling text?\n")
         parts.append(thresholds_diff_section(diffs))

@@ -8,6 +8,9 @@ forward pass with a fresh cache of the method (``cache=method.make_cache()``), s
 the method's quantized keys and values for the context and the continuation alike.
 
 Reported like the paper: ``acc_norm`` for PIQA and HellaSwag, ``acc`` for Winogrande (both are kept).
+Each task also keeps whether every document was answered right (``per_doc``), so that two methods can be compared
+on the same documents (``oakenkv.eval.report.paired_accuracy``): with a few hundred documents the accuracies
+themselves are a few points uncertain, the answers that change between two methods much less so.
 Requests are batched (8) except for methods whose groups span tokens (see :func:`zeroshot`).
 """
 
@@ -33,7 +36,7 @@ class ZeroShotResult:
 
     method: str
     model: str
-    tasks: dict[str, dict[str, float]]
+    tasks: dict[str, dict[str, Any]]
     effective_bits: float
     limit: int | None
     seconds: float = 0.0
@@ -77,6 +80,16 @@ def _task_config(name: str) -> dict[str, Any]:
     cfg.pop("tag", None)
     cfg.pop("group", None)
     return cfg
+
+
+def per_doc_scores(samples: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """``{"doc_id": [...], "acc": [0/1...], "acc_norm": [...]}`` of lm-eval's logged samples, by document id."""
+    rows = sorted(samples, key=lambda x: int(x["doc_id"]))
+    out: dict[str, list[int]] = {"doc_id": [int(x["doc_id"]) for x in rows]}
+    for m in ("acc", "acc_norm"):
+        if rows and all(m in x for x in rows):
+            out[m] = [round(float(x[m])) for x in rows]
+    return out
 
 
 def _cache_lm_class():
@@ -138,17 +151,18 @@ def zeroshot(
         lm,
         {"tasks": task_objs},
         limit=limit,
-        log_samples=False,
+        log_samples=True,
         bootstrap_iters=0,
         verbosity="ERROR",
     )
-    res: dict[str, dict[str, float]] = {}
+    res: dict[str, dict[str, Any]] = {}
     for t in tasks:
         r = out["results"][t]
-        entry = {m: float(r[f"{m},none"]) for m in ("acc", "acc_norm") if f"{m},none" in r}
+        entry: dict[str, Any] = {m: float(r[f"{m},none"]) for m in ("acc", "acc_norm") if f"{m},none" in r}
         entry["reported"] = entry[TASKS[t][1]]
-        entry["reported_metric"] = TASKS[t][1]  # type: ignore[assignment]
+        entry["reported_metric"] = TASKS[t][1]
         entry["n"] = int(out["n-samples"][t]["effective"]) if "n-samples" in out else -1
+        entry["per_doc"] = per_doc_scores(out.get("samples", {}).get(t, []))
         res[t] = entry
     return ZeroShotResult(
         method=method.name,
