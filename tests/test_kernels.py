@@ -189,6 +189,45 @@ def test_encode_rejects_every_nonfinite_value_and_keeps_the_largest_finite(dtype
                 cpu.encode_batch(x.to(dtype), thr, f32)
 
 
+def _coo_inputs(comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's COO entry byte and each chunk's outlier mask, from the format's definition (codec): an outlier
+    is a byte >= 32 (group bit 32 inner / 64 outer); its entry is index | group bit | fifth code bit << 3."""
+    idx = np.arange(comb.size) % 64
+    ent = (idx | (comb & 0x40) | ((comb & 0x10) << 3)).astype(np.uint8)
+    bits = (comb >= 32).astype(np.uint64).reshape(-1, 64) << np.arange(64, dtype=np.uint64)
+    return ent, np.bitwise_or.reduce(bits, axis=1)
+
+
+@pytest.mark.skipif(not cpu.HW_COMPRESS, reason="this host has no AVX-512 VBMI2 (vpcompressb)")
+@pytest.mark.parametrize("d", [64, 80, 192, 4096, 64 * 300])
+def test_coo_compress_writes_the_bit_loops_bytes(d):
+    """The vpcompressb emission against the per-outlier loop: every outlier share (all-outlier chunks too),
+    escapes (repeated bytes, chunk advances past 255 chunks), and buffers too short for a whole 64-byte store,
+    where it must fall back without writing past the end."""
+    rng = np.random.default_rng(d)
+    nch = -(-d // 64)
+    for share in (0.0, 0.01, 0.1, 0.5, 1.0, "far"):
+        comb = np.zeros(nch * 64, np.uint8)
+        if share == "far":  # one outlier in the first and one in the last chunk (an advance of nch - 1 chunks)
+            comb[[0, d - 1]] = [64 + 7, 32 + 7]
+        else:
+            u = rng.random(d)
+            group = np.where(u < share * 0.4, 64, np.where(u < share, 32, 0))
+            comb[:d] = group + np.where(group > 0, rng.integers(0, 32, d), rng.integers(0, 16, d))
+        ent, cmask = _coo_inputs(comb)
+        cap = cpu.sparse_capacity(d)
+        ref = np.zeros(cap, np.uint8)
+        n = cpu._coo_bits(ent, cmask, ref)
+        outliers = int((comb >= 32).sum())
+        assert outliers <= n <= cap and (n == 0) == (outliers == 0)  # one entry per outlier, plus escapes
+        for room in (cap, n):  # the usual buffer, and one that ends right after the stream
+            buf = np.full(room + 64, 0xAB, np.uint8)
+            got = cpu._coo_compress(ent, cmask, buf[:room])
+            assert got == n
+            np.testing.assert_array_equal(buf[:n], ref[:n])
+            assert (buf[room:] == 0xAB).all()  # nothing written past the buffer
+
+
 def test_fp16_rounding_helpers_match_torch():
     g = np.random.default_rng(0)
     bits = g.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.core import cgutils
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from numba.extending import intrinsic, overload
 
 from oakenkv.codec import (
@@ -199,6 +200,68 @@ if HW_F16:
     f16_bits, f16_widen = _f16_bits_hw, _f16_widen_hw
 else:  # pragma: no cover - every x86-64 CPU with AVX has F16C
     f16_bits, f16_widen = _f16_bits_int, _f16_widen_int
+
+
+def _host_compresses_bytes() -> bool:
+    """Whether this host packs selected bytes of a 64-byte vector in one instruction (AVX-512 VBMI2
+    ``vpcompressb``: Intel Ice Lake and later, AMD Zen 4 and later)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        f = llvm.get_host_cpu_features()
+        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vbmi2"))
+    except Exception:  # pragma: no cover - llvmlite without host feature queries
+        return False
+
+
+#: True where encode emits each chunk's COO entries with one ``vpcompressb`` (see _coo_compress); elsewhere a
+#: loop over the set bits of the chunk's outlier mask (_coo_bits). Both write the same bytes (tested).
+HW_COMPRESS = _host_compresses_bytes()
+
+
+@intrinsic
+def _compress_chunk(typingctx, src, start, mask, dst, at):
+    """``dst[at:at + 64] = `` the bytes of ``src[start:start + 64]`` whose bit is set in uint64 ``mask``, packed
+    to the front (the rest of the 64 bytes is zero). uint8 C arrays; the caller checks both bounds. AVX-512 VBMI2
+    only (``vpcompressb``; a plain 64-byte load and store around it)."""
+    u8c = types.Array(types.uint8, 1, "C")
+    if src != u8c or dst != u8c or mask != types.uint64:
+        return None
+    if not isinstance(start, types.Integer) or not isinstance(at, types.Integer):
+        return None
+    sig = types.void(src, start, mask, dst, at)
+
+    def codegen(context, builder, signature, args):
+        vec = ir.VectorType(ir.IntType(8), 64)
+        bits = ir.VectorType(ir.IntType(1), 64)
+        a_src = context.make_array(signature.args[0])(context, builder, args[0])
+        a_dst = context.make_array(signature.args[3])(context, builder, args[3])
+        i0 = context.cast(builder, args[1], signature.args[1], types.intp)
+        i1 = context.cast(builder, args[4], signature.args[4], types.intp)
+        v = builder.load(builder.bitcast(builder.gep(a_src.data, [i0]), vec.as_pointer()), align=1)
+        m = builder.bitcast(args[2], bits)
+        fnty = ir.FunctionType(vec, [vec, vec, bits])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.compress.v64i8")
+        packed = builder.call(fn, [v, ir.Constant(vec, None), m])
+        builder.store(packed, builder.bitcast(builder.gep(a_dst.data, [i1]), vec.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _popcount64(typingctx, a):
+    """Number of set bits of uint64 ``a`` (LLVM ``ctpop``)."""
+    if a != types.uint64:
+        return None
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return sig, codegen
 
 
 def _f32_at(a, i):  # pragma: no cover - only its overload runs, inside @njit code
@@ -498,6 +561,90 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
         comb[j] = np.uint8(np.int32(q) + g)
 
 
+_LANES = np.uint64(0x0706050403020100)  # each byte's index inside its 8-byte word
+_LANE_STEP = np.uint64(0x0808080808080808)
+
+
+@njit(cache=True, nogil=True)
+def _write_escape(sparse_row, nb, prev, k):
+    """An escape (``prev`` repeated) and a chunk advance of ``k`` at ``sparse_row[nb]``; returns the new ``nb``."""
+    sparse_row[nb] = np.uint8(prev)
+    nb += 1
+    while k >= ADVANCE_CONTINUE:
+        sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
+        nb += 1
+        k -= ADVANCE_CONTINUE
+    sparse_row[nb] = np.uint8(k)
+    return nb + 1
+
+
+@njit(cache=True, nogil=True)
+def _needs_escape(ch, i, e, c, p, prev):
+    """Whether chunk ``ch``'s first entry ``e`` (index ``i``) needs an escape and chunk advance before it.
+
+    State ``(c, p, prev)``: the chunk and index of the last entry and its byte (see codec's docstring): without
+    an escape an entry continues the chunk if its index is larger, else starts the next one, and may not repeat
+    ``prev``. Only a chunk's first entry can need an escape: later ones have larger indices.
+    """
+    return not (e != prev and ((ch == c and i > p) or (ch == c + 1 and i <= p)))
+
+
+@njit(cache=True, nogil=True)
+def _coo_bits(ent, cmask, sparse_row):
+    """Pass 5 of encode_row: the row's COO stream into ``sparse_row`` (returns its length), one loop iteration
+    per set bit of each chunk's outlier mask ``cmask``; ``ent``: every value's entry byte (see encode_row)."""
+    nb = 0
+    c, p, prev = 0, -1, 0
+    for ch in range(cmask.shape[0]):
+        m = cmask[ch]
+        if m == np.uint64(0):
+            continue
+        base = ch * CHUNK_SIZE
+        i = np.int64(trailing_zeros(m))
+        if _needs_escape(ch, i, np.int64(ent[base + i]), c, p, prev):
+            nb = _write_escape(sparse_row, nb, prev, ch - c)
+        while m != np.uint64(0):
+            i = np.int64(trailing_zeros(m))
+            m &= m - np.uint64(1)
+            sparse_row[nb] = ent[base + i]
+            nb += 1
+        c, p, prev = ch, i, np.int64(ent[base + i])
+    return nb
+
+
+@njit(cache=True, nogil=True)
+def _coo_compress(ent, cmask, sparse_row):
+    """_coo_bits with one ``vpcompressb`` per chunk (64 values) instead of a loop iteration per outlier: the
+    chunk's 64 entry bytes, packed by its outlier mask, stored whole (only where HW_COMPRESS). Near the end of
+    ``sparse_row`` (less than 64 bytes left) it falls back to the loop."""
+    cap = sparse_row.shape[0]
+    nb = 0
+    c, p, prev = 0, -1, 0
+    for ch in range(cmask.shape[0]):
+        m = cmask[ch]
+        if m == np.uint64(0):
+            continue
+        base = ch * CHUNK_SIZE
+        i = np.int64(trailing_zeros(m))
+        if _needs_escape(ch, i, np.int64(ent[base + i]), c, p, prev):
+            nb = _write_escape(sparse_row, nb, prev, ch - c)
+        if nb + CHUNK_SIZE <= cap:
+            _compress_chunk(ent, base, m, sparse_row, nb)
+            nb += _popcount64(m)
+        else:
+            while m != np.uint64(0):
+                j = np.int64(trailing_zeros(m))
+                m &= m - np.uint64(1)
+                sparse_row[nb] = ent[base + j]
+                nb += 1
+        i = 63 - np.int64(leading_zeros(cmask[ch]))
+        c, p, prev = ch, i, np.int64(ent[base + i])
+    return nb
+
+
+_emit_coo = _coo_compress if HW_COMPRESS else _coo_bits
+
+
 @njit(cache=True, nogil=True)
 def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16):
     """Quantize and pack one row.
@@ -515,7 +662,7 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
     """
     d = x.shape[0]
-    comb, words, halves, bmask, cmask = scratch
+    comb, words, halves, bmask, cmask, ent, ents = scratch
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
@@ -581,55 +728,29 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     # pass 4: one bit per value, set for an outlier (a byte >= 32: it has a group bit). Per 8 bytes: adding 0x60
     # to each byte (<= 95, no carry) sets its bit 7 iff it is >= 32, and the multiplication gathers the 8 bits into
     # the top byte. Vectorizes; the byte masks of 8 consecutive words are one chunk's 64-bit mask (little-endian).
-    # comb's tail beyond D is zero (middle, code 0).
+    # comb's tail beyond D is zero (middle, code 0). Also each value's COO entry, were it an outlier: its index in
+    # the chunk, the group bit (bit 6 of its byte: outer), the fifth code bit (bit 4, moved to bit 7).
     for w in range(words.shape[0]):
-        g = ((words[w] + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
+        x = words[w]
+        g = ((x + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
         bmask[w] = np.uint8((g * np.uint64(0x0102040810204080)) >> np.uint64(56))
-    # pass 5: per chunk, its COO entries from the set bits. State: chunk c, last index p, previous byte prev (see
-    # codec's docstring); only a chunk's first entry can need an escape: later ones have larger indices.
-    nb = 0
-    c, p, prev = 0, -1, 0
-    for ch in range(cmask.shape[0]):
-        m = cmask[ch]
-        if m == np.uint64(0):
-            continue
-        base = ch * CHUNK_SIZE
-        i = np.int64(trailing_zeros(m))
-        cb = np.int64(comb[base + i])
-        e = i | (COO_GROUP_BIT if cb >= 64 else 0) | (((cb >> 4) & 1) << 7)
-        if not (e != prev and ((ch == c and i > p) or (ch == c + 1 and i <= p))):
-            sparse_row[nb] = np.uint8(prev)
-            nb += 1
-            k = ch - c
-            while k >= ADVANCE_CONTINUE:
-                sparse_row[nb] = np.uint8(ADVANCE_CONTINUE)
-                nb += 1
-                k -= ADVANCE_CONTINUE
-            sparse_row[nb] = np.uint8(k)
-            nb += 1
-        sparse_row[nb] = np.uint8(e)
-        nb += 1
-        m &= m - np.uint64(1)
-        while m != np.uint64(0):
-            i = np.int64(trailing_zeros(m))
-            m &= m - np.uint64(1)
-            cb = np.int64(comb[base + i])
-            e = i | (COO_GROUP_BIT if cb >= 64 else 0) | (((cb >> 4) & 1) << 7)
-            sparse_row[nb] = np.uint8(e)
-            nb += 1
-        c, p, prev = ch, i, e
-    return nb
+        lanes = _LANES + np.uint64(w & 7) * _LANE_STEP
+        ents[w] = lanes | (x & np.uint64(0x4040404040404040)) | ((x & np.uint64(0x1010101010101010)) << np.uint64(3))
+    # pass 5: the COO stream
+    return _emit_coo(ent, cmask, sparse_row)
 
 
 @njit(cache=True, nogil=True)
 def comb_scratch(d):
     """Scratch of encode_row for rows of ``d`` values: ``comb`` (uint8 code + 32 * group per value, whole chunks
-    with a zero tail) with its uint64 and uint16 views, and ``bmask`` (uint8, one outlier bit per value of each
-    8-byte word) with its uint64 view ``cmask`` (one 64-bit mask per chunk)."""
+    with a zero tail) with its uint64 and uint16 views, ``bmask`` (uint8, one outlier bit per value of each
+    8-byte word) with its uint64 view ``cmask`` (one 64-bit mask per chunk), and ``ent`` (uint8, each value's COO
+    entry byte) with its uint64 view."""
     nch = (d + CHUNK_SIZE - 1) // CHUNK_SIZE
     comb = np.zeros(nch * CHUNK_SIZE, np.uint8)
     bmask = np.zeros(nch * 8, np.uint8)
-    return comb, comb.view(np.uint64), comb.view(np.uint16), bmask, bmask.view(np.uint64)
+    ent = np.zeros(nch * CHUNK_SIZE, np.uint8)
+    return comb, comb.view(np.uint64), comb.view(np.uint16), bmask, bmask.view(np.uint64), ent, ent.view(np.uint64)
 
 
 @njit(cache=True, nogil=True)
@@ -943,8 +1064,9 @@ def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
     d = out.shape[0]
     for j in range(d >> 1):
         b = np.int32(dense_row[j])
-        v0 = lo + _F32(b & np.int32(0xF)) * step
-        v1 = lo + _F32(b >> np.int32(4)) * step
+        # int32 casts: numba types int32 & int32 as int64, and 64-bit lanes would narrow the vectorization
+        v0 = lo + _F32(np.int32(b & np.int32(0xF))) * step
+        v1 = lo + _F32(np.int32(b >> np.int32(4))) * step
         out[2 * j] = _out_elem(v0 + (ti_hi if v0 > zero else ti_lo), out)
         out[2 * j + 1] = _out_elem(v1 + (ti_hi if v1 > zero else ti_lo), out)
     if d & 1:
