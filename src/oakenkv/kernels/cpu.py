@@ -29,6 +29,7 @@ from numba.extending import intrinsic, overload
 from oakenkv.codec import (
     ADVANCE_CONTINUE,
     CHUNK_SIZE,
+    COO_CODE_BIT4,
     COO_GROUP_BIT,
     COO_INDEX_MASK,
     NUM_SCALES,
@@ -563,6 +564,11 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 
 _LANES = np.uint64(0x0706050403020100)  # each byte's index inside its 8-byte word
 _LANE_STEP = np.uint64(0x0808080808080808)
+# A code byte is code + 32 * group (group 0 middle, 1 inner, 2 outer): its bit 6 is the entry's group bit (outer)
+# and its bit 4 the fifth code bit, which the entry keeps in bit 7. Per byte of a uint64 word:
+assert COO_GROUP_BIT == 0x40 and COO_CODE_BIT4 == 0x10 << 3
+_GROUP_BITS = np.uint64(0x4040404040404040)
+_CODE_BIT4S = np.uint64(0x1010101010101010)
 
 
 @njit(cache=True, nogil=True)
@@ -731,11 +737,11 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     # comb's tail beyond D is zero (middle, code 0). Also each value's COO entry, were it an outlier: its index in
     # the chunk, the group bit (bit 6 of its byte: outer), the fifth code bit (bit 4, moved to bit 7).
     for w in range(words.shape[0]):
-        x = words[w]
-        g = ((x + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
+        cw = words[w]
+        g = ((cw + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
         bmask[w] = np.uint8((g * np.uint64(0x0102040810204080)) >> np.uint64(56))
         lanes = _LANES + np.uint64(w & 7) * _LANE_STEP
-        ents[w] = lanes | (x & np.uint64(0x4040404040404040)) | ((x & np.uint64(0x1010101010101010)) << np.uint64(3))
+        ents[w] = lanes | (cw & _GROUP_BITS) | ((cw & _CODE_BIT4S) << np.uint64(3))
     # pass 5: the COO stream
     return _emit_coo(ent, cmask, sparse_row)
 
