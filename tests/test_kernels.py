@@ -228,6 +228,26 @@ def test_coo_compress_writes_the_bit_loops_bytes(d):
             assert (buf[room:] == 0xAB).all()  # nothing written past the buffer
 
 
+def test_borrowed_row_and_span_views():
+    """The reference-free views the batch kernels use: the same elements as a[r] / a[i:j], writable in place."""
+
+    @numba.njit
+    def views(a, b, r, i, j):
+        row, span = cpu._row(a, r), cpu._span(b, i, j)
+        row[0] += 100
+        return row.copy(), span.copy(), span.shape[0]
+
+    a = np.arange(35, dtype=np.uint16).reshape(7, 5)
+    b = np.arange(50, dtype=np.uint8)
+    for r, i, j in ((0, 0, 0), (3, 7, 19), (6, 49, 50)):
+        before = a[r].copy()
+        row, span, n = views(a, b, r, i, j)
+        np.testing.assert_array_equal(row, before + np.array([100, 0, 0, 0, 0], np.uint16))
+        np.testing.assert_array_equal(a[r], row)  # a view: the write went to a
+        np.testing.assert_array_equal(span, b[i:j])
+        assert n == j - i
+
+
 def test_fp16_rounding_helpers_match_torch():
     g = np.random.default_rng(0)
     bits = g.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

@@ -265,6 +265,57 @@ def _popcount64(typingctx, a):
     return sig, codegen
 
 
+def _borrowed_1d(context, builder, retty, data, n, stride, itemsize):
+    """A 1-D array value of type ``retty`` over ``data`` with a null meminfo: it holds no reference."""
+    from numba.np.arrayobj import populate_array
+
+    view = context.make_array(retty)(context, builder)
+    populate_array(view, data=data, shape=[n], strides=[stride], itemsize=itemsize, meminfo=None)
+    return view._getvalue()
+
+
+@intrinsic
+def _row(typingctx, a, r):
+    """Row ``r`` of the 2-D C-contiguous array ``a`` as a 1-D view that holds no reference to ``a``.
+
+    A view ``a[r]`` costs an atomic reference-count increment and decrement per row (a tenth of a 192-value row's
+    decode); this one costs nothing, for loops over the rows of an array the caller keeps alive. No bounds check.
+    """
+    if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and isinstance(r, types.Integer)):
+        return None
+    retty = a.copy(ndim=1, layout="C")
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        shape = cgutils.unpack_tuple(builder, src.shape, 2)
+        stride = cgutils.unpack_tuple(builder, src.strides, 2)[1]
+        ri = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = builder.gep(src.data, [builder.mul(ri, shape[1])])
+        return _borrowed_1d(context, builder, signature.return_type, data, shape[1], stride, src.itemsize)
+
+    return retty(a, r), codegen
+
+
+@intrinsic
+def _span(typingctx, a, start, stop):
+    """``a[start:stop]`` of the 1-D C-contiguous array ``a`` as a view that holds no reference (see _row); the
+    caller guarantees ``0 <= start <= stop <= len(a)``."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
+        return None
+    if not (isinstance(start, types.Integer) and isinstance(stop, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        i0 = context.cast(builder, args[1], signature.args[1], types.intp)
+        i1 = context.cast(builder, args[2], signature.args[2], types.intp)
+        stride = cgutils.unpack_tuple(builder, src.strides, 1)[0]
+        data = builder.gep(src.data, [i0])
+        return _borrowed_1d(context, builder, signature.args[0], data, builder.sub(i1, i0), stride, src.itemsize)
+
+    return a(a, start, stop), codegen
+
+
 def _f32_at(a, i):  # pragma: no cover - only its overload runs, inside @njit code
     """Element ``i`` of ``a`` as float32: ``a`` float32, or fp16 bit patterns (uint16), widened exactly."""
     raise NotImplementedError
@@ -827,14 +878,17 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
         scr = comb_scratch(d)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            sp = scratch[cursor : cursor + cap]
+            # borrowed views (no reference counting; the arrays outlive the loop; cursor + cap <= len(scratch))
+            sp, dense_r = _span(scratch, cursor, cursor + cap), _row(dense, r)
             if kind == _KIND_F16:  # read in place, each value widened where it is used
-                cnt = encode_row(xbits[r], thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, x16[r], k16)
+                cnt = encode_row(
+                    _row(xbits, r), thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, _row(x16, r), k16
+                )
             elif kind == _KIND_F32:
-                cnt = encode_row(x32[r], thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, no_h16, k16)
+                cnt = encode_row(_row(x32, r), thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, no_h16, k16)
             else:
-                widen_bf16_row(xbits[r], row)
-                cnt = encode_row(row, thr, inner_bits, outer_bits, fp16, dense[r], sc, sp, scr, no_h16, k16)
+                widen_bf16_row(_row(xbits, r), row)
+                cnt = encode_row(row, thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, no_h16, k16)
             for i in range(NUM_SCALES):
                 scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
             counts[r] = cnt
@@ -1104,12 +1158,13 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
         grid = np.empty(6, np.float32)
         grid[4], grid[5] = to_lo, to_hi
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            sr = scales[r]
+            # borrowed row views (no reference counting; the arrays outlive the loop)
+            sr, dense_r, out_r = _row(scales, r), _row(dense, r), _row(out, r)
             if not _scales_finite(sr):
                 status[r] = ERR_SCALE_NONFINITE
                 continue
             lo = _f32_at(sr, 0)
-            _dense_middle(dense[r], lo, (_f32_at(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out[r])
+            _dense_middle(dense_r, lo, (_f32_at(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out_r)
             if use_lut:
                 for i in range(NUM_SCALES):
                     sc32[i] = _f32_at(sr, i)
@@ -1120,8 +1175,8 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
                 i_lo, o_lo = _f32_at(sr, 2), _f32_at(sr, 4)
                 grid[0], grid[1] = i_lo, (_f32_at(sr, 3) - i_lo) / n_in
                 grid[2], grid[3] = o_lo, (_f32_at(sr, 5) - o_lo) / n_out
-            sp = sparse[offsets[r] : offsets[r + 1]]
-            status[r] = _walk_outliers(dense[r], sp, d, inner_bits, outer_bits, lut, grid, out[r])
+            sp = _span(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
+            status[r] = _walk_outliers(dense_r, sp, d, inner_bits, outer_bits, lut, grid, out_r)
 
 
 def decode_batch(
