@@ -9,12 +9,19 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 # OpenMP threads that busy-wait between parallel regions collapse when the cores are oversubscribed (a shared
 # 2-core machine, several pytest runs at once): one 13-token forward of the default model took 2.5-14 s with the
 # default policy and 0.2 s with PASSIVE, at 2 threads and a load average of 12. Set before torch is imported
 # (test modules are imported after this conftest); an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Hypothesis: random examples on every local run (new ones find new bugs), the same examples in CI
+# (HYPOTHESIS_PROFILE=ci, set by .ci/run), so that a CI run on main never fails on a draw no commit caused.
+# Loaded here, before the test modules build their settings objects, which inherit the profile.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from oakenkv import codec
@@ -116,6 +116,7 @@ def fp16_rows_near_thresholds(draw):
         if kind == "between":  # halfway between two fp16 neighbours: not representable in fp16
             t = t.astype(np.float16).astype(np.float32) + np.float32(2.0**-12)
         thr = tuple(float(v) for v in np.sort(t.astype(np.float32)))
+        assume(thr[0] < thr[1] <= thr[2] < thr[3])  # fp16 rounding can make two draws equal
     g = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     near = []
     for t in thr:
