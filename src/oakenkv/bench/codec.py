@@ -5,7 +5,9 @@ pure sparse vs fused, the seed's table 3.1).
 Throughput is in GB/s of 16-bit data: encode reads an fp16 ``[tokens, values]`` tensor, decode writes one (into a
 reused buffer), quanto quantizes / dequantizes the same fp16 tensor, and memcpy copies the same fp16 buffer
 (``numpy.copyto``, single-threaded, into a reused buffer). Each figure is the best of ``reps`` timed runs after
-one warm-up, in wall time; the machine may be shared, so the run also records the CPU time of the encode.
+one warm-up, in wall time; encode, decode and memcpy take turns within each round, so that drifting memory
+bandwidth moves all of them alike. The machine may be shared, so the run also records the CPU time of the encode.
+quanto is timed after every codec shape.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def _best_time(fn: Callable[[], Any], reps: int) -> float:
     return best
 
 
+def _best_times(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Best wall time of each function over ``reps`` rounds that run them in turn (after one warm-up each).
+
+    Interleaving gives every function the same machine: here memory bandwidth drifts by 1.5x within minutes
+    (other tenants), and a baseline timed minutes apart from the codec would move its ratios by as much.
+    """
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
 def _cpu_time(fn: Callable[[], Any], reps: int) -> float:
     best = float("inf")
     for _ in range(reps):
@@ -52,13 +71,6 @@ def _cpu_time(fn: Callable[[], Any], reps: int) -> float:
         fn()
         best = min(best, time.process_time() - t)
     return best
-
-
-def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
-    """Single-threaded copy bandwidth of an ``nbytes`` buffer into a reused destination (GB/s of the buffer)."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    return nbytes / _best_time(lambda: np.copyto(dst, src), reps) / 1e9
 
 
 def synthetic_kv(tokens: int, values: int, seed: int = 0) -> tuple[torch.Tensor, tuple[float, ...]]:
@@ -109,17 +121,26 @@ def bench_shape(
     enc = codec.encode(x, thr, config)
     out16 = torch.empty((n, d), dtype=torch.float16)
     out32 = torch.empty((n, d), dtype=torch.float32)
-    enc_t = _best_time(lambda: codec.encode(x, thr, config), reps)
-    dec_t = _best_time(lambda: decode_batch(enc, thr, config, torch.float16, out=out16), reps)
-    dec32_t = _best_time(lambda: decode_batch(enc, thr, config, torch.float32, out=out32), reps)
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    # the codec and its memcpy baseline in the same rounds (see _best_times)
+    t = _best_times(
+        {
+            "encode": lambda: codec.encode(x, thr, config),
+            "decode": lambda: decode_batch(enc, thr, config, torch.float16, out=out16),
+            "decode_f32": lambda: decode_batch(enc, thr, config, torch.float32, out=out32),
+            "memcpy": lambda: np.copyto(dst, src),
+        },
+        reps,
+    )
     res: dict[str, Any] = {
         "name": name,
         "tokens": n,
         "values": d,
-        "encode_gbps": nbytes / enc_t / 1e9,
-        "decode_gbps": nbytes / dec_t / 1e9,
-        "decode_f32_gbps": nbytes / dec32_t / 1e9,
-        "memcpy_gbps": memcpy_gbps(nbytes, reps),
+        "encode_gbps": nbytes / t["encode"] / 1e9,
+        "decode_gbps": nbytes / t["decode"] / 1e9,
+        "decode_f32_gbps": nbytes / t["decode_f32"] / 1e9,
+        "memcpy_gbps": nbytes / t["memcpy"] / 1e9,
         "effective_bits": codec.effective_bits(enc).to_dict(),
     }
     res["encode_vs_memcpy"] = res["encode_gbps"] / res["memcpy_gbps"]
@@ -130,8 +151,6 @@ def bench_shape(
     import numba
 
     threads = numba.get_num_threads()
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
     numba.set_num_threads(1)
     try:
         cpu = {
@@ -315,13 +334,20 @@ def run_codec_bench(
         "config": config.to_dict(),
         "shapes": [],
     }
+    inputs = []
     for name, n, d in shapes:
         if progress:
             progress(f"{name}: {n} x {d}")
         x, thr = synthetic_kv(n, d)
-        r = bench_shape(name, x, thr, config, reps, quanto)
+        r = bench_shape(name, x, thr, config, reps, quanto=False)
         r["data"] = "synthetic Gaussian, thresholds at its 2/47/53/98% quantiles"
         result["shapes"].append(r)
+        inputs.append(x)
+    # quanto (torch's OpenMP threads) only after every codec timing: its idle workers may still spin while the
+    # next shape's numba threads are timed
+    if quanto:
+        for r, x in zip(result["shapes"], inputs, strict=True):
+            r.update(quanto_int4(x, reps))
     result["machine"]["numba_threading_layer"] = numba.threading_layer()
     head = result["shapes"][0]
     for k in ("encode_gbps", "decode_gbps", "memcpy_gbps", "quanto_quantize_gbps", "quanto_dequantize_gbps"):
