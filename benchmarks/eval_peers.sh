@@ -9,7 +9,10 @@
 # WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 50) documents per task keep this within about
 # an hour on 2 shared CPU cores; WINDOWS= (empty) LIMIT= (empty) runs the full WikiText-2 test set (~140 windows)
 # and the full validation sets. Results are JSON files under OUT (default docs/results); existing files are kept
-# (delete one to re-run it).
+# (delete one to re-run it). Other LIMITs write to OUT/default-zs<LIMIT> and GEMMA_WINDOWS other than 3 to
+# OUT/gemma3-270m-<N>w, so that runs over different documents or windows are never mixed in one table.
+# Session 6 ran: LIMIT=200 ZS_METHODS="fp oaken kvquant4 int5 int4 fp8" benchmarks/eval_peers.sh zeroshot;
+# GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma.
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
@@ -28,8 +31,9 @@ ppl() {  # ppl <file-stem> <method> [extra args...]
   local f="$OUT/$MODEL/ppl-$1.json"; shift
   [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$1" "${mw[@]}" "${@:2}" --json "$f"
 }
-zs() {  # zs <file-stem> <method>
-  local f="$OUT/$MODEL/zs-$1.json"
+zs() {  # zs <file-stem> <method>  (LIMIT other than 50 documents: its own directory, e.g. default-zs200)
+  local d="$OUT/$MODEL"; [[ "$LIMIT" != 50 ]] && d="$OUT/$MODEL-zs${LIMIT:-all}"; mkdir -p "$d"
+  local f="$d/zs-$1.json"
   [[ -f "$f" ]] || $OAK eval zeroshot --model "$MODEL" --method "$2" "${lim[@]}" --json "$f"
 }
 
@@ -77,17 +81,22 @@ for part in "${parts[@]}"; do
         f="$OUT/$MODEL-full/ppl-$m.json"
         [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --json "$f"
       done ;;
-    gemma)  # Gemma-3-270m: three 2048-token windows, BOS first as its tokenizer does (token_windows)
+    gemma)  # Gemma-3-270m: GEMMA_WINDOWS (default 3) 2048-token windows, BOS first as its tokenizer does
+      # (token_windows); other window counts go to their own directory (gemma3-270m-20w for 20).
       # (no quanto: QuantizedCache rejects its sliding-window layers)
-      MODEL=gemma3-270m
+      MODEL=gemma3-270m; gw="${GEMMA_WINDOWS:-3}"
+      d="$OUT/$MODEL"; [[ "$gw" != 3 ]] && d="$OUT/$MODEL-${gw}w"; mkdir -p "$d"
       $OAK eval calibrate --model "$MODEL" --sweep ""
-      for m in fp oaken int4 int5 kvquant4 fp8 kivi4 oaken-official; do
-        f="$OUT/$MODEL/ppl-$m.json"
-        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "${GEMMA_WINDOWS:-3}" --json "$f"
+      for m in fp oaken kvquant4 int5 kivi4 oaken-official fp8 int4; do
+        f="$d/ppl-$m.json"
+        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "$gw" --json "$f"
       done
       MODEL=default ;;
     report)
-      dirs=(); for d in default default-20w default-full gemma3-270m; do [[ -d "$OUT/$d" ]] && dirs+=("$OUT/$d"); done
+      dirs=()
+      for d in "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-zs* "$OUT"/gemma3-270m*; do
+        [[ -d "$d" ]] && dirs+=("$d")
+      done
       $OAK eval report "${dirs[@]}" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
