@@ -237,8 +237,13 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted(by_model)
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6.5 * max(1, len(models)), 5), squeeze=False)
-    for ax, m in zip(axes[0], models, strict=False):
+    ncols = min(3, max(1, len(models)))  # at most three panels per row, so that each stays readable
+    nrows = -(-max(1, len(models)) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 5 * nrows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[len(models) :]:
+        ax.set_visible(False)
+    for ax, m in zip(flat, models, strict=False):
         # quanto in one forward per window never quantizes what attention reads (its prefill is returned as is):
         # a point at "4.5 bits, no loss" would be misleading, so only its chunked (decode-like) rows are drawn.
         # Ablations (only the keys or only the values quantized) are diagnostics, not methods: not drawn.
