@@ -12,7 +12,8 @@
 # (delete one to re-run it). Other LIMITs write to OUT/default-zs<LIMIT> and GEMMA_WINDOWS other than 3 to
 # OUT/gemma3-270m-<N>w, so that runs over different documents or windows are never mixed in one table.
 # Session 6 ran: LIMIT=200 ZS_METHODS="fp oaken kvquant4 int5 int4 fp8" benchmarks/eval_peers.sh zeroshot;
-# GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma.
+# GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="fp oaken kvquant4 int4"
+# benchmarks/eval_peers.sh zeroshot.
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
