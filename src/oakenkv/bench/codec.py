@@ -38,13 +38,9 @@ _SYNTH_LEVELS = (0.02, 0.47, 0.53, 0.98)
 
 
 def _best_time(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm-up (numba compilation is cached on disk; page faults of fresh buffers)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    """Best wall time of ``fn`` over ``reps`` runs after one warm-up (numba compilation is cached on disk; page
+    faults of fresh buffers)."""
+    return _best_times({"fn": fn}, reps)["fn"]
 
 
 def _best_times(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:

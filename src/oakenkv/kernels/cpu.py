@@ -429,9 +429,9 @@ def _store_scale(v, fp16):
 
 _KMIN = np.int32(-(2**31))
 _KMAX = np.int32(2**31 - 1)
-# keys of +inf and -inf: every finite float32 lies strictly between them, every NaN beyond them
+# keys of +inf and -inf (key(-v) = -1 - key(v)): every finite float32 lies strictly between them, every NaN beyond
 _KEY_INF = np.int32(0x7F800000)
-_KEY_NEG_INF = np.int32(np.int32(np.uint32(0xFF800000).view(np.int32)) ^ np.int32(0x7FFFFFFF))
+_KEY_NEG_INF = np.int32(-1 - 0x7F800000)
 
 
 @njit(cache=True, nogil=True)
@@ -472,9 +472,9 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
 _I16 = np.int16
 _K16MIN = np.int16(-(2**15))
 _K16MAX = np.int16(2**15 - 1)
-# fp16 keys of +inf (0x7C00) and -inf (bits 0xFC00): finite values lie strictly between, NaNs beyond
+# fp16 keys of +inf and -inf: finite values lie strictly between, NaNs beyond
 _KEY16_INF = np.int16(0x7C00)
-_KEY16_NEG_INF = np.int16(np.int16(np.uint16(0xFC00).view(np.int16)) ^ np.int16(0x7FFF))
+_KEY16_NEG_INF = np.int16(-1 - 0x7C00)
 
 
 @njit(cache=True, nogil=True)
