@@ -288,7 +288,9 @@ def _convert_all(v, out_bits, h, out_w, integer):
         out_w[i] = cpu._f16_widen_int(h[i]) if integer else cpu.f16_widen(h[i])
 
 
-@numba.njit(cache=True)
+# Test helpers that call kernels are not cached: numba's cache keys a function on its own source file only, so a
+# cached helper would keep running the kernel it was first compiled with after the kernel changes.
+@numba.njit
 def _decode_all_via_row_helper(dense, sparse, offsets, scales, thr, out):
     # how another numba kernel (decode attention) calls the single-row helper
     for r in range(dense.shape[0]):
@@ -459,7 +461,7 @@ def test_pure_formats_decode_like_the_fused_format(d):
     assert psp.records.shape[0] >= outliers
 
 
-@numba.njit(cache=True)
+@numba.njit  # not cached (see _decode_all_via_row_helper)
 def _grids(lo, hi, n, out):
     for r in range(lo.shape[0]):
         has_lo, has_hi = lo[r] > 0, hi[r] > 0
@@ -467,9 +469,10 @@ def _grids(lo, hi, n, out):
 
 
 @pytest.mark.parametrize("bits", [4, 5])
-def test_signed_grid_local_search_equals_the_full_scan(bits):
-    # The kernel finds the zero slot k by a local search; quant._signed_grid scans all k. Rows [-L, U] with
-    # magnitudes over 30 decades, ties on the FLOOR, one side empty (0).
+def test_signed_grid_two_candidates_equal_the_full_scan(bits):
+    # The kernel evaluates the zero slot k only on both sides of the continuous optimum (and scans only on the
+    # FLOOR); quant._signed_grid scans all k. Rows [-L, U] with magnitudes over 30 decades, ties on the FLOOR,
+    # optima on an integer k (ties between neighbouring k), one side empty (0).
     from oakenkv.quant import _signed_grid
 
     g = np.random.default_rng(bits)
@@ -477,6 +480,13 @@ def test_signed_grid_local_search_equals_the_full_scan(bits):
     lo = (10.0 ** g.uniform(-9, 4, m)).astype(np.float32)
     hi = (10.0 ** g.uniform(-9, 4, m)).astype(np.float32)
     hi[: m // 10] = lo[: m // 10] * g.integers(1, 40, m // 10)  # exact ratios: ties between neighbouring k
+    k = g.integers(0, 2**bits - 1, m // 10)  # kc = n L / (L + U) - 1 = k (up to rounding)
+    sl = slice(3 * m // 10, 4 * m // 10)
+    hi[sl] = (lo[sl].astype(np.float64) * (2**bits - 1 - k) / (k + 1)).astype(np.float32)
+    # exact ties of step(k) = L / (k + 1) and step(k + 1) = U / (n - 2 - k) = c (a power of two): the first wins
+    c = 2.0 ** g.integers(-12, 8, m // 10)
+    sl = slice(4 * m // 10, 5 * m // 10)
+    lo[sl], hi[sl] = (k + 1) * c, (2**bits - 2 - k) * c
     lo[m // 10 : m // 5] = 0  # upper side only
     hi[m // 5 : 3 * m // 10] = 0  # lower side only
     s = torch.from_numpy(np.stack([-lo, hi], axis=1))

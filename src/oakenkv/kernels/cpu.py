@@ -316,6 +316,19 @@ def _span(typingctx, a, start, stop):
     return a(a, start, stop), codegen
 
 
+@njit(cache=True, nogil=True)
+def _all(a):
+    """All of the 1-D array ``a`` as a view that holds no reference (see _row)."""
+    return _span(a, 0, a.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def _keep(*arrays):
+    """Use ``arrays`` here, so that numba keeps them alive (it releases a variable after its last use) as long as
+    borrowed views of them are in use before this call."""
+    return len(arrays)
+
+
 def _f32_at(a, i):  # pragma: no cover - only its overload runs, inside @njit code
     """Element ``i`` of ``a`` as float32: ``a`` float32, or fp16 bit patterns (uint16), widened exactly."""
     raise NotImplementedError
@@ -371,28 +384,29 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
     if not has_lo and not has_hi:
         return _F32(0.0), _F32(0.0)
     # The reference scans every k in [-1, n - 1] for the first minimum of step(k) = max(need_lo, need_hi, FLOOR).
-    # need_lo = L / (k + 1) strictly decreases and need_hi = U / (n - 1 - k) strictly increases with k (consecutive
-    # quotients differ by a factor >= 1 + 1/32, far above float32 rounding, wherever they exceed FLOOR), so step(k)
-    # falls, then rises, and is flat only at its minimum. A local search from the continuous optimum
-    # k + 1 = n L / (L + U) therefore finds the same first minimum in a few evaluations instead of n + 1.
+    # need_lo = L / (k + 1) strictly decreases and need_hi = U / (n - 1 - k) strictly increases with k
+    # (consecutive quotients differ by a factor >= 1 + 1/(n - 1), far above float32 rounding, wherever they exceed
+    # FLOOR), so step(k) falls while need_lo >= need_hi, i.e. up to the continuous optimum kc = n L / (L + U) - 1,
+    # then rises: the first minimum is floor(kc) or floor(kc) + 1 (only U: k = -1, only L: k = n - 1, each the
+    # first or second of its two candidates), unless it is FLOOR, which can hold over a range of k: a scan
+    # leftwards then finds its first k. Two evaluations and no data-dependent branch in the common case: the local
+    # search this replaced (session 7) mispredicted about once per grid and took twice as long.
     nm1 = _F32(n - 1)
     if not has_lo:
-        k = -1
+        a = -1
     elif not has_hi:
-        k = n - 1
+        a = n - 2
     else:
-        k = min(max(int(np.float64(n) * lo_mag / (np.float64(lo_mag) + hi_mag)) - 1, 0), n - 2)
-    step = _step_at(k, lo_mag, has_lo, hi_mag, has_hi, nm1)
-    while k < n - 1:  # downhill to the right
-        nxt = _step_at(k + 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
-        if not nxt < step:
-            break
-        k, step = k + 1, nxt
-    while k > -1:  # leftmost of equal minima (and downhill to the left)
-        prv = _step_at(k - 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
-        if not prv <= step:
-            break
-        k, step = k - 1, prv
+        a = min(max(int(np.float64(n) * lo_mag / (np.float64(lo_mag) + hi_mag)) - 1, -1), n - 2)
+    s0 = _step_at(a, lo_mag, has_lo, hi_mag, has_hi, nm1)
+    s1 = _step_at(a + 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
+    k, step = (a, s0) if s0 <= s1 else (a + 1, s1)
+    if step == _STEP_FLOOR:  # rare: a degenerate group, the first k of the flat minimum
+        while k > -1:
+            prv = _step_at(k - 1, lo_mag, has_lo, hi_mag, has_hi, nm1)
+            if not prv <= step:
+                break
+            k, step = k - 1, prv
     best_k, best_step = _F32(k), step
     gmin = -(best_k + _F32(0.5)) * best_step
     gmax = gmin + nm1 * best_step
@@ -876,24 +890,31 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
         row = np.empty(d, np.float32)
         sc = np.empty(NUM_SCALES, np.float32)
         scr = comb_scratch(d)
+        # borrowed views of the block's scratch (and the shared arrays) for the rows: each array encode_row and
+        # its helpers take with a reference costs an atomic increment and decrement per call
+        scr_b = (_all(scr[0]), _all(scr[1]), _all(scr[2]), _all(scr[3]), _all(scr[4]), _all(scr[5]), _all(scr[6]))
+        sc_b, row_b, thr_b, k16_b = _all(sc), _all(row), _all(thr), _all(k16)
         cursor = b * _BLOCK_ROWS * cap
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             # borrowed views (no reference counting; the arrays outlive the loop; cursor + cap <= len(scratch))
             sp, dense_r = _span(scratch, cursor, cursor + cap), _row(dense, r)
             if kind == _KIND_F16:  # read in place, each value widened where it is used
                 cnt = encode_row(
-                    _row(xbits, r), thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, _row(x16, r), k16
+                    _row(xbits, r), thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, _row(x16, r), k16_b
                 )
             elif kind == _KIND_F32:
-                cnt = encode_row(_row(x32, r), thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, no_h16, k16)
+                cnt = encode_row(
+                    _row(x32, r), thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, no_h16, k16_b
+                )
             else:
-                widen_bf16_row(_row(xbits, r), row)
-                cnt = encode_row(row, thr, inner_bits, outer_bits, fp16, dense_r, sc, sp, scr, no_h16, k16)
+                widen_bf16_row(_row(xbits, r), row_b)
+                cnt = encode_row(row_b, thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, no_h16, k16_b)
             for i in range(NUM_SCALES):
-                scales[r, i] = _out_elem(sc[i], scales)  # exact: sc is already rounded to the scale dtype
+                scales[r, i] = _out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
             counts[r] = cnt
             starts[r] = cursor
             cursor += max(cnt, 0)
+        _keep(scr, sc, row)  # the borrowed views' arrays stay alive until here
 
 
 @njit(cache=True, nogil=True, parallel=True)
