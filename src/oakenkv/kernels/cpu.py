@@ -598,31 +598,40 @@ def _min_below(x, lo, hi):
 def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out):
     """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize.
 
-    Branch-free selects so that LLVM can vectorize it; no fast-math (true division, floor, exact order).
+    Branch-free selects so that LLVM can vectorize it; no fast-math (true division, floor, exact order). The row
+    holds no NaN (rejected by pass 1), so four comparisons decide everything: inner is "neither above ti_hi nor
+    below ti_lo", and the reference's ``signed & (s > 0)`` is "above ti_hi" (``s = v - sh`` with ``sh`` ti_hi or
+    to_hi < v, and a difference of distinct floats is never 0), ``signed & (s < 0)`` "below ti_lo".
     """
     zero, one, half = _F32(0.0), _F32(1.0), _F32(0.5)
-    top_m, top_i, top_o = _F32(15.0), _F32(n_in - 1), _F32(n_out - 1)
+    # per group: the divisor, and the top code (0 for a zero step: such a group has only code 0)
+    top_m = _F32(15.0) if m_step > zero else zero
+    top_i = _F32(n_in - 1) if i_step > zero else zero
+    top_o = _F32(n_out - 1) if o_step > zero else zero
+    safe_m = m_step if m_step > zero else one
+    safe_i = i_step if i_step > zero else one
+    safe_o = o_step if o_step > zero else one
     for j in range(x.shape[0]):
         v = _f32_at(x, j)
         up_o = v > to_hi
         dn_o = v < to_lo
+        up = v > ti_hi
+        dn = v < ti_lo
         outer = up_o | dn_o
-        inner = (v >= ti_lo) & (v <= ti_hi)
-        sh = to_hi if up_o else (to_lo if dn_o else (ti_hi if v > ti_hi else (ti_lo if v < ti_lo else zero)))
+        inner = not (up | dn)
+        sh = to_hi if up_o else (to_lo if dn_o else (ti_hi if up else (ti_lo if dn else zero)))
         s = v - sh
         lo = og0 if outer else (ig0 if inner else mg0)
         step = o_step if outer else (i_step if inner else m_step)
         top = top_o if outer else (top_i if inner else top_m)
-        safe = step if step > zero else one
+        safe = safe_o if outer else (safe_i if inner else safe_m)
         q = np.floor((s - lo) / safe + half)
         q = min(max(q, zero), top)
         # signed groups: nudge a code that would decode on the wrong side (decoder: sign of lo + q * step)
         w = lo + q * step
-        signed = not inner
-        q = q + one if (signed & (s > zero) & (w <= zero)) else q
-        q = q - one if (signed & (s < zero) & (w >= zero)) else q
+        q = q + one if (up & (w <= zero)) else q
+        q = q - one if (dn & (w >= zero)) else q
         q = min(max(q, zero), top)
-        q = q if step > zero else zero
         g = 64 if outer else (32 if inner else 0)
         comb[j] = np.uint8(np.int32(q) + g)
 
