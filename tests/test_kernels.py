@@ -229,6 +229,28 @@ def test_coo_compress_writes_the_bit_loops_bytes(d):
             assert (buf[room:] == 0xAB).all()  # nothing written past the buffer
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_nearest_zero_of_a_one_sided_group(seed):
+    """_min_above / _min_below (the plain grid's end nearest zero) from integer keys equal the float32 minimum of
+    the shifted values, on fp16 and float32 rows with values on and next to the bounds, signed zeros, infinities
+    as bounds, and empty selections."""
+    g = np.random.default_rng(seed)
+    for _ in range(300):
+        d = int(g.choice([1, 5, 64, 192]))
+        x = (g.standard_normal(d) * 10.0 ** g.uniform(-4, 3)).astype(np.float32)
+        bounds = [*x[:3], 0.0, -0.0, np.inf, -np.inf, g.standard_normal()]
+        lo, hi = np.sort(np.array(g.choice(bounds, 2), np.float32))
+        x[g.random(d) < 0.2] = g.choice(np.array([lo, hi, -0.0, 0.0], np.float32))
+        for row in (x, x.astype(np.float16).view(np.uint16)):
+            v = row.view(np.float16).astype(np.float32) if row.dtype == np.uint16 else row
+            above, below = v[(v > lo) & (v <= hi)], v[(v >= lo) & (v < hi)]
+            want_a = np.min(above - lo) if above.size and lo < np.inf else np.float32(np.inf)
+            want_b = np.min(hi - below) if below.size else np.float32(np.inf)
+            if lo < np.inf:
+                assert cpu._min_above(row, lo, hi) == want_a
+            assert cpu._min_below(row, lo, hi) == want_b
+
+
 def test_borrowed_row_and_span_views():
     """The reference-free views the batch kernels use: the same elements as a[r] / a[i:j], writable in place."""
 

@@ -572,26 +572,29 @@ def _key_value(k):
     return np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _min_above(x, lo, hi):
-    """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero."""
-    m = _INF32
+    """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero.
+
+    ``fl(v - lo)`` does not decrease as ``v`` grows, so it is ``fl(min v - lo)``; the smallest ``v`` is found by
+    its int32 key (see _key: integer reductions vectorize, numba's float min() does not: 5-10x faster)."""
+    k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
+    best = _KMAX
     for j in range(x.shape[0]):
-        v = _f32_at(x, j)
-        if v > lo and v <= hi:
-            m = min(m, v - lo)
-    return m
+        k = _key(np.float32(_f32_at(x, j)).view(np.int32))
+        best = min(best, k if (k > k_lo) & (k <= k_hi) else _KMAX)
+    return _INF32 if best == _KMAX else _key_value(best) - lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _min_below(x, lo, hi):
-    """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none)."""
-    m = _INF32
+    """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none): ``fl(hi - max v)``, as in _min_above."""
+    k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
+    best = _KMIN
     for j in range(x.shape[0]):
-        v = _f32_at(x, j)
-        if v < hi and v >= lo:
-            m = min(m, hi - v)
-    return m
+        k = _key(np.float32(_f32_at(x, j)).view(np.int32))
+        best = max(best, k if (k >= k_lo) & (k < k_hi) else _KMIN)
+    return _INF32 if best == _KMIN else hi - _key_value(best)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
