@@ -13,7 +13,8 @@
 # OUT/gemma3-270m-<N>w, so that runs over different documents or windows are never mixed in one table.
 # Session 6 ran: LIMIT=200 ZS_METHODS="fp oaken kvquant4 int5 int4 fp8" benchmarks/eval_peers.sh zeroshot;
 # GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="fp oaken kvquant4 int4"
-# benchmarks/eval_peers.sh zeroshot.
+# benchmarks/eval_peers.sh zeroshot. Session 7 ran: MODEL=gemma3-270m FULL_METHODS=fp (and =oaken, a second process)
+# benchmarks/eval_peers.sh full; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot.
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
@@ -76,7 +77,8 @@ for part in "${parts[@]}"; do
       done
       f="$OUT/$MODEL-20w/ppl-quanto4-chunk128.json"
       [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method quanto4 --chunk 128 --max-windows 20 --json "$f" ;;
-    full)  # the main methods over the whole WikiText-2 test set (147 windows; ~35 min per method on one core)
+    full)  # the main methods over the whole WikiText-2 test set (147 windows; ~35 min per method on one core for
+      # the default model, 142 windows and ~1.5-2 h for Gemma-3-270m: MODEL=gemma3-270m)
       mkdir -p "$OUT/$MODEL-full"
       for m in ${FULL_METHODS:-fp oaken kvquant4 fp8 int4 int5 kivi4 oaken-official}; do
         f="$OUT/$MODEL-full/ppl-$m.json"
