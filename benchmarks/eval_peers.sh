@@ -13,8 +13,9 @@
 # OUT/gemma3-270m-<N>w, so that runs over different documents or windows are never mixed in one table.
 # Session 6 ran: LIMIT=200 ZS_METHODS="fp oaken kvquant4 int5 int4 fp8" benchmarks/eval_peers.sh zeroshot;
 # GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="fp oaken kvquant4 int4"
-# benchmarks/eval_peers.sh zeroshot. Session 7 ran: MODEL=gemma3-270m FULL_METHODS=fp (and =oaken, a second process)
-# benchmarks/eval_peers.sh full; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot.
+# benchmarks/eval_peers.sh zeroshot. Session 7 ran: MODEL=gemma3-270m FULL_METHODS=fp (and =oaken, a second process;
+# later OMP_NUM_THREADS=2 ... FULL_METHODS=kvquant4 alone) benchmarks/eval_peers.sh full; MODEL=gemma3-270m LIMIT=200
+# ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot.
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
