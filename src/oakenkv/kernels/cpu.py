@@ -935,17 +935,14 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 xbits, x16, r0, r1, 0, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
                 counts, k16,
             )  # fmt: skip
-        elif kind == _KIND_F32:
+        else:  # float32 rows; bf16 blocks are widened exactly to float32 first
+            xs, rows = x32, 0
+            if kind == _KIND_BF16:
+                xs, rows = np.empty((r1 - r0, d), np.float32), r0
+                for r in range(r0, r1):
+                    widen_bf16_row(xbits[r], xs[r - r0])
             _encode_block(
-                x32, no_h16, r0, r1, 0, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-                counts, k16,
-            )  # fmt: skip
-        else:  # bf16: the block widened exactly to float32 first
-            wide = np.empty((r1 - r0, d), np.float32)
-            for r in range(r0, r1):
-                widen_bf16_row(xbits[r], wide[r - r0])
-            _encode_block(
-                wide, no_h16, r0, r1, r0, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
+                xs, no_h16, r0, r1, rows, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
                 counts, k16,
             )  # fmt: skip
 
