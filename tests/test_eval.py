@@ -11,7 +11,7 @@ import torch
 
 from oakenkv.baselines.base import KVFakeQuantizer
 from oakenkv.eval.methods import FAMILIES, Method, build_method, canonical, parse_spec, sweep_config
-from oakenkv.eval.report import pareto_front, write_report
+from oakenkv.eval.report import label_offsets, pareto_front, write_report
 
 
 class _Identity(KVFakeQuantizer):
@@ -250,6 +250,38 @@ def test_zeroshot_small_limit(default_model):
 def test_pareto_front():
     pts = [(4.5, 0.3), (5.0, 0.1), (5.5, 0.2), (8.0, 0.0), (4.0, 1.0)]
     assert pareto_front(pts) == [4, 0, 1, 3]
+
+
+def test_label_offsets_never_overlap():
+    """Labels of crowded points (the 3-window panel: six Oaken variants at 5.38 bits) get boxes that do not
+    overlap one another or another point; a lone point's label stays at its default place."""
+
+    def box(anchor, size, off):
+        return (anchor[0] + off[0], anchor[1] + off[1], anchor[0] + off[0] + size[0], anchor[1] + off[1] + size[1])
+
+    def overlap(a, b):
+        return not (a[2] <= b[0] or a[0] >= b[2] or a[3] <= b[1] or a[1] >= b[3])
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 8, 20):
+        anchors = [(float(x), float(y)) for x, y in rng.uniform([100, 100], [140, 160], size=(n, 2))]
+        sizes = [(float(w), 9.0) for w in rng.uniform(20, 120, size=n)]
+        offs = label_offsets(anchors, sizes)
+        boxes = [box(a, s, o) for a, s, o in zip(anchors, sizes, offs, strict=True)]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    assert not overlap(boxes[i], boxes[j]), (n, i, j)
+                    dot = (anchors[j][0] - 4, anchors[j][1] - 4, anchors[j][0] + 4, anchors[j][1] + 4)
+                    assert not overlap(boxes[i], dot), (n, i, j)
+    assert label_offsets([(10.0, 10.0), (10.0, 100.0)], [(50.0, 9.0)] * 2) == [(3.0, 3.0)] * 2
+    # Two points 5 pixels apart: the upper one's label stays, the lower one's moves by whole label heights.
+    offs = label_offsets([(10.0, 10.0), (10.0, 15.0)], [(50.0, 9.0)] * 2)
+    assert offs[1] == (3.0, 3.0) and offs[0][1] != 3.0 and (offs[0][1] - 3.0) % 10.0 == 0
+    # At the right edge a label goes left of its point.
+    assert label_offsets([(10.0, 10.0), (480.0, 100.0)], [(50.0, 9.0)] * 2, right=500.0) == [(3.0, 3.0), (-53.0, 3.0)]
+    with pytest.raises(ValueError, match="anchors"):
+        label_offsets([(0.0, 0.0)], [])
 
 
 def test_report_tables_and_plot(tmp_path):

@@ -229,6 +229,72 @@ def thresholds_diff_section(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def label_offsets(
+    anchors: list[tuple[float, float]],
+    sizes: list[tuple[float, float]],
+    gap: float = 3.0,
+    tries: int = 40,
+    right: float | None = None,
+) -> list[tuple[float, float]]:
+    """Where to put each point's label so that no two labels overlap: (dx, dy) from its point, in pixels.
+
+    ``anchors`` are the points and ``sizes`` the labels' (width, height), both in pixels (y up). Greedy, in the
+    order of the points from the top: a label goes right of its point, just above it; where that box meets a label
+    already placed (or a point), it moves down and up by one label height at a time, nearest first. A label with
+    no free place within ``tries`` steps keeps the default place. A label that would end beyond ``right`` (the
+    axes' right edge) goes left of its point instead.
+    """
+    if len(anchors) != len(sizes):
+        raise ValueError(f"{len(anchors)} anchors but {len(sizes)} label sizes")
+    dot = 4.0  # half the marker's size in pixels: a label must not cover another point either
+    points = [(x - dot, y - dot, x + dot, y + dot) for x, y in anchors]
+    placed: list[tuple[float, float, float, float]] = []
+    out: list[tuple[float, float]] = [(gap, gap)] * len(anchors)
+
+    def free(box: tuple[float, float, float, float], own: int) -> bool:
+        x0, y0, x1, y1 = box
+        others = placed + [b for j, b in enumerate(points) if j != own]
+        return all(x1 <= a0 or x0 >= a1 or y1 <= b0 or y0 >= b1 for a0, b0, a1, b1 in others)
+
+    for i in sorted(range(len(anchors)), key=lambda k: (-anchors[k][1], anchors[k][0])):
+        (x, y), (w, h) = anchors[i], sizes[i]
+        dx = -gap - w if right is not None and x + gap + w > right else gap
+        out[i] = (dx, gap)
+        steps = [0] + [s for k in range(1, tries + 1) for s in (-k, k)]
+        for k in steps:
+            dy = gap + k * (h + 1.0)
+            box = (x + dx, y + dy, x + dx + w, y + dy + h)
+            if free(box, i):
+                out[i] = (dx, dy)
+                placed.append(box)
+                break
+        else:
+            placed.append((x + dx, y + gap, x + dx + w, y + gap + h))
+    return out
+
+
+def _place_labels(fig: Any, ax: Any, pts: list[tuple[float, float]], labels: list[str]) -> None:
+    """Annotate each point with its label, moved (with a thin leader line) where labels would overlap.
+
+    Call after the axes' scale, limits and the figure's layout are final: placement works in pixels.
+    """
+    renderer = fig.canvas.get_renderer()
+    probe = [ax.annotate(t, p, fontsize=7) for t, p in zip(labels, pts, strict=True)]
+    sizes = [(b.width, b.height) for b in (a.get_window_extent(renderer) for a in probe)]
+    for a in probe:
+        a.remove()
+    ax.get_xlim(), ax.get_ylim()  # settles any pending autoscaling before data is mapped to pixels
+    anchors = [(float(u), float(v)) for u, v in (ax.transData.transform(p) for p in pts)]
+    px_to_pt = 72.0 / fig.dpi
+    offsets = label_offsets(anchors, sizes, right=ax.bbox.x1)
+    for t, p, (dx, dy), (_, h) in zip(labels, pts, offsets, sizes, strict=True):
+        far = abs(dy) > h + 4  # moved away from its point: a leader line shows which point it names
+        arrow = {"arrowstyle": "-", "lw": 0.4, "color": "grey", "shrinkA": 0, "shrinkB": 3} if far else None
+        ax.annotate(
+            t, p, fontsize=7, xytext=(dx * px_to_pt, dy * px_to_pt), textcoords="offset points", arrowprops=arrow
+        )
+
+
 def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """One panel per model: perplexity increase over FP vs effective bits, Pareto frontier drawn."""
     import matplotlib
@@ -239,10 +305,11 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     models = sorted(by_model)
     ncols = min(3, max(1, len(models)))  # at most three panels per row, so that each stays readable
     nrows = -(-max(1, len(models)) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 5 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 5 * nrows), squeeze=False, dpi=120)
     flat = list(axes.flat)
     for ax in flat[len(models) :]:
         ax.set_visible(False)
+    to_label = []  # (axes, points, labels): placed once the layout is final
     for ax, m in zip(flat, models, strict=False):
         # quanto in one forward per window never quantizes what attention reads (its prefill is returned as is):
         # a point at "4.5 bits, no loss" would be misleading, so only its chunked (decode-like) rows are drawn.
@@ -262,19 +329,24 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
         for r, (x, y) in zip(rows, pts, strict=True):
             is_oaken = r["method"].startswith("oaken")
             ax.scatter(x, y, c="tab:red" if is_oaken else "tab:blue", s=30, zorder=3)
-            label = r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "")
-            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        labels = [r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "") for r in rows]
+        to_label.append((ax, pts, labels))
         front = pareto_front(pts)
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=0.8, label="Pareto frontier")
         ax.axhline(0, color="grey", lw=0.5)
+        ax.margins(x=0.06, y=0.08)  # room for the labels of the outermost points
         if max(p[1] for p in pts) > 20 * max(min(abs(p[1]) for p in pts), 0.05):
             ax.set_yscale("symlog", linthresh=1.0)  # one collapsed method would flatten every other point
+            if min(p[1] for p in pts) >= 0:  # no method gained: no empty negative decade below the axis
+                ax.set_ylim(bottom=-0.1)
         ax.set_xlabel("effective bits per K/V value")
         ax.set_ylabel(f"perplexity increase over FP ({fp['ppl']:.3f})")
         ax.set_title(f"{m}: WikiText-2, {fp['windows']} x {fp['window']} tokens")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    for ax, pts, labels in to_label:
+        _place_labels(fig, ax, pts, labels)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
