@@ -15,7 +15,9 @@
 # GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="fp oaken kvquant4 int4"
 # benchmarks/eval_peers.sh zeroshot. Session 7 ran: MODEL=gemma3-270m FULL_METHODS=fp (and =oaken, a second process;
 # later OMP_NUM_THREADS=2 ... FULL_METHODS=kvquant4 alone) benchmarks/eval_peers.sh full; MODEL=gemma3-270m LIMIT=200
-# ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot.
+# ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot. Session 8 ran: benchmarks/eval_peers.sh oaken (for
+# oaken-head; the rest existed); MODEL=gemma3-270m OMP_NUM_THREADS=2 FULL_METHODS=<m> benchmarks/eval_peers.sh full
+# for int5, kivi4, fp8, oaken-official and int4 one after another (the same command, from a copy of the loop).
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
@@ -51,6 +53,7 @@ for part in "${parts[@]}"; do
       ppl oaken-official oaken-official
       ppl oaken-prerope oaken:key_position=pre
       ppl oaken-kurtosis oaken-kurtosis
+      ppl oaken-head oaken:granularity=head  # one set of scales per head vector (64 values) instead of per token
       for s in 0.08 0.12 0.16 0.20; do
         o=$(python3 -c "print(round(0.4*$s,6))"); i=$(python3 -c "print(round(0.6*$s,6))")
         ppl "oaken-share$s" "oaken:outer=$o,inner=$i"
