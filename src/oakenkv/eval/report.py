@@ -250,6 +250,7 @@ def label_offsets(
     points = [(x - dot, y - dot, x + dot, y + dot) for x, y in anchors]
     placed: list[tuple[float, float, float, float]] = []
     out: list[tuple[float, float]] = [(gap, gap)] * len(anchors)
+    steps = [0] + [s for k in range(1, tries + 1) for s in (-k, k)]  # label heights to move by, nearest first
 
     def free(box: tuple[float, float, float, float], own: int) -> bool:
         x0, y0, x1, y1 = box
@@ -260,7 +261,6 @@ def label_offsets(
         (x, y), (w, h) = anchors[i], sizes[i]
         dx = -gap - w if right is not None and x + gap + w > right else gap
         out[i] = (dx, gap)
-        steps = [0] + [s for k in range(1, tries + 1) for s in (-k, k)]
         for k in steps:
             dy = gap + k * (h + 1.0)
             box = (x + dx, y + dy, x + dx + w, y + dy + h)
