@@ -9,8 +9,9 @@
 # WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 50) documents per task keep this within about
 # an hour on 2 shared CPU cores; WINDOWS= (empty) LIMIT= (empty) runs the full WikiText-2 test set (~140 windows)
 # and the full validation sets. Results are JSON files under OUT (default docs/results); existing files are kept
-# (delete one to re-run it). Other LIMITs write to OUT/default-zs<LIMIT> and GEMMA_WINDOWS other than 3 to
-# OUT/gemma3-270m-<N>w, so that runs over different documents or windows are never mixed in one table.
+# (delete one to re-run it). Other LIMITs write to OUT/default-zs<LIMIT>, ZS_TASKS (a subset of the three tasks)
+# to OUT/default-zs<LIMIT>-<tasks> and GEMMA_WINDOWS other than 3 to OUT/gemma3-270m-<N>w, so that runs over
+# different documents or windows are never mixed in one table.
 # Session 6 ran: LIMIT=200 ZS_METHODS="fp oaken kvquant4 int5 int4 fp8" benchmarks/eval_peers.sh zeroshot;
 # GEMMA_WINDOWS=20 benchmarks/eval_peers.sh gemma; MODEL=gemma3-270m LIMIT=200 ZS_METHODS="fp oaken kvquant4 int4"
 # benchmarks/eval_peers.sh zeroshot. Session 7 ran: MODEL=gemma3-270m FULL_METHODS=fp (and =oaken, a second process;
@@ -36,10 +37,17 @@ ppl() {  # ppl <file-stem> <method> [extra args...]
   local f="$OUT/$MODEL/ppl-$1.json"; shift
   [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$1" "${mw[@]}" "${@:2}" --json "$f"
 }
-zs() {  # zs <file-stem> <method>  (LIMIT other than 50 documents: its own directory, e.g. default-zs200)
-  local d="$OUT/$MODEL"; [[ "$LIMIT" != 50 ]] && d="$OUT/$MODEL-zs${LIMIT:-all}"; mkdir -p "$d"
+zs() {  # zs <file-stem> <method>  (LIMIT other than 50 documents: its own directory, e.g. default-zs200;
+  # ZS_TASKS, a subset such as piqa,winogrande: its own directory too, e.g. default-zsall-piqa-winogrande)
+  local d="$OUT/$MODEL"; [[ "$LIMIT" != 50 ]] && d="$OUT/$MODEL-zs${LIMIT:-all}"
+  local tasks=()
+  if [[ -n "${ZS_TASKS:-}" ]]; then
+    [[ "$d" == "$OUT/$MODEL" ]] && d="$OUT/$MODEL-zs50"
+    d="$d-${ZS_TASKS//,/-}"; tasks=(--tasks "$ZS_TASKS")
+  fi
+  mkdir -p "$d"
   local f="$d/zs-$1.json"
-  [[ -f "$f" ]] || $OAK eval zeroshot --model "$MODEL" --method "$2" "${lim[@]}" --json "$f"
+  [[ -f "$f" ]] || $OAK eval zeroshot --model "$MODEL" --method "$2" "${lim[@]}" "${tasks[@]}" --json "$f"
 }
 
 for part in "${parts[@]}"; do

@@ -362,8 +362,8 @@ def test_paired_accuracy():
         paired_accuracy([1, 0], [1])
 
 
-def test_report_zeroshot_paired_and_grouped_by_limit(tmp_path):
-    def zs(method, correct, limit):
+def test_report_zeroshot_paired_and_grouped_by_limit_and_tasks(tmp_path):
+    def zs(method, correct, limit, tasks=("piqa",)):
         n = len(correct)
         return {
             "kind": "zeroshot",
@@ -372,24 +372,35 @@ def test_report_zeroshot_paired_and_grouped_by_limit(tmp_path):
             "effective_bits": {"fp": 16, "int4": 4.5}[method],
             "limit": limit,
             "tasks": {
-                "piqa": {
+                t: {
                     "acc_norm": sum(correct) / n,
                     "reported": sum(correct) / n,
                     "reported_metric": "acc_norm",
                     "n": n,
                     "per_doc": {"doc_id": list(range(n)), "acc_norm": correct},
                 }
+                for t in tasks
             },
         }
 
     fp = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1]
     q = [0, 1, 0, 0, 0, 1, 1, 1, 1, 1]  # loses docs 0 and 3, gains doc 7
-    for i, r in enumerate([zs("fp", fp, 10), zs("int4", q, 10), zs("fp", fp[:4], 4)]):
+    runs = [zs("fp", fp, 10), zs("int4", q, 10), zs("fp", fp[:4], 4), zs("fp", fp, 10, ("piqa", "hellaswag"))]
+    for i, r in enumerate(runs):
         (tmp_path / f"{i}.json").write_text(json.dumps(r))
     text = write_report([tmp_path], tmp_path / "r.md", tmp_path / "r.png")
-    assert text.index("first 10 validation documents") < text.index("first 4 validation documents")
+    # one table per (documents, tasks): more documents first, then more tasks; a subset names its tasks
+    titles = [line for line in text.splitlines() if line.startswith("### Zero-shot")]
+    assert titles == [
+        "### Zero-shot (first 10 validation documents per task of piqa, hellaswag)",
+        "### Zero-shot (first 10 validation documents per task of piqa)",
+        "### Zero-shot (first 4 validation documents per task of piqa)",
+    ]
+    # only the tasks a table's runs have get a column (the paper's order), none all n/a
+    heads = [line for line in text.splitlines() if line.startswith("| method | eff. bits | piqa (")]
+    assert [h.count("acc") for h in heads] == [2, 1, 1] and "hellaswag" in heads[0] and "winogrande" not in text
     row = next(line for line in text.splitlines() if line.startswith("| int4 |") and "Δ" not in line and "[" in line)
-    assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" in row  # piqa paired; no winogrande/hellaswag
+    assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" not in row  # paired with the piqa-only fp run
 
 
 def test_report_shows_paired_intervals(tmp_path):

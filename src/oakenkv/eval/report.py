@@ -149,9 +149,18 @@ def ppl_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+ZS_TASKS = ("piqa", "winogrande", "hellaswag")
+
+
+def _zs_tasks(rows: list[dict[str, Any]]) -> list[str]:
+    """The tasks any of ``rows`` ran, in the paper's order (a table shows only those columns)."""
+    have = {t for r in rows for t in r["tasks"]}
+    return [t for t in ZS_TASKS if t in have] + sorted(have - set(ZS_TASKS))
+
+
 def zeroshot_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of one model's zero-shot results (the paper's metrics, plus acc / acc_norm)."""
-    tasks = ["piqa", "winogrande", "hellaswag"]
+    tasks = _zs_tasks(rows)
     head = (
         "| method | eff. bits | "
         + " | ".join(f"{t} ({'acc' if t == 'winogrande' else 'acc_norm'})" for t in tasks)
@@ -173,7 +182,7 @@ def zeroshot_table(rows: list[dict[str, Any]]) -> str:
 def zeroshot_paired_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: each method's accuracy minus FP's on the same documents (the paper's metric per task),
     with a 95% paired-bootstrap interval and the answers it gains / loses; empty without per-document scores."""
-    tasks = ["piqa", "winogrande", "hellaswag"]
+    tasks = _zs_tasks(rows)
     fp = next((r for r in rows if r["method"] == "fp"), None)
     if fp is None:
         return ""
@@ -385,15 +394,18 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
             )
             parts.append(ppl_table(rows) + "\n")
             panels[m if len(groups) == 1 else f"{m}, {key[0]} windows"] = rows
-        # likewise one zero-shot table per number of documents, the largest first
-        zgroups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        # likewise one zero-shot table per number of documents and set of tasks, the largest first
+        zgroups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
         for r in zs.get(m, []):
-            zgroups[r.get("limit")].append(r)
-        for lim in sorted(zgroups, key=lambda x: -(x or math.inf)):
+            zgroups[(r.get("limit"), tuple(_zs_tasks([r])))].append(r)
+        for key in sorted(zgroups, key=lambda k: (-(k[0] or math.inf), -len(k[1]), k[1])):
+            lim, tasks = key
             what = "every validation document" if lim is None else f"first {lim} validation documents per task"
+            if set(tasks) != set(ZS_TASKS):
+                what += " of " + ", ".join(tasks)
             parts.append(f"### Zero-shot ({what})\n")
-            parts.append(zeroshot_table(zgroups[lim]) + "\n")
-            paired = zeroshot_paired_table(zgroups[lim])
+            parts.append(zeroshot_table(zgroups[key]) + "\n")
+            paired = zeroshot_paired_table(zgroups[key])
             if paired:
                 parts.append(paired + "\n")
     if diffs:
