@@ -403,6 +403,19 @@ def test_report_zeroshot_paired_and_grouped_by_limit_and_tasks(tmp_path):
     assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" not in row  # paired with the piqa-only fp run
 
 
+def test_zeroshot_table_documents_per_task_follow_the_columns():
+    from oakenkv.eval.report import zeroshot_table
+
+    def task(n):
+        return {"reported": 0.5, "n": n}
+
+    uneven = {"method": "fp", "effective_bits": 16, "tasks": {"winogrande": task(1267), "piqa": task(1838)}}
+    even = {"method": "int4", "effective_bits": 4.5, "tasks": {"winogrande": task(200), "piqa": task(200)}}
+    rows = zeroshot_table([uneven, even]).splitlines()
+    assert "piqa (acc_norm) | winogrande (acc)" in rows[0]  # the paper's task order, whatever the JSON's
+    assert rows[2].endswith("| 1838/1267 |") and rows[3].endswith("| 200 |")
+
+
 def test_report_shows_paired_intervals(tmp_path):
     base = {"kind": "ppl", "tokens": 300, "windows": 3, "model": "default", "window": 101, "stride": 101}
     nll = {"fp": [200.0, 250.0, 300.0], "oaken": [203.0, 252.0, 304.0], "int4": [210.0, 262.0, 309.0]}

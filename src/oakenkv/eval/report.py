@@ -170,11 +170,13 @@ def zeroshot_table(rows: list[dict[str, Any]]) -> str:
     for r in sorted(rows, key=lambda r: (r["method"] != "fp", r["effective_bits"], r["method"])):
         vals = [r["tasks"].get(t, {}).get("reported") for t in tasks]
         have = [v for v in vals if v is not None]
-        n = {r["tasks"][t].get("n") for t in tasks if t in r["tasks"]}
+        # Documents per task in the columns' order; one number when every task ran the same count.
+        n = [r["tasks"][t].get("n") for t in tasks if t in r["tasks"]]
+        n = n[:1] if len(set(n)) == 1 else n
         lines.append(
             f"| {r['method']} | {_fmt(r['effective_bits'], 2)} | "
             + " | ".join("n/a" if v is None else f"{100 * v:.2f}" for v in vals)
-            + f" | {100 * sum(have) / len(have):.2f} | {'/'.join(str(x) for x in sorted(n))} |"
+            + f" | {100 * sum(have) / len(have):.2f} | {'/'.join(str(x) for x in n)} |"
         )
     return "\n".join(lines)
 
