@@ -19,6 +19,8 @@
 # ZS_METHODS="int5 fp8" benchmarks/eval_peers.sh zeroshot. Session 8 ran: benchmarks/eval_peers.sh oaken (for
 # oaken-head; the rest existed); MODEL=gemma3-270m OMP_NUM_THREADS=2 FULL_METHODS=<m> benchmarks/eval_peers.sh full
 # for int5, kivi4, fp8, oaken-official and int4 one after another (the same command, from a copy of the loop).
+# Session 9 ran: LIMIT= ZS_TASKS=piqa,winogrande ZS_METHODS=<m> benchmarks/eval_peers.sh zeroshot, two processes at
+# a time (fp, kvquant4, int5 in one; oaken, int4, fp8 in the other).
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
