@@ -399,6 +399,11 @@ def test_report_zeroshot_paired_and_grouped_by_limit_and_tasks(tmp_path):
     # only the tasks a table's runs have get a column (the paper's order), none all n/a
     heads = [line for line in text.splitlines() if line.startswith("| method | eff. bits | piqa (")]
     assert [h.count("acc") for h in heads] == [2, 1, 1] and "hellaswag" in heads[0] and "winogrande" not in text
+    assert ["| mean |" in h for h in heads] == [True, False, False]  # no mean of a single task
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # header, separator and first row of each table: as many columns
+        if line.startswith("| method | eff. bits | piqa ("):
+            assert line.count("|") == lines[i + 1].count("|") == lines[i + 2].count("|")
     row = next(line for line in text.splitlines() if line.startswith("| int4 |") and "Δ" not in line and "[" in line)
     assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" not in row  # paired with the piqa-only fp run
 

@@ -161,12 +161,14 @@ def _zs_tasks(rows: list[dict[str, Any]]) -> list[str]:
 def zeroshot_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of one model's zero-shot results (the paper's metrics, plus acc / acc_norm)."""
     tasks = _zs_tasks(rows)
+    mean = len(tasks) > 1  # a mean over one task would repeat its column
     head = (
         "| method | eff. bits | "
         + " | ".join(f"{t} ({'acc' if t == 'winogrande' else 'acc_norm'})" for t in tasks)
-        + " | mean | docs per task |"
+        + (" | mean" if mean else "")
+        + " | docs per task |"
     )
-    lines = [head, "|---|---:|" + "---:|" * (len(tasks) + 2)]
+    lines = [head, "|---|---:|" + "---:|" * (len(tasks) + 1 + mean)]
     for r in sorted(rows, key=lambda r: (r["method"] != "fp", r["effective_bits"], r["method"])):
         vals = [r["tasks"].get(t, {}).get("reported") for t in tasks]
         have = [v for v in vals if v is not None]
@@ -176,7 +178,8 @@ def zeroshot_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['method']} | {_fmt(r['effective_bits'], 2)} | "
             + " | ".join("n/a" if v is None else f"{100 * v:.2f}" for v in vals)
-            + f" | {100 * sum(have) / len(have):.2f} | {'/'.join(str(x) for x in n)} |"
+            + (f" | {100 * sum(have) / len(have):.2f}" if mean else "")
+            + f" | {'/'.join(str(x) for x in n)} |"
         )
     return "\n".join(lines)
 
