@@ -21,6 +21,7 @@
 # for int5, kivi4, fp8, oaken-official and int4 one after another (the same command, from a copy of the loop).
 # Session 9 ran: LIMIT= ZS_TASKS=piqa,winogrande ZS_METHODS=<m> benchmarks/eval_peers.sh zeroshot, two processes at
 # a time (fp, kvquant4, int5 in one; oaken, int4, fp8 in the other).
+# Session 10 ran: LIMIT=2000 ZS_TASKS=hellaswag ZS_METHODS=<m> benchmarks/eval_peers.sh zeroshot, the same way.
 set -euo pipefail
 # One thread per process: on a shared 2-core machine two OpenMP threads fighting other jobs made a forward pass
 # ~10x slower than one thread. Run several parts in parallel instead.
