@@ -389,22 +389,22 @@ def test_report_zeroshot_paired_and_grouped_by_limit_and_tasks(tmp_path):
     for i, r in enumerate(runs):
         (tmp_path / f"{i}.json").write_text(json.dumps(r))
     text = write_report([tmp_path], tmp_path / "r.md", tmp_path / "r.png")
+    lines = text.splitlines()
     # one table per (documents, tasks): more documents first, then more tasks; a subset names its tasks
-    titles = [line for line in text.splitlines() if line.startswith("### Zero-shot")]
+    titles = [line for line in lines if line.startswith("### Zero-shot")]
     assert titles == [
         "### Zero-shot (first 10 validation documents per task of piqa, hellaswag)",
         "### Zero-shot (first 10 validation documents per task of piqa)",
         "### Zero-shot (first 4 validation documents per task of piqa)",
     ]
     # only the tasks a table's runs have get a column (the paper's order), none all n/a
-    heads = [line for line in text.splitlines() if line.startswith("| method | eff. bits | piqa (")]
+    heads = [line for line in lines if line.startswith("| method | eff. bits | piqa (")]
     assert [h.count("acc") for h in heads] == [2, 1, 1] and "hellaswag" in heads[0] and "winogrande" not in text
     assert ["| mean |" in h for h in heads] == [True, False, False]  # no mean of a single task
-    lines = text.splitlines()
     for i, line in enumerate(lines):  # header, separator and first row of each table: as many columns
         if line.startswith("| method | eff. bits | piqa ("):
             assert line.count("|") == lines[i + 1].count("|") == lines[i + 2].count("|")
-    row = next(line for line in text.splitlines() if line.startswith("| int4 |") and "Δ" not in line and "[" in line)
+    row = next(line for line in lines if line.startswith("| int4 |") and "Δ" not in line and "[" in line)
     assert "-10.00 [" in row and "(+1/−2)" in row and "n/a" not in row  # paired with the piqa-only fp run
 
 
