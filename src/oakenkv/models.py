@@ -32,6 +32,9 @@ from typing import Any, Literal
 
 import torch
 
+from oakenkv.paths import cache_root, file_sha256
+from oakenkv.paths import package_dir as _package_dir  # a module global, so that tests can stub it
+
 __all__ = [
     "EMBEDDED_MODELS",
     "EmbeddedModel",
@@ -122,40 +125,6 @@ class ModelSource:
     location: str
     #: The converted safetensors directory for GGUF sources once it exists, else None.
     cached: Path | None = None
-
-
-def cache_root() -> Path:
-    """The oakenkv cache directory: ``$OAKENKV_CACHE`` when set, else ``~/.cache/oakenkv``."""
-    env = os.environ.get("OAKENKV_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "oakenkv"
-
-
-def _package_dir(package: str) -> Path | None:
-    """The directory of an installed package, found without importing it (None when not installed)."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-_SHA_MEMO: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 hex digest of a file, memoised by (resolved path, size, mtime): hashing 100 MB takes ~0.5 s."""
-    p = Path(path).resolve()
-    st = p.stat()
-    key = (str(p), st.st_size, st.st_mtime_ns)
-    if key not in _SHA_MEMO:
-        h = hashlib.sha256()
-        with p.open("rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        _SHA_MEMO[key] = h.hexdigest()
-    return _SHA_MEMO[key]
 
 
 def _missing(em: EmbeddedModel, what: str) -> MissingModelError:
