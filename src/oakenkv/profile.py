@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.rope import rotate_half
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
 
 if TYPE_CHECKING:
@@ -205,12 +206,6 @@ def run_thresholds(
 # ---------------------------------------------------------------------------------------------- recording
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # Same convention as transformers' Llama rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @functools.cache
 def _cache_class() -> type[DynamicCache]:
     from transformers import DynamicCache
@@ -276,7 +271,7 @@ class KVRecorder:
                     "rotary); pre-RoPE recording supports full-width RoPE only"
                 )
             cos, sin = cos.unsqueeze(1).to(k.dtype), sin.unsqueeze(1).to(k.dtype)
-            k = k * cos - _rotate_half(k) * sin
+            k = k * cos - rotate_half(k) * sin
         self._keys[layer_idx] = k.detach()
         self._values[layer_idx] = v.detach()
 

@@ -212,8 +212,8 @@ def calibrate_all(
     Args:
         configs: ``(config, kurtosis_tuning)`` pairs.
     """
-    from oakenkv.eval.rope import RopeTable, invert_rope
     from oakenkv.profile import _Accumulator, _candidates, _finish, record_kv, run_thresholds
+    from oakenkv.rope import RopeTable, invert_rope
     from oakenkv.thresholds import ModelFingerprint, Thresholds
 
     spec = spec or CalibrationSpec()

@@ -173,7 +173,7 @@ def build_method(
 
     from oakenkv.eval import calibration as cal
     from oakenkv.eval.cache import FakeQuantCache, KiviCache
-    from oakenkv.eval.rope import RopeTable
+    from oakenkv.rope import RopeTable
 
     family, params = parse_spec(spec)
     # Aliases are the familiar names (int4, kivi4, ...): keep them in results.
