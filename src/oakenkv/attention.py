@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV, scale_bytes
+from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV
+from oakenkv.format import scale_bytes
 
 #: Smallest split of a row's tokens worth a work item of its own.
 _THREADS_MIN_TOKENS = 256
@@ -93,9 +94,8 @@ def packed_decode_attention(
     Returns:
         ``[B, 1, Hq, hd]`` in ``query``'s dtype (transformers' attention-output layout).
     """
-    from oakenkv.codec import CorruptDataError
+    from oakenkv.format import ERROR_MESSAGES, CorruptDataError
     from oakenkv.kernels.attention_cpu import packed_decode_attention, packed_decode_attention_serial
-    from oakenkv.kernels.cpu import ERROR_MESSAGES
 
     store = key.store
     if key.kind != KEY or value.kind != VALUE or value.store is not store or value.layer != key.layer:

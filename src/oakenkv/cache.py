@@ -43,8 +43,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oakenkv.codec import EncodedBatch, dense_bytes
-from oakenkv.config import OakenConfig
+from oakenkv.format import EncodedBatch, from_records, record_size, scale_bytes, to_records
 from oakenkv.pages import PagePool, PoolConfig, PoolStats
 from oakenkv.thresholds import Thresholds
 
@@ -74,51 +73,9 @@ def _codec_functions(kind: str):
         except ImportError:
             if kind == "fast":
                 raise
-    from oakenkv.codec import pack, unpack
-    from oakenkv.quant import dequantize, quantize
+    from oakenkv import reference
 
-    def encode_ref(x: torch.Tensor, thr: Any, config: OakenConfig) -> EncodedBatch:
-        return pack(quantize(x, thr, config), config)
-
-    def decode_ref(enc: EncodedBatch, thr: Any, config: OakenConfig) -> torch.Tensor:
-        return dequantize(unpack(enc, config), thr, config)
-
-    return encode_ref, decode_ref
-
-
-def scale_bytes(config: OakenConfig) -> int:
-    """Bytes of the six per-token scales."""
-    return 6 * (2 if config.scale_dtype == "float16" else 4)
-
-
-def record_size(dim: int, config: OakenConfig) -> int:
-    """Bytes of one dense page record: the six scales, then the ``ceil(D / 2)`` nibble bytes."""
-    return scale_bytes(config) + dense_bytes(dim)
-
-
-def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, rec]`` (scales then nibbles), sparse uint8
-    ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse table)."""
-    n = enc.num_rows
-    scales = enc.scales.contiguous().numpy().view(np.uint8).reshape(n, -1)
-    dense = np.concatenate([scales, enc.dense.numpy()], axis=1)
-    return dense, enc.sparse.numpy(), enc.sparse_offsets.numpy()
-
-
-def from_records(
-    dense: np.ndarray, sparse: np.ndarray, offsets: np.ndarray, dim: int, config: OakenConfig
-) -> EncodedBatch:
-    """The inverse of :func:`to_records`."""
-    sb = scale_bytes(config)
-    dtype = np.float16 if config.scale_dtype == "float16" else np.float32
-    scales = np.ascontiguousarray(dense[:, :sb]).view(dtype).reshape(-1, 6)
-    return EncodedBatch(
-        dense=torch.from_numpy(np.ascontiguousarray(dense[:, sb:])),
-        scales=torch.from_numpy(scales.copy()),
-        sparse=torch.from_numpy(np.ascontiguousarray(sparse)),
-        sparse_offsets=torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
-        dim=dim,
-    )
+    return reference.encode, reference.decode
 
 
 #: Below this many rows a numba call runs on one thread: waking the thread pool costs more than the work, and on
@@ -259,7 +216,8 @@ class PagedKVStore:
         Same bytes as :meth:`append`; one serial numba call encodes the ``2 B`` rows straight into page records
         and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). Needs the fast codec.
         """
-        from oakenkv.kernels.cpu import ERROR_MESSAGES, encode_records, sparse_capacity
+        from oakenkv.format import ERROR_MESSAGES, sparse_capacity
+        from oakenkv.kernels.cpu import encode_records
 
         b, h, s, hd = keys.shape
         if (h, s, hd) != (self.num_kv_heads, 1, self.head_dim) or values.shape != keys.shape:
@@ -286,7 +244,8 @@ class PagedKVStore:
         thr[:b] = self.thr[layer, KEY]
         thr[b:] = self.thr[layer, VALUE]
         cfg = self.config
-        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, cfg.scale_dtype == "float16", records, sparse, counts)
+        fp16 = cfg.scale_dtype == "float16"
+        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, fp16, scale_bytes(cfg), records, sparse, counts)
         bad = np.flatnonzero(counts < 0)
         if bad.size:
             r = int(bad[0])

@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.format import MIDDLE_BITS
 
 #: Group ids, stored in ``QuantizedVectors.groups`` and used to index ``mins``/``maxs``.
 GROUP_MIDDLE = 0
@@ -104,12 +105,8 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
 
 
 def group_bits(config: OakenConfig) -> tuple[int, int, int]:
-    """Bits per code, indexed by group id."""
-    return (config.middle_bits, config.inner_bits, config.outer_bits)
-
-
-def _scale_dtype(config: OakenConfig) -> torch.dtype:
-    return torch.float16 if config.scale_dtype == "float16" else torch.float32
+    """Bits per code, indexed by group id (the middle group's code fills the format's dense slot)."""
+    return (MIDDLE_BITS, config.inner_bits, config.outer_bits)
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +222,7 @@ def _round_scales(v: torch.Tensor, config: OakenConfig) -> torch.Tensor:
         raise ValueError(
             "a group's range exceeds the fp16 maximum (65504); use OakenConfig(scale_dtype='float32') for this data"
         )
-    return v.to(_scale_dtype(config))
+    return v.to(config.scale_torch_dtype)
 
 
 def _grid_step(gmin: torch.Tensor, gmax: torch.Tensor, bits: int) -> torch.Tensor:
@@ -253,14 +250,14 @@ def quantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = 
     bits = group_bits(config)
     n_rows = x32.shape[0]
     codes = torch.zeros(x32.shape, dtype=torch.uint8)
-    mins = torch.zeros((n_rows, NUM_GROUPS), dtype=_scale_dtype(config))
+    mins = torch.zeros((n_rows, NUM_GROUPS), dtype=config.scale_torch_dtype)
     maxs = torch.zeros_like(mins)
     f32 = torch.float32
     half = torch.tensor(0.5, dtype=f32)
     for g in (GROUP_MIDDLE, GROUP_INNER, GROUP_OUTER):
         member = groups == g
         signed = g != GROUP_INNER
-        gmin, gmax = _signed_grid(s, member, bits[g], _scale_dtype(config)) if signed else _plain_grid(s, member)
+        gmin, gmax = _signed_grid(s, member, bits[g], config.scale_torch_dtype) if signed else _plain_grid(s, member)
         gmin_q, gmax_q = _round_scales(gmin, config), _round_scales(gmax, config)
         mins[:, g], maxs[:, g] = gmin_q, gmax_q
         lo, step = gmin_q.to(f32)[:, None], _grid_step(gmin_q, gmax_q, bits[g])[:, None]

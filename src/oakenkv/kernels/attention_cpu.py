@@ -24,8 +24,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from oakenkv.codec import ADVANCE_CONTINUE, CHUNK_SIZE, COO_GROUP_BIT, COO_INDEX_MASK
-from oakenkv.kernels.cpu import ERR_ESCAPE_TRUNCATED, ERR_EVICTED, ERR_OK, ERR_POSITION_RANGE, _f16_value
+from oakenkv.format import (
+    ADVANCE_CONTINUE,
+    CHUNK_SIZE,
+    COO_GROUP_BIT,
+    COO_INDEX_MASK,
+    ERR_ESCAPE_TRUNCATED,
+    ERR_EVICTED,
+    ERR_OK,
+    ERR_POSITION_RANGE,
+    NUM_SCALES,
+)
+from oakenkv.kernels.numba_helpers import f16_widen_int
 
 #: Tokens per softmax block inside a work item.
 _BLOCK = 32
@@ -86,9 +96,9 @@ def _decode_token(
     if page < 0:  # released by a sliding window (pages.EVICTED): the mask should have hidden this token
         return ERR_EVICTED, sp, off
     base = page * page_size + (t % rpp) * rec
-    for i in range(6):
+    for i in range(NUM_SCALES):  # fp16 scales, little-endian (the page-record layout of oakenkv.format)
         bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
-        sc[i] = _f16_value(bits)
+        sc[i] = f16_widen_int(bits)
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     lo = sc[0]
     step = (sc[1] - lo) / _F32(15.0)
@@ -212,7 +222,7 @@ def _work_item(
     s = w % num_splits
     t0 = s * t_n // num_splits
     t1 = (s + 1) * t_n // num_splits
-    sc = np.empty(6, np.float32)
+    sc = np.empty(NUM_SCALES, np.float32)
     codes = np.empty(d, np.uint8)
     krow = np.empty(d, np.float32)
     vrow = np.empty(d, np.float32)
