@@ -1,8 +1,7 @@
 """Text generation with the Oaken KV cache, and the thresholds it needs (``oakenkv generate``, ``oakenkv demo``).
 
 :func:`load_or_profile_thresholds` reads a thresholds file, or profiles the model once on the calibration text
-and caches the result next to the model cache (``oakenkv.eval.calibration.oaken_thresholds``), so later runs
-start in seconds.
+and caches the result on disk (``oakenkv.profile.cached_thresholds``), so later runs start in seconds.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ def load_or_profile_thresholds(
         thr.check_fingerprint(ModelFingerprint.from_model_config(loaded.model.config, name=thr.fingerprint.name))
         return thr
     from oakenkv.config import OakenConfig
-    from oakenkv.eval.calibration import CalibrationSpec, oaken_thresholds
+    from oakenkv.profile import CalibrationSpec, cached_thresholds
 
     spec = CalibrationSpec(samples=samples, window=window)
-    return oaken_thresholds(loaded.model, loaded.tokenizer, loaded.name, OakenConfig(), spec, progress=progress)
+    return cached_thresholds(loaded.model, loaded.tokenizer, loaded.name, OakenConfig(), spec, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,7 @@ def generate_text(
     from transformers import DynamicCache
 
     from oakenkv.attention import oaken_attention
-    from oakenkv.bench.decode import kv_bytes
-    from oakenkv.cache import OakenCache
+    from oakenkv.cache import OakenCache, kv_bytes
 
     model, tok = loaded.model, loaded.tokenizer
     if chat and getattr(tok, "chat_template", None):
@@ -117,30 +115,6 @@ def generate_text(
     )
 
 
-def stored_bits(cache: Any) -> dict[str, float]:
-    """Bits per stored value of an :class:`~oakenkv.cache.OakenCache`, from its pages.
-
-    ``format``: what the Oaken format stores (dense nibbles + scales + COO bytes + 16-bit header per token);
-    ``with_pages``: everything the cache holds (whole pages in use + tables) per value.
-    """
-    store = cache.store
-    pool = store.pool
-    tokens = dense = sparse = 0
-    for seq in store.seqs:
-        for stream in range(pool.num_streams(seq)):
-            t = pool.table(seq, stream)
-            tokens += t.num_tokens
-            dense += t.num_tokens * t.rec_size
-            sparse += int(t.sparse_len.view.sum())
-    values = tokens * store.dim
-    if values == 0:
-        return {"format": float("nan"), "with_pages": float("nan")}
-    return {
-        "format": 8.0 * (dense + sparse + 2 * tokens) / values,
-        "with_pages": 8.0 * cache.kv_bytes() / values,
-    }
-
-
 def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, int, dict[str, float], int]:
     """Next-token NLL of token windows scored through an :class:`~oakenkv.cache.OakenCache`.
 
@@ -151,7 +125,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
         windows: int64 ``[N, S]`` token ids; all scored in one batch.
 
     Returns:
-        ``(total_nll, predicted_tokens, stored_bits, kv_bytes)``.
+        ``(total_nll, predicted_tokens, bits per value (OakenCache.bits_per_value), kv_bytes)``.
     """
     import torch
 
@@ -162,7 +136,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
         logits = model(input_ids=windows, cache=cache, use_cache=True).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
-    return float(nll.sum()), nll.numel(), stored_bits(cache), cache.kv_bytes()
+    return float(nll.sum()), nll.numel(), cache.bits_per_value(), cache.kv_bytes()
 
 
 def oaken_demo_side(

@@ -39,22 +39,36 @@ Pearson kurtosis (3 for a Gaussian; per run, averaged over runs) above ``KURTOSI
 0.5 points, and below ``KURTOSIS_LOW`` = 5 lowers the inner ratio by 0.3 points. The quantiles for both the nominal
 and the adjusted ratios are collected in the same pass, so tuning costs no second pass; the ratios used and the
 reason are recorded in the layer's :class:`~oakenkv.thresholds.LayerStats`.
+
+Entry points
+------------
+- :func:`profile_thresholds` (given windows) and :func:`profile_model` (load a model and its calibration text):
+  what ``oakenkv profile`` runs.
+- :func:`cached_thresholds`: a profile over the windows of a :class:`CalibrationSpec`, made once and then read
+  from the disk cache (:func:`thresholds_cache_path`); what ``oakenkv generate``/``demo`` and the evaluation use.
+- The parts, for a profiler that records K/V its own way (``oakenkv.eval.calibration.calibrate_all`` profiles
+  several configs in one pass): :class:`KVRecorder` / :func:`record_kv`, :func:`run_thresholds` per run,
+  :func:`candidate_ratios` and :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import cache_root
 from oakenkv.rope import rotate_half
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
 
@@ -62,6 +76,9 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 __all__ = [
+    "DEFAULT_CALIB_SAMPLES",
+    "DEFAULT_CALIB_TEXT",
+    "DEFAULT_CALIB_WINDOW",
     "DEFAULT_SAMPLES",
     "DEFAULT_WINDOW",
     "INNER_DELTA",
@@ -69,14 +86,22 @@ __all__ = [
     "KURTOSIS_LOW",
     "OUTER_DELTA",
     "RECOMMENDED_RUNS",
+    "CalibrationSpec",
     "FewRunsWarning",
     "KVRecorder",
+    "RunAccumulator",
+    "cached_thresholds",
+    "calibration_stem",
+    "calibration_windows",
+    "candidate_ratios",
     "exact_quantiles",
     "kurtosis",
+    "profile_cache_dir",
     "profile_model",
     "profile_thresholds",
     "record_kv",
     "run_thresholds",
+    "thresholds_cache_path",
 ]
 
 #: The paper's (and the seed's troubleshooting advice's) number of profiling runs; fewer triggers FewRunsWarning.
@@ -323,17 +348,9 @@ def record_kv(
 # ---------------------------------------------------------------------------------------------- profiling
 
 
-@dataclass
-class _Accumulator:
-    """Per-run results of one (layer, kind): candidate thresholds and kurtosis."""
-
-    outer: list[torch.Tensor]  # each float64 [num_outer_candidates, 2]
-    inner: list[torch.Tensor]  # each float64 [num_inner_candidates, 2]
-    kurt: list[float]
-    num_samples: int = 0
-
-
-def _candidates(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def candidate_ratios(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The outer and inner ratios whose thresholds a run records: the config's, plus with kurtosis ``tuning`` the
+    raised outer and lowered inner ratio (``OUTER_DELTA``, ``INNER_DELTA``), so tuning costs no second pass."""
     if not tuning:
         return (config.outer_ratio,), (config.inner_ratio,)
     raised = config.outer_ratio + OUTER_DELTA
@@ -343,38 +360,64 @@ def _candidates(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], t
     return (config.outer_ratio, raised), (config.inner_ratio, lowered)
 
 
-def _finish(acc: _Accumulator, config: OakenConfig, tuning: bool, layer: int, kind: str):
-    runs = len(acc.kurt)
-    k = sum(acc.kurt) / runs
-    oi, ii, notes = 0, 0, []
-    if tuning and k > KURTOSIS_HIGH:
-        oi = 1
-        notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
-    if tuning and k < KURTOSIS_LOW:
-        ii = 1
-        notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
-    outer_ratios, inner_ratios = _candidates(config, tuning)
-    per_run = torch.stack(
-        [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(acc.outer, acc.inner, strict=True)]
-    )  # [runs, 4]
-    mean = per_run.mean(dim=0)
-    std = per_run.std(dim=0, correction=0)
-    try:
-        thr = GroupThresholds(*(float(v) for v in mean))
-    except ValueError as e:
-        raise ValueError(
-            f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
-        ) from e
-    stats = LayerStats(
-        kurtosis=k,
-        num_samples=acc.num_samples,
-        num_runs=runs,
-        outer_ratio=outer_ratios[oi],
-        inner_ratio=inner_ratios[ii],
-        run_std=tuple(float(s) for s in std),
-        adjustments=tuple(notes),
-    )
-    return thr, stats
+@dataclass
+class RunAccumulator:
+    """The per-run results of one (layer, kind) over a profile, and the averaged thresholds they give.
+
+    Feed it :func:`run_thresholds`' output for the ratios of :func:`candidate_ratios`, one run at a time
+    (:meth:`add`), then :meth:`finish`. Any profiler that records K/V its own way (the evaluation's one-pass
+    calibration of several configs) uses it to get exactly :func:`profile_thresholds`' numbers.
+    """
+
+    #: Each float64 ``[num_outer_candidates, 2]``: ``(to_lo, to_hi)`` per candidate ratio.
+    outer: list[torch.Tensor] = field(default_factory=list)
+    #: Each float64 ``[num_inner_candidates, 2]``: ``(ti_lo, ti_hi)`` per candidate ratio.
+    inner: list[torch.Tensor] = field(default_factory=list)
+    #: Pearson kurtosis of each run.
+    kurt: list[float] = field(default_factory=list)
+    #: Values recorded over all runs.
+    num_samples: int = 0
+
+    def add(self, outer: torch.Tensor, inner: torch.Tensor, kurt: float, num_values: int) -> None:
+        """One run's candidate thresholds and kurtosis (:func:`run_thresholds`), over ``num_values`` values."""
+        self.outer.append(outer)
+        self.inner.append(inner)
+        self.kurt.append(kurt)
+        self.num_samples += num_values
+
+    def finish(self, config: OakenConfig, tuning: bool, layer: int, kind: str) -> tuple[GroupThresholds, LayerStats]:
+        """The thresholds averaged over runs (for the ratios kurtosis ``tuning`` picks) and their statistics."""
+        runs = len(self.kurt)
+        k = sum(self.kurt) / runs
+        oi, ii, notes = 0, 0, []
+        if tuning and k > KURTOSIS_HIGH:
+            oi = 1
+            notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
+        if tuning and k < KURTOSIS_LOW:
+            ii = 1
+            notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
+        outer_ratios, inner_ratios = candidate_ratios(config, tuning)
+        per_run = torch.stack(
+            [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(self.outer, self.inner, strict=True)]
+        )  # [runs, 4]
+        mean = per_run.mean(dim=0)
+        std = per_run.std(dim=0, correction=0)
+        try:
+            thr = GroupThresholds(*(float(v) for v in mean))
+        except ValueError as e:
+            raise ValueError(
+                f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
+            ) from e
+        stats = LayerStats(
+            kurtosis=k,
+            num_samples=self.num_samples,
+            num_runs=runs,
+            outer_ratio=outer_ratios[oi],
+            inner_ratio=inner_ratios[ii],
+            run_std=tuple(float(s) for s in std),
+            adjustments=tuple(notes),
+        )
+        return thr, stats
 
 
 def profile_thresholds(
@@ -423,10 +466,8 @@ def profile_thresholds(
             stacklevel=2,
         )
     fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
-    outer_ratios, inner_ratios = _candidates(config, kurtosis_tuning)
-    accs = {
-        (layer, kind): _Accumulator([], [], []) for layer in range(fingerprint.num_layers) for kind in ("key", "value")
-    }
+    outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
+    accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
@@ -449,17 +490,14 @@ def profile_thresholds(
                             o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
                         except ValueError as e:
                             raise ValueError(f"layer {layer} {kind}s of run {start + b}: {e}") from e
-                        acc.outer.append(o)
-                        acc.inner.append(i)
-                        acc.kurt.append(k)
-                        acc.num_samples += x.numel()
+                        acc.add(o, i, k, x.numel())
             advance(batch.shape[0])
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
 
     keys_t, values_t, kst, vst = [], [], [], []
     for layer in range(fingerprint.num_layers):
         for kind, thr_list, st_list in (("key", keys_t, kst), ("value", values_t, vst)):
-            thr, st = _finish(accs[(layer, kind)], config, kurtosis_tuning, layer, kind)
+            thr, st = accs[(layer, kind)].finish(config, kurtosis_tuning, layer, kind)
             thr_list.append(thr)
             st_list.append(st)
     info = {
@@ -570,3 +608,116 @@ def profile_model(
         name=model,
         metadata=meta,
     )
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+#: Default calibration of a cached profile: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages
+#: ~100 runs; 16 keep calibration to minutes on 2 shared CPU cores (``oakenkv profile`` defaults to 100 runs).
+DEFAULT_CALIB_TEXT = "wikipedia"
+DEFAULT_CALIB_SAMPLES = 16
+DEFAULT_CALIB_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Which text and how much of it calibration uses.
+
+    ``text`` is an ``oakenkv.data.load_text`` name ("wikipedia", the default; "wikitext2" is the evaluation
+    text and warns) or "file" for the plain text file at ``text_path``.
+    """
+
+    text: str = DEFAULT_CALIB_TEXT
+    samples: int = DEFAULT_CALIB_SAMPLES
+    window: int = DEFAULT_CALIB_WINDOW
+    text_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.window < 2:
+            raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {self.samples}, {self.window}")
+
+    def tag(self) -> str:
+        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
+        return f"{self.text}{path}-{self.samples}x{self.window}"
+
+
+def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
+    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
+    from oakenkv.data import load_text, token_windows
+
+    if spec.text == "wikitext2":
+        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
+    if spec.text == "file":  # any plain UTF-8 text file
+        if spec.text_path is None:
+            raise ValueError("calibration text 'file' needs a path (--calib-path)")
+        text = Path(spec.text_path).read_text(encoding="utf-8")
+    else:
+        text = load_text(spec.text, spec.text_path)
+    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+
+
+def profile_cache_dir() -> Path:
+    """Where profiles made on demand are kept: ``oakenkv.paths.cache_root() / "eval"`` (named after the evaluation,
+    which kept them there first; the name stays so that existing caches stay valid)."""
+    d = cache_root() / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def calibration_stem(model_name: str, spec: CalibrationSpec, tokenizer: Any) -> str:
+    """The part of a calibration cache file's name that names the model and the windows: ``<model>-<spec tag>``,
+    plus ``-bos`` when the tokenizer starts windows with BOS."""
+    from oakenkv.data import adds_bos
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)[-60:]
+    return f"{safe}-{spec.tag()}" + ("-bos" if adds_bos(tokenizer) else "")
+
+
+def thresholds_cache_path(
+    model_name: str,
+    tokenizer: Any,
+    config: OakenConfig,
+    spec: CalibrationSpec,
+    kurtosis_tuning: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """The file :func:`cached_thresholds` keeps a profile in, keyed by model, windows, config and tuning."""
+    key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    directory = profile_cache_dir() if cache_dir is None else cache_dir
+    return directory / f"thr-{calibration_stem(model_name, spec, tokenizer)}-{digest}.json"
+
+
+def cached_thresholds(
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    config: OakenConfig,
+    spec: CalibrationSpec | None = None,
+    *,
+    kurtosis_tuning: bool = False,
+    progress: bool = False,
+    cache_dir: Path | None = None,
+) -> Thresholds:
+    """The :class:`~oakenkv.thresholds.Thresholds` of :func:`profile_thresholds` over the calibration windows of
+    ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the disk cache
+    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`)."""
+    spec = spec or CalibrationSpec()
+    path = thresholds_cache_path(model_name, tokenizer, config, spec, kurtosis_tuning, cache_dir)
+    if path.is_file():
+        return Thresholds.load(path)
+    ids = calibration_windows(tokenizer, spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FewRunsWarning)
+        thr = profile_thresholds(
+            model,
+            ids,
+            config,
+            kurtosis_tuning=kurtosis_tuning,
+            progress=progress,
+            name=model_name,
+            metadata={"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window},
+        )
+    thr.save(path)
+    return thr

@@ -490,7 +490,7 @@ def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -
     console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
     console.print(
         f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
-        f"bits middle {c.middle_bits}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
+        f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
         f"granularity {c.granularity}, scales {c.scale_dtype}"
     )
     if th.profile:
