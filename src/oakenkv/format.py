@@ -139,6 +139,13 @@ def check_dim(dim: int) -> None:
         raise ValueError(f"row width D must be an int in [1, {MAX_DIM}], got {dim!r}")
 
 
+def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16) -> int:
+    """Bits the format stores for ``num_rows`` rows of ``dim`` values holding ``num_entries`` COO entries in all
+    (one per inner or outer value), escape bytes not counted: header, scales and dense bytes per row, plus the
+    entries."""
+    return num_rows * (HEADER_BITS + NUM_SCALES * scale_bits + 8 * dense_bytes(dim)) + COO_ENTRY_BITS * num_entries
+
+
 def expected_bits(dim: int, outlier_fraction: float, scale_bits: int = 16) -> float:
     """Bits per value of the format without escapes: ``4 + 8 f + (6 * scale_bits + 16) / D`` (the paper's formula
     plus our header); for odd ``D`` the dense padding nibble is included."""
