@@ -33,7 +33,7 @@ PARALLEL_MIN_TOKENS = 4096
 
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
-#: layer of an attention type; converting it once instead of 30 times saves ~2 ms a step. The entry holds a
+#: layer of an attention type; converting it once instead of once per layer saves time every step. The entry holds a
 #: reference to the tensor, so the ``is`` test cannot be fooled by a recycled object id, and compares its
 #: ``_version`` so an in-place change is seen (inference-mode tensors have no version counter: for them the
 #: identity alone decides; transformers builds a new mask every forward and never edits one in place).

@@ -168,12 +168,12 @@ class PagedKVStore:
         self.ensure_batch(b)
         encoded = []
         items = []
-        # One serial section for both kinds: switching numba's thread count costs ~20 us a call.
+        # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
             for kind, x in ((KEY, keys), (VALUE, values)):
                 # [B, H, S, hd] -> [B * S, H * hd]: one row per token, all heads of the layer (granularity
                 # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
-                # tensors was measured at ~27 ms per call on a loaded 2-core machine (thread wake-ups).
+                # tensors waits for thread wake-ups on a loaded machine (docs/perf-notes.md).
                 x32 = x.detach().to(torch.float32).numpy()
                 rows = torch.from_numpy(np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim))
                 enc = self.encode(rows, self.thresholds.layer(layer, KINDS[kind]), self.config)

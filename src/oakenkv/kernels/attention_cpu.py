@@ -87,8 +87,8 @@ def _decode_token(
     ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference ``quant.dequantize``):
     ``v = lo + code * step`` in float32, then the threshold of the value's side. It is laid out for the attention
     loop, where one row is ~200 values and the per-row work dominates: the nibbles are first unpacked into
-    ``codes`` and the values then computed from them (two simple loops that LLVM vectorizes, ~3x faster than a
-    16-entry table look-up per nibble), and each COO entry's value is computed for both outlier groups and
+    ``codes`` and the values then computed from them (two simple loops that LLVM vectorizes, faster than a
+    table look-up per nibble: docs/perf-notes.md), and each COO entry's value is computed for both outlier groups and
     selected without a branch (the group of consecutive entries is random, a branch mispredicts). This function
     is compiled without fastmath (no FMA contraction), so the numbers stay bit-exact even when inlined into the
     fastmath attention kernel.
@@ -136,8 +136,8 @@ def _decode_token(
     out_lo = sc[4]
     out_step = (sc[5] - out_lo) / _F32((1 << ob) - 1)
     # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
-    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path (measured
-    # ~70 -> ~47 ns per 192-value row).
+    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path
+    # (docs/perf-notes.md).
     coo = pool[s0 : s0 + n]
     c, p, prev = 0, -1, 0
     j = 0
@@ -256,7 +256,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
             for h in range(hq_n):
                 kb = (h // group) * hd
                 # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
-                # (measured: ~1.6x faster than indexing the 3-D arrays directly).
+                # (faster than indexing the 3-D arrays directly: docs/perf-notes.md).
                 dot = _F32(0.0)
                 qv = q[b, h]
                 kv = krow[kb : kb + hd]

@@ -115,7 +115,7 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
     # then rises: the first minimum is floor(kc) or floor(kc) + 1 (only U: k = -1, only L: k = n - 1, each the
     # first or second of its two candidates), unless it is FLOOR, which can hold over a range of k: a scan
     # leftwards then finds its first k. Two evaluations and no data-dependent branch in the common case: the local
-    # search this replaced (session 7) mispredicted about once per grid and took twice as long.
+    # search this replaced mispredicted about once per grid (docs/perf-notes.md).
     nm1 = _F32(n - 1)
     if not has_lo:
         a = -1
@@ -302,7 +302,7 @@ def _min_above(x, lo, hi):
     """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero.
 
     ``fl(v - lo)`` does not decrease as ``v`` grows, so it is ``fl(min v - lo)``; the smallest ``v`` is found by
-    its int32 key (see _key: integer reductions vectorize, numba's float min() does not: 5-10x faster)."""
+    its int32 key (see _key: integer reductions vectorize, numba's float min() does not; docs/perf-notes.md)."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMAX
     for j in range(x.shape[0]):
@@ -610,9 +610,8 @@ def _encode_block(
 ):
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
-    helpers that take arrays): a numba call costs ~8 ns per array argument and encode_row takes fourteen
-    (inlining made a 192-value row's encode 1.22-1.25x faster; inlining into the parallel _encode_rows instead
-    compiled 4x slower)."""
+    helpers that take arrays): a numba call costs time per array argument and encode_row takes fourteen;
+    inlining into the parallel _encode_rows instead compiles much slower (docs/perf-notes.md)."""
     d = xs.shape[1]
     sc = np.empty(NUM_SCALES, np.float32)
     scr = comb_scratch(d)
@@ -704,9 +703,8 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     fp16 = config.scale_dtype == "float16"
     dense = np.empty((n, dense_bytes(d)), np.uint8)
     scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
-    # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only ~10% of
-    # it is ever touched (fresh pages cost a fault each: ~1 us, ~10% of the encode time at 4096 x 4096 when every
-    # row had a page of its own).
+    # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only the
+    # bytes really written are touched (fresh pages cost a fault each; docs/perf-notes.md).
     scratch = np.empty(n * sparse_capacity(d), np.uint8)
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
@@ -784,7 +782,7 @@ def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, 
     i_lo, i_step, o_lo, o_step, to_lo, to_hi = grid[0], grid[1], grid[2], grid[3], grid[4], grid[5]
     zero = _F32(0.0)
     # Indices are cast to unsigned: they are >= 0 by construction and bounds-checked against ns / d, and numba
-    # then skips its negative-index wrap-around checks (~18% faster decode at 4096 values per row).
+    # then skips its negative-index wrap-around checks (docs/perf-notes.md).
     # entry bits that must be 0 for each group: a 4-bit group has no fifth code bit
     f_in = np.int64(0x80 if inner_bits < 5 else 0)
     f_out = np.int64(0x80 if outer_bits < 5 else 0)
@@ -967,7 +965,7 @@ def decode_batch(
 
     Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
     """
-    # the kernel checks that each row's scales are finite (numpy's isfinite over fp16 cost 4% of a decode)
+    # the kernel checks that each row's scales are finite (cheaper than numpy's isfinite over fp16 scales)
     check_encoded(enc, config, check_scales=False)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")

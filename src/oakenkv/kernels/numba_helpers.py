@@ -211,8 +211,9 @@ def _borrowed_1d(context, builder, retty, data, n, stride, itemsize):
 def row_view(typingctx, a, r):
     """Row ``r`` of the 2-D C-contiguous array ``a`` as a 1-D view that holds no reference to ``a``.
 
-    A view ``a[r]`` costs an atomic reference-count increment and decrement per row (a tenth of a 192-value row's
-    decode); this one costs nothing, for loops over the rows of an array the caller keeps alive. No bounds check.
+    A view ``a[r]`` costs an atomic reference-count increment and decrement per row (measurable on a narrow row's
+    decode: docs/perf-notes.md); this one costs nothing, for loops over the rows of an array the caller keeps
+    alive. No bounds check.
     """
     if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and isinstance(r, types.Integer)):
         return None
