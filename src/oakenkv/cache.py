@@ -194,7 +194,7 @@ class OakenCache(Cache):
         config: the model's config (``model.config``); decides the layers (full or sliding) and whether decode
             steps use the packed-page attention (``config._attn_implementation == "oaken"``).
         pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
-        codec: "auto" (fast kernels when installed), "fast" or "reference".
+        codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk during prefill.
         evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
             them (the sliding mask still hides them).

@@ -89,7 +89,7 @@ class PagedKVStore:
         thresholds: the model's profile (per layer and kind).
         num_layers, num_kv_heads, head_dim: the decoder's KV shape.
         pool_config: page size and memory budget.
-        codec: "auto" (fast kernels when installed), "fast" or "reference".
+        codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk of a long update.
     """
 
