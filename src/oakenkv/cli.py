@@ -415,8 +415,9 @@ def bench_decode(
 
 eval_app = typer.Typer(
     help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. "
-    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], oaken-official, "
-    "int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
+    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], "
+    "oaken-plus[:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=0] (offline transforms chosen per layer; each =0 "
+    "switches one remedy off), oaken-official, int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")

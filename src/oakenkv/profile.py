@@ -470,7 +470,7 @@ def profile_thresholds(
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
+    with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
         for start in range(0, runs, batch_size):
             batch = windows[start : start + batch_size]
             keys, values = rec.record(batch)
@@ -517,12 +517,13 @@ def profile_thresholds(
     return Thresholds(config, fingerprint, tuple(keys_t), tuple(values_t), tuple(kst), tuple(vst), info)
 
 
-class _progress:
+class ProgressLog:
     """Context manager yielding an ``advance(n)`` callable: a rich progress bar on a terminal, a line per ~10% of
-    the runs when stderr is not a terminal (logs of long runs), or a no-op when disabled."""
+    the work when stderr is not a terminal (logs of long runs), or a no-op when disabled. ``label`` names the work
+    and ``unit`` its steps."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, label: str = "profiling", unit: str = "runs") -> None:
+        self.enabled, self.total, self.label, self.unit = enabled, total, label, unit
 
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
@@ -532,10 +533,10 @@ class _progress:
 
         console = Console(stderr=True)
         self._p = Progress(
-            TextColumn("profiling"),
+            TextColumn(self.label),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("runs"),
+            TextColumn(self.unit),
             TimeRemainingColumn(),
             console=console,
         )
@@ -546,7 +547,7 @@ class _progress:
             def log(n: int) -> None:
                 before, done[0] = done[0], done[0] + n
                 if done[0] // every > before // every or done[0] == self.total:
-                    console.print(f"profiling: {done[0]}/{self.total} runs, {time.perf_counter() - t0:.1f} s")
+                    console.print(f"{self.label}: {done[0]}/{self.total} {self.unit}, {time.perf_counter() - t0:.1f} s")
 
             return log
         self._p.start()
