@@ -188,7 +188,7 @@ def test_store_encodes_the_transformed_keys(default_model, profile, folded):
     k = ref.layers[layer].keys  # [1, H, S, hd] of the folded model
     cache = OakenCache(profile, folded.config)
     cache.store.append(layer, k, ref.layers[layer].values)
-    b, h, s, hd = k.shape
+    _, h, s, hd = k.shape
     rows = t.key_rows(layer, k.permute(0, 2, 1, 3).reshape(s, h * hd).numpy())
     q = quantize_dequantize(torch.from_numpy(rows), profile.layer(layer, "key"), profile.config).numpy()
     want = rot(q.reshape(s, h, hd)).transpose(1, 0, 2)[None]  # rotation undone, shift kept
