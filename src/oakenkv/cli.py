@@ -213,17 +213,29 @@ def profile_cmd(
     model: Annotated[
         str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
-    samples: Annotated[
-        int,
-        typer.Option(help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn."),
-    ] = 100,
-    window: Annotated[
-        int,
+    preset: Annotated[
+        str,
         typer.Option(
-            help="Tokens per calibration window. 256 (the default) takes about 1-2 s per run for the default "
-            "model on 2 CPU cores, so 100 runs take a few minutes."
+            help="'oaken': the paper's thresholds at fixed group ratios. 'oaken-plus': offline transforms (key "
+            "shift, key smoothing folded into the weights, per-head rotations) and group ratios chosen per layer by "
+            "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md)."
         ),
-    ] = 256,
+    ] = "oaken",
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn. "
+            "Default: 100 for oaken, 16 for oaken-plus."
+        ),
+    ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per calibration window. Default: 256 for oaken (about 1-2 s per run for the default model "
+            "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
+            "the positions it sees (about 10-20 minutes for the default model)."
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),
     data: Annotated[
         str,
@@ -279,23 +291,35 @@ def profile_cmd(
 
         torch.set_num_threads(threads)
 
+    if preset not in ("oaken", "oaken-plus"):
+        raise typer.BadParameter(f"--preset must be 'oaken' or 'oaken-plus', got {preset!r}")
+    plus = preset == "oaken-plus"
+    samples = samples or (16 if plus else 100)
+    window = window or (2048 if plus else 256)
     config = OakenConfig(
         outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
     )
+    if plus and (pre_rope or kurtosis_tuning or (outer_ratio, inner_ratio) != (0.04, 0.06)):
+        raise typer.BadParameter("oaken-plus chooses its own group ratios on post-RoPE keys; drop the ratio options")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        th = profile_model(
-            model,
-            samples=samples,
-            window=window,
-            data=data,
-            data_path=None if data_path is None else str(data_path),
-            config=config,
-            kurtosis_tuning=kurtosis_tuning,
-            inner_center=inner_center,  # type: ignore[arg-type]
-            batch_size=batch_size,
-            progress=True,
-        )
+        source = {"data": data, "data_path": None if data_path is None else str(data_path)}
+        if plus:
+            from oakenkv.plus import profile_plus_model
+
+            th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
+        else:
+            th = profile_model(
+                model,
+                samples=samples,
+                window=window,
+                config=config,
+                kurtosis_tuning=kurtosis_tuning,
+                inner_center=inner_center,  # type: ignore[arg-type]
+                batch_size=batch_size,
+                progress=True,
+                **source,
+            )
     for w in caught:
         if issubclass(w.category, UserWarning):
             typer.secho(f"warning: {w.message}", fg="yellow", err=True)

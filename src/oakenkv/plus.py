@@ -372,7 +372,45 @@ def profile_plus(
     work = runs + fingerprint.num_layers * candidates_per_layer(search, partners is not None)
     with ProgressLog(progress, work, "oaken-plus profile", "steps") as advance:
         record = record_attention(model, windows, min(search.query_runs, runs), advance)
-        chosen, configs, notes = choose_transforms(record, search, partners, advance)
+        th = profile_from_record(record, fingerprint, search, partners, advance)
+    th.profile.update(
+        {
+            "window": int(windows.shape[1]),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "cpu_seconds": round(time.process_time() - cpu0, 3),
+            **(metadata or {}),
+        }
+    )
+    return th
+
+
+def profile_plus_model(
+    model: str = "default",
+    *,
+    samples: int = PLUS_CALIBRATION.samples,
+    window: int = PLUS_CALIBRATION.window,
+    data: str = "wikipedia",
+    data_path: str | None = None,
+    search: PlusSearch | None = None,
+    progress: bool = False,
+) -> Thresholds:
+    """Load a model and its calibration text (``oakenkv.profile.load_calibration``) and run :func:`profile_plus`."""
+    from oakenkv.profile import load_calibration
+
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
+    return profile_plus(loaded.model, ids, search, progress=progress, name=model, metadata=meta)
+
+
+def profile_from_record(
+    record: AttentionRecord,
+    fingerprint: ModelFingerprint,
+    search: PlusSearch,
+    partners: np.ndarray | None,
+    progress: Callable[[int], None] | None = None,
+) -> Thresholds:
+    """The body of :func:`profile_plus` on recorded calibration attention inputs: choose the transforms, then
+    profile the thresholds on the transformed keys and values."""
+    chosen, configs, notes = choose_transforms(record, search, partners, progress)
     transforms = Transforms(
         tuple(chosen), fingerprint.num_kv_heads, fingerprint.head_dim, {"search": _search_dict(search)}
     )
@@ -388,14 +426,10 @@ def profile_plus(
         vst.append(st)
     info = {
         "method": "oaken-plus",
-        "runs": runs,
-        "window": int(windows.shape[1]),
+        "runs": int(record.keys[0].shape[0]),
         "key_position": "post_rope",
         "ratios": "per layer and kind, in each layer's stats",
         "choices": notes,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "cpu_seconds": round(time.process_time() - cpu0, 3),
-        **(metadata or {}),
     }
     return Thresholds(
         OakenConfig(), fingerprint, tuple(keys), tuple(values), tuple(kst), tuple(vst), info, transforms=transforms
@@ -479,6 +513,8 @@ __all__: Sequence[str] = [
     "attention_output",
     "cached_plus_profile",
     "choose_transforms",
+    "profile_from_record",
     "profile_plus",
+    "profile_plus_model",
     "record_attention",
 ]

@@ -559,6 +559,36 @@ class ProgressLog:
             self._p.stop()
 
 
+def load_calibration(
+    model: str, samples: int, window: int, data: str = "wikipedia", data_path: str | None = None
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
+    its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if data == "wikitext2":
+        warnings.warn(
+            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
+            UserWarning,
+            stacklevel=3,
+        )
+    loaded = load_model(model)
+    text = load_text(data, data_path)
+    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
+            UserWarning,
+            stacklevel=3,
+        )
+    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    return loaded, ids, meta
+
+
 def profile_model(
     model: str = "default",
     *,
@@ -572,32 +602,8 @@ def profile_model(
     batch_size: int = 1,
     progress: bool = False,
 ) -> Thresholds:
-    """Load a model and its calibration text, cut ``samples`` windows of ``window`` tokens, and profile.
-
-    The windows are consecutive and non-overlapping from the start of the text. ``data`` defaults to the
-    calibration text ("wikipedia"); profiling on "wikitext2" (the evaluation text) is allowed but warned about.
-    """
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if data == "wikitext2":
-        warnings.warn(
-            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
-            UserWarning,
-            stacklevel=2,
-        )
-    loaded = load_model(model)
-    text = load_text(data, data_path)
-    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
-    if ids.shape[0] < samples:
-        warnings.warn(
-            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
-            UserWarning,
-            stacklevel=2,
-        )
-    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds."""
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
     return profile_thresholds(
         loaded.model,
         ids,

@@ -35,6 +35,7 @@ once (a second application is refused), and the cache applies the online part (`
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import sys
@@ -283,7 +284,7 @@ def rope_partners(model: Any) -> np.ndarray:
     eye = torch.eye(hd, dtype=torch.float32)[None, :, None, :]  # [1, hd (as heads), 1, hd]
     kwargs = {}
     cfg = model.config.get_text_config(decoder=True)
-    if "layer_type" in rotary.forward.__code__.co_varnames and getattr(cfg, "layer_types", None):
+    if "layer_type" in inspect.signature(rotary.forward).parameters and getattr(cfg, "layer_types", None):
         kwargs["layer_type"] = cfg.layer_types[0]
     pos = torch.tensor([[3]])
     with torch.no_grad():
