@@ -172,24 +172,42 @@ def test_greedy_generation_matches_the_evaluation_cache(default_model, profile, 
     cache.store.pool.check_invariants()
 
 
-def test_store_encodes_the_transformed_keys(default_model, profile, folded):
-    """The pages hold exactly the quantized transformed keys (the key rotation and shift of the profile)."""
-    from oakenkv.quant import quantize_dequantize
-    from oakenkv.transforms import fwht as rot
+def test_store_encodes_the_transformed_keys(default_model, profile):
+    """The pages hold exactly the quantized transformed keys (a key shift and rotation in every layer)."""
+    import dataclasses
 
-    t = profile.transforms
-    layer = next(i for i, lt in enumerate(t.layers) if lt.key_rotation and lt.key_shift is not None)
-    ids = default_model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     from transformers import DynamicCache
 
-    ref = DynamicCache(config=folded.config)
+    from oakenkv.quant import quantize_dequantize
+    from oakenkv.transforms import FOLD_MARK
+
+    model = default_model.model
+    g = torch.Generator().manual_seed(2)
+    h, hd = model.config.num_key_value_heads, model.config.head_dim
+    t = Transforms(
+        tuple(
+            LayerTransforms(key_shift=tuple(torch.randn(h * hd, generator=g).tolist()), key_rotation=True)
+            for _ in profile.transforms.layers
+        ),
+        h,
+        hd,
+    )
+    th = dataclasses.replace(profile, transforms=t)
+    config = copy.deepcopy(model.config)
+    setattr(config, FOLD_MARK, t.digest())  # nothing to fold: the transforms are all online
+    layer = 5
+    ids = default_model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        folded(input_ids=ids, cache=ref)
-    k = ref.layers[layer].keys  # [1, H, S, hd] of the folded model
-    cache = OakenCache(profile, folded.config)
+        model(input_ids=ids, cache=ref)
+    k = ref.layers[layer].keys  # [1, H, S, hd]
+    cache = OakenCache(th, config)
     cache.store.append(layer, k, ref.layers[layer].values)
-    _, h, s, hd = k.shape
+    _, _, s, _ = k.shape
     rows = t.key_rows(layer, k.permute(0, 2, 1, 3).reshape(s, h * hd).numpy())
-    q = quantize_dequantize(torch.from_numpy(rows), profile.layer(layer, "key"), profile.config).numpy()
-    want = rot(q.reshape(s, h, hd)).transpose(1, 0, 2)[None]  # rotation undone, shift kept
+    q = quantize_dequantize(torch.from_numpy(rows), th.layer(layer, "key"), th.config).numpy()
+    want = fwht(q.reshape(s, h, hd)).transpose(1, 0, 2)[None]  # rotation undone, shift kept
     torch.testing.assert_close(cache.store.read(layer, 0), torch.from_numpy(want), rtol=0, atol=0)
+    # and the transform itself is (k - shift) @ H per head, to float32 rounding
+    want_rows = (k[0].permute(1, 0, 2).reshape(s, h * hd) - torch.tensor(t.layers[layer].key_shift)).reshape(s, h, hd)
+    torch.testing.assert_close(torch.from_numpy(rows).reshape(s, h, hd), want_rows @ hadamard(hd), rtol=0, atol=1e-5)

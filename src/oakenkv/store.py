@@ -149,7 +149,7 @@ class PagedKVStore:
         """The profile's online key transform (``Transforms.key_rows``), in place, on float32 key rows ``[N, D]``.
         No-op without an oaken-plus profile."""
         if self.transforms is not None and self._key_online[layer]:
-            rows[:] = self.transforms.key_rows(layer, rows, self._key_shifts[layer])
+            self.transforms.key_rows(layer, rows, self._key_shifts[layer], out=rows)
 
     def restore_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Dequantized keys ``[..., hd]`` of ``layer`` as stock attention must see them next to the model's own

@@ -74,23 +74,20 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def fwht(x: np.ndarray) -> np.ndarray:
-    """``x @ hadamard(n)`` over the last axis (``n`` a power of two) as a fast Walsh-Hadamard transform: float32,
-    butterflies in a fixed order, so every caller (the cache, the evaluation, the profiler) gets the same bits
-    whatever the batch shape (a BLAS matrix product may sum in another order for another shape)."""
+    """``x @ hadamard(n)`` over the last axis (``n`` a power of two) as a fast Walsh-Hadamard transform, in float32
+    (a new array). The butterflies run in a fixed order (``oakenkv.kernels.rotate``), so every caller (the cache,
+    the evaluation, the profiler) gets the same bits whatever the batch shape, unlike a BLAS matrix product."""
+    from oakenkv.kernels.rotate import shift_rotate_rows
+
     x = np.array(x, dtype=np.float32)  # a copy
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise TransformError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    lead = x.shape[:-1]
-    h = 1
-    while h < n:
-        y = x.reshape(*lead, n // (2 * h), 2, h)
-        a, b = y[..., 0, :].copy(), y[..., 1, :]
-        y[..., 0, :] += b
-        y[..., 1, :] = a - b
-        h *= 2
-    x *= np.float32(1.0 / math.sqrt(n))
+    shift_rotate_rows(x.reshape(-1, n), _NO_SHIFT, True, n, np.float32(1.0 / math.sqrt(n)))
     return x
+
+
+_NO_SHIFT = np.zeros(0, dtype=np.float32)
 
 
 def _floats(name: str, values: Any, n: int) -> tuple[float, ...] | None:
@@ -221,18 +218,24 @@ class Transforms:
                 shift[i] = lt.key_shift
         return shift
 
-    def key_rows(self, layer: int, rows: np.ndarray, shift: np.ndarray | None = None) -> np.ndarray:
-        """The online key transform of ``layer`` on float32 key rows ``[N, D]`` (one token's KV heads per row,
-        the cache's layout): the shift, then the per-head rotation. Returns new rows; the one definition every
-        path uses (the cache, the evaluation, the profiler), so they all quantize the same bits. ``shift``: the
-        layer's row of :meth:`key_shifts`, when the caller keeps it."""
+    def key_rows(self, layer: int, rows: np.ndarray, shift: np.ndarray | None = None, out: np.ndarray | None = None):
+        """The online key transform of ``layer`` on float32 key rows ``[N, D]`` (one token's KV heads per row, the
+        cache's layout): the shift, then the per-head rotation. The one definition every path uses (the cache, the
+        evaluation, the profiler), so they all quantize the same bits. Writes into ``out`` (may be ``rows``
+        itself; default a new array) and returns it. ``shift``: the layer's row of :meth:`key_shifts`, when the
+        caller keeps one."""
+        from oakenkv.kernels.rotate import shift_rotate_rows
+
         lt = self.layers[layer]
-        out = np.array(rows, dtype=np.float32)
-        if lt.key_shift is not None:
-            out -= np.asarray(lt.key_shift, dtype=np.float32) if shift is None else shift
-        if lt.key_rotation:
-            n = out.shape[0]
-            out = fwht(out.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, self.dim)
+        if out is None:
+            out = np.array(rows, dtype=np.float32)
+        elif out is not rows:
+            out[:] = rows
+        if lt.key_shift is not None and shift is None:
+            shift = np.asarray(lt.key_shift, dtype=np.float32)
+        shift = shift if lt.key_shift is not None else _NO_SHIFT
+        scale = np.float32(1.0 / math.sqrt(self.head_dim))
+        shift_rotate_rows(out, shift, lt.key_rotation, self.head_dim, scale)
         return out
 
     def keys_forward(self, layer: int, k: torch.Tensor) -> torch.Tensor:
