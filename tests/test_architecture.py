@@ -23,6 +23,7 @@ PRODUCT = (
     "oakenkv.config",
     "oakenkv.data",
     "oakenkv.demo",
+    "oakenkv.diagnose",
     "oakenkv.format",
     "oakenkv.generation",
     "oakenkv.models",
