@@ -1,6 +1,6 @@
 """``oakenkv diagnose`` (src/oakenkv/diagnose.py): the verdict finds a fixed-channel key outlier planted in a tiny
 random Llama and none in a clean one; the oaken-plus round trip is measured in the model's frame; the report on the
-default model holds every field, with SQNRs in a sensible order."""
+default model holds every field, with SQNRs in a sensible order; bad input is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import math
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from oakenkv.cli import app
 from oakenkv.config import OakenConfig
 from oakenkv.diagnose import (
     FIXED_CHANNEL_SHARE,
@@ -194,3 +196,31 @@ def test_diagnosis_of_the_default_model(default_model, tmp_path):
     assert 0.2 < d["key_mean_power"] < 0.95  # the default model's keys carry large per-channel offsets
     png = plot_diagnosis(diag, tmp_path / "heat.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--samples", "0"], "samples >= 1"),
+        (["--window", "1"], "window >= 2"),
+        (["--png", "heat.jpg"], "--png must name a .png file"),
+        (["--calib-text", "novels"], "--calib-text must be"),
+        (["--calib-path", "/nonexistent/text.txt"], "is not a file"),
+        (["--model", "no-such-model"], "Unknown model 'no-such-model'"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(args, message):
+    result = runner.invoke(app, ["diagnose", "--no-plus", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_help_explains_the_command():
+    result = runner.invoke(app, ["diagnose", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for opt in ("--samples", "--window", "--plus", "--no-plus", "--json", "--png"):
+        assert opt in result.output

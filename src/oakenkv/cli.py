@@ -346,6 +346,92 @@ def inspect_cmd(
     print_thresholds(th, layers=layers)
 
 
+@app.command("diagnose")
+def diagnose_cmd(
+    model: Annotated[
+        str, typer.Option(help="Model: 'default', 'gemma3-270m', a Hugging Face id, a local directory or a .gguf path.")
+    ] = "default",
+    samples: Annotated[int, typer.Option(help="Calibration windows to record.")] = 4,
+    window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    plus: Annotated[
+        bool,
+        typer.Option(
+            "--plus/--no-plus",
+            help="Profile oaken-plus (its per-layer search is the slow part, minutes; cached after the first run) "
+            "to measure it and to say which remedies it uses.",
+        ),
+    ] = True,
+    plus_samples: Annotated[
+        int | None,
+        typer.Option(help="Calibration windows of the oaken-plus profile (default: --samples; the preset uses 16)."),
+    ] = None,
+    plus_window: Annotated[
+        int | None,
+        typer.Option(help="Tokens per oaken-plus calibration window (default: --window; the preset uses 2048)."),
+    ] = None,
+    calib_text: Annotated[
+        str, typer.Option(help="Calibration text: 'wikipedia' (default) or 'wikitext2' (the evaluation text).")
+    ] = "wikipedia",
+    calib_path: Annotated[
+        Path | None, typer.Option(help="Calibrate on this plain UTF-8 text file instead (overrides --calib-text).")
+    ] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the whole diagnosis to this JSON file.")
+    ] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option(help="Write a heat map (channels x layers of key and value magnitude) to this PNG file."),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine).")
+    ] = None,
+) -> None:
+    """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
+    channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
+    verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
+    import json
+
+    from oakenkv.diagnose import diagnose_model, plot_diagnosis, print_diagnosis, require_matplotlib
+    from oakenkv.models import MissingModelError
+    from oakenkv.profile import CalibrationSpec
+
+    def fail(msg: object) -> typer.Exit:
+        typer.secho(f"error: {msg}", fg="red", err=True)
+        return typer.Exit(1)
+
+    try:  # the user's mistakes, before any slow work
+        if calib_path is not None and not calib_path.is_file():
+            raise ValueError(f"--calib-path {calib_path} is not a file")
+        if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
+            raise ValueError(f"--calib-text must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
+        text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
+        spec = CalibrationSpec(text, samples, window, path)
+        plus_spec = CalibrationSpec(text, plus_samples or samples, plus_window or window, path)
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        if png is not None:
+            if png.suffix.lower() != ".png":
+                raise ValueError(f"--png must name a .png file, got {png}")
+            require_matplotlib()
+    except (ValueError, ImportError) as e:
+        raise fail(e) from e
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        diag = diagnose_model(model, spec, plus=plus, plus_spec=plus_spec, progress=True)
+    except (MissingModelError, FileNotFoundError) as e:
+        raise fail(e) from e
+    print_diagnosis(diag)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(diag.to_dict(), indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
+    if png is not None:
+        typer.echo(f"wrote {plot_diagnosis(diag, png)}")
+
+
 bench_app = typer.Typer(
     help="Benchmarks of oakenkv's components; each writes machine-readable JSON with --json.",
     no_args_is_help=True,
