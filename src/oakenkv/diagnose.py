@@ -593,18 +593,15 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None) -> dict[str,
     if fixed:
         big = max(fixed, key=lambda layer: layer.keys.absmax_ratio)
         chans = sorted({c for layer in fixed for c in layer.keys.outer_channels})
-        tops: dict[int, int] = {}
-        for layer in fixed:
-            tops[layer.keys.outer_channels[0]] = tops.get(layer.keys.outer_channels[0], 0) + 1
-        often = sorted(tops.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        most = max(fixed, key=lambda layer: layer.keys.outer_share)
         fs = [layer.keys.outer_share for layer in fixed]
         lines.append(
             f"fixed-channel key outliers: YES, in {len(fixed)} of {n} layers ({_ranges([x.index for x in fixed])}): "
             f"their top {diag.top_k} of {d} channels hold {min(fs):.0%}-{max(fs):.0%} of the layer's outer-group "
             f"post-RoPE keys (a uniform spread: {diag.top_k / d:.1%}; {rule}); largest channel: layer {big.index} "
             f"{diag.channel_name(big.keys.absmax_channels[0])} at {big.keys.absmax_ratio:.1f}x the median channel's "
-            "absmax; most often on top: "
-            + ", ".join(f"{diag.channel_name(c)} ({k} layer{'s' if k > 1 else ''})" for c, k in often)
+            f"absmax; most concentrated: layer {most.index}, channels "
+            + ", ".join(diag.channel_name(c) for c in most.keys.outer_channels)
         )
     else:
         chans = []
