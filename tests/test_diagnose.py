@@ -88,10 +88,11 @@ def test_the_verdict_finds_a_planted_fixed_channel(plant, windows):
 
 
 def test_a_clean_model_has_no_fixed_channel_outliers(windows):
-    diag = diagnose(tiny_llama(None), windows, name="tiny")
+    diag = diagnose(tiny_llama(None), windows, name="tiny", plus_missing="no rotary here")
     v = diag.verdict
     assert not v["fixed_channel_key_outliers"] and not v["key_offsets"], v["lines"]
     assert v["lines"][0].startswith("fixed-channel key outliers: no")
+    assert v["lines"][2] == "oaken-plus: not available for this model: no rotary here"
     for layer in diag.layers:
         assert layer.keys.outer_share < FIXED_CHANNEL_SHARE / 2
         assert layer.keys.absmax_ratio < 5
@@ -199,6 +200,36 @@ def test_diagnosis_of_the_default_model(default_model, tmp_path):
 
 
 runner = CliRunner()
+
+
+def test_the_command_prints_and_writes_the_diagnosis(default_model, tmp_path, monkeypatch):
+    """End to end, kept cheap: the paper profile the command reads from the profile cache is put there first (a
+    2 x 64-token profile instead of the default 16 x 256), in a cache of the test's own."""
+    from oakenkv.profile import CalibrationSpec, calibration_windows, profile_thresholds, thresholds_cache_path
+
+    monkeypatch.setattr("oakenkv.profile.profile_cache_dir", lambda: tmp_path)
+    tok = default_model.tokenizer
+    w = calibration_windows(tok, CalibrationSpec(samples=2, window=64))
+    with pytest.warns(UserWarning):  # few runs
+        th = profile_thresholds(default_model.model, w, name="default")
+    th.save(thresholds_cache_path("default", tok, OakenConfig(), CalibrationSpec()))
+    out = tmp_path / "d.json"
+    args = ["diagnose", "--no-plus", "--samples", "1", "--window", "64", "--json", str(out)]
+    args += ["--png", str(tmp_path / "d.png"), "--threads", "1"]
+    result = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    d = json.loads(out.read_text())
+    for line in d["verdict"]["lines"]:  # printed as they are in the file
+        assert line[:60] in " ".join(result.output.split()), line
+    assert "channels per layer" in result.output and "reconstruction SQNR" in result.output
+    assert d["calibration"] == {
+        "windows": 1,
+        "window": 64,
+        "text": "wikipedia",
+        "text_path": None,
+        "paper_thresholds": "wikipedia-16x256",
+    }
+    assert "oaken-plus" not in d["methods"] and (tmp_path / "d.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(

@@ -421,6 +421,7 @@ def diagnose(
     *,
     thresholds: Thresholds | None = None,
     plus_profile: Thresholds | None = None,
+    plus_missing: str | None = None,
     name: str | None = None,
     calibration: dict[str, Any] | None = None,
     progress: bool = False,
@@ -435,6 +436,7 @@ def diagnose(
         plus_profile: an ``oaken-plus`` profile of the model (``oakenkv.plus.cached_plus_profile``), or None to
             leave ``oaken-plus`` out.
         name: the model's name in the report.
+        plus_missing: why there is no ``plus_profile`` (said in the verdict), when it is not by choice.
         calibration: how ``windows`` were made (reported as is).
     """
     from oakenkv.baselines.fp8 import Fp8Quantizer
@@ -550,7 +552,7 @@ def diagnose(
         notes=notes,
         key_mean_power=1.0 - key_power[1] / key_power[0] if key_power[0] > 0 else 0.0,
     )
-    diag.verdict = _verdict(diag, choices)
+    diag.verdict = _verdict(diag, choices, plus_missing)
     diag.seconds = time.perf_counter() - t0
     return diag
 
@@ -582,7 +584,7 @@ def _plus_round_trips(
     tally["oaken-plus", "value"].add(xv, yv, bits, signal=v)
 
 
-def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing: str | None) -> dict[str, Any]:
     n = len(diag.layers)
     d = len(diag.layers[0].keys.absmax_rel)
     fixed = [layer for layer in diag.layers if layer.fixed_channel_keys]
@@ -632,7 +634,11 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None) -> dict[str,
         remedy = remedy_summary(choices)
         lines.append(f"oaken-plus will use: {remedy}")
     else:
-        lines.append("oaken-plus: not profiled (--no-plus); run with --plus to see which remedies it chooses")
+        lines.append(
+            f"oaken-plus: not available for this model: {plus_missing}"
+            if plus_missing
+            else "oaken-plus: not profiled (--no-plus); run with --plus to see which remedies it chooses"
+        )
     m = diag.methods
     sq = ", ".join(f"{name} {_db(m[name]['key']['sqnr_db'])}" for name in m)
     mean_db = -10 * math.log10(1 - diag.key_mean_power) if diag.key_mean_power < 1 else math.inf
@@ -702,18 +708,24 @@ def diagnose_model(
     paper_spec = CalibrationSpec()
     thresholds = cached_thresholds(loaded.model, loaded.tokenizer, model, OakenConfig(), paper_spec, progress=progress)
     calib = {"text": spec.text, "text_path": spec.text_path, "paper_thresholds": paper_spec.tag()}
-    profile = None
+    profile, missing = None, None
     if plus:
         from oakenkv.plus import cached_plus_profile
 
         plus_spec = plus_spec or spec
-        profile = cached_plus_profile(loaded.model, loaded.tokenizer, model, plus_spec, progress=progress)
-        calib["oaken_plus_profile"] = plus_spec.tag()
+        from oakenkv.transforms import TransformError
+
+        try:
+            profile = cached_plus_profile(loaded.model, loaded.tokenizer, model, plus_spec, progress=progress)
+            calib["oaken_plus_profile"] = plus_spec.tag()
+        except TransformError as e:  # an attention oaken-plus does not support: diagnose the rest
+            missing = str(e)
     return diagnose(
         loaded.model,
         windows,
         thresholds=thresholds,
         plus_profile=profile,
+        plus_missing=missing,
         name=model,
         calibration=calib,
         progress=progress,
