@@ -443,7 +443,7 @@ def diagnose(
     from oakenkv.baselines.kivi import kivi_quantize_values
     from oakenkv.baselines.kvquant import KVQuantQuantizer
     from oakenkv.baselines.uniform import GROUP_SCALE_BITS, PerTokenIntQuantizer
-    from oakenkv.transforms import fwht, is_folded
+    from oakenkv.transforms import is_folded
 
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
@@ -512,7 +512,7 @@ def diagnose(
                 tally["kvquant4", "key"].add(pre[i], *kvq.quantize(0, "key", pre[i]))
                 tally["kvquant4", "value"].add(v, *kvq.quantize(0, "value", v))
             if plus_profile is not None:
-                _plus_round_trips(plus_profile, i, k, v, tally, fwht)
+                _plus_round_trips(plus_profile, i, k, v, tally)
             layers.append(
                 LayerDiagnosis(
                     index=i,
@@ -563,13 +563,14 @@ def _plus_round_trips(
     k: torch.Tensor,
     v: torch.Tensor,
     tally: dict[tuple[str, str], _Tally],
-    fwht: Any,
 ) -> None:
     """oaken-plus on recorded (unfolded) keys and values: the folded model's keys are ``k / lam``; the cache
     shifts and rotates them (``Transforms.keys_forward``), Oaken quantizes, attention reads them un-rotated
     (``keys_restore``) beside queries ``q * lam``. So the error that reaches the scores is ``lam *`` the folded
     frame's error, measured against ``k - lam * shift``; the signal is ``k``. Values are rotated per head (what the
     folded ``v_proj`` produces); the rotation is orthogonal, so the error is the same in either frame."""
+    from oakenkv.transforms import fwht
+
     t = profile.transforms
     lt = t.layers[i]
     _, h, _, hd = k.shape
