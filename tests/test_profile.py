@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ from oakenkv.profile import (
     record_kv,
     run_thresholds,
 )
-from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds
+from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds, weights_digest
 
 # ---------------------------------------------------------------------------------------------- statistics
 
@@ -141,6 +142,14 @@ def test_profile_real_model(profiled, default_model, calib_ids, tmp_path):
     th = profiled
     th.check_model(default_model.model.config)
     assert th.fingerprint == ModelFingerprint("llama", 30, 3, 64)
+    # the profile records the digest of the weights it was made with, and checking the model compares it
+    t0 = time.perf_counter()
+    digest = weights_digest(default_model.model)
+    seconds = time.perf_counter() - t0
+    assert th.fingerprint.weights == digest
+    th.check_model(default_model.model)
+    # every byte of the 135M fp32 parameters (538 MB) is hashed; ~0.5 s on 2 busy cores (docs/robustness.md)
+    assert seconds < 5.0, f"weights_digest took {seconds:.1f} s"
     assert th.num_layers == 30
     runs, seq = calib_ids.shape
     for kind in ("key", "value"):

@@ -17,11 +17,11 @@ def load_or_profile_thresholds(
 ) -> Any:
     """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (checked against the model), or a
     profile of ``samples`` calibration windows of ``window`` tokens, cached on disk after the first run."""
-    from oakenkv.thresholds import ModelFingerprint, Thresholds
+    from oakenkv.thresholds import Thresholds
 
     if path is not None:
         thr = Thresholds.load(path)
-        thr.check_fingerprint(ModelFingerprint.from_model_config(loaded.model.config, name=thr.fingerprint.name))
+        thr.check_model(loaded.model)  # shape and weights
         return thr
     from oakenkv.config import OakenConfig
     from oakenkv.profile import CalibrationSpec, cached_thresholds

@@ -465,7 +465,7 @@ def profile_thresholds(
             FewRunsWarning,
             stacklevel=2,
         )
-    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
+    fingerprint = ModelFingerprint.from_model(model, name=name)
     outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 

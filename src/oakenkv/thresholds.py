@@ -16,7 +16,7 @@ File format (one JSON object, ``SCHEMA_VERSION`` 1)::
       "schema_version": 1,
       "config": {...OakenConfig.to_dict()...},
       "model": {"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
-                "name": "default"},
+                "name": "default", "weights": "sha256:..." or null},
       "layers": [
         {"index": 0,
          "key":   {"thresholds": [to_lo, ti_lo, ti_hi, to_hi], "stats": {...LayerStats...} or null},
@@ -30,13 +30,21 @@ Floats are written with Python's shortest round-trip repr, so save -> load gives
 The loader rejects truncated or corrupt JSON, another format or schema version, missing keys, unordered or
 non-finite thresholds and a layer count that contradicts the model fingerprint, always with a
 :class:`ThresholdsFileError` naming the file; loading for another model raises :class:`ModelMismatchError`.
+
+The model's identity is its shape (:class:`ModelFingerprint`) and, since the profiler records it, the digest of
+its weights (:func:`weights_digest`, the ``"weights"`` entry of ``"model"``): thresholds profiled for a base model
+are refused for its fine-tune. Files written before the digest existed have ``"weights"`` absent (or null); they
+still load, and checking them against a model compares the shape only and says so
+(:class:`UnverifiedWeightsWarning`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -56,7 +64,9 @@ __all__ = [
     "ModelMismatchError",
     "Thresholds",
     "ThresholdsFileError",
+    "UnverifiedWeightsWarning",
     "print_thresholds",
+    "weights_digest",
 ]
 
 #: Value of the file's "format" field (tells a thresholds file from any other JSON).
@@ -74,6 +84,11 @@ class ThresholdsFileError(ValueError):
 
 class ModelMismatchError(ValueError):
     """Thresholds profiled for one model were used with another (different fingerprint)."""
+
+
+class UnverifiedWeightsWarning(UserWarning):
+    """A thresholds file without a weights digest (written before oakenkv recorded one) was checked against a
+    model: only its shape could be compared, so a fine-tune of the profiled model would go unnoticed."""
 
 
 class DuplicateThresholdsWarning(UserWarning):
@@ -133,13 +148,87 @@ class GroupThresholds:
         return cls(*seq)
 
 
+#: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
+WEIGHTS_DIGEST_PREFIX = "sha256:"
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def weights_digest(model: Any) -> str:
+    """The identity of a model's weights by content: ``"sha256:<64 hex digits>"``, cheap enough to take per run.
+
+    Over every entry of ``model.state_dict()`` (parameters and persistent buffers) in name order, one line
+    ``name, dtype, shape, sha256 of the tensor's bytes`` (native byte order, row-major); the digest is the sha256
+    of those lines. Tied tensors (one storage under two names, e.g. ``lm_head.weight``) are hashed once and listed
+    under both names. Two models have the same digest iff they hold the same numbers under the same names (up to
+    sha256 collisions): a fine-tune, another checkpoint of one family, or the same weights loaded in another
+    dtype all differ. The config is not part of it (its shape is in :class:`ModelFingerprint`).
+
+    Every byte is hashed, no sampling: the tensors are hashed in parallel threads (hashlib releases the GIL), about
+    0.4-0.7 s for the 135M fp32 parameters (538 MB) of the default model on 2 busy cores, and linear in the bytes
+    beyond (docs/robustness.md).
+
+    Args:
+        model: a ``torch.nn.Module`` (anything with ``state_dict()`` returning tensors); tensors on another
+            device are copied to the CPU one at a time.
+
+    Raises:
+        ValueError: a tensor without data (the ``meta`` device).
+    """
+    import torch
+
+    state = model.state_dict()
+    names = sorted(state)
+    # one digest per distinct tensor view (tied weights share it)
+    views: dict[tuple[Any, ...], list[str]] = {}
+    for name in names:
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        views.setdefault(key, []).append(name)
+
+    def digest_of(name: str) -> str:
+        t = state[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+        return hashlib.sha256(data).hexdigest()
+
+    firsts = [group[0] for group in views.values()]
+    workers = max(1, min(4, os.cpu_count() or 1, len(firsts)))
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        # the largest tensors first, so that the threads finish together
+        order = sorted(firsts, key=lambda n: -state[n].numel() * state[n].element_size())
+        with ThreadPoolExecutor(workers) as pool:
+            per_first = dict(zip(order, pool.map(digest_of, order), strict=True))
+    else:
+        per_first = {n: digest_of(n) for n in firsts}
+    per_name = {n: per_first[group[0]] for group in views.values() for n in group}
+    h = hashlib.sha256()
+    for name in names:
+        t = state[name]
+        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{per_name[name]}\n".encode())
+    return WEIGHTS_DIGEST_PREFIX + h.hexdigest()
+
+
+def _short(digest: str) -> str:
+    return digest[: len(WEIGHTS_DIGEST_PREFIX) + 12]
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What identifies the model a profile belongs to: thresholds of another shape or architecture are wrong.
+    """What identifies the model a profile belongs to: thresholds of another shape, architecture or weights are
+    wrong.
 
-    Two checkpoints of the same architecture and shape (e.g. a base model and its instruct fine-tune) have the
-    same fingerprint; telling them apart would need a weight hash, which a user may legitimately want to skip
-    (the paper profiles once per model family). ``name`` is informational and not compared.
+    The shape fields are always compared. ``weights`` (:func:`weights_digest`) tells apart two checkpoints of
+    one shape (a base model and its fine-tune); it is compared when both sides have one (:meth:`Thresholds.
+    check_fingerprint`), and a profile without it (an older file) is checked on its shape only, with a warning.
+    ``name`` is informational and not compared.
     """
 
     #: ``config.model_type`` of the decoder ("llama", "gemma3_text"): always set, unlike ``architectures``.
@@ -152,6 +241,8 @@ class ModelFingerprint:
     head_dim: int
     #: The name the model was loaded by (not compared).
     name: str | None = field(default=None, compare=False)
+    #: :func:`weights_digest` of the model, or None when unknown (compared by ``Thresholds.check_fingerprint``).
+    weights: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -162,10 +253,13 @@ class ModelFingerprint:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"name must be a string or None, got {self.name!r}")
+        if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):
+            raise ValueError(f"weights must be 'sha256:' and 64 lowercase hex digits, or None, got {self.weights!r}")
 
     @classmethod
-    def from_model_config(cls, hf_config: Any, name: str | None = None) -> ModelFingerprint:
-        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config)."""
+    def from_model_config(cls, hf_config: Any, name: str | None = None, weights: str | None = None) -> ModelFingerprint:
+        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config); the shape
+        only unless the ``weights`` digest is given."""
         cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         try:
             num_layers = int(cfg.num_hidden_layers)
@@ -175,13 +269,19 @@ class ModelFingerprint:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         arch = getattr(cfg, "model_type", None) or type(cfg).__name__
-        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name)
+        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights)
+
+    @classmethod
+    def from_model(cls, model: Any, name: str | None = None) -> ModelFingerprint:
+        """From a transformers model: its config's shape and :func:`weights_digest` of its weights."""
+        return cls.from_model_config(model.config, name, weights_digest(model))
 
     def describe(self) -> str:
         who = f"{self.name!r}: " if self.name else ""
+        weights = f", weights {_short(self.weights)}..." if self.weights else ""
         return (
             f"{who}{self.architecture}, {self.num_layers} layers, {self.num_kv_heads} KV heads, "
-            f"head_dim {self.head_dim}"
+            f"head_dim {self.head_dim}{weights}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,11 +291,14 @@ class ModelFingerprint:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "name": self.name,
+            "weights": self.weights,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
-        return cls(d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"))
+        return cls(
+            d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"), d.get("weights")
+        )
 
 
 @dataclass(frozen=True)
@@ -340,16 +443,51 @@ class Thresholds:
     # ------------------------------------------------------------------------------------------- model check
 
     def check_fingerprint(self, other: ModelFingerprint) -> None:
-        """Raise :class:`ModelMismatchError` naming both models when ``other`` differs from this profile's."""
+        """Raise :class:`ModelMismatchError` naming both models when ``other`` is not this profile's model.
+
+        The shapes must be equal; the weights digests too when both are known. When ``other`` has a digest and
+        this profile has none (a file written before oakenkv recorded it), warns
+        :class:`UnverifiedWeightsWarning`: only the shape was checked.
+        """
         if other != self.fingerprint:
             raise ModelMismatchError(
                 f"these thresholds were profiled for ({self.fingerprint.describe()}) but the model is "
                 f"({other.describe()}); profile this model with `oakenkv profile --model ...`"
             )
+        mine, theirs = self.fingerprint.weights, other.weights
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ModelMismatchError(
+                f"these thresholds were profiled for other weights of the same shape ({self.fingerprint.describe()}):"
+                f" weights {_short(mine)}... in the profile, {_short(theirs)}... in the model (another checkpoint, a "
+                "fine-tune, or another dtype); profile this model with `oakenkv profile --model ...`"
+            )
+        if mine is None and theirs is not None:
+            self._warn_unverified()
 
-    def check_model(self, hf_config: Any) -> None:
-        """Raise :class:`ModelMismatchError` (a ValueError) when ``hf_config`` is not the profiled model."""
-        self.check_fingerprint(ModelFingerprint.from_model_config(hf_config))
+    def _warn_unverified(self) -> None:
+        warnings.warn(
+            "these thresholds carry no weights digest (profiled before oakenkv recorded one): only the model's "
+            "shape was checked, so thresholds of another checkpoint of this shape would not be noticed; "
+            "re-profile to record it",
+            UnverifiedWeightsWarning,
+            stacklevel=4,
+        )
+
+    def check_model(self, model: Any) -> None:
+        """Raise :class:`ModelMismatchError` (a ValueError) when ``model`` is not the profiled model.
+
+        ``model``: a transformers model (its shape and, when this profile records one, the digest of its weights
+        are compared: :func:`weights_digest`; a profile without one warns :class:`UnverifiedWeightsWarning`) or
+        only its ``PretrainedConfig`` (the shape only, silently: the caller chose not to give the weights).
+        """
+        if not (hasattr(model, "state_dict") and hasattr(model, "config")):
+            self.check_fingerprint(ModelFingerprint.from_model_config(model))
+            return
+        if self.fingerprint.weights is None:  # nothing to compare a digest with: do not compute one
+            self.check_fingerprint(ModelFingerprint.from_model_config(model.config))
+            self._warn_unverified()
+            return
+        self.check_fingerprint(ModelFingerprint.from_model(model))
 
     # ------------------------------------------------------------------------------------------- JSON
 

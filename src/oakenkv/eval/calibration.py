@@ -174,7 +174,7 @@ def calibrate_all(
 
     spec = spec or CalibrationSpec()
     ids = calibration_windows(tokenizer, spec)
-    fp = ModelFingerprint.from_model_config(model.config, name=model_name)
+    fp = ModelFingerprint.from_model(model, name=model_name)
     n_layers = fp.num_layers
     todo = []
     for config, tuning in configs:

@@ -197,7 +197,7 @@ def build_method(
 
                 extra["thresholds_file"] = str(thresholds)
                 thresholds = Thresholds.load(thresholds)
-            thresholds.check_model(model.config)
+            thresholds.check_model(model)  # shape and weights
             config = thresholds.config
             name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
         else:
