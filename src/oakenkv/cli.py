@@ -408,8 +408,9 @@ def bench_decode(
         )
     print_decode_bench(result)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        from oakenkv.paths import atomic_write
+
+        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
         typer.echo(f"wrote {json_out}")
 
 
@@ -435,8 +436,9 @@ def _write_json(obj: dict, path: Path | None) -> None:
     if path is None:
         typer.echo(text)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    from oakenkv.paths import atomic_write
+
+    atomic_write(path, text + "\n")
     typer.echo(f"wrote {path}")
 
 
@@ -608,9 +610,9 @@ def hw_verilog_cmd(
 ) -> None:
     """Emit the Verilog of one engine (Amaranth's built-in Yosys)."""
     from oakenkv.hw.report import verilog
+    from oakenkv.paths import atomic_write
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(verilog(engine, lanes))
+    atomic_write(out, verilog(engine, lanes))
     typer.echo(f"wrote {out}")
 
 

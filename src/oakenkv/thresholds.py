@@ -45,7 +45,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 
 __all__ = [
     "FORMAT_NAME",
@@ -572,19 +572,11 @@ class Thresholds:
             raise fail(f"invalid content: {e}") from e
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the JSON file atomically (temp file + rename: no reader sees half a file)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        """Write the JSON file atomically (``oakenkv.paths.atomic_write``: temp file + rename, no reader sees half a
+        file; the umask's permissions, so a shared cache stays readable)."""
         # allow_nan=False: a NaN can only come from a bug upstream, and "NaN" is not JSON.
         text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, p)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return p
+        return atomic_write(path, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], expect: ModelFingerprint | None = None) -> Thresholds:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 
 #: (name, tokens, values per token vector): Llama2-7B's K (or V) width and the default model's (3 KV heads x 64),
 #: the latter with 16x the tokens so that both buffers are of similar size (24-32 MB, beyond the caches: a 1.5 MB
@@ -379,8 +380,7 @@ def run_codec_bench(
             **storage_comparison(keys, values, kthr, vthr, config, 3, progress),
         }
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2))
+        atomic_write(json_out, json.dumps(result, indent=2))
     return result
 
 

@@ -14,6 +14,7 @@ report run profiles each model once.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 from oakenkv.profile import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_CALIB_TEXT,
@@ -101,9 +103,9 @@ def kv_ranges(
     """Compute (or load from the disk cache) :class:`KVRanges` on the calibration windows."""
     spec = spec or CalibrationSpec()
     path = _ranges_path(model_name, tokenizer, spec, q)
-    if path.is_file():
-        d = torch.load(path)
-        return KVRanges(**d)
+    cached = _load_ranges(path)
+    if cached is not None:
+        return cached
     ids = calibration_windows(tokenizer, spec)
     kmin = kmax = vmin = vmax = None
     lo_sum: list[torch.Tensor] = []
@@ -138,8 +140,28 @@ def kv_ranges(
         key_channel_hi=[x / n for x in hi_sum],
         q=q,
     )
-    torch.save(out.__dict__, path)
+    _save_ranges(out, path)
     return out
+
+
+def _save_ranges(ranges: KVRanges, path: Path) -> None:
+    """Write the ranges cache atomically (a torn file would break every later run)."""
+    atomic_write(path, lambda f: torch.save(ranges.__dict__, f))
+
+
+def _load_ranges(path: Path) -> KVRanges | None:
+    """The cached ranges at ``path``, or None when there are none or the file is unreadable (then recomputed and
+    overwritten). ``weights_only=True``: tensors and plain containers only, never code (torch < 2.6 defaults to
+    unpickling anything)."""
+    if not path.is_file():
+        return None
+    try:
+        return KVRanges(**torch.load(path, weights_only=True))
+    except Exception as e:  # any unreadable file: recompute rather than fail every later run
+        warnings.warn(
+            f"ignoring the unreadable calibration cache {path} ({type(e).__name__}: {e}); recomputing", stacklevel=3
+        )
+        return None
 
 
 def _pos(config: OakenConfig) -> str:
@@ -185,7 +207,7 @@ def calibrate_all(
             todo.append((config, tuning, path, cand, accs))
     q = 0.005
     ranges_path = _ranges_path(model_name, tokenizer, spec, q)
-    need_ranges = not ranges_path.is_file()
+    need_ranges = _load_ranges(ranges_path) is None
     if not todo and not need_ranges:
         return
     union_outer = tuple(sorted({r for *_, (oc, _ic), _a in todo for r in oc}))
@@ -257,13 +279,13 @@ def calibrate_all(
         ).save(path)
     if need_ranges:
         n = ids.shape[0]
-        torch.save(
+        _save_ranges(
             KVRanges(
                 key_extremes=list(zip(kmin, kmax, strict=True)),
                 value_extremes=list(zip(vmin, vmax, strict=True)),
                 key_channel_lo=[x / n for x in lo_sum],
                 key_channel_hi=[x / n for x in hi_sum],
                 q=q,
-            ).__dict__,
+            ),
             ranges_path,
         )

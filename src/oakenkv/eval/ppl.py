@@ -24,6 +24,7 @@ import torch
 
 from oakenkv.baselines.base import BitCounter
 from oakenkv.eval.cache import stored_bits
+from oakenkv.paths import atomic_write
 
 
 @dataclass
@@ -151,9 +152,7 @@ def perplexity(
         if ckpt is not None:
             state = {"kind": "ppl_checkpoint", **ident, "window_nll": per_window, "bits": bits.bits}
             state |= {"values": bits.values, "seconds": spent + time.perf_counter() - t0}
-            tmp = ckpt.with_name(ckpt.name + ".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(ckpt)  # atomic: an interrupted write never leaves a torn checkpoint
+            atomic_write(ckpt, json.dumps(state))  # an interrupted write never leaves a torn checkpoint
         if bar is not None:
             bar.set_postfix(ppl=f"{math.exp(sum(per_window) / (len(per_window) * per_tok)):.4f}")
     total_nll, total_tok = sum(per_window), len(per_window) * per_tok

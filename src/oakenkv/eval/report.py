@@ -15,6 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from oakenkv.paths import atomic_write
+
 
 def load_results(paths: list[Path]) -> list[dict[str, Any]]:
     """Every JSON result in ``paths`` (files, or directories searched recursively), sorted by file name."""
@@ -361,8 +363,7 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.tight_layout()
     for ax, pts, labels in to_label:
         _place_labels(fig, ax, pts, labels)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -423,6 +424,5 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         "prefill is unquantized, see above), nor the keys-only / values-only ablations.\n"
     )
     text = "\n".join(parts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    atomic_write(out, text)
     return text
