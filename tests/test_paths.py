@@ -84,16 +84,19 @@ def test_ranges_cache_refuses_code_and_survives_a_torn_file(tmp_path):
     bad = tmp_path / "ranges-code.pt"
     torch.save({"key_extremes": Payload()}, bad)
     with pytest.warns(UserWarning, match="unreadable calibration cache"):
-        assert cal._load_ranges(bad) is None
+        assert cal._load_ranges(bad, "id") is None
     assert ran == []
     good = cal.KVRanges([(-1.0, 1.0)], [(-2.0, 2.0)], [torch.zeros(1, 2)], [torch.ones(1, 2)], 0.005)
     path = tmp_path / "ranges.pt"
-    cal._save_ranges(good, path)
-    back = cal._load_ranges(path)
+    cal._save_ranges(good, path, "id")
+    back = cal._load_ranges(path, "id")
     assert back.key_extremes == good.key_extremes and torch.equal(back.key_channel_hi[0], good.key_channel_hi[0])
+    assert back.sha256() == good.sha256()
+    with pytest.warns(UserWarning, match="another model or calibration"):
+        assert cal._load_ranges(path, "other id") is None
     path.write_bytes(path.read_bytes()[:50])  # torn
     with pytest.warns(UserWarning, match="unreadable"):
-        assert cal._load_ranges(path) is None
+        assert cal._load_ranges(path, "id") is None
 
 
 # ------------------------------------------------------------------------------------------------ the rule
@@ -126,7 +129,9 @@ def _direct_writes() -> list[tuple[str, str, int, str]]:
                 mode = next((a.value for a in node.args[1:2] if isinstance(a, ast.Constant)), None)
                 mode = next((k.value.value for k in node.keywords if k.arg == "mode"), mode)
                 is_open_w = name in ("open", "fdopen") and isinstance(mode, str) and any(c in mode for c in "wax")
-                is_torch_save = name == "save" and isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "torch"
+                is_torch_save = (
+                    name == "save" and isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "torch"
+                )
                 # torch.save into a file object (lambda f: torch.save(obj, f)) is how atomic_write is fed
                 if is_torch_save and isinstance(node.args[1], ast.Name) and node.args[1].id == "f":
                     continue

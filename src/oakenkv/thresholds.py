@@ -489,6 +489,14 @@ class Thresholds:
             return
         self.check_fingerprint(ModelFingerprint.from_model(model))
 
+    def sha256(self) -> str:
+        """Digest (hex) of everything the profile decides: config, model (shape and weights digest), every layer's
+        thresholds and statistics; not the free-form ``profile`` metadata (timing) or the model's name. A result or
+        a checkpoint that used these thresholds records it, so that another profile is never mixed in."""
+        d = self.to_dict()
+        del d["profile"], d["model"]["name"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
     # ------------------------------------------------------------------------------------------- JSON
 
     def to_dict(self) -> dict[str, Any]:

@@ -218,6 +218,7 @@ def build_method(
             )
             extra["calibration"] = spec_obj.tag()
         extra["config"] = config.to_dict()
+        extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
         only = {"kv": ("key", "value"), "k": ("key",), "v": ("value",)}.get(params["only"])
         if only is None:
             raise ValueError(f"method 'oaken': only={params['only']!r}; use kv (default), k or v")
@@ -237,6 +238,7 @@ def build_method(
             {"key": rng.key_extremes, "value": rng.value_extremes},
         )
         extra["calibration"] = spec_obj.tag()
+        extra["thresholds_sha256"], extra["ranges_sha256"] = thr.sha256(), rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "int":
         from oakenkv.baselines.uniform import PerTokenIntQuantizer
@@ -254,6 +256,7 @@ def build_method(
             list(zip(rng.key_channel_lo, rng.key_channel_hi, strict=True)), params["bits"], params["outliers"]
         )
         extra["calibration"] = spec_obj.tag()
+        extra["ranges_sha256"] = rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "fp8":
         from oakenkv.baselines.fp8 import Fp8Quantizer

@@ -25,6 +25,7 @@ import torch
 from oakenkv.baselines.base import BitCounter
 from oakenkv.eval.cache import stored_bits
 from oakenkv.paths import atomic_write
+from oakenkv.thresholds import weights_digest
 
 
 @dataclass
@@ -97,18 +98,24 @@ def perplexity(
         method: an :class:`~oakenkv.eval.methods.Method`.
         chunk: tokens per forward call (module doc).
         checkpoint: a JSON file rewritten after every window (per-window NLLs, stored bits, time). If it exists
-            when the run starts and belongs to the same method, model, chunking and windows, the run resumes
-            after its last window (the result is the same as an uninterrupted run's: windows are independent);
-            if it belongs to another run, ``ValueError``. Removed when the run completes.
+            when the run starts and belongs to the same run, the run resumes after its last window (the result is
+            the same as an uninterrupted run's: windows are independent); if it belongs to another run,
+            ``ValueError``. Removed when the run completes. A run is identified by content: the model's weights
+            (:func:`oakenkv.thresholds.weights_digest`), the windows' tokens, the method's settings and what it
+            was calibrated with (its thresholds' and ranges' digests in ``method.extra``), and the chunking; the
+            names of the method and model only label it. Re-profiling the thresholds or changing the model at the
+            same path between an interrupt and the rerun refuses the checkpoint instead of mixing two runs.
     """
     if windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
     per_window: list[float] = []
     bits = BitCounter()
     spent = 0.0
+    weights = weights_digest(model)
     ident = {
         "method": method.name,
         "model": model_name,
+        "model_weights": weights,
         "chunk": chunk,
         "settings_sha256": hashlib.sha256(
             json.dumps([method.params, method.extra], sort_keys=True, default=str).encode()
@@ -119,13 +126,17 @@ def perplexity(
     if ckpt is not None and ckpt.exists():
         try:
             state = json.loads(ckpt.read_text())
-            same = state.get("kind") == "ppl_checkpoint" and all(state.get(k) == v for k, v in ident.items())
-        except (json.JSONDecodeError, AttributeError):
-            same = False
+        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+            state = None
+        same = isinstance(state, dict) and state.get("kind") == "ppl_checkpoint"
+        same = same and all(state.get(k) == v for k, v in ident.items())
         if not same:
+            differ = [k for k, v in ident.items() if isinstance(state, dict) and state.get(k) != v]
             raise ValueError(
                 f"{ckpt} is not a checkpoint of this run (method {method.name!r}, model {model_name!r}, "
-                f"{windows.shape[0]} windows of {windows.shape[1]} tokens, chunk {chunk}); delete it to start over"
+                f"{windows.shape[0]} windows of {windows.shape[1]} tokens, chunk {chunk}"
+                + (f"; it differs in {', '.join(differ)}" if differ else "")
+                + "); delete it to start over"
             )
         per_window = [float(x) for x in state["window_nll"]][: windows.shape[0]]
         bits.add(state["bits"], state["values"])
@@ -174,6 +185,7 @@ def perplexity(
             "key_position": method.key_position,
             "note": method.note,
             **method.extra,
+            "model_weights": weights,
         },
     )
     if ckpt is not None:
