@@ -188,3 +188,431 @@ def test_a_resumed_ppl_run_refuses_another_profile_or_model(default_tokenizer, c
     whole = perplexity(a, ids, m1, model_name="m")
     assert res.window_nll == whole.window_nll
     assert json.loads(json.dumps(res.to_dict()))["extra"]["model_weights"].startswith("sha256:")
+
+
+# ---------------------------------------------------------------------------------------------- rule 2
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+#: Bounded fuzzing: a fixed number of examples per property (derandomized in CI by tests/conftest.py's profile).
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _f32(v: float) -> float:
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+finite64 = st.floats(allow_nan=False, allow_infinity=False, width=64)
+near_one = st.floats(1.0, 1.0 + 1e-6)  # many float64 values, few float32 ones
+threshold_values = st.one_of(finite64, near_one, st.sampled_from([1e39, -1e39, 3.4028235e38, 3.4028236e38, 0.0]))
+
+
+@FUZZ
+@given(st.lists(threshold_values, min_size=4, max_size=4))
+def test_thresholds_are_validated_in_float32(vals):
+    """GroupThresholds (what files hold), quant.thresholds_tuple (what the codec takes) and Thresholds.load accept
+    exactly the values that are finite and ordered both in float64 and after rounding to float32."""
+    import math
+
+    from oakenkv.quant import thresholds_tuple
+    from oakenkv.thresholds import GroupThresholds
+
+    vals = sorted(vals) if vals[0] != vals[1] else vals  # mostly ordered in float64, to reach the float32 rule
+    f32 = [_f32(v) for v in vals]
+    ok64 = vals[0] < vals[1] <= vals[2] < vals[3]
+    ok32 = all(math.isfinite(v) for v in f32) and f32[0] < f32[1] <= f32[2] < f32[3]
+    try:
+        GroupThresholds(*vals)
+        accepted = True
+    except ValueError as e:
+        accepted = False
+        if ok64:  # refused only for the float32 reason, and the message says so
+            assert "float32" in str(e)
+    assert accepted == (ok64 and ok32), (vals, f32)
+    try:
+        thresholds_tuple(vals)
+        codec_ok = True
+    except ValueError:
+        codec_ok = False
+    assert codec_ok == ok32  # the codec needs only float32 order
+    if accepted:
+        assert thresholds_tuple(GroupThresholds(*vals)) == tuple(f32)
+
+
+def _thresholds_file(tmp_path, key0):
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    th = Thresholds(
+        OakenConfig(),
+        ModelFingerprint("llama", 2, 1, 4),
+        (GroupThresholds(-2, -0.1, 0.1, 2), GroupThresholds(-3, -0.2, 0.2, 3)),
+        (GroupThresholds(-1, -0.1, 0.1, 1), GroupThresholds(-1.5, -0.1, 0.1, 1.5)),
+    )
+    d = th.to_dict()
+    d["layers"][1]["key"]["thresholds"] = key0
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize(
+    ("key0", "match"),
+    [
+        # ordered in float64, equal in float32: loaded, passed `inspect`, and crashed mid-forward before
+        ([1.0, 1.0 + 1e-9, 2.0, 3.0], "ordered in float64 but not in float32"),
+        ([-3.0, -1.0, 2.0, 2.0 + 1e-8], "ordered in float64 but not in float32"),
+        # +-1e39 is finite in float64 and became +-inf in the codec
+        ([-1e39, -0.1, 0.1, 1.0], "beyond the float32 range"),
+        ([-1.0, -0.1, 0.1, 1e39], "beyond the float32 range"),
+    ],
+)
+def test_a_file_valid_only_in_float64_is_refused_at_load(tmp_path, key0, match):
+    from oakenkv.thresholds import Thresholds, ThresholdsFileError
+
+    p = _thresholds_file(tmp_path, key0)
+    with pytest.raises(ThresholdsFileError, match=rf"layer 1 key: .*{match}"):
+        Thresholds.load(p)
+
+
+def _rows(seed: int, n: int, d: int):
+    """Rows of every magnitude up to float32's largest, with some values at the extremes."""
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, d)) * 10.0 ** g.uniform(-3, 38.5, (n, 1))
+    x[g.random((n, d)) < 0.05] = g.choice([3.4e38, -3.4e38, 1e38, -1e38, 65504.0, -70000.0])
+    return torch.from_numpy(np.clip(x, -3.4028235e38, 3.4028235e38).astype(np.float32))
+
+
+@FUZZ
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 4),
+    st.sampled_from([1, 7, 64, 130]),
+    st.sampled_from(["float16", "float32"]),
+    st.sampled_from([(-1.0, -0.1, 0.1, 1.0), (-3e38, -1.0, 1.0, 3e38), (1e37, 2e37, 3e37, 3.3e38)]),
+)
+def test_encode_never_writes_a_row_its_decoder_refuses(seed, n, d, scale_dtype, thr):
+    """The issue's example: with scale_dtype float32, encode wrote an infinite scale it then refused to decode.
+    For rows of any finite magnitude: either both encoders refuse (ValueError), or both write the same bytes and
+    those decode to finite values."""
+    from oakenkv import codec, reference
+
+    cfg = OakenConfig(scale_dtype=scale_dtype)
+    x = _rows(seed, n, d)
+    try:
+        ref = reference.encode(x, thr, cfg)
+    except ValueError:
+        ref = None
+    try:
+        enc = codec.encode(x, thr, cfg)
+    except ValueError:
+        enc = None
+    assert (ref is None) == (enc is None)
+    if enc is None:
+        return
+    for name in ("dense", "sparse", "sparse_offsets"):
+        assert torch.equal(getattr(enc, name), getattr(ref, name))
+    assert torch.equal(enc.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    y = codec.decode(enc, thr, cfg)
+    assert torch.isfinite(y).all() and torch.equal(y, reference.decode(enc, thr, cfg))
+
+
+def test_float32_scales_of_huge_rows_are_refused_at_encode():
+    from oakenkv import codec, reference
+    from oakenkv.format import ERR_SCALE_RANGE, ERROR_MESSAGES
+
+    cfg = OakenConfig(scale_dtype="float32")
+    x = torch.tensor([[3.4e38, -3.4e38, 0.5, -0.5, 0.0, 2.0, -2.0, 0.05]])
+    for enc in (codec.encode, reference.encode):
+        with pytest.raises(ValueError, match="exceeds the float32 range"):
+            enc(x, (-1.0, -0.1, 0.1, 1.0), cfg)
+    assert "float32" in ERROR_MESSAGES[ERR_SCALE_RANGE]
+
+
+# ---------------------------------------------------------------------------------------------- rule 3
+
+import numpy as np  # noqa: E402
+
+THR = (-1.5, -0.05, 0.05, 1.5)
+
+
+def _random_encoded(seed: int):
+    """An EncodedBatch from untrusted bytes: a valid encoding mutated, or bytes drawn at random; its config."""
+    from oakenkv import codec
+    from oakenkv.format import EncodedBatch, dense_bytes
+
+    g = np.random.default_rng(seed)
+    cfg = OakenConfig(
+        inner_bits=int(g.choice([4, 5])),
+        outer_bits=int(g.choice([4, 5])),
+        scale_dtype=str(g.choice(["float16", "float32"])),
+    )
+    sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
+    sbits = np.uint16 if cfg.scale_dtype == "float16" else np.uint32
+    n = int(g.integers(0, 5))
+    d = int(g.choice([1, 2, 63, 64, 65, 127, 130]))
+    if g.random() < 0.5:  # random bytes, biased towards the format's special values
+        counts = g.integers(0, 2 * d + 3, n)
+        pool = np.array([0, 1, 2, 0x3F, 0x40, 0x7F, 0x80, 0xBF, 0xC0, 0xFF, *g.integers(0, 256, 4)], np.uint8)
+        sparse = g.choice(pool, int(counts.sum())).astype(np.uint8)
+        dense = g.integers(0, 256, (n, dense_bytes(d)), dtype=np.uint8)
+        if g.random() < 0.7 and d % 2 and n:
+            dense[:, -1] &= 0x0F  # mostly a clean padding nibble, to reach the rest
+        scales = (g.standard_normal((n, 6)) * 10.0 ** g.uniform(-2, 4)).astype(sdt)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    else:  # a valid encoding, then mutated
+        x = torch.from_numpy((g.standard_normal((max(n, 1), d)) * 2).astype(np.float32))
+        enc = codec.encode(x, THR, cfg)
+        dense, scales = enc.dense.numpy().copy(), enc.scales.numpy().copy()
+        sparse, offsets = enc.sparse.numpy().copy(), enc.sparse_offsets.numpy().copy()
+        n = dense.shape[0]
+        for _ in range(int(g.integers(1, 4))):
+            how = g.choice(["sparse", "dense", "scales", "cut", "offsets", "dim", "none"])
+            if how == "sparse" and sparse.size:
+                sparse[g.integers(sparse.size)] ^= np.uint8(1 << g.integers(8))
+            elif how == "dense":
+                dense[g.integers(n), g.integers(dense.shape[1])] ^= np.uint8(1 << g.integers(8))
+            elif how == "scales":
+                s = scales.view(sbits)
+                s[g.integers(n), g.integers(6)] ^= sbits(1) << sbits(g.integers(8 * s.itemsize))
+            elif how == "cut" and sparse.size:
+                cut = int(g.integers(sparse.size))
+                sparse = sparse[:cut]
+                offsets = np.minimum(offsets, cut)
+            elif how == "offsets":
+                offsets[int(g.integers(n + 1))] += int(g.integers(-3, 4))
+            elif how == "dim":  # bytes of width D read as D - 1 or D + 1 (the issue's 192 read as 191)
+                d = max(1, d + int(g.choice([-1, 1])))
+    return (
+        EncodedBatch(
+            dense=torch.from_numpy(dense),
+            scales=torch.from_numpy(scales),
+            sparse=torch.from_numpy(sparse),
+            sparse_offsets=torch.from_numpy(offsets),
+            dim=d,
+        ),
+        cfg,
+    )
+
+
+def _outcome(fn, *args):
+    """The result of ``fn``, or ``"corrupt"`` for a CorruptDataError (any other exception fails the test)."""
+    from oakenkv.format import CorruptDataError
+
+    try:
+        return fn(*args)
+    except CorruptDataError:
+        return "corrupt"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _embedded(a: np.ndarray, g) -> np.ndarray:
+    """``a`` as a view into a larger buffer of random bytes: a decoder that reads past the end of its inputs
+    would give a result that depends on them."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    pad = 64 // flat.itemsize + 1
+    big = np.empty(flat.size + 2 * pad, flat.dtype)
+    big.view(np.uint8)[:] = g.integers(0, 256, big.nbytes, dtype=np.uint8)
+    big[pad : pad + flat.size] = flat
+    return big[pad : pad + flat.size].reshape(a.shape)
+
+
+def _embedded_batch(enc, g):
+    from oakenkv.format import EncodedBatch
+
+    return EncodedBatch(
+        **{
+            k: torch.from_numpy(_embedded(getattr(enc, k).numpy(), g))
+            for k in ("dense", "scales", "sparse", "sparse_offsets")
+        },
+        dim=enc.dim,
+    )
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_batch_decoders_check_untrusted_bytes_completely(seed):
+    """codec.decode (the numba kernels, float32 and float16 out), reference.decode and codec.unpack over random and
+    mutated bytes: each refuses with CorruptDataError exactly when the reference does, otherwise they agree bit for
+    bit, every value is finite, and nothing outside the inputs is read (the result does not change when the
+    inputs lie in buffers of other random bytes)."""
+    from oakenkv import codec, reference
+    from oakenkv.kernels.cpu import decode_batch
+
+    enc, cfg = _random_encoded(seed)
+    want = _outcome(reference.decode, enc, THR, cfg)
+    got = _outcome(codec.decode, enc, THR, cfg)
+    assert _same(got, want), (enc.dim, want if isinstance(want, str) else "values")
+    if not isinstance(got, str):
+        assert torch.isfinite(got).all()
+        half = decode_batch(enc, THR, cfg, torch.float16)
+        assert torch.equal(half, got.to(torch.float16))
+        assert not isinstance(_outcome(codec.unpack, enc, cfg), str)
+    g = np.random.default_rng(seed + 1)
+    for _ in range(2):
+        assert _same(_outcome(codec.decode, _embedded_batch(enc, g), THR, cfg), got)
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
+    """kernels.cpu.decode_row_into, the single-row decoder other kernels call: on each row of random or mutated
+    bytes it returns an error code exactly when the reference refuses that row, else the reference's values;
+    inputs embedded in larger buffers give the same result."""
+    from oakenkv import reference
+    from oakenkv.format import ERR_OK, EncodedBatch, dense_bytes
+    from oakenkv.kernels.cpu import decode_row_into
+
+    enc, cfg = _random_encoded(seed)
+    if enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
+        return  # a width that does not fit the dense bytes: the batch decoders refuse it (above)
+    off = enc.sparse_offsets.numpy()
+    thr = np.array(THR, np.float32)
+    g = np.random.default_rng(seed + 2)
+    for r in range(enc.num_rows):
+        a, b = int(off[r]), int(off[r + 1])
+        if not 0 <= a <= b <= enc.sparse.numel():
+            continue  # offsets are the batch's structure (check_encoded), not a row's bytes
+        row = EncodedBatch(
+            enc.dense[r : r + 1], enc.scales[r : r + 1], enc.sparse[a:b], torch.tensor([0, b - a]), enc.dim
+        )
+        want = _outcome(reference.decode, row, THR, cfg)
+        results = []
+        for embed in (False, True, True):
+            args = [enc.dense.numpy()[r], enc.sparse.numpy()[a:b], enc.scales.numpy()[r].astype(np.float32), thr]
+            if embed:
+                args = [_embedded(x, g) for x in args]
+            out = np.full(enc.dim, np.nan, np.float32)
+            err = decode_row_into(*args, out, cfg.inner_bits, cfg.outer_bits)
+            results.append((err, out.view(np.int32).copy() if err == ERR_OK else None))
+        err, out = results[0]
+        assert all(r_[0] == err for r_ in results)
+        assert (err != ERR_OK) == isinstance(want, str), (err, want)
+        if err == ERR_OK:
+            assert all(np.array_equal(r_[1], out) for r_ in results)
+            assert np.array_equal(out, want[0].numpy().view(np.int32))
+
+
+def test_the_row_decoder_refuses_malformed_arguments():
+    """The issue's example: decode_row_into with a too-short thresholds array read past it and returned success.
+    Every argument is checked before use: sizes, dtypes, bits, thresholds."""
+    from oakenkv import codec
+    from oakenkv.format import ERR_OK, ERR_PADDING, ERR_SCALE_NONFINITE, ERR_SHAPE, ERR_THRESHOLDS
+    from oakenkv.kernels.cpu import decode_row_into
+
+    enc = codec.encode(torch.randn(1, 65, generator=torch.Generator().manual_seed(0)), THR)
+    dense, sparse = enc.dense.numpy()[0], enc.sparse.numpy()
+    scales = enc.scales.numpy()[0].astype(np.float32)
+    thr = np.array(THR, np.float32)
+    out = np.empty(65, np.float32)
+    assert decode_row_into(dense, sparse, scales, thr, out) == ERR_OK
+    backing = np.array([*THR, 7.0], np.float32)
+    for k in range(4):  # the first k thresholds of a longer buffer: never read beyond them
+        assert decode_row_into(dense, sparse, scales, backing[:k], out) == ERR_SHAPE
+    for bad in ([np.nan, -0.05, 0.05, 1.5], [-1.5, 0.05, -0.05, 1.5], [-np.inf, -0.05, 0.05, 1.5]):
+        assert decode_row_into(dense, sparse, scales, np.array(bad, np.float32), out) == ERR_THRESHOLDS
+    assert decode_row_into(dense, sparse, scales[:5], thr, out) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(64, np.float32)) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(67, np.float32)) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(65, np.float64)) == ERR_SHAPE
+    assert decode_row_into(dense.astype(np.int64) + 256, sparse, scales, thr, out) == ERR_SHAPE
+    assert decode_row_into(dense, sparse.astype(np.int64) - 256, scales, thr, out) == ERR_SHAPE
+    for bits in ((3, 5), (5, 6), (8, 8)):
+        assert decode_row_into(dense, sparse, scales, thr, out, *bits) == ERR_SHAPE
+    padded = dense.copy()
+    padded[-1] |= 0x10  # the padding nibble of D = 65
+    assert decode_row_into(padded, sparse, scales, thr, out) == ERR_PADDING
+    huge = scales.copy()
+    huge[5] = 3.0e38  # finite, but the outer group's top code + to_hi is not
+    assert decode_row_into(dense, sparse, huge, np.array([-1.5, -0.05, 0.05, 1e38], np.float32), out) == (
+        ERR_SCALE_NONFINITE
+    )
+
+
+def test_a_row_read_with_the_wrong_width_is_refused_by_its_padding():
+    """The issue's example: a D=192 encoding decoded as D=191 (the padding nibble was never checked)."""
+    from oakenkv import codec, reference
+    from oakenkv.format import CorruptDataError, EncodedBatch
+
+    x = torch.randn(4, 192, generator=torch.Generator().manual_seed(1))
+    x[:, 191] = 0.7  # the last value's code is not 0, so its nibble is not a valid padding nibble
+    enc = codec.encode(x, THR)
+    as191 = EncodedBatch(enc.dense, enc.scales, enc.sparse, enc.sparse_offsets, 191)
+    for decode in (codec.decode, reference.decode):
+        with pytest.raises(CorruptDataError, match="padding nibble"):
+            decode(as191, THR)
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_the_records_decoder_checks_untrusted_bytes_completely(seed):
+    """format.from_records (page records -> EncodedBatch) over random arrays of random sizes and dtypes: a
+    CorruptDataError, or a batch that decodes exactly as the reference decodes it."""
+    from oakenkv import codec, reference
+    from oakenkv.format import from_records, record_size, to_records
+
+    enc, cfg = _random_encoded(seed)
+    g = np.random.default_rng(seed + 3)
+    try:
+        dense, sparse, offsets = to_records(enc)
+    except (ValueError, RuntimeError):  # a mutated batch whose arrays do not even form records
+        dense = g.integers(0, 256, (enc.num_rows, record_size(max(enc.dim, 1), cfg)), dtype=np.uint8)
+        sparse, offsets = enc.sparse.numpy(), enc.sparse_offsets.numpy()
+    how = g.choice(["as is", "columns", "dtype", "offsets", "dim"])
+    dim = enc.dim
+    if how == "columns":
+        dense = dense[:, : max(0, dense.shape[1] - int(g.integers(1, 3)))]
+    elif how == "dtype":
+        dense = dense.astype(g.choice([np.int16, np.float32]))
+    elif how == "offsets":
+        offsets = offsets[:-1]
+    elif how == "dim":
+        dim = int(g.choice([0, -3, dim + 2, 10**6]))
+    batch = _outcome(from_records, dense, sparse, offsets, dim, cfg)
+    if isinstance(batch, str):
+        return
+    assert _same(_outcome(codec.decode, batch, THR, cfg), _outcome(reference.decode, batch, THR, cfg))
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_the_pages_reader_checks_corrupted_pool_bytes(seed):
+    """PagedKVStore.read (the page pool's records through the fast decoder): pool bytes corrupted at random give a
+    CorruptDataError or exactly what the reference decoder makes of the same records."""
+    from oakenkv import reference
+    from oakenkv.format import from_records
+    from oakenkv.pages import PoolConfig
+    from oakenkv.store import PagedKVStore
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    g = np.random.default_rng(seed)
+    gt = GroupThresholds(*THR)
+    th = Thresholds(OakenConfig(), ModelFingerprint("llama", 1, 2, 8), (gt,), (gt,))
+    store = PagedKVStore(th, 1, 2, 8, PoolConfig(page_size=256))
+    kv = torch.from_numpy((g.standard_normal((2, 2, int(g.integers(1, 30)), 8)) * 2).astype(np.float32))
+    store.append(0, kv, kv * 0.5)
+    used = store.pool.data.reshape(-1)
+    for _ in range(int(g.integers(1, 6))):
+        used[g.integers(used.size)] ^= np.uint8(1 << g.integers(8))
+    for kind in (0, 1):
+        got = _outcome(store.read, 0, kind)
+        want = []
+        for seq in store.seqs:
+            dense = store.pool.read_dense(seq, kind)
+            sparse, offs = store.pool.read_sparse(seq, kind)
+            want.append(_outcome(reference.decode, from_records(dense, sparse, offs, 16, th.config), THR))
+        if any(isinstance(w, str) for w in want):
+            assert got == "corrupt"
+        else:
+            ref = torch.stack([w.reshape(-1, 2, 8).permute(1, 0, 2) for w in want])
+            assert _same(got, ref)

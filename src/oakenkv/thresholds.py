@@ -45,6 +45,7 @@ import json
 import math
 import os
 import re
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,9 @@ from oakenkv.config import OakenConfig
 from oakenkv.paths import atomic_write
 
 __all__ = [
+    "FLOAT32_MAX",
     "FORMAT_NAME",
+    "MAX_FILE_BYTES",
     "SCHEMA_VERSION",
     "DuplicateThresholdsWarning",
     "GroupThresholds",
@@ -65,6 +68,7 @@ __all__ = [
     "Thresholds",
     "ThresholdsFileError",
     "UnverifiedWeightsWarning",
+    "as_float32",
     "print_thresholds",
     "weights_digest",
 ]
@@ -73,6 +77,8 @@ __all__ = [
 FORMAT_NAME = "oakenkv-thresholds"
 #: Version of the file layout; bump when a field changes meaning. Loading another version is an error.
 SCHEMA_VERSION = 1
+#: Largest file :meth:`Thresholds.load` reads: a profile of 1000 layers with statistics is about 1 MB.
+MAX_FILE_BYTES = 64 * 2**20
 
 Kind = Literal["key", "value"]
 _KINDS: tuple[Kind, Kind] = ("key", "value")
@@ -100,10 +106,28 @@ def _finite_float(name: str, v: Any) -> float:
     # bool is an int subclass; a True threshold is a bug, not 1.0.
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name} must be a number, got {v!r}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError as e:  # an int beyond the float range (JSON allows 1e400 written as digits)
+        raise ValueError(f"{name} must be finite, got an integer too large for a float") from e
     if not math.isfinite(f):
         raise ValueError(f"{name} must be finite, got {f!r}")
     return f
+
+
+#: Largest finite float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def as_float32(name: str, v: float) -> float:
+    """``v`` rounded to float32 (to nearest, as the codec's ``torch.tensor(v, dtype=float32)`` and numpy do), as a
+    Python float; ValueError when it rounds to infinity: the codec computes in float32, where it is no number."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError as e:
+        raise ValueError(
+            f"{name}={v!r} is beyond the float32 range (|x| <= {FLOAT32_MAX:.8g}) in which the codec computes"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -126,12 +150,22 @@ class GroupThresholds:
     to_hi: float
 
     def __post_init__(self) -> None:
-        for name in ("to_lo", "ti_lo", "ti_hi", "to_hi"):
+        names = ("to_lo", "ti_lo", "ti_hi", "to_hi")
+        for name in names:
             object.__setattr__(self, name, _finite_float(name, getattr(self, name)))
         if not (self.to_lo < self.ti_lo <= self.ti_hi < self.to_hi):
             raise ValueError(
                 "thresholds must satisfy to_lo < ti_lo <= ti_hi < to_hi, got "
                 f"to_lo={self.to_lo!r}, ti_lo={self.ti_lo!r}, ti_hi={self.ti_hi!r}, to_hi={self.to_hi!r}"
+            )
+        # The codec compares and shifts in float32: the order must hold there too (two thresholds 1e-9 apart
+        # near 1.0 are one float32), and every threshold must be a float32 number (1e39 is not).
+        f32 = [as_float32(n, getattr(self, n)) for n in names]
+        if not (f32[0] < f32[1] <= f32[2] < f32[3]):
+            raise ValueError(
+                "thresholds are ordered in float64 but not in float32, the arithmetic the codec uses: "
+                + ", ".join(f"{n}={getattr(self, n)!r} -> {v!r}" for n, v in zip(names, f32, strict=True))
+                + "; the outer thresholds must stay strictly outside the inner ones after rounding to float32"
             )
 
     def as_tuple(self) -> tuple[float, float, float, float]:
@@ -592,10 +626,23 @@ class Thresholds:
 
         Raises:
             FileNotFoundError: no such file.
-            ThresholdsFileError: truncated/corrupt JSON, wrong format/schema, missing fields, invalid values.
+            ThresholdsFileError: not a regular file (a directory, a device), larger than ``MAX_FILE_BYTES``,
+                truncated/corrupt JSON or JSON nested too deeply, wrong format/schema, missing fields, invalid
+                values (thresholds not ordered or not finite in float32 included).
             ModelMismatchError: ``expect`` is given and differs from the file's fingerprint.
         """
         p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"thresholds file {p} does not exist")
+        if p.is_dir():
+            raise ThresholdsFileError(f"{p}: is a directory, not a thresholds file")
+        if not p.is_file():
+            raise ThresholdsFileError(f"{p}: not a regular file (a device or a pipe?), so not a thresholds file")
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ThresholdsFileError(
+                f"{p}: {size:,} bytes, more than any thresholds file holds ({MAX_FILE_BYTES:,} at most)"
+            )
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -609,6 +656,10 @@ class Thresholds:
         except json.JSONDecodeError as e:
             hint = " (the file looks truncated)" if e.pos >= len(text.rstrip()) - 1 else ""
             raise ThresholdsFileError(f"{p}: corrupt JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from e
+        except RecursionError as e:
+            raise ThresholdsFileError(f"{p}: JSON nested too deeply to be a thresholds file") from e
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            raise ThresholdsFileError(f"{p}: corrupt JSON ({e})") from e
         th = cls.from_dict(d, source=str(p))
         if expect is not None:
             th.check_fingerprint(expect)
