@@ -258,11 +258,11 @@ def test_pre_rope_config_is_recorded(default_model, calib_ids):
 
 
 @pytest.mark.model
-def test_cli_profile_and_inspect(default_model, tmp_path):
+def test_cli_profile_and_inspect(default_model, tmp_path, capsys):
     """`oakenkv profile` writes a valid file with distinct layers and warns below 100 samples; `inspect` reads it."""
     from typer.testing import CliRunner
 
-    from oakenkv.cli import app
+    from oakenkv.cli import app, run
 
     out = tmp_path / "t.json"
     runner = CliRunner()
@@ -279,5 +279,7 @@ def test_cli_profile_and_inspect(default_model, tmp_path):
     assert res.exit_code == 0, res.output
     assert "30 layers" in res.output and "value thresholds per decoder layer" in res.output
     (tmp_path / "bad.json").write_text(out.read_text()[:100])
-    res = runner.invoke(app, ["inspect", str(tmp_path / "bad.json")])
-    assert res.exit_code == 1 and "corrupt JSON" in res.output
+    capsys.readouterr()
+    assert run(["inspect", str(tmp_path / "bad.json")]) == 2  # the console script's path: one error line, code 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "corrupt JSON" in err and err.count("\n") == 1

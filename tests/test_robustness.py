@@ -616,3 +616,289 @@ def test_the_pages_reader_checks_corrupted_pool_bytes(seed):
         else:
             ref = torch.stack([w.reshape(-1, 2, 8).permute(1, 0, 2) for w in want])
             assert _same(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- rules 5, 6, 7
+
+import time  # noqa: E402
+
+
+class ModelLoaded(BaseException):
+    """Raised instead of loading a model: not an Exception, so that no error handler can turn it into a line."""
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load or convert a model (or profile one) fails the test."""
+    import oakenkv.models as models
+
+    def refuse(*args, **kwargs):
+        raise ModelLoaded("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "_convert_gguf", refuse)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad inputs on disk: a directory, deeply nested JSON, truncated GGUFs, a thresholds file, a text."""
+    from oakenkv.models import find_embedded_gguf
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    d = tmp_path_factory.mktemp("bad")
+    (d / "adir").mkdir()
+    (d / "deep.json").write_text("[" * 100_000)
+    (d / "empty.json").write_text("")
+    with find_embedded_gguf("default").open("rb") as f:
+        head = f.read(3_000_000)
+    (d / "trunc20.gguf").write_bytes(head[:20])
+    (d / "trunc.gguf").write_bytes(head[:5000])
+    (d / "cut.gguf").write_bytes(head)  # a whole header, tensor data cut off
+    (d / "text.txt").write_text("some text\n")
+    gt = [GroupThresholds(-2 - i / 10, -0.1, 0.1, 2 + i / 10) for i in range(30)]
+    Thresholds(OakenConfig(), ModelFingerprint("llama", 30, 3, 64), tuple(gt), tuple(gt[::-1])).save(d / "thr.json")
+    ro = d / "readonly"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return d
+
+
+#: (command line with {d} for the bad files' directory, text the error line must hold). Every command, and each
+#: example of the issue: a directory or deeply nested JSON as --thresholds, a truncated GGUF header, an empty
+#: prompt, a non-model path, contradictions between --method and --thresholds, absurd resource requests.
+BAD = [
+    ("info --bogus", "No such option: --bogus"),
+    ("demo --windows 0", "'--windows'"),
+    ("demo --window 1", "'--window'"),
+    ("demo --model {d}/adir", "holds no config.json"),
+    ("demo --json {d}/adir", "is a directory"),
+    ("generate --prompt ''", "the prompt is empty"),
+    ("generate", "Missing option '--prompt'"),
+    ("generate --prompt hi --model /etc/passwd", "/etc/passwd is a file but not a model"),
+    ("generate --prompt hi --model {d}/trunc20.gguf", "the GGUF header is truncated (20 bytes)"),
+    ("generate --prompt hi --model {d}/trunc.gguf", "the GGUF header is truncated"),
+    ("generate --prompt hi --model {d}/cut.gguf", "truncated GGUF file"),
+    ("generate --prompt hi --model {d}/missing.gguf", "does not exist"),
+    ("generate --prompt hi --model ./nowhere", "does not exist"),
+    ("generate --prompt hi --thresholds {d}/adir", "is a directory, not a thresholds file"),
+    ("generate --prompt hi --thresholds {d}/deep.json", "nested too deeply"),
+    ("generate --prompt hi --thresholds {d}/empty.json", "corrupt JSON"),
+    ("generate --prompt hi --thresholds /dev/zero", "not a regular file"),
+    ("generate --prompt hi --max-new-tokens 0", "'--max-new-tokens'"),
+    ("simulate --systems nope", "unknown system 'nope'"),
+    ("simulate --model nope", "unknown model 'nope'"),
+    ("simulate --kv-format nope", "unknown KV format 'nope'"),
+    ("simulate --batch 16,abc", "comma-separated positive integers"),
+    ("simulate --input 0", "'--input'"),
+    ("simulate --plot-seq {d}/x.png", "--plot-seq needs --seq-lens"),
+    ("simulate --trace nope", "'conversation' or 'bursty'"),
+    ("simulate --rate -1", "'--rate'"),
+    ("simulate --requests 1000000000", "'--requests'"),
+    ("simulate --json {d}/readonly/x.json", "no permission to write"),
+    ("advise --model nope", "unknown model"),
+    ("advise --batch 0", "'--batch'"),
+    ("profile --samples 0", "'--samples'"),
+    ("profile --window 1", "'--window'"),
+    ("profile --data nope", "unknown text 'nope'"),
+    ("profile --data-path {d}/nothere.txt", "does not exist"),
+    ("profile --outer-ratio 2", "outer_ratio"),
+    ("profile --outer-ratio 0.6 --inner-ratio 0.5", "leave a middle group"),
+    ("profile --inner-center middle", "'median' or 'zero'"),
+    ("profile --out {d}/adir", "is a directory"),
+    ("profile --out {d}/text.txt/x.json", "is not a directory"),
+    ("profile --model /etc/passwd", "not a model"),
+    ("inspect {d}/adir", "is a directory, not a thresholds file"),
+    ("inspect {d}/deep.json", "nested too deeply"),
+    ("inspect {d}/missing.json", "does not exist"),
+    ("inspect {d}/trunc.gguf", "not a text file"),
+    ("bench codec --reps 0", "'--reps'"),
+    ("bench codec --threads 0", "'--threads'"),
+    ("bench codec --real-tokens 1000000000", "--real-tokens 1000000000 needs about"),
+    ("bench codec --json {d}/adir", "is a directory"),
+    ("bench decode --context 10,x", "comma-separated positive integers"),
+    ("bench decode --context 1000000000", "--context 1000000000 needs about"),
+    ("bench decode --methods oaken,foo", "give distinct methods"),
+    ("bench decode --methods dynamic --thresholds {d}/thr.json", "does not include"),
+    ("bench decode --thresholds {d}/deep.json", "nested too deeply"),
+    ("bench decode --steps 0", "'--steps'"),
+    ("eval ppl --method bogus", "unknown method 'bogus'"),
+    ("eval ppl --method oaken:outer=x", "is not a float"),
+    ("eval ppl --window 1", "'--window'"),
+    ("eval ppl --stride 0", "'--stride'"),
+    ("eval ppl --chunk 0", "'--chunk'"),
+    ("eval ppl --max-windows 0", "'--max-windows'"),
+    ("eval ppl --dataset nope", "unknown dataset 'nope'"),
+    ("eval ppl --calib-samples 0", "'--calib-samples'"),
+    ("eval ppl --calib-text nope", "unknown calibration text"),
+    ("eval ppl --model /etc/passwd", "not a model"),
+    ("eval ppl --thresholds {d}/adir", "is a directory, not a thresholds file"),
+    ("eval ppl --thresholds {d}/deep.json", "nested too deeply"),
+    ("eval ppl --method oaken:outer=0.1 --thresholds {d}/thr.json", "sets outer=0.1 but"),
+    ("eval ppl --method oaken:granularity=head --thresholds {d}/thr.json", "granularity"),
+    ("eval ppl --method oaken-kurtosis --thresholds {d}/thr.json", "kurtosis"),
+    ("eval ppl --method int4 --thresholds {d}/thr.json", "applies to the 'oaken' method only"),
+    ("eval ppl --thresholds {d}/thr.json --calib-samples 8", "calibration options do not apply"),
+    ("eval ppl --json {d}/adir", "is a directory"),
+    ("eval zeroshot --tasks piqa,nope", "give tasks among"),
+    ("eval zeroshot --limit 0", "'--limit'"),
+    ("eval zeroshot --method kivi4 --thresholds {d}/thr.json", "applies to the 'oaken' method only"),
+    ("eval zeroshot --method bogus", "unknown method"),
+    ("eval calibrate --sweep 0.1,abc", "'--sweep'"),
+    ("eval calibrate --sweep 1.5", "'--sweep'"),
+    ("eval calibrate --calib-path {d}/nothere.txt", "is not a file"),
+    ("eval calibrate --model /etc/passwd", "not a model"),
+    ("eval report {d}/nothere", "does not exist"),
+    ("eval report {d}/adir --out {d}/adir", "is a directory"),
+    ("hw report --vectors 0", "'--vectors'"),
+    ("hw report --json {d}/adir", "is a directory"),
+    ("hw verilog foo --out {d}/x.v", "'quant' or 'dequant'"),
+    ("hw verilog quant --out {d}/adir", "is a directory"),
+    ("hw verilog quant --out {d}/x.v --lanes 0", "'--lanes'"),
+]
+
+
+def _run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
+    from oakenkv.cli import run
+
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    code = run(argv)
+    seconds = time.perf_counter() - t0
+    out, err = capsys.readouterr()
+    return code, out, err, seconds
+
+
+def _assert_one_error_line(code: int, out: str, err: str, seconds: float, expect: str = "") -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expect in lines[0], (expect, lines[0])
+    assert "Traceback" not in out + err
+    assert seconds < 2.0, f"{seconds:.1f} s"
+
+
+@pytest.mark.parametrize(("line", "expect"), BAD, ids=[b[0] for b in BAD])
+def test_every_command_refuses_bad_arguments_in_one_line(line, expect, files, capsys, no_model_load):
+    """`oakenkv <command> <bad argument>`: exit code 2, one `error:` line naming the problem, no traceback, no
+    model loaded, in under 2 s."""
+    import os
+    import shlex
+
+    if "readonly" in line and os.geteuid() == 0:
+        pytest.skip("root may write in a read-only directory")
+    argv = shlex.split(line.format(d=files))
+    _assert_one_error_line(*_run_cli(argv, capsys), expect)
+
+
+def _commands():
+    import typer
+
+    from oakenkv.cli import app
+
+    def walk(c, path):
+        if hasattr(c, "commands"):
+            for name, sub in c.commands.items():
+                yield from walk(sub, [*path, name])
+        else:
+            yield path, c
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+#: What a command needs besides the option under test, to get past its required arguments.
+_REQUIRED = {("generate",): ["--prompt", "hi"], ("hw", "verilog"): ["quant", "--out", "x.v"]}
+
+
+def test_every_bounded_number_option_refuses_values_out_of_range(capsys, no_model_load):
+    """A property over the command tree: every numeric option with a range, given one below its minimum or one
+    above its maximum, or a word, is refused in one line naming the option."""
+    cases = 0
+    for path, cmd in _commands():
+        for p in cmd.params:
+            opts = [o for o in getattr(p, "opts", []) if o.startswith("--")]
+            if not opts or getattr(p, "is_flag", False):
+                continue
+            lo, hi = getattr(p, "min", None), getattr(p, "max", None)
+            values = ([str(lo - 1)] if lo is not None else []) + ([str(hi + 1)] if hi is not None else [])
+            if lo is not None or hi is not None:
+                values.append("many")
+            for v in values:
+                argv = [*path, *_REQUIRED.get(tuple(path), []), opts[0], v]
+                _assert_one_error_line(*_run_cli(argv, capsys), f"'{opts[0]}'")
+                cases += 1
+    assert cases >= 40
+
+
+def test_every_output_option_refuses_an_unwritable_path_before_work(tmp_path, capsys, no_model_load):
+    """A property over the command tree: every --json / --out / --plot option, given a directory or a path under
+    a file, is refused before any work."""
+    (tmp_path / "file").write_text("x")
+    cases = 0
+    for path, cmd in _commands():
+        for p in cmd.params:
+            opts = [o for o in getattr(p, "opts", []) if o in ("--json", "--out", "--plot", "--plot-seq")]
+            if not opts:
+                continue
+            extra = ["--seq-lens", "64"] if opts[0] == "--plot-seq" else []
+            req = [a for a in _REQUIRED.get(tuple(path), []) if a not in ("--out", "x.v")]
+            for bad in (tmp_path, tmp_path / "file" / "x.json"):
+                argv = [*path, *req, *extra, opts[0], str(bad)]
+                if path == ["eval", "report"]:
+                    argv.insert(2, str(tmp_path))
+                _assert_one_error_line(*_run_cli(argv, capsys), f"'{opts[0]}'")
+                cases += 1
+    assert cases >= 20
+
+
+def test_debug_shows_the_traceback(files, capsys):
+    code, _out, err, _ = _run_cli(["--debug", "inspect", str(files / "adir")], capsys)
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_the_console_script_exits_2_in_one_line_without_traceback(files):
+    """The real entry point in a fresh process: no traceback, exit code 2, one line; no torch imported for an
+    argument error (importing torch alone takes seconds on a busy machine)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, oakenkv.cli as c; code = c.run(sys.argv[1:]); "
+        "print('torch' in sys.modules, file=sys.stdout); sys.exit(code)"
+    )
+    for argv in (
+        ["bench", "codec", "--reps", "0"],
+        ["eval", "ppl", "--method", "int4", "--thresholds", str(files / "thr.json")],
+        ["generate", "--prompt", "hi", "--model", str(files / "trunc.gguf")],
+    ):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+        assert r.stdout.strip() == "False"  # checked before torch
+    r = subprocess.run(
+        [sys.executable, "-m", "oakenkv.cli", "inspect", str(files / "deep.json")], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and r.stderr == f"error: {files / 'deep.json'}: JSON nested too deeply to be a " + (
+        "thresholds file\n"
+    )
+
+
+def test_what_is_recorded_is_what_ran(files, default_model):
+    """Rule 6: with --thresholds the result records the file's settings (the spec's defaults said otherwise before:
+    `--method oaken:outer=0.1 --thresholds F` ran with F's ratios and recorded 0.1)."""
+    from oakenkv.eval.methods import build_method
+    from oakenkv.thresholds import Thresholds
+
+    m, tok = default_model.model, default_model.tokenizer
+    th = Thresholds.load(files / "thr.json")
+    th2 = Thresholds(OakenConfig(outer_ratio=0.06, inner_ratio=0.09), th.fingerprint, th.keys, th.values, profile={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no weights digest in this hand-made profile
+        method = build_method("oaken", m, tok, thresholds=th2)
+        assert method.params["outer"] == 0.06 and method.params["inner"] == 0.09
+        assert method.extra["config"]["outer_ratio"] == 0.06
+        same = build_method("oaken:outer=0.06", m, tok, thresholds=th2)  # agreeing with the file is fine
+        assert same.params == method.params
+        with pytest.raises(ValueError, match=r"sets outer=0\.1 but"):
+            build_method("oaken:outer=0.1", m, tok, thresholds=th2)
+        with pytest.raises(ValueError, match="'oaken' method only"):
+            build_method("int4", m, tok, thresholds=th2)

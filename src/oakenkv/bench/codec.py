@@ -313,6 +313,9 @@ def run_codec_bench(
 
     from oakenkv import codec
 
+    for name, v in (("threads", threads), ("reps", reps), ("real_tokens", real_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")  # reps=0 divided by zero after the work
     config = config or OakenConfig()
     # idle OpenMP workers sleep instead of spinning: on a shared machine spinning steals the cores being measured
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

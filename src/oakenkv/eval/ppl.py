@@ -24,6 +24,7 @@ import torch
 
 from oakenkv.baselines.base import BitCounter
 from oakenkv.eval.cache import stored_bits
+from oakenkv.eval.spec import check_run_args
 from oakenkv.paths import atomic_write
 from oakenkv.thresholds import weights_digest
 
@@ -209,11 +210,18 @@ def run_ppl(
 ) -> PplResult:
     """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body).
 
-    ``checkpoint``: see :func:`perplexity` (resume an interrupted run)."""
+    ``checkpoint``: see :func:`perplexity` (resume an interrupted run).
+
+    Every argument is validated before the model loads (:func:`check_run_args`)."""
     from oakenkv.data import adds_bos, load_text, token_windows
     from oakenkv.eval.methods import build_method
     from oakenkv.models import load_model
 
+    check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)):
+        raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     loaded = load_model(model)
     ids = token_windows(loaded.tokenizer, load_text(dataset), window, stride, max_windows)
     m = build_method(
