@@ -748,6 +748,8 @@ BAD = [
     ("eval calibrate --calib-path {d}/nothere.txt", "is not a file"),
     ("eval calibrate --model /etc/passwd", "not a model"),
     ("eval report {d}/nothere", "does not exist"),
+    ("eval report {d}/deep.json --out {d}/r.md --plot {d}/r.png", "nested too deeply"),
+    ("eval report {d}/trunc.gguf --out {d}/r.md --plot {d}/r.png", "not valid JSON"),
     ("eval report {d}/adir --out {d}/adir", "is a directory"),
     ("hw report --vectors 0", "'--vectors'"),
     ("hw report --json {d}/adir", "is a directory"),

@@ -32,9 +32,11 @@ def load_results(paths: list[Path]) -> list[dict[str, Any]]:
     out = []
     for f in files:
         try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{f} is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise ValueError(f"{f}: JSON nested too deeply to be a result") from e
         if isinstance(d, dict) and d.get("kind") in ("ppl", "zeroshot", "thresholds_diff"):
             d["_file"] = str(f)
             out.append(d)
