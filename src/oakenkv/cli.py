@@ -12,6 +12,7 @@ written, memory by what the machine has. A bug (any other exception) still print
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -65,6 +66,12 @@ def _show_warning(message: Any, category: type, filename: str, lineno: int, file
     print(f"warning: {_one_line(str(message))}", file=sys.stderr, flush=True)
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command typer builds from ``app`` (built once: building it evaluates every command's signature)."""
+    return typer.main.get_command(app)
+
+
 def run(argv: list[str] | None = None, prog_name: str = "oakenkv") -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return its exit code: 0, ``USER_ERROR`` (2)
     with one ``error:`` line for an error the user can fix, 130 on Ctrl-C. Other exceptions (bugs) propagate."""
@@ -74,7 +81,7 @@ def run(argv: list[str] | None = None, prog_name: str = "oakenkv") -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            code = app(args=args, prog_name=prog_name, standalone_mode=False)
+            code = _command().main(args=args, prog_name=prog_name, standalone_mode=False)
             return code if isinstance(code, int) else 0
         except _cx.NoArgsIsHelpError as e:
             print(e.format_message())
