@@ -83,9 +83,9 @@ def run(argv: list[str] | None = None, prog_name: str = "oakenkv") -> int:
         try:
             code = _command().main(args=args, prog_name=prog_name, standalone_mode=False)
             return code if isinstance(code, int) else 0
-        except _cx.NoArgsIsHelpError as e:
-            print(e.format_message())
-            return 0
+        except _cx.NoArgsIsHelpError as e:  # a group without a command: its help, as click prints it
+            print(e.format_message(), file=sys.stderr)
+            return USER_ERROR
         except _cx.UsageError as e:
             if debug:
                 import traceback
