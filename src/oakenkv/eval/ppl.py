@@ -109,6 +109,8 @@ def perplexity(
     """
     if windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
+    if getattr(method, "model", None) is not None:
+        model = method.model  # oaken-plus: the copy with its transforms folded in
     per_window: list[float] = []
     bits = BitCounter()
     spent = 0.0

@@ -39,6 +39,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "kurtosis": 0,
         "only": "kv",
     },
+    # oaken-plus: each remedy can be switched off for the ablation table (all on: the preset).
+    "oaken-plus": {"shift": 1, "rot_k": 1, "rot_v": 1, "smooth": 1, "ratios": 1},
     "oaken-official": {"outer": 0.04, "inner": 0.06},
     "int": {"bits": 4, "group": 0},
     "kivi": {"bits": 4, "group": 32, "residual": 128},
@@ -74,6 +76,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             params[k] = type(default)(v) if not isinstance(default, str) else v
         except ValueError as e:
             raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
+    if family == "oaken-plus":  # switches: checked here, before a model loads
+        for k, v in params.items():
+            if v not in (0, 1):
+                raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
     return family, params
 
 
@@ -99,14 +105,33 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
 
     A thresholds file decides Oaken's ratios, granularity, key position and kurtosis tuning: a spec that sets one
     of them to another value (``oaken:outer=0.1`` with a file profiled at 0.04) would record one setting and run
-    another, and a non-Oaken method would ignore the file. Both raise ValueError. The returned parameters are the
-    file's for everything it decides (what the result records), the spec's for the rest (``only``).
+    another, and a method other than ``oaken`` / ``oaken-plus`` would ignore the file. A profile made after
+    oaken-plus transforms needs ``oaken-plus`` (plain Oaken would use its thresholds on untransformed keys), whose
+    switches the file's transforms then decide. All raise ValueError. The returned parameters are the file's for
+    everything it decides (what the result records), the spec's for the rest (``only``).
     """
     family, params = parse_spec(spec)
+    transforms = getattr(thresholds, "transforms", None)
+    if family == "oaken-plus":
+        # the profile's transforms decide every remedy: a switch in the spec would be recorded and not run
+        if transforms is None:
+            raise ValueError(
+                f"{source} holds no oaken-plus transforms: profile with `oakenkv profile --preset oaken-plus`, or "
+                "use --method oaken"
+            )
+        given = sorted(given_params(spec))
+        if given:
+            raise ValueError(f"--method sets {', '.join(given)}, but with a thresholds file its transforms decide them")
+        return params
     if family != "oaken":
         raise ValueError(
-            f"a thresholds file applies to the 'oaken' method only, not {spec.strip()!r}: drop --thresholds, or use "
-            "--method oaken"
+            f"a thresholds file applies to the 'oaken' and 'oaken-plus' methods only, not {spec.strip()!r}: drop "
+            "--thresholds, or use --method oaken"
+        )
+    if transforms is not None:
+        raise ValueError(
+            f"{source} was profiled after oaken-plus transforms, which --method oaken does not apply: use --method "
+            "oaken-plus"
         )
     given = given_params(spec)
     for key, read in _FROM_FILE.items():

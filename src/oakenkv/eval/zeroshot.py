@@ -146,6 +146,8 @@ def zeroshot(
         task_objs[t] = task
     if batch_size is None:
         batch_size = 1 if method.family in ("kivi", "quanto", "oaken-official") else 8
+    if getattr(method, "model", None) is not None:
+        model = method.model  # oaken-plus: the copy with its transforms folded in
     lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu")
     t0 = time.perf_counter()
     out = evaluator.evaluate(
