@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
 PRODUCT = (
     "oakenkv.attention",
     "oakenkv.cache",
+    "oakenkv.calibspec",
     "oakenkv.codec",
     "oakenkv.config",
     "oakenkv.data",
@@ -33,6 +34,7 @@ PRODUCT = (
     "oakenkv.profile",
     "oakenkv.quant",
     "oakenkv.reference",
+    "oakenkv.resources",
     "oakenkv.rope",
     "oakenkv.store",
     "oakenkv.thresholds",

@@ -21,6 +21,7 @@ refused) and the cache applies the online part (``oakenkv.store``).
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -361,7 +362,7 @@ def profile_plus(
         raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
-    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
+    fingerprint = ModelFingerprint.from_model(model, name=name)  # shape and weights digest of the unfolded model
     try:
         partners = rope_partners(model)
     except TransformError as e:
@@ -453,21 +454,27 @@ def cached_plus_profile(
     progress: bool = False,
 ) -> Thresholds:
     """:func:`profile_plus` over the calibration windows of ``spec`` (default :data:`PLUS_CALIBRATION`), made once
-    and then read from the profile cache (``oakenkv.profile.profile_cache_dir``), keyed by the model name, the
-    windows and the search settings."""
-    import hashlib
-    import json
-
-    from oakenkv.profile import calibration_stem, calibration_windows, profile_cache_dir
+    and then read from the profile cache (``oakenkv.profile.profile_cache_dir``), keyed by content (the model's
+    weights and the windows' tokens: ``oakenkv.profile.CalibrationKey``) and the search settings, and checked
+    against them when read."""
+    from oakenkv.profile import calibration_key, calibration_windows, load_cached_thresholds, profile_cache_dir
 
     spec = spec or PLUS_CALIBRATION
     search = search or PlusSearch()
-    key = hashlib.sha1(json.dumps(_search_dict(search), sort_keys=True).encode()).hexdigest()[:10]
-    path = profile_cache_dir() / f"plus-{calibration_stem(model_name, spec, tokenizer)}-{key}.json"
-    if path.is_file():
-        return Thresholds.load(path)
     windows = calibration_windows(tokenizer, spec)
-    meta = {"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window}
+    key = calibration_key(model, model_name, spec, windows)
+    path = profile_cache_dir() / f"plus-{key.stem()}-{key.digest('oaken-plus', _search_dict(search))[:16]}.json"
+    cached = load_cached_thresholds(path, key, OakenConfig())
+    wanted = json.loads(json.dumps(_search_dict(search)))  # as the file holds it
+    if cached is not None and cached.transforms is not None and cached.transforms.notes.get("search") == wanted:
+        return cached
+    meta = {
+        "data": spec.text,
+        "data_path": spec.text_path,
+        "samples": spec.samples,
+        "window": spec.window,
+        "windows_sha256": key.windows_sha256,
+    }
     th = profile_plus(model, windows, search, progress=progress, name=model_name, metadata=meta)
     th.save(path)
     return th
@@ -483,7 +490,10 @@ def apply_profile(model: Any, thresholds: Thresholds) -> Any:
     A model that already carries exactly these transforms is returned unchanged (so a cache can be made for it
     many times); one with other transforms is refused, as is a profile for another model.
     """
-    thresholds.check_model(model.config)
+    if is_folded(model) is None:
+        thresholds.check_model(model)  # shape and weights (before folding changes them)
+    else:
+        thresholds.check_model(model.config)  # folded weights differ from the profiled ones: the shape here
     t = thresholds.transforms
     if t is None:
         if is_folded(model) is not None:

@@ -45,7 +45,8 @@ Entry points
 - :func:`profile_thresholds` (given windows) and :func:`profile_model` (load a model and its calibration text):
   what ``oakenkv profile`` runs.
 - :func:`cached_thresholds`: a profile over the windows of a :class:`CalibrationSpec`, made once and then read
-  from the disk cache (:func:`thresholds_cache_path`); what ``oakenkv generate``/``demo`` and the evaluation use.
+  from the disk cache (:func:`thresholds_cache_path`, keyed by content: :class:`CalibrationKey`); what
+  ``oakenkv generate``/``demo`` and the evaluation use.
 - The parts, for a profiler that records K/V its own way (``oakenkv.eval.calibration.calibrate_all`` profiles
   several configs in one pass): :class:`KVRecorder` / :func:`record_kv`, :func:`run_thresholds` per run,
   :func:`candidate_ratios` and :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds`.
@@ -67,6 +68,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from oakenkv.calibspec import (
+    DEFAULT_CALIB_SAMPLES,
+    DEFAULT_CALIB_TEXT,
+    DEFAULT_CALIB_WINDOW,
+    CalibrationSpec,
+)
 from oakenkv.config import OakenConfig
 from oakenkv.paths import cache_root
 from oakenkv.rope import rotate_half
@@ -86,16 +93,18 @@ __all__ = [
     "KURTOSIS_LOW",
     "OUTER_DELTA",
     "RECOMMENDED_RUNS",
+    "CalibrationKey",
     "CalibrationSpec",
     "FewRunsWarning",
     "KVRecorder",
     "RunAccumulator",
     "cached_thresholds",
-    "calibration_stem",
+    "calibration_key",
     "calibration_windows",
     "candidate_ratios",
     "exact_quantiles",
     "kurtosis",
+    "load_cached_thresholds",
     "profile_cache_dir",
     "profile_model",
     "profile_thresholds",
@@ -465,7 +474,7 @@ def profile_thresholds(
             FewRunsWarning,
             stacklevel=2,
         )
-    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
+    fingerprint = ModelFingerprint.from_model(model, name=name)
     outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
@@ -620,35 +629,6 @@ def profile_model(
 # ---------------------------------------------------------------------------------------------- calibration
 
 
-#: Default calibration of a cached profile: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages
-#: ~100 runs; 16 keep calibration to minutes on 2 shared CPU cores (``oakenkv profile`` defaults to 100 runs).
-DEFAULT_CALIB_TEXT = "wikipedia"
-DEFAULT_CALIB_SAMPLES = 16
-DEFAULT_CALIB_WINDOW = 256
-
-
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """Which text and how much of it calibration uses.
-
-    ``text`` is an ``oakenkv.data.load_text`` name ("wikipedia", the default; "wikitext2" is the evaluation
-    text and warns) or "file" for the plain text file at ``text_path``.
-    """
-
-    text: str = DEFAULT_CALIB_TEXT
-    samples: int = DEFAULT_CALIB_SAMPLES
-    window: int = DEFAULT_CALIB_WINDOW
-    text_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.samples < 1 or self.window < 2:
-            raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {self.samples}, {self.window}")
-
-    def tag(self) -> str:
-        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
-        return f"{self.text}{path}-{self.samples}x{self.window}"
-
-
 def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
     """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
     from oakenkv.data import load_text, token_windows
@@ -672,28 +652,90 @@ def profile_cache_dir() -> Path:
     return d
 
 
-def calibration_stem(model_name: str, spec: CalibrationSpec, tokenizer: Any) -> str:
-    """The part of a calibration cache file's name that names the model and the windows: ``<model>-<spec tag>``,
-    plus ``-bos`` when the tokenizer starts windows with BOS."""
-    from oakenkv.data import adds_bos
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a cached calibration result depends on, by content: the model's shape and weights
+    (:class:`~oakenkv.thresholds.ModelFingerprint` with :func:`~oakenkv.thresholds.weights_digest`) and the token
+    ids of the calibration windows (which carry the text's content, the tokenizer, BOS, the window count and
+    length). ``model_name`` and ``spec`` only make the cache's file names readable: two models loaded by one name,
+    or one text file edited in place, get different keys.
+    """
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)[-60:]
-    return f"{safe}-{spec.tag()}" + ("-bos" if adds_bos(tokenizer) else "")
+    model_name: str
+    fingerprint: ModelFingerprint
+    spec: CalibrationSpec
+    #: sha256 of the windows' int64 token ids.
+    windows_sha256: str
+
+    def digest(self, *extra: Any) -> str:
+        """sha256 (hex) of the key's content and ``extra`` (JSON-able: the config, tuning, ...)."""
+        fp = {k: v for k, v in self.fingerprint.to_dict().items() if k != "name"}
+        payload = json.dumps([fp, self.windows_sha256, *extra], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def stem(self) -> str:
+        """The readable part of a cache file's name: ``<model>-<spec tag>``."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model_name)[-60:]
+        return f"{safe}-{self.spec.tag()}"
+
+
+def calibration_key(model: Any, model_name: str, spec: CalibrationSpec, windows: torch.Tensor) -> CalibrationKey:
+    """The :class:`CalibrationKey` of ``model`` (shape and :func:`~oakenkv.thresholds.weights_digest`) over the
+    calibration ``windows`` (:func:`calibration_windows` of ``spec``)."""
+    ids = windows.detach().to(torch.int64).contiguous()
+    return CalibrationKey(
+        model_name,
+        ModelFingerprint.from_model(model, name=model_name),
+        spec,
+        hashlib.sha256(ids.numpy().tobytes() + repr(tuple(ids.shape)).encode()).hexdigest(),
+    )
 
 
 def thresholds_cache_path(
-    model_name: str,
-    tokenizer: Any,
+    key: CalibrationKey,
     config: OakenConfig,
-    spec: CalibrationSpec,
     kurtosis_tuning: bool = False,
     cache_dir: Path | None = None,
 ) -> Path:
-    """The file :func:`cached_thresholds` keeps a profile in, keyed by model, windows, config and tuning."""
-    key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
-    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    """The file :func:`cached_thresholds` keeps a profile in: named by the model, the calibration, and a digest of
+    the :class:`CalibrationKey`'s content, the config and the tuning."""
+    digest = key.digest(config.to_dict(), bool(kurtosis_tuning))[:16]
     directory = profile_cache_dir() if cache_dir is None else cache_dir
-    return directory / f"thr-{calibration_stem(model_name, spec, tokenizer)}-{digest}.json"
+    return directory / f"thr-{key.stem()}-{digest}.json"
+
+
+def load_cached_thresholds(
+    path: Path, key: CalibrationKey, config: OakenConfig, kurtosis_tuning: bool = False
+) -> Thresholds | None:
+    """The profile cached at ``path`` if it is the one ``key``, ``config`` and ``kurtosis_tuning`` ask for, else
+    None (no file, an unreadable one, or one whose recorded model, weights, windows, config or tuning differ: a
+    warning says which, and the caller profiles again and overwrites it)."""
+    if not path.is_file():
+        return None
+    try:
+        thr = Thresholds.load(path)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the unreadable cached profile {path} ({e}); profiling again", stacklevel=3)
+        return None
+    recorded = {
+        "model": (thr.fingerprint, thr.fingerprint.weights),
+        "calibration windows": thr.profile.get("windows_sha256"),
+        "config": thr.config,
+        "kurtosis tuning": bool(thr.profile.get("kurtosis_tuning")),
+    }
+    wanted = {
+        "model": (key.fingerprint, key.fingerprint.weights),
+        "calibration windows": key.windows_sha256,
+        "config": config,
+        "kurtosis tuning": bool(kurtosis_tuning),
+    }
+    differ = [k for k in wanted if recorded[k] != wanted[k]]
+    if differ:
+        warnings.warn(
+            f"the cached profile {path} was made for another {', '.join(differ)}; profiling again", stacklevel=3
+        )
+        return None
+    return thr
 
 
 def cached_thresholds(
@@ -709,12 +751,18 @@ def cached_thresholds(
 ) -> Thresholds:
     """The :class:`~oakenkv.thresholds.Thresholds` of :func:`profile_thresholds` over the calibration windows of
     ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the disk cache
-    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`)."""
+    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`).
+
+    The cache is keyed by content (:class:`CalibrationKey`: the model's weights and the windows' tokens, with the
+    config and tuning) and a cached file is checked against that key when read: a model changed at the same
+    name or path, or an edited calibration text, is profiled again, never served another model's profile."""
     spec = spec or CalibrationSpec()
-    path = thresholds_cache_path(model_name, tokenizer, config, spec, kurtosis_tuning, cache_dir)
-    if path.is_file():
-        return Thresholds.load(path)
     ids = calibration_windows(tokenizer, spec)
+    key = calibration_key(model, model_name, spec, ids)
+    path = thresholds_cache_path(key, config, kurtosis_tuning, cache_dir)
+    cached = load_cached_thresholds(path, key, config, kurtosis_tuning)
+    if cached is not None:
+        return cached
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FewRunsWarning)
         thr = profile_thresholds(
@@ -724,7 +772,13 @@ def cached_thresholds(
             kurtosis_tuning=kurtosis_tuning,
             progress=progress,
             name=model_name,
-            metadata={"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window},
+            metadata={
+                "data": spec.text,
+                "data_path": spec.text_path,
+                "samples": spec.samples,
+                "window": spec.window,
+                "windows_sha256": key.windows_sha256,
+            },
         )
     thr.save(path)
     return thr

@@ -33,70 +33,31 @@ import torch
 from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
 from oakenkv.config import OakenConfig
 
-ALIASES = {
-    "int4": "int:bits=4",
-    "int5": "int:bits=5",
-    "kivi4": "kivi:bits=4",
-    "kvquant4": "kvquant:bits=4",
-    "quanto4": "quanto:bits=4",
-    "oaken-kurtosis": "oaken:kurtosis=1",
-}
+# The method specs (parsed without torch, for the CLI's checks) live in oakenkv.eval.spec; re-exported here.
+from oakenkv.eval.spec import (
+    ALIASES,
+    FAMILIES,
+    SIMPLIFIED,
+    canonical,
+    check_spec_with_thresholds,
+    given_params,
+    parse_spec,
+    sweep_config,
+)
 
-#: Each family's parameters and defaults (also the set of accepted keys).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "fp": {},
-    "oaken": {
-        "outer": 0.04,
-        "inner": 0.06,
-        "granularity": "token",
-        "key_position": "post",
-        "kurtosis": 0,
-        "only": "kv",
-    },
-    # oaken-plus: each remedy can be switched off for the ablation table (all on: the preset).
-    "oaken-plus": {"shift": 1, "rot_k": 1, "rot_v": 1, "smooth": 1, "ratios": 1},
-    "oaken-official": {"outer": 0.04, "inner": 0.06},
-    "int": {"bits": 4, "group": 0},
-    "kivi": {"bits": 4, "group": 32, "residual": 128},
-    "kvquant": {"bits": 4, "outliers": 0.01},
-    "fp8": {"scale": 1.0},
-    "quanto": {"bits": 4, "group": 64, "residual": 128},
-}
-
-#: What each family simplifies relative to the method it stands for (printed in reports).
-SIMPLIFIED = {
-    "kvquant": "uniform 4-bit grid instead of KVQuant's non-uniform nuq4; no attention-sink token; ranges from "
-    "calibration quantiles",
-    "int": "KV format only (no SmoothAttention / weight quantization of QServe, no reordering of Atom)",
-    "fp8": "per-tensor scale 1.0 (vLLM's uncalibrated default)",
-    "quanto": "transformers' QuantizedCache: the first update (the whole prefill) is returned unquantized",
-    "kivi": "",
-}
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"family:k=v,..."`` -> ``(family, params)`` with defaults filled in and types checked."""
-    spec = ALIASES.get(spec.strip(), spec.strip())
-    family, _, rest = spec.partition(":")
-    if family not in FAMILIES:
-        raise ValueError(f"unknown method {family!r}; known: {', '.join([*FAMILIES, *ALIASES])}")
-    params = dict(FAMILIES[family])
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        k, eq, v = item.partition("=")
-        if not eq or k not in params:
-            raise ValueError(f"method {family!r}: bad parameter {item!r}; accepted: {', '.join(params) or 'none'}")
-        default = params[k]
-        try:
-            params[k] = type(default)(v) if not isinstance(default, str) else v
-        except ValueError as e:
-            raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
-    return family, params
-
-
-def canonical(family: str, params: dict[str, Any]) -> str:
-    """The spec string with only non-default parameters (used as the method's name in results)."""
-    diff = [f"{k}={v}" for k, v in params.items() if v != FAMILIES[family][k]]
-    return family + (":" + ",".join(diff) if diff else "")
+__all__ = [
+    "ALIASES",
+    "FAMILIES",
+    "SIMPLIFIED",
+    "Method",
+    "OakenQuantizer",
+    "build_method",
+    "canonical",
+    "check_spec_with_thresholds",
+    "given_params",
+    "parse_spec",
+    "sweep_config",
+]
 
 
 class OakenQuantizer(KVFakeQuantizer):
@@ -185,8 +146,9 @@ def build_method(
         spec: method spec string (module doc).
         model, tokenizer: the transformers model and tokenizer.
         model_name: name used for the calibration cache and the results.
-        thresholds: a :class:`~oakenkv.thresholds.Thresholds` (or a path to one) for ``oaken`` (its config
-            then overrides the spec's ratios); default: profiled on the calibration text.
+        thresholds: a :class:`~oakenkv.thresholds.Thresholds` (or a path to one) for ``oaken``: the file decides
+            the ratios, granularity, key position and tuning, and a spec that sets them otherwise, or another
+            family, is refused (:func:`check_spec_with_thresholds`); default: profiled on the calibration text.
         calibration: a :class:`~oakenkv.eval.calibration.CalibrationSpec` (default: Wikipedia, 32 x 256).
     """
     from transformers import DynamicCache
@@ -210,6 +172,13 @@ def build_method(
 
     if family == "fp":
         return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
+    if thresholds is not None and family not in ("oaken", "oaken-plus"):
+        check_spec_with_thresholds(spec, thresholds)  # raises: a thresholds file is for oaken only
+    if family == "oaken-plus" and thresholds is not None:
+        from oakenkv.thresholds import Thresholds
+
+        loaded = thresholds if hasattr(thresholds, "layer") else Thresholds.load(thresholds)
+        check_spec_with_thresholds(spec, loaded, "the thresholds" if loaded is thresholds else str(thresholds))
     if family == "oaken":
         if thresholds is not None:
             if not hasattr(thresholds, "layer"):
@@ -217,9 +186,13 @@ def build_method(
 
                 extra["thresholds_file"] = str(thresholds)
                 thresholds = Thresholds.load(thresholds)
-            thresholds.check_model(model.config)
+            # record what runs: the file's settings, refusing a spec that says otherwise
+            params = check_spec_with_thresholds(spec, thresholds, extra.get("thresholds_file", "the thresholds"))
+            thresholds.check_model(model)  # shape and weights
             config = thresholds.config
             name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
+            if params["only"] != "kv":
+                name += f":only={params['only']}"
         else:
             config = OakenConfig(
                 outer_ratio=params["outer"],
@@ -238,6 +211,7 @@ def build_method(
             )
             extra["calibration"] = spec_obj.tag()
         extra["config"] = config.to_dict()
+        extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
         only = {"kv": ("key", "value"), "k": ("key",), "v": ("value",)}.get(params["only"])
         if only is None:
             raise ValueError(f"method 'oaken': only={params['only']!r}; use kv (default), k or v")
@@ -259,6 +233,7 @@ def build_method(
             {"key": rng.key_extremes, "value": rng.value_extremes},
         )
         extra["calibration"] = spec_obj.tag()
+        extra["thresholds_sha256"], extra["ranges_sha256"] = thr.sha256(), rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "int":
         from oakenkv.baselines.uniform import PerTokenIntQuantizer
@@ -276,6 +251,7 @@ def build_method(
             list(zip(rng.key_channel_lo, rng.key_channel_hi, strict=True)), params["bits"], params["outliers"]
         )
         extra["calibration"] = spec_obj.tag()
+        extra["ranges_sha256"] = rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "fp8":
         from oakenkv.baselines.fp8 import Fp8Quantizer
@@ -339,13 +315,6 @@ def _oaken_plus(
             name += f"@{spec.tag()}"
     folded = apply_profile(copy.deepcopy(model), thresholds)
     extra["transforms"] = thresholds.transforms.digest()[:16]
+    extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
     q = PlusQuantizer(thresholds)
     return Method(name, "oaken-plus", params, lambda: FakeQuantCache(folded, q), "post_rope", "", extra, folded)
-
-
-def sweep_config(outlier_share: float) -> OakenConfig:
-    """The paper's configuration with the outlier share (outer + inner) scaled, keeping outer:inner = 4:6.
-
-    Figure 12(a) of the paper varies the share of values that go to the sparse (inner + outer) groups.
-    """
-    return OakenConfig(outer_ratio=round(0.4 * outlier_share, 6), inner_ratio=round(0.6 * outlier_share, 6))
