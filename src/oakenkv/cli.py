@@ -564,45 +564,39 @@ def diagnose_cmd(
     """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
     channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
     verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
-    import json
-
     from oakenkv.diagnose import diagnose_model, plot_diagnosis, print_diagnosis, require_matplotlib
-    from oakenkv.models import MissingModelError
     from oakenkv.profile import CalibrationSpec
 
-    def fail(msg: object) -> typer.Exit:
-        typer.secho(f"error: {msg}", fg="red", err=True)
-        return typer.Exit(1)
-
-    try:  # the user's mistakes, before any slow work
-        if calib_path is not None and not calib_path.is_file():
-            raise ValueError(f"--calib-path {calib_path} is not a file")
-        if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
-            raise ValueError(f"--calib-text must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
-        text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
+    # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())
+    if calib_path is not None and not calib_path.is_file():
+        raise _bad("--calib-path", f"{calib_path} is not a file")
+    if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
+        raise _bad("--calib-text", f"must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
+    text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
+    try:
         spec = CalibrationSpec(text, samples, window, path)
         plus_spec = CalibrationSpec(text, plus_samples or samples, plus_window or window, path)
-        if threads is not None and threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {threads}")
-        if png is not None:
-            if png.suffix.lower() != ".png":
-                raise ValueError(f"--png must name a .png file, got {png}")
+    except ValueError as e:
+        raise _bad("--samples/--window", str(e)) from e
+    if threads is not None and threads < 1:
+        raise _bad("--threads", f"must be at least 1, got {threads}")
+    if png is not None:
+        if png.suffix.lower() != ".png":
+            raise _bad("--png", f"must name a .png file, got {png}")
+        try:
             require_matplotlib()
-    except (ValueError, ImportError) as e:
-        raise fail(e) from e
+        except ImportError as e:
+            raise _bad("--png", str(e)) from e
+    _check_out(json_out, "--json")
+    _check_out(png, "--png")
+    _check_model(model)
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    try:
-        diag = diagnose_model(model, spec, plus=plus, plus_spec=plus_spec, progress=True)
-    except (MissingModelError, FileNotFoundError) as e:
-        raise fail(e) from e
+    diag = diagnose_model(model, spec, plus=plus, plus_spec=plus_spec, progress=True)
     print_diagnosis(diag)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(diag.to_dict(), indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+    _write_json(diag.to_dict(), json_out)
     if png is not None:
         typer.echo(f"wrote {plot_diagnosis(diag, png)}")
 

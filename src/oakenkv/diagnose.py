@@ -874,9 +874,9 @@ def plot_diagnosis(diag: Diagnosis, path: str | Path) -> Path:
         + ", ".join(f"{m} {_db(k[m]['key']['sqnr_db'])}" for m in k)
     )
     fig.suptitle(head, fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from oakenkv.paths import atomic_write
+
+    path = atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
     return path
 
