@@ -1,0 +1,285 @@
+"""The Triton kernels (oakenkv.kernels.triton) against the reference, on CPU tensors under the Triton interpreter.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (numpy float32: the same IEEE operations a GPU runs
+with ``div_rn`` and no FMA contraction); with one they run compiled on it. Skipped cleanly when triton is not
+installed. Shapes are small: the interpreter runs each program in Python (about 0.05-0.2 s a program).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # before triton is imported: @triton.jit reads it when the kernel modules are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (pip install 'oakenkv[triton]')")
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oakenkv import codec
+from oakenkv.codec import CorruptDataError, EncodedBatch
+from oakenkv.config import OakenConfig
+from oakenkv.kernels.triton import decode as tdecode
+from oakenkv.kernels.triton import encode as tencode
+from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, dequantize, quantize
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+THR = (-2.0, -0.15, 0.15, 2.0)
+THRESHOLDS = [
+    THR,
+    (-1.0, 0.0, 0.0, 1.0),  # degenerate inner interval: only exact zeros are inner
+    (-0.5, -0.499, 3.0, 3.5),  # asymmetric
+    (-300.0, -1.0, 1.0, 1000.0),  # outer group often empty
+]
+
+
+def _bits32(t: torch.Tensor) -> torch.Tensor:
+    """float32 bit patterns with -0.0 folded into +0.0 (torch's min/max may return either zero)."""
+    return (t.detach().cpu().to(torch.float32) + 0.0).view(torch.int32)
+
+
+def _assert_same_bytes(got: EncodedBatch, ref: EncodedBatch) -> None:
+    assert got.dim == ref.dim
+    assert torch.equal(got.dense.cpu(), ref.dense)
+    assert torch.equal(got.sparse_offsets.cpu(), ref.sparse_offsets)
+    assert torch.equal(got.sparse.cpu(), ref.sparse)
+    assert got.scales.dtype == ref.scales.dtype
+    assert torch.equal(_bits32(got.scales), _bits32(ref.scales))
+
+
+def _check_encode_and_decode(x: torch.Tensor, thr, cfg: OakenConfig) -> None:
+    """Triton encode == pack(quantize(x)) byte for byte; Triton decode of the reference bytes == dequantize."""
+    try:
+        q = quantize(x, thr, cfg)
+    except ValueError as e:  # fp16 scale overflow: the kernel must refuse the same input
+        assert "fp16" in str(e)
+        with pytest.raises(ValueError, match="fp16"):
+            tencode.encode_batch(x.to(DEV), thr, cfg)
+        return
+    ref = codec.pack(q, cfg)
+    _assert_same_bytes(tencode.encode_batch(x.to(DEV), thr, cfg), ref)
+    want = dequantize(q, thr, cfg)
+    got = tdecode.decode_batch(ref, thr, cfg, device=DEV)
+    assert got.dtype == torch.float32 and tuple(got.shape) == tuple(x.shape)
+    assert torch.equal(_bits32(got), _bits32(want))
+
+
+def _sparse_row(d: int, outliers: dict[int, float], thr=THR) -> torch.Tensor:
+    """One row of small middle values (0.5) with ``outliers`` {position: value} set."""
+    x = torch.full((1, d), 0.5)
+    for pos, v in outliers.items():
+        x[0, pos] = v
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------- encode
+
+
+@pytest.mark.parametrize("d", [1, 7, 64, 65, 192, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_encode_random_rows_bit_exact(d, dtype):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(5, d, generator=g) * torch.tensor([[0.01], [1.0], [3.0], [1.0], [100.0]])
+    x[3] = 0.0  # constant row: only the inner group
+    _check_encode_and_decode(x.to(dtype), THR, OakenConfig())
+
+
+@pytest.mark.parametrize(
+    ("scale_dtype", "inner_bits", "outer_bits"), [("float32", 5, 5), ("float16", 4, 5), ("float32", 5, 4)]
+)
+@pytest.mark.parametrize("thr", THRESHOLDS)
+def test_encode_configs_and_thresholds_bit_exact(scale_dtype, inner_bits, outer_bits, thr):
+    cfg = OakenConfig(scale_dtype=scale_dtype, inner_bits=inner_bits, outer_bits=outer_bits)
+    g = torch.Generator().manual_seed(int(abs(thr[3])) + inner_bits)
+    x = torch.randn(4, 96, generator=g) * torch.tensor([[0.5], [2.0], [5.0], [200.0]])
+    _check_encode_and_decode(x, thr, cfg)
+
+
+def test_encode_values_on_and_next_to_the_thresholds():
+    to_lo, ti_lo, ti_hi, to_hi = THR
+    edge = [to_lo, ti_lo, ti_hi, to_hi, 0.0, -0.0, 1e-30, -1e-30]
+    edge += [float(np.nextafter(np.float32(t), np.float32(s * 1e9))) for t, s in zip(THR, (-1, -1, 1, 1), strict=True)]
+    g = np.random.default_rng(0)
+    x = g.choice(np.array(edge, dtype=np.float32), size=(4, 80))
+    x[1::2] = np.where(g.random((2, 80)) < 0.3, g.standard_normal((2, 80)), x[1::2])
+    _check_encode_and_decode(torch.from_numpy(x.astype(np.float32)), THR, OakenConfig())
+
+
+def test_encode_one_sided_groups():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(4, 64, generator=g) * 0.1  # inner only ...
+    x[0, :10] = 0.3 + torch.rand(10, generator=g)  # + middle above ti_hi only (plain grid)
+    x[1, :10] = -0.3 - torch.rand(10, generator=g)  # + middle below ti_lo only
+    x[2, :3] = 5.0 + torch.rand(3, generator=g)  # + outer above only
+    x[3, :3] = -5.0 - torch.rand(3, generator=g)  # + outer below only
+    _check_encode_and_decode(x, THR, OakenConfig())
+
+
+@pytest.mark.parametrize(
+    "outliers",
+    [
+        {},  # no outlier: empty stream
+        {i: (3.0 if i % 3 else -4.0) for i in range(128)},  # every value an outlier
+        {0: -0.15},  # the inner minimum at position 0: byte 0x00, escaped at the row start
+        {5: 0.1, 70: 2.5, 130: 3.0},  # the example of docs/format.md: an escape to chunk 1
+        {3: 5.0, 67: 5.0},  # the same byte one chunk later: escape
+        {10: 0.05, 700: 0.05, 1023: -7.0},  # far apart: escapes over empty chunks
+        {64 * c + 63: 9.0 for c in range(16)},  # index 63 in every chunk: natural advances only
+    ],
+)
+def test_encode_adversarial_coo_streams(outliers):
+    x = _sparse_row(1024, outliers)
+    _check_encode_and_decode(x, THR, OakenConfig())
+    if outliers == {0: -0.15}:
+        assert codec.pack(quantize(x, THR)).sparse.tolist()[:3] == [0, 0, 0]
+
+
+def test_encode_into_given_record_and_stream_offsets():
+    """Records and streams written where the caller says (straight into pages), not only back to back."""
+    cfg = OakenConfig()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * 2
+    rec, cap = codec.dense_bytes(64) + 12, tencode.F.sparse_capacity(64)
+    records = torch.zeros(1000, dtype=torch.uint8, device=DEV)
+    sparse = torch.zeros(1000, dtype=torch.uint8, device=DEV)
+    rec_at = torch.tensor([500, 0, 200], dtype=torch.int64, device=DEV)
+    sp_at = torch.tensor([0, 700, 300], dtype=torch.int64, device=DEV)
+    _, _, counts = tencode.encode_records(x.to(DEV), THR, cfg, records, rec_at, sparse, sp_at)
+    want_rec, want_sp, want_counts = tencode.encode_records(x.to(DEV), THR, cfg)
+    assert torch.equal(counts, want_counts) and int(counts.max()) < cap
+    for r in range(3):
+        a, s = int(rec_at[r]), int(sp_at[r])
+        assert torch.equal(records[a : a + rec].cpu(), want_rec[r].cpu())
+        assert torch.equal(sparse[s : s + int(counts[r])].cpu(), want_sp[r, : int(counts[r])].cpu())
+
+
+def test_encode_per_row_thresholds():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 2
+    thr = torch.tensor([THRESHOLDS[0], THRESHOLDS[2], THRESHOLDS[0], THRESHOLDS[3]], dtype=torch.float32)
+    records, sparse, counts = tencode.encode_records(x.to(DEV), thr.to(DEV), OakenConfig())
+    for r in range(4):
+        ref = codec.pack(quantize(x[r : r + 1], tuple(thr[r].tolist())))
+        assert torch.equal(records[r, 12:].cpu(), ref.dense[0])
+        assert torch.equal(sparse[r, : int(counts[r])].cpu(), ref.sparse)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter, on NaN rows
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # and on fp16 scales past 65504
+def test_encode_rejects_bad_input():
+    x = torch.randn(4, 64)
+    x[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"row 2.*NaN"):
+        tencode.encode_batch(x.to(DEV), THR)
+    x[2, 5] = float("-inf")
+    with pytest.raises(ValueError, match=r"row 2.*NaN or infinite"):
+        tencode.encode_batch(x.to(DEV), THR)
+    with pytest.raises(ValueError, match="fp16"):
+        tencode.encode_batch(torch.full((1, 64), 1e5, device=DEV), THR)
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        tencode.encode_batch(torch.randn(64, device=DEV), THR)
+    with pytest.raises(ValueError, match=r"1\.\.8192"):
+        tencode.encode_batch(torch.randn(1, 8193, device=DEV), THR)
+    with pytest.raises(TypeError):
+        tencode.encode_batch(torch.ones(2, 64, dtype=torch.int32, device=DEV), THR)
+
+
+@st.composite
+def _rows(draw):
+    thr = draw(st.sampled_from(THRESHOLDS))
+    d = draw(st.sampled_from([2, 63, 64, 100, 192, 320]))
+    g = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["random", "edges", "outliers"]))
+    scale = draw(st.sampled_from([0.01, 1.0, 3.0, 100.0]))
+    x = g.standard_normal((2, d)) * scale
+    if kind == "edges":
+        x = np.where(g.random((2, d)) < 0.7, g.choice(np.array([*thr, 0.0, 6e4, -6e4]), size=(2, d)), x)
+    elif kind == "outliers":
+        x[:, : min(d, 64)] = (thr[3] + 1.0) * draw(st.sampled_from([1.0, -1.0])) * (1 + g.random((2, min(d, 64))))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    cfg = OakenConfig(
+        scale_dtype=draw(st.sampled_from(["float16", "float32"])),
+        inner_bits=draw(st.sampled_from([5, 4])),
+        outer_bits=draw(st.sampled_from([5, 4])),
+    )
+    return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_rows())
+def test_encode_decode_bit_exact_random_cases(case):
+    _check_encode_and_decode(*case)
+
+
+# ----------------------------------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize(
+    ("stream", "match"),
+    [
+        ([0x85, 0x85], "cut off"),
+        ([0x85, 0x85, 0xFF], "cut off"),
+        ([0x85, 0x85, 0x01], "not followed by an entry"),
+        ([0x05, 0x05, 0x00, 0x06], "zero chunk advance"),
+        ([0x00, 0x03, 0x01], "points past the end"),
+        ([0x3F, 0x01, 0x00, 0x3F, 0x01], "points past the end"),
+    ],
+)
+def test_decode_rejects_corrupt_streams(stream, match):
+    enc = codec.pack(quantize(torch.zeros(1, 192), THR))
+    enc.sparse = torch.tensor(stream, dtype=torch.uint8)
+    enc.sparse_offsets = torch.tensor([0, len(stream)], dtype=torch.int64)
+    with pytest.raises(CorruptDataError, match=match):
+        tdecode.decode_batch(enc, THR, device=DEV)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter, on inf scales
+def test_decode_rejects_fifth_bit_of_a_four_bit_group_and_nonfinite_scales():
+    cfg = OakenConfig(inner_bits=4)
+    enc = codec.pack(quantize(torch.zeros(1, 192), THR, cfg), cfg)
+    enc.sparse = torch.tensor([0x85], dtype=torch.uint8)
+    enc.sparse_offsets = torch.tensor([0, 1], dtype=torch.int64)
+    with pytest.raises(CorruptDataError, match="fifth code bit"):
+        tdecode.decode_batch(enc, THR, cfg, device=DEV)
+    enc = codec.pack(quantize(torch.randn(2, 64), THR))
+    enc.scales[1, 3] = float("inf")
+    with pytest.raises(CorruptDataError, match="row 1: scales"):
+        tdecode.decode_batch(enc, THR, device=DEV)
+
+
+def test_decode_long_streams_cross_sparse_blocks():
+    """Streams longer than one block of bytes (64): the walker's state and chunk carry across blocks, also when
+    the block boundary falls on an escape, inside it (between escape and advance) or on the entry after it."""
+    from oakenkv.quant import QuantizedVectors
+
+    cfg = OakenConfig()
+    rows = []
+    for k in (62, 63, 64):  # k entries (positions 1..k), then an escape at byte k, its advance at k + 1
+        g = torch.full((1024,), GROUP_MIDDLE, dtype=torch.uint8)
+        c = torch.zeros(1024, dtype=torch.uint8)
+        for i, p in enumerate([*range(1, k + 1), 64 * 5 + 3, 64 * 5 + 4, *range(64 * 9, 64 * 9 + 50), 1023]):
+            g[p] = GROUP_OUTER if i % 2 else GROUP_INNER
+            c[p] = (7 * i) % 32
+        rows.append((g, c))
+    q = QuantizedVectors(
+        codes=torch.stack([c for _, c in rows]), groups=torch.stack([g for g, _ in rows]),
+        mins=torch.tensor([[-1.0, -0.1, -3.0]] * 3, dtype=torch.float16),
+        maxs=torch.tensor([[1.0, 0.1, 3.0]] * 3, dtype=torch.float16),
+    )  # fmt: skip
+    enc = codec.pack(q, cfg)
+    for r, k in enumerate((62, 63, 64)):
+        stream = enc.row_sparse(r).tolist()
+        assert stream[k] == stream[k - 1] and stream[k + 1] in (4, 5)  # the escape and its advance
+    got = tdecode.decode_batch(enc, THR, cfg, device=DEV)
+    assert torch.equal(_bits32(got), _bits32(dequantize(q, THR, cfg)))
+
+
+def test_decode_fp16_output_rounds_the_float32_result_once():
+    x = torch.randn(3, 80, generator=torch.Generator().manual_seed(4)) * 2
+    q = quantize(x, THR)
+    got = tdecode.decode_batch(codec.pack(q), THR, out_dtype=torch.float16, device=DEV)
+    want = dequantize(q, THR).to(torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got.cpu(), want)
