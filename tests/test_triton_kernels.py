@@ -283,3 +283,118 @@ def test_decode_fp16_output_rounds_the_float32_result_once():
     got = tdecode.decode_batch(codec.pack(q), THR, out_dtype=torch.float16, device=DEV)
     want = dequantize(q, THR).to(torch.float16)
     assert got.dtype == torch.float16 and torch.equal(got.cpu(), want)
+
+
+# -------------------------------------------------------------------------------------------------- attention
+
+
+def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="auto"):
+    """A PagedKVStore holding ``t`` tokens of layer 1 for ``b`` rows (tests/test_attention.py's shapes: 3 KV
+    heads x 64, 9 query heads), appended in chunks so that tokens spread over many pages."""
+    from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
+    from oakenkv.pages import PoolConfig
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    config = config or OakenConfig()
+    fp = ModelFingerprint("llama", 2, 3, 64)
+    keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(2))
+    values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(2))
+    thr = Thresholds(config, fp, keys, values)
+    store = PagedKVStore(thr, 2, 3, 64, PoolConfig(page_size=page_size), codec=codec)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, 3, t, 64, generator=g)
+    k[..., 5] *= 6.0  # an outlier channel, as real keys have
+    v = torch.randn(b, 3, t, 64, generator=g) * 0.8
+    for start in range(0, t, chunk):
+        store.append(1, k[:, :, start : start + chunk], v[:, :, start : start + chunk])
+    store.original = (k, v)  # the unquantized K/V, for the error check
+    return store, (PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t))
+
+
+def _keep(b, t, pad, window=None):
+    """bool [B, 1, 1, T]: left padding of pad[b] tokens, optional sliding window."""
+    keep = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    for r, p in enumerate(pad):
+        keep[r, ..., :p] = False
+    if window is not None:
+        keep[..., : t - window] = False
+    return keep
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "pad", "window", "page_size", "splits"),
+    [
+        (1, 1, [0], None, 4096, None),
+        (2, 70, [0, 9], None, 512, 3),  # padding, many page boundaries, three token ranges combined
+        (2, 45, [3, 0], 20, 4096, 2),  # a sliding window on top of padding
+    ],
+)
+def test_attention_matches_float_attention_over_the_dequantized_cache(b, t, pad, window, page_size, splits):
+    from oakenkv.attention import float_attention, reference_packed_attention
+    from oakenkv.kernels.triton import attention as tattn
+    from oakenkv.kernels.triton.view import view_from_store
+
+    store, (kh, vh) = _attention_store(b, t, seed=t, page_size=page_size)
+    q = torch.randn(b, 9, 1, 64, generator=torch.Generator().manual_seed(1))
+    mask = _keep(b, t, pad, window)
+    view = view_from_store(store, 1, DEV)
+    keep = tattn.keep_from_mask(mask, b, t, DEV)
+    got = tattn.paged_decode_attention(q[:, :, 0].to(DEV), view, keep, 64**-0.5, num_splits=splits).cpu()
+    want = reference_packed_attention(q, kh, vh, mask, 64**-0.5)[:, 0]
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    # against the original (unquantized) K/V: the quantization error, small but not zero
+    exact = float_attention(q, *store.original, mask, 64**-0.5)[:, 0]
+    assert 0 < ((got - exact).norm() / exact.norm()).item() < 0.1
+
+
+def test_attention_softcap_additive_mask_and_fp32_scales_four_bit_groups():
+    from oakenkv.attention import reference_packed_attention
+    from oakenkv.kernels.triton.attention import packed_decode_attention
+
+    cfg = OakenConfig(scale_dtype="float32", inner_bits=4)
+    # the reference codec: numba's decode would compile its fp32-scale variant (~20 s) for this one test
+    _, (kh, vh) = _attention_store(1, 40, seed=4, config=cfg, codec="reference")
+    q = torch.randn(1, 9, 1, 64, generator=torch.Generator().manual_seed(5)) * 3
+    additive = torch.zeros(1, 1, 1, 40)
+    additive[..., :10] = torch.finfo(torch.float32).min
+    got = packed_decode_attention(q.to(DEV), kh, vh, additive.to(DEV), 0.125, softcap=5.0).cpu()
+    want = reference_packed_attention(q, kh, vh, additive, 0.125, softcap=5.0)
+    assert got.shape == (1, 1, 9, 64)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_attention_skips_evicted_pages_and_reports_an_unmasked_one():
+    """A sliding window released the first pages (page ids -1): masked tokens are never read; a mask that lets
+    the kernel reach an evicted token is an error, not a read of a released page."""
+    from oakenkv.attention import reference_packed_attention
+    from oakenkv.kernels.triton import attention as tattn
+    from oakenkv.kernels.triton.view import view_from_store
+
+    store, (kh, vh) = _attention_store(1, 64, seed=6, page_size=512)
+    assert store.evict_before(1, 40) > 0
+    view = view_from_store(store, 1, DEV)
+    assert int((view.dense_pages == -1).sum()) > 0 and int((view.sparse_addr == -1).sum()) > 0
+    q = torch.randn(1, 9, 1, 64, generator=torch.Generator().manual_seed(7))
+    mask = _keep(1, 64, [0], window=24)
+    got = tattn.paged_decode_attention(q[:, :, 0].to(DEV), view, tattn.keep_from_mask(mask, 1, 64, DEV), 0.125)
+    want = reference_packed_attention(q, kh, vh, mask, 0.125)[:, 0]
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(CorruptDataError, match="evicted"):
+        tattn.paged_decode_attention(q[:, :, 0].to(DEV), view, None, 0.125)
+
+
+def test_attention_fully_masked_rows_give_zeros_and_bad_shapes_are_refused():
+    from oakenkv.kernels.triton import attention as tattn
+    from oakenkv.kernels.triton.view import view_from_store
+
+    store, _ = _attention_store(2, 20, seed=8)
+    view = view_from_store(store, 1, DEV)
+    q = torch.randn(2, 9, 64, device=DEV)
+    keep = torch.ones(2, 20, dtype=torch.uint8, device=DEV)
+    keep[1] = 0
+    out = tattn.paged_decode_attention(q, view, keep, 0.125)
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0]) > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        tattn.paged_decode_attention(torch.randn(2, 9, 32, device=DEV), view, None, 0.1)
+    with pytest.raises(ValueError, match=r"keep must be \[B, T\]"):
+        tattn.paged_decode_attention(q, view, keep[:, :5], 0.1)

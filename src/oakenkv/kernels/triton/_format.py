@@ -36,6 +36,7 @@ from oakenkv.format import (
     scale_bytes,
     sparse_capacity,
 )
+from oakenkv.pages import EVICTED
 from oakenkv.quant import STEP_FLOOR, ThresholdsLike, thresholds_tuple
 
 #: Largest fp16 value: a grid end point beyond it cannot be stored as an fp16 scale (quant._round_scales).
@@ -63,6 +64,7 @@ __all__ = [
     "ERR_SCALE_NONFINITE",
     "ERR_SCALE_OVERFLOW",
     "ERR_ZERO_ADVANCE",
+    "EVICTED",
     "FP16_MAX",
     "MAX_DIM",
     "NUM_SCALES",
