@@ -398,3 +398,17 @@ def test_attention_fully_masked_rows_give_zeros_and_bad_shapes_are_refused():
         tattn.paged_decode_attention(torch.randn(2, 9, 32, device=DEV), view, None, 0.1)
     with pytest.raises(ValueError, match=r"keep must be \[B, T\]"):
         tattn.paged_decode_attention(q, view, keep[:, :5], 0.1)
+
+
+def test_copy_spans_moves_each_span_and_nothing_else():
+    src = torch.arange(300, dtype=torch.int64).to(torch.uint8).to(DEV)
+    dst = torch.zeros(1000, dtype=torch.uint8, device=DEV)
+    i64 = {"dtype": torch.int64, "device": DEV}
+    tencode.copy_spans(
+        src, torch.tensor([0, 10, 40], **i64), dst, torch.tensor([700, 0, 300], **i64),
+        torch.tensor([5, 0, 260], dtype=torch.int32, device=DEV),
+    )  # fmt: skip
+    want = torch.zeros(1000, dtype=torch.uint8)
+    want[700:705] = src[:5].cpu()
+    want[300:560] = src[40:300].cpu()
+    assert torch.equal(dst.cpu(), want)

@@ -39,7 +39,7 @@ from oakenkv.kernels.triton.view import DeviceLayerView
 #: Tokens per tile.
 TILE_TOKENS = 16
 #: Smallest token range worth a split of its own (flash-decoding).
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 128
 
 
 @triton.jit
@@ -207,9 +207,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def num_splits_for(batch: int, kv_heads: int, tokens: int, programs: int = 264) -> int:
-    """Token ranges per (sequence, KV head): enough programs to fill the device (``programs``, default two per
-    multiprocessor of an H100/H200), each at least ``MIN_SPLIT_TOKENS`` tokens."""
+def num_splits_for(batch: int, kv_heads: int, tokens: int, programs: int = 528) -> int:
+    """Token ranges per (sequence, KV head): enough programs to fill the device (``programs``, default four per
+    multiprocessor of an H100/H200: a memory-bound kernel wants many loads in flight), each at least
+    ``MIN_SPLIT_TOKENS`` tokens. A first guess, to be tuned on the device (``benchmarks/gpu_check.py``)."""
     want = max(1, -(-programs // max(1, batch * kv_heads)))
     return int(max(1, min(want, tokens // MIN_SPLIT_TOKENS)))
 
@@ -223,6 +224,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     check: bool = True,
     exact_dequant: bool = True,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a layer's pages.
 
@@ -236,6 +238,7 @@ def paged_decode_attention(
         exact_dequant: compile without FMA contraction, so that the keys and values are the reference's floats;
             False lets the compiler fuse ``lo + code * step`` and the dot products (each dequantized value then
             within one rounding of the reference's; whether it is faster is for ``benchmarks/gpu_check.sh``).
+        num_warps: warps per program (a tuning knob, as ``num_splits``).
 
     Returns:
         float32 ``[B, Hq, hd]``.
@@ -268,6 +271,8 @@ def paged_decode_attention(
     status = torch.zeros(b * h * splits, dtype=torch.int32, device=dev)
     scratch = torch.empty(b * h * splits * TILE_TOKENS * hd_p, dtype=torch.uint8, device=dev)
     pages, addr, lens = view.dense_pages, view.sparse_addr, view.sparse_len
+    if addr.stride() != lens.stride() or addr.stride(2) != 1 or pages.stride(2) != 1:
+        raise ValueError("sparse_addr and sparse_len must share strides, with unit stride over tokens (as dense_pages)")
     if t_n:
         group = hq // h
         _attn_kernel[(b * h, splits)](
@@ -280,7 +285,7 @@ def paged_decode_attention(
             INNER_BITS=cfg.inner_bits, OUTER_BITS=cfg.outer_bits, SBLK=SPARSE_BLOCK, SBLK_LOG=SPARSE_BLOCK_LOG,
             SOFTCAP=bool(softcap), E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
-            num_warps=4, enable_fp_fusion=not exact_dequant,
+            num_warps=num_warps, enable_fp_fusion=not exact_dequant,
         )  # fmt: skip
     else:
         pm.fill_(-float("inf"))

@@ -357,3 +357,30 @@ def encode_batch(x: torch.Tensor, thr: F.ThresholdsLike, config: F.OakenConfig |
         sparse_offsets=offsets,
         dim=int(d),
     )
+
+
+@triton.jit
+def _copy_spans_kernel(src, src_off, dst, dst_off, lens, BLOCK: tl.constexpr):
+    """``dst[dst_off[i] : dst_off[i] + lens[i]] = src[src_off[i] : ...]`` for span ``i = program_id``."""
+    i = tl.program_id(0)
+    so = tl.load(src_off + i)
+    do = tl.load(dst_off + i)
+    n = tl.load(lens + i).to(tl.int64)
+    j = 0
+    while j < n:
+        k = j + tl.arange(0, BLOCK)
+        m = k < n
+        tl.store(dst + do + k, tl.load(src + so + k, mask=m), mask=m)
+        j += BLOCK
+
+
+def copy_spans(
+    src: torch.Tensor, src_off: torch.Tensor, dst: torch.Tensor, dst_off: torch.Tensor, lens: torch.Tensor
+) -> None:
+    """Copy byte spans between flat uint8 tensors on one device: span ``i`` of ``lens[i]`` bytes from
+    ``src_off[i]`` to ``dst_off[i]`` (int64 offsets). How encoded rows reach their pages: the encoder writes each
+    row's COO stream into a scratch row; once a store has placed the streams (a record never straddles a page),
+    this moves them, one program per span."""
+    n = int(lens.shape[0])
+    if n:
+        _copy_spans_kernel[(n,)](src, src_off, dst, dst_off, lens, BLOCK=256)
