@@ -331,21 +331,9 @@ def pool_bytes_estimate(kv: int, hd: int, page_size: int, batch: int, ctx: int) 
 def reference_attention(run: Run, view, q, keep, scaling: float):
     """float32 attention over the view's tokens decoded by the (bit-exact) Triton decoder."""
     torch = run.torch
-    from oakenkv.kernels.triton import decode as tdecode
+    from oakenkv.kernels.triton.decode import read_view
 
-    b, t_n, rpp = view.batch_size, view.num_tokens, view.records_per_page
-    t_idx = torch.arange(t_n, device=q.device)
-    kvs = []
-    for kind in (0, 1):
-        pages = view.dense_pages[:, kind, :].to(torch.int64)
-        rec_addr = (pages[:, t_idx // rpp] * view.page_size + (t_idx % rpp) * view.rec_size).flatten()
-        x, _ = tdecode.decode_rows(
-            view.dense_pool, rec_addr.contiguous(), view.sparse_pool,
-            view.sparse_addr[:, kind, :].flatten().contiguous(), view.sparse_len[:, kind, :].flatten().contiguous(),
-            view.thr[kind], view.dim, view.config,
-        )  # fmt: skip
-        kvs.append(x.view(b, t_n, view.num_kv_heads, view.head_dim).permute(0, 2, 1, 3))
-    k, v = kvs
+    k, v = read_view(view, 0), read_view(view, 1)  # [B, H, T, hd]
     group = q.shape[1] // view.num_kv_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)

@@ -412,3 +412,23 @@ def test_copy_spans_moves_each_span_and_nothing_else():
     want[700:705] = src[:5].cpu()
     want[300:560] = src[40:300].cpu()
     assert torch.equal(dst.cpu(), want)
+
+
+def test_read_view_is_the_store_read_on_the_device():
+    """The dequantize-tile read of a layer's pages (the prefill path over earlier pages) gives the floats of
+    PagedKVStore.read for every token a query may see (from the eviction watermark on); tokens on released pages
+    read as zeros (store.read zeroes everything below the watermark, also tokens whose page is still held)."""
+    from oakenkv.kernels.triton.decode import read_view
+    from oakenkv.kernels.triton.view import view_from_store
+
+    store, _ = _attention_store(2, 50, seed=9, page_size=512)
+    store.evict_before(1, 30)
+    view = view_from_store(store, 1, DEV)
+    for kind in (0, 1):
+        got = read_view(view, kind).cpu()
+        want = store.read(1, kind)
+        assert got.shape == want.shape == (2, 3, 50, 64)
+        assert torch.equal(_bits32(got[:, :, 30:]), _bits32(want[:, :, 30:]))
+        gone = (view.dense_pages[:, kind].cpu() == -1).sum(dim=1)  # released dense pages per row
+        assert int(gone.min()) > 0
+        assert torch.count_nonzero(got[:, :, : int(gone.min()) * view.records_per_page]) == 0

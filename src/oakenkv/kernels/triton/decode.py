@@ -225,3 +225,27 @@ def decode_batch(
         thr_t, d, config, out_dtype=out_dtype,
     )  # fmt: skip
     return out
+
+
+def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A layer's stored keys (``kind`` 0) or values (1) dequantized on the view's device: ``[B, H, T, hd]``.
+
+    The device counterpart of ``PagedKVStore.read`` (the same floats, bit for bit): the dequantize-tile read of
+    earlier pages for a prefill chunk's attention. ``view``: a :class:`~oakenkv.kernels.triton.view.DeviceLayerView`;
+    tokens on evicted pages (a sliding window's past) read as zeros, as in ``PagedKVStore.read``.
+    """
+    b, t_n, rpp = view.batch_size, view.num_tokens, view.records_per_page
+    dev = view.dense_pool.device
+    t_idx = torch.arange(t_n, device=dev)
+    pages = view.dense_pages[:, kind, :].to(torch.int64)[:, t_idx // rpp]  # [B, T]
+    live = pages >= 0
+    rec_addr = torch.where(live, pages * view.page_size + (t_idx % rpp) * view.rec_size, 0).flatten()
+    sp_addr = view.sparse_addr[:, kind, :t_n]
+    sp_len = torch.where(live & (sp_addr >= 0), view.sparse_len[:, kind, :t_n], 0)
+    out, _ = decode_rows(
+        view.dense_pool, rec_addr.contiguous(), view.sparse_pool, sp_addr.clamp(min=0).flatten().contiguous(),
+        sp_len.flatten().contiguous(), view.thr[kind], view.dim, view.config, out_dtype=out_dtype,
+    )  # fmt: skip
+    out = out.view(b, t_n, view.num_kv_heads, view.head_dim)
+    out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=dev))
+    return out.permute(0, 2, 1, 3)
