@@ -554,17 +554,21 @@ def stage_tuning(run: Run, layers: dict) -> None:
     base = tattn.num_splits_for(b, kv, t_n)
     packed = int(b * 2 * t_n * pool.rec_size + pool.sparse_len.sum().item())
     out = []
+    # (tokens per tile, warps): the default first, then the variants triton_sm90_check.py compiles without spills
+    configs = [(tattn.TILE_TOKENS, tattn.NUM_WARPS), (8, 4), (16, 4)] if run.cuda else [(8, 4)]
     for splits in sorted({max(1, base // 2), base, 2 * base}) if run.cuda else [base]:
-        for warps in (4, 8) if run.cuda else (4,):
+        for tile, warps in configs:
             for exact in (True, False):
                 if run.over_budget():
-                    run.res["skipped"].append(f"tuning splits={splits} warps={warps}: time budget")
+                    run.res["skipped"].append(f"tuning splits={splits} tile={tile} warps={warps}: time budget")
                     continue
-                t = run.time_ms(lambda s=splits, w=warps, e=exact: tattn.paged_decode_attention(
-                    q, pool, None, hd**-0.5, num_splits=s, check=False, exact_dequant=e, num_warps=w))  # fmt: skip
+                t = run.time_ms(lambda s=splits, w=warps, e=exact, bt=tile: tattn.paged_decode_attention(
+                    q, pool, None, hd**-0.5, num_splits=s, check=False, exact_dequant=e, num_warps=w,
+                    tile_tokens=bt))  # fmt: skip
                 gbps = packed / (t["median_ms"] * 1e-3) / 1e9
-                out.append({"splits": splits, "num_warps": warps, "exact_dequant": exact, **t, "packed_gbps": gbps})
-                print(f"  tuning {name} B={b} T={t_n} splits={splits} warps={warps} exact={exact}: "
+                out.append({"splits": splits, "tile_tokens": tile, "num_warps": warps, "exact_dequant": exact, **t,
+                            "packed_gbps": gbps})  # fmt: skip
+                print(f"  tuning {name} B={b} T={t_n} splits={splits} tile={tile} warps={warps} exact={exact}: "
                       f"{t['median_ms']:.3f} ms, {gbps:.0f} GB/s packed")  # fmt: skip
     run.res["tuning"] = {"layer": name, "batch": b, "context": t_n, "default_splits": base, "runs": out}
     run.save()

@@ -23,7 +23,7 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     out = tmp_path / "check.json"
-    args = ["--dry-run", "--out", str(out), "--layers", "gqa_4q2kv_x16", "--batches", "1", "--contexts", "32"]
+    args = ["--dry-run", "--out", str(out), "--layers", "gqa_4q2kv_x16", "--batches", "1", "--contexts", "16"]
     res = gpu_check.main([*args, "--reps", "1", "--rows", "16"])
     saved = json.loads(out.read_text())
     assert saved["errors"] == [] == res["errors"]

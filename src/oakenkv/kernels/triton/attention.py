@@ -33,11 +33,17 @@ import triton.language as tl
 
 from oakenkv.kernels.triton import _format as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
-from oakenkv.kernels.triton.decode import SPARSE_BLOCK, SPARSE_BLOCK_LOG, load_scales, middle_values, outlier_values
+from oakenkv.kernels.triton.decode import load_scales, middle_values, outlier_values
 from oakenkv.kernels.triton.view import DeviceLayerView
 
-#: Tokens per tile.
+#: Tokens per tile (default; ``tile_tokens``).
 TILE_TOKENS = 16
+#: log2 of the COO bytes read per token and step of the walk. 32, not the decode kernel's 64: with 64 the kernel
+#: spills (ptxas for sm_90a, 8 warps: 255 registers and 232 bytes of spill stores at 16 tokens a tile; with 32:
+#: none; ``benchmarks/triton_sm90_check.py``).
+SPARSE_BLOCK_LOG = 5
+#: Warps per program (default; ``num_warps``).
+NUM_WARPS = 8
 #: Smallest token range worth a split of its own (flash-decoding).
 MIN_SPLIT_TOKENS = 128
 
@@ -224,7 +230,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     check: bool = True,
     exact_dequant: bool = True,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
+    tile_tokens: int = TILE_TOKENS,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a layer's pages.
 
@@ -238,7 +245,8 @@ def paged_decode_attention(
         exact_dequant: compile without FMA contraction, so that the keys and values are the reference's floats;
             False lets the compiler fuse ``lo + code * step`` and the dot products (each dequantized value then
             within one rounding of the reference's; whether it is faster is for ``benchmarks/gpu_check.sh``).
-        num_warps: warps per program (a tuning knob, as ``num_splits``).
+        num_warps, tile_tokens: warps per program and tokens per tile (a power of two): tuning knobs, as
+            ``num_splits`` (``benchmarks/gpu_check.py``'s tuning stage times them).
 
     Returns:
         float32 ``[B, Hq, hd]``.
@@ -261,7 +269,7 @@ def paged_decode_attention(
     splits = num_splits or num_splits_for(b, h, t_n)
     splits = max(1, min(splits, max(1, t_n)))
     split_tokens = -(-max(t_n, 1) // splits)
-    split_tokens = -(-split_tokens // TILE_TOKENS) * TILE_TOKENS
+    split_tokens = -(-split_tokens // tile_tokens) * tile_tokens
     splits = -(-max(t_n, 1) // split_tokens)
     hd_p = _pow2(hd)
     cfg = view.config
@@ -269,7 +277,7 @@ def paged_decode_attention(
     pl = torch.empty_like(pm)
     pacc = torch.empty((b, hq, splits, hd_p), dtype=torch.float32, device=dev)
     status = torch.zeros(b * h * splits, dtype=torch.int32, device=dev)
-    scratch = torch.empty(b * h * splits * TILE_TOKENS * hd_p, dtype=torch.uint8, device=dev)
+    scratch = torch.empty(b * h * splits * tile_tokens * hd_p, dtype=torch.uint8, device=dev)
     pages, addr, lens = view.dense_pages, view.sparse_addr, view.sparse_len
     if addr.stride() != lens.stride() or addr.stride(2) != 1 or pages.stride(2) != 1:
         raise ValueError("sparse_addr and sparse_len must share strides, with unit stride over tokens (as dense_pages)")
@@ -281,8 +289,8 @@ def paged_decode_attention(
             keep, keep.stride(0), view.thr.to(torch.float32).contiguous(), scratch, pm, pl, pacc, status,
             t_n, h, hq, hd, view.dim, view.page_size, view.rec_size, view.records_per_page, float(scaling),
             float(softcap or 1.0), split_tokens, splits,
-            G=group, G_P=_pow2(group), HD_P=hd_p, BT=TILE_TOKENS, SB=F.scale_bytes(cfg),
-            INNER_BITS=cfg.inner_bits, OUTER_BITS=cfg.outer_bits, SBLK=SPARSE_BLOCK, SBLK_LOG=SPARSE_BLOCK_LOG,
+            G=group, G_P=_pow2(group), HD_P=hd_p, BT=tile_tokens, SB=F.scale_bytes(cfg),
+            INNER_BITS=cfg.inner_bits, OUTER_BITS=cfg.outer_bits, SBLK=1 << SPARSE_BLOCK_LOG, SBLK_LOG=SPARSE_BLOCK_LOG,
             SOFTCAP=bool(softcap), E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
             num_warps=num_warps, enable_fp_fusion=not exact_dequant,
