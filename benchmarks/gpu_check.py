@@ -590,6 +590,35 @@ def stage_tuning(run: Run, layers: dict) -> None:
     run.save()
 
 
+def stage_goals(run: Run) -> None:
+    """The issue's goals read off the measurements: speed against SDPA and bandwidth at GQA batch 16 x 32K (the dry
+    run: its GQA layer's largest case), encode of one decode step's K/V against the attention at 4K."""
+    att = [c for c in run.res.get("attention", []) if "triton_exact" in c]
+    enc = run.res.get("encode", [])
+    goals: dict = {}
+    gqa = [c for c in att if c["layer"].startswith("gqa")]
+    target = [c for c in gqa if (c["batch"], c["context"]) == (16, 32768)] or gqa[-1:]
+    for c in target:
+        goals["speedup_vs_sdpa"] = {"case": f"B={c['batch']} T={c['context']}", "goal": ">= 2.5",
+                                    "value": c.get("speedup_vs_sdpa")}  # fmt: skip
+        goals["packed_bandwidth_over_copy"] = {"case": f"B={c['batch']} T={c['context']}", "goal": ">= 0.6",
+                                               "value": c.get("packed_gbps_over_copy")}  # fmt: skip
+    shares = []
+    for c in att:
+        if c["context"] != min(x["context"] for x in att):
+            continue
+        e = [x for x in enc if x["layer"] == c["layer"] and x["rows"] == 2 * c["batch"]]
+        if e:
+            best = min(c["triton_exact"]["median_ms"], c["triton_fused"]["median_ms"])
+            shares.append({"layer": c["layer"], "batch": c["batch"], "context": c["context"],
+                           "encode_ms": e[0]["encode"]["median_ms"], "attention_ms": best,
+                           "share": round(e[0]["encode"]["median_ms"] / best, 4)})  # fmt: skip
+    goals["encode_share_of_attention"] = {"goal": "< 0.05 at 4K", "cases": shares}
+    run.res["goals"] = goals
+    print("  goals:", json.dumps(goals))
+    run.save()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     if args.dry_run:
@@ -622,6 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("encode", lambda: stage_encode(run, layers, batches)),
         ("attention", lambda: stage_attention(run, layers, batches, contexts, run.res.get("copy_gbps") or math.nan)),
         ("tuning", lambda: stage_tuning(run, layers)),
+        ("goals", lambda: stage_goals(run)),
     ]
     for name, fn in stages:
         print(f"[{run.elapsed():6.1f} s] {name}")

@@ -35,3 +35,6 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     assert case["flash_attn_fp16"].get("skipped") or "median_ms" in case["flash_attn_fp16"]
     assert {e["rows"] for e in saved["encode"]} == {2, 8} and saved["copy"]["gbps_read_plus_write"] > 0
     assert len(saved["tuning"]["runs"]) == 2
+    goals = saved["goals"]
+    assert goals["speedup_vs_sdpa"]["value"] is not None and goals["packed_bandwidth_over_copy"]["value"] is not None
+    assert [c["batch"] for c in goals["encode_share_of_attention"]["cases"]] == [1]
