@@ -32,6 +32,8 @@ from oakenkv.kernels.triton import attention as A
 from oakenkv.kernels.triton import decode as Dk
 from oakenkv.kernels.triton import encode as E
 
+#: The scales' bytes of the default config (fp16 scales), what the wrappers pass as SB.
+SB = F.scale_bytes(F.OakenConfig())
 ERRS = {
     "E_POS": F.ERR_POSITION_RANGE, "E_ZERO": F.ERR_ZERO_ADVANCE, "E_FIFTH": F.ERR_FIFTH_BIT,
     "E_TRUNC": F.ERR_ESCAPE_TRUNCATED, "E_NOENTRY": F.ERR_ESCAPE_NO_ENTRY,
@@ -47,7 +49,7 @@ def _cases():
     for d in (1024, 4096):
         nch = F.num_chunks(d)
         yield f"encode D={d}", E._encode_kernel, enc_sig, dict(
-            NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=12, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
+            NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=SB, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
             NE=2, FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX, ERR_NONFINITE=F.ERR_NONFINITE,
             ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW,
         ), dict(num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False)  # fmt: skip
@@ -58,7 +60,7 @@ def _cases():
     }  # fmt: skip
     for d in (1024, 4096):
         yield f"decode D={d}", Dk._decode_kernel, dec_sig, dict(
-            BT=max(1, min(16, 4096 // d)), BLOCK_D=d, SB=12, INNER_BITS=5, OUTER_BITS=5, SBLK=Dk.SPARSE_BLOCK,
+            BT=max(1, min(16, 4096 // d)), BLOCK_D=d, SB=SB, INNER_BITS=5, OUTER_BITS=5, SBLK=Dk.SPARSE_BLOCK,
             SBLK_LOG=Dk.SPARSE_BLOCK_LOG, OUT_F16=False, E_SCALE=F.ERR_SCALE_NONFINITE, **ERRS,
         ), dict(num_warps=4, enable_fp_fusion=False)  # fmt: skip
     att_sig = {
@@ -74,7 +76,7 @@ def _cases():
         for bt, warps in configs:
             for fuse in (False, True):
                 yield f"attention G={g} tile={bt} warps={warps} fused={fuse}", A._attn_kernel, att_sig, dict(
-                    G=g, G_P=g, HD_P=128, BT=bt, SB=12, INNER_BITS=5, OUTER_BITS=5, SBLK=1 << A.SPARSE_BLOCK_LOG,
+                    G=g, G_P=g, HD_P=128, BT=bt, SB=SB, INNER_BITS=5, OUTER_BITS=5, SBLK=1 << A.SPARSE_BLOCK_LOG,
                     SBLK_LOG=A.SPARSE_BLOCK_LOG, SOFTCAP=False, E_EVICTED=F.ERR_EVICTED, **ERRS,
                 ), dict(num_warps=warps, enable_fp_fusion=fuse)  # fmt: skip
     comb_sig = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32", "HD": "i32"}

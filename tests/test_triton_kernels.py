@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oakenkv import codec
-from oakenkv.codec import CorruptDataError, EncodedBatch
 from oakenkv.config import OakenConfig
+from oakenkv.format import CorruptDataError, EncodedBatch, record_size, scale_bytes, sparse_capacity
 from oakenkv.kernels.triton import decode as tdecode
 from oakenkv.kernels.triton import encode as tencode
 from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, dequantize, quantize
@@ -143,7 +143,7 @@ def test_encode_into_given_record_and_stream_offsets():
     """Records and streams written where the caller says (straight into pages), not only back to back."""
     cfg = OakenConfig()
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * 2
-    rec, cap = codec.dense_bytes(64) + 12, tencode.F.sparse_capacity(64)
+    rec, cap = record_size(64, cfg), sparse_capacity(64)
     records = torch.zeros(1000, dtype=torch.uint8, device=DEV)
     sparse = torch.zeros(1000, dtype=torch.uint8, device=DEV)
     rec_at = torch.tensor([500, 0, 200], dtype=torch.int64, device=DEV)
@@ -163,7 +163,7 @@ def test_encode_per_row_thresholds():
     records, sparse, counts = tencode.encode_records(x.to(DEV), thr.to(DEV), OakenConfig())
     for r in range(4):
         ref = codec.pack(quantize(x[r : r + 1], tuple(thr[r].tolist())))
-        assert torch.equal(records[r, 12:].cpu(), ref.dense[0])
+        assert torch.equal(records[r, scale_bytes(OakenConfig()) :].cpu(), ref.dense[0])
         assert torch.equal(sparse[r, : int(counts[r])].cpu(), ref.sparse)
 
 

@@ -65,14 +65,14 @@ def _tile_values(
     ok = use & (pg >= 0)
     base = pg.to(tl.int64) * page_size + (t % rpp).to(tl.int64) * rec
     s0, s1, s2, s3, s4, s5 = load_scales(dpool, base, ok, SB)
-    m_step = tl.math.div_rn(s1 - s0, 15.0)[:, None]
+    m_step = tl.math.div_rn(s1 - s0, F.MIDDLE_TOP)[:, None]
     i_step = tl.math.div_rn(s3 - s2, (1 << INNER_BITS) - 1.0)[:, None]
     o_step = tl.math.div_rn(s5 - s4, (1 << OUTER_BITS) - 1.0)[:, None]
     col = tl.arange(0, HD_P)[None, :]
     cm = ok[:, None] & (col < HD)
     vpos = h * HD + col  # the head's values in the row
     byte = tl.load(dpool + base[:, None] + SB + (vpos >> 1), mask=cm, other=0).to(tl.int32)
-    nib = (byte >> ((vpos & 1) * 4)) & 15
+    nib = (byte >> ((vpos & 1) * F.SLOT_BITS)) & F.SLOT_MASK
     # the head's outliers: mark their slots in the scratch tile (entry byte's group and fifth bit, | 1)
     tok = tl.arange(0, BT)[:, None]
     sc_ptr = scratch + tok * HD_P + col
@@ -86,21 +86,23 @@ def _tile_values(
     state = tl.zeros([BT], tl.int32)
     chunk = tl.zeros([BT], tl.int32)
     maxlen = tl.max(length, axis=0)
+    INNER5: tl.constexpr = INNER_BITS > F.SLOT_BITS  # 5-bit codes: a fifth bit in the entry
+    OUTER5: tl.constexpr = OUTER_BITS > F.SLOT_BITS
     jb = 0
     while jb < maxlen:
         entry, pos, e, state, chunk, err = coo_block(
-            spool, addr, length, jb, state, chunk, D, SBLK, SBLK_LOG, INNER_BITS == 5, OUTER_BITS == 5
+            spool, addr, length, jb, state, chunk, D, SBLK, SBLK_LOG, INNER5, OUTER5
         )
         flags |= err
         li = pos - h * HD
         mine = entry & (li >= 0) & (li < HD)
-        tl.store(scratch + tok * HD_P + li, ((e & 0xC0) | 1).to(tl.uint8), mask=mine)
+        tl.store(scratch + tok * HD_P + li, ((e & (F.GROUP_BIT | F.CODE_BIT4)) | 1).to(tl.uint8), mask=mine)
         jb += SBLK
     flags |= coo_end_error(state, length)
     tl.debug_barrier()  # the scatter is visible to every thread of the program
     info = tl.load(sc_ptr).to(tl.int32)
-    code5 = nib | (((info >> 7) & 1) << 4)
-    w = outlier_values(code5, (info & 0x40) != 0, s2[:, None], i_step, s4[:, None], o_step, to_lo, to_hi)
+    code5 = nib | (((info >> F.CODE_BIT4_SHIFT) & 1) << F.SLOT_BITS)
+    w = outlier_values(code5, (info & F.GROUP_BIT) != 0, s2[:, None], i_step, s4[:, None], o_step, to_lo, to_hi)
     v = middle_values(nib, s0[:, None], m_step, ti_lo, ti_hi)
     v = tl.where((info & 1) != 0, w, v)
     return tl.where(cm, v, 0.0), flags

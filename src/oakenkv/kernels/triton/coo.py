@@ -18,7 +18,7 @@ byte, and an entry's chunk is the sum of the advances before it. Both become dat
   start, never right after an escape, where the last index is -1). The chunk of every entry is the carried
   chunk plus the inclusive ``tl.cumsum`` of these increments.
 
-Validation, as the CPU decoder's (``ERR_*`` of ``oakenkv.kernels.cpu``): an entry position ``>= D``, an advance of
+Validation, as the CPU decoder's (``ERR_*`` of ``oakenkv.format``): an entry position ``>= D``, an advance of
 0 after an entry, a fifth code bit of a 4-bit group, and a stream that ends inside an escape (state ``E``/``A``:
 truncated advance) or right after one (``X``: no entry) are reported, never read past.
 """
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from oakenkv.kernels.triton import _format as F
 
 #: Walker states (module docstring).
 ST_N, ST_E, ST_A, ST_X = 0, 1, 2, 3
@@ -48,7 +50,7 @@ def _compose(a, b):
 def _transition(e, e1):
     """Packed state map of a byte ``e`` whose previous byte is ``e1`` (0 at the stream start)."""
     t_n = tl.where(e == e1, 1, 0)  # N -> E on a repeat, else N
-    t_ea = tl.where(e == 255, 2, 3)  # E, A -> A on 0xFF, else X
+    t_ea = tl.where(e == F.ADV_CONTINUE, 2, 3)  # E, A -> A on 0xFF, else X
     return t_n | (t_ea << 2) | (t_ea << 4)  # X -> N (0)
 
 
@@ -99,18 +101,18 @@ def coo_block(
     is_n = st == 0
     entry = inb & ((is_n & (e != e1)) | (st == 3))
     adv = inb & ((st == 1) | (st == 2))
-    natural = entry & is_n & (j > 0) & ((e & 63) <= (e1 & 63))
+    natural = entry & is_n & (j > 0) & ((e & F.INDEX_MASK) <= (e1 & F.INDEX_MASK))
     inc = tl.where(adv, e, tl.where(natural, 1, 0))
     cabs = chunk[:, None] + tl.cumsum(inc, axis=1)
-    pos = cabs * 64 + (e & 63)
+    pos = cabs * F.CHUNK + (e & F.INDEX_MASK)
     # errors
     err = tl.max(tl.where(entry & (pos >= D), 1, 0), axis=1)
     err |= tl.max(tl.where(inb & (st == 1) & (e == 0) & (j >= 2), 2, 0), axis=1)
-    fifth = entry & ((e & 128) != 0)
+    fifth = entry & ((e & F.CODE_BIT4) != 0)
     if not INNER5:
-        err |= tl.max(tl.where(fifth & ((e & 64) == 0), 4, 0), axis=1)
+        err |= tl.max(tl.where(fifth & ((e & F.GROUP_BIT) == 0), 4, 0), axis=1)
     if not OUTER5:
-        err |= tl.max(tl.where(fifth & ((e & 64) != 0), 4, 0), axis=1)
+        err |= tl.max(tl.where(fifth & ((e & F.GROUP_BIT) != 0), 4, 0), axis=1)
     # carry: the state after the block's last byte of each stream, the chunk after the block
     after = (_transition(e, e1) >> (2 * st)) & 3
     last = tl.minimum(length, jb + SBLK) - 1  # [BT]

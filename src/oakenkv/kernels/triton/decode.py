@@ -2,7 +2,7 @@
 
 ``dequantize(unpack(enc))`` of the reference, for rows given by addresses: row ``r``'s dense record (scales then
 nibbles) at ``records + rec_addr[r]`` and its COO stream at ``sparse + sp_addr[r]`` (``sp_len[r]`` bytes). The
-same kernel decodes an :class:`~oakenkv.codec.EncodedBatch` (addresses of its rows) and a layer's pages (the
+same kernel decodes an :class:`~oakenkv.format.EncodedBatch` (addresses of its rows) and a layer's pages (the
 per-token addresses of the kernel view): the prefill path's dequantize-tile read of earlier pages.
 
 Each program decodes ``BT`` rows: every value first as a middle-group code (``lo + code * step``, then the
@@ -27,11 +27,12 @@ SPARSE_BLOCK = 1 << SPARSE_BLOCK_LOG
 
 @triton.jit
 def load_scales(ptr, base, mask, SB: tl.constexpr):
-    """The six scales of records at byte offsets ``base`` (int64 ``[BT]``) as float32 ``[BT]`` each (fp16 scales
-    when ``SB == 12``, fp32 when 24), read byte by byte (records need not be aligned)."""
-    k = tl.arange(0, 8)[None, :]
-    m = mask[:, None] & (k < 6)
-    if SB == 12:
+    """The six scales of records at byte offsets ``base`` (int64 ``[BT]``) as float32 ``[BT]`` each, in
+    ``format.SCALE_NAMES`` order (fp16 scales when ``SB`` is six fp16's bytes, else fp32), read byte by byte
+    (records need not be aligned)."""
+    k = tl.arange(0, F.SCALE_LANES)[None, :]
+    m = mask[:, None] & (k < F.SCALES)
+    if SB == F.FP16_SCALE_BYTES:
         a = tl.load(ptr + base[:, None] + 2 * k, mask=m, other=0).to(tl.int32)
         b = tl.load(ptr + base[:, None] + 2 * k + 1, mask=m, other=0).to(tl.int32)
         sc = (a | (b << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -92,14 +93,14 @@ def _decode_kernel(
     ti_lo = tl.load(tb + 1, mask=rmask, other=0.0)[:, None]
     ti_hi = tl.load(tb + 2, mask=rmask, other=0.0)[:, None]
     to_hi = tl.load(tb + 3, mask=rmask, other=0.0)[:, None]
-    m_step = tl.math.div_rn(s1 - s0, 15.0)[:, None]
+    m_step = tl.math.div_rn(s1 - s0, F.MIDDLE_TOP)[:, None]
     i_step = tl.math.div_rn(s3 - s2, (1 << INNER_BITS) - 1.0)[:, None]
     o_step = tl.math.div_rn(s5 - s4, (1 << OUTER_BITS) - 1.0)[:, None]
     # dense: every value as a middle code
     col = tl.arange(0, BLOCK_D)[None, :]
     vmask = rmask[:, None] & (col < D)
     byte = tl.load(rec_ptr + base[:, None] + SB + (col >> 1), mask=vmask, other=0).to(tl.int32)
-    nib = (byte >> ((col & 1) * 4)) & 15
+    nib = (byte >> ((col & 1) * F.SLOT_BITS)) & F.SLOT_MASK
     v = middle_values(nib, s0[:, None], m_step, ti_lo, ti_hi)
     optr = out_ptr + rows[:, None] * stride_out + col
     if OUT_F16:
@@ -114,16 +115,18 @@ def _decode_kernel(
     chunk = tl.zeros([BT], tl.int32)
     flags = tl.zeros([BT], tl.int32)
     maxlen = tl.max(length, axis=0)
+    INNER5: tl.constexpr = INNER_BITS > F.SLOT_BITS  # 5-bit codes: a fifth bit in the entry
+    OUTER5: tl.constexpr = OUTER_BITS > F.SLOT_BITS
     jb = 0
     while jb < maxlen:
         entry, pos, e, state, chunk, err = coo_block(
-            sp_ptr, addr, length, jb, state, chunk, D, SBLK, SBLK_LOG, INNER_BITS == 5, OUTER_BITS == 5
+            sp_ptr, addr, length, jb, state, chunk, D, SBLK, SBLK_LOG, INNER5, OUTER5
         )
         flags |= err
         ok = entry & (pos < D)
         nb = tl.load(rec_ptr + base[:, None] + SB + (pos >> 1), mask=ok, other=0).to(tl.int32)
-        code5 = ((nb >> ((pos & 1) * 4)) & 15) | (((e >> 7) & 1) << 4)
-        w = outlier_values(code5, (e & 64) != 0, s2[:, None], i_step, s4[:, None], o_step, to_lo, to_hi)
+        code5 = ((nb >> ((pos & 1) * F.SLOT_BITS)) & F.SLOT_MASK) | (((e >> F.CODE_BIT4_SHIFT) & 1) << F.SLOT_BITS)
+        w = outlier_values(code5, (e & F.GROUP_BIT) != 0, s2[:, None], i_step, s4[:, None], o_step, to_lo, to_hi)
         wptr = out_ptr + rows[:, None] * stride_out + pos
         if OUT_F16:
             tl.store(wptr, w.to(tl.float16), mask=ok)
@@ -201,7 +204,7 @@ def decode_batch(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``dequantize(unpack(enc))`` on ``device`` (default: the batch's): float32 ``[N, D]`` (or float16, the
-    float32 result rounded once). Raises :class:`~oakenkv.codec.CorruptDataError` for a corrupt stream."""
+    float32 result rounded once). Raises :class:`~oakenkv.format.CorruptDataError` for a corrupt stream."""
     config = config or F.OakenConfig()
     dev = torch.device(device) if device is not None else enc.dense.device
     n, d = enc.num_rows, enc.dim

@@ -1,6 +1,7 @@
 """Triton encode: float rows -> Oaken page records (six scales, then nibbles) + COO sparse bytes + counts.
 
-One program per row; the row (``D <= MAX_TRITON_DIM`` values) lives in registers as ``NCH_P`` chunks of 64.
+One program per row; the row (``D <= MAX_TRITON_DIM`` values) lives in registers as ``NCH_P`` COO chunks of
+``CHUNK_SIZE`` values. The format's constants are ``_format``'s ``tl.constexpr`` copies of ``oakenkv.format``'s.
 
 Numbers: the kernel repeats ``oakenkv.quant.quantize``'s float32 operations in its order: group shift, the
 range statistics as max/min reductions (exact in any order), the signed grid's step evaluated for every zero
@@ -123,7 +124,7 @@ def _encode_kernel(
     NE: tl.constexpr, FLOOR: tl.constexpr, FP16_MAX: tl.constexpr, ERR_NONFINITE: tl.constexpr,
     ERR_SCALE_OVERFLOW: tl.constexpr,
 ):  # fmt: skip
-    BLOCK: tl.constexpr = NCH_P * 64
+    BLOCK: tl.constexpr = NCH_P * F.CHUNK
     row = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, BLOCK)
     valid = pos < D
@@ -165,7 +166,7 @@ def _encode_kernel(
     i_min = tl.where(i_has, _reduce_min(tl.where(inner, s, inf)), 0.0)
     i_max = tl.where(i_has, _reduce_max(tl.where(inner, s, -inf)), 0.0)
 
-    mg0, mg1 = _signed_grid(m_lo_mag, m_has_lo, m_hi_mag, m_has_hi, m_min, m_max, 16, KP, FLOOR, FP16)
+    mg0, mg1 = _signed_grid(m_lo_mag, m_has_lo, m_hi_mag, m_has_hi, m_min, m_max, F.MIDDLE_LEVELS, KP, FLOOR, FP16)
     og0, og1 = _signed_grid(o_lo_mag, o_has_lo, o_hi_mag, o_has_hi, o_min, o_max, 1 << OUTER_BITS, KP, FLOOR,
                             FP16)  # fmt: skip
     big = tl.maximum(tl.maximum(tl.abs(mg0), tl.abs(mg1)), tl.maximum(tl.abs(og0), tl.abs(og1)))
@@ -179,12 +180,12 @@ def _encode_kernel(
     og1 = _round_scale(og1, FP16)
     n_in = (1 << INNER_BITS) - 1.0
     n_out = (1 << OUTER_BITS) - 1.0
-    m_step = tl.math.div_rn(mg1 - mg0, 15.0)
+    m_step = tl.math.div_rn(mg1 - mg0, F.MIDDLE_TOP)
     i_step = tl.math.div_rn(ig1 - ig0, n_in)
     o_step = tl.math.div_rn(og1 - og0, n_out)
 
     # codes (quant.quantize's loop over the groups, each value on its own group's grid)
-    q_m = _codes(s, mg0, m_step, 15.0, True)
+    q_m = _codes(s, mg0, m_step, F.MIDDLE_TOP, True)
     q_i = _codes(s, ig0, i_step, n_in, False)
     q_o = _codes(s, og0, o_step, n_out, True)
     code = tl.where(outer, q_o, tl.where(inner, q_i, q_m)).to(tl.int32)
@@ -193,31 +194,32 @@ def _encode_kernel(
 
     # the record: six scales (little-endian), then the nibbles (value 2j low, 2j + 1 high)
     rec_base = tl.load(rec_dst_ptr + row) if HAS_REC_DST else row * REC
-    si = tl.arange(0, 8)
+    si = tl.arange(0, F.SCALE_LANES)
     sc = tl.where(si == 0, mg0, tl.where(si == 1, mg1, tl.where(si == 2, ig0, tl.where(si == 3, ig1,
          tl.where(si == 4, og0, og1)))))  # fmt: skip
+    smask = (si[:, None] < F.SCALES) & ok
     if FP16:
         bits = sc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
         bi = tl.arange(0, 2)
         sbytes = (bits[:, None] >> (8 * bi[None, :])) & 255
-        tl.store(rec_ptr + rec_base + 2 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=(si[:, None] < 6) & ok)
+        tl.store(rec_ptr + rec_base + 2 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=smask)
     else:
         bits = sc.to(tl.int32, bitcast=True)
         bi = tl.arange(0, 4)
         sbytes = (bits[:, None] >> (8 * bi[None, :])) & 255
-        tl.store(rec_ptr + rec_base + 4 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=(si[:, None] < 6) & ok)
-    lo_nib, hi_nib = tl.split(tl.reshape(code & 15, [BLOCK // 2, 2]))
+        tl.store(rec_ptr + rec_base + 4 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=smask)
+    lo_nib, hi_nib = tl.split(tl.reshape(code & F.SLOT_MASK, [BLOCK // 2, 2]))
     j = tl.arange(0, BLOCK // 2)
-    tl.store(rec_ptr + rec_base + SB + j, (lo_nib | (hi_nib << 4)).to(tl.uint8), mask=(j < (D + 1) // 2) & ok)
+    tl.store(rec_ptr + rec_base + SB + j, (lo_nib | (hi_nib << F.SLOT_BITS)).to(tl.uint8), mask=(j < (D + 1) // 2) & ok)
 
     # the COO stream, chunk-parallel (module docstring)
-    grp_bit = tl.where(outer, 0x40, 0)
-    ent1 = (pos & 63) | grp_bit | (((code >> 4) & 1) << 7)
-    ent = tl.reshape(ent1, [NCH_P, 64])
-    isout = tl.reshape((outer | inner).to(tl.int32), [NCH_P, 64])
-    idx = tl.arange(0, 64)[None, :]
+    grp_bit = tl.where(outer, F.GROUP_BIT, 0)
+    ent1 = (pos & F.INDEX_MASK) | grp_bit | (((code >> F.SLOT_BITS) & 1) << F.CODE_BIT4_SHIFT)
+    ent = tl.reshape(ent1, [NCH_P, F.CHUNK])
+    isout = tl.reshape((outer | inner).to(tl.int32), [NCH_P, F.CHUNK])
+    idx = tl.arange(0, F.CHUNK)[None, :]
     cnt = tl.sum(isout, axis=1)
-    fi = tl.min(tl.where(isout > 0, idx, 64), axis=1)
+    fi = tl.min(tl.where(isout > 0, idx, F.CHUNK), axis=1)
     li = tl.max(tl.where(isout > 0, idx, -1), axis=1)
     fe = tl.sum(tl.where((isout > 0) & (idx == fi[:, None]), ent, 0), axis=1)
     le = tl.sum(tl.where((isout > 0) & (idx == li[:, None]), ent, 0), axis=1)
@@ -226,12 +228,12 @@ def _encode_kernel(
     prv = tl.max(tl.where(chv[None, :] < chv[:, None], last[None, :], -1), axis=1)
     has_prev = prv >= 0
     c = tl.where(has_prev, prv >> 14, 0)
-    p = tl.where(has_prev, (prv >> 8) & 63, -1)
+    p = tl.where(has_prev, (prv >> 8) & F.INDEX_MASK, -1)
     prev = tl.where(has_prev, prv & 255, 0)
     natural = (fe != prev) & (((chv == c) & (fi > p)) | ((chv == c + 1) & (fi <= p)))
     esc = (cnt > 0) & (~natural)
     adv = chv - c
-    nff = adv // 255
+    nff = adv // F.ADV_CONTINUE
     esc_len = tl.where(esc, 2 + nff, 0)
     size = cnt + esc_len
     start = tl.cumsum(size, axis=0) - size
@@ -240,7 +242,8 @@ def _encode_kernel(
     off = start[:, None] + esc_len[:, None] + tl.cumsum(isout, axis=1) - 1
     tl.store(sp_ptr + sp_base + off, ent.to(tl.uint8), mask=(isout > 0) & ok)
     e = tl.arange(0, NE)[None, :]
-    ebytes = tl.where(e == 0, prev[:, None], tl.where(e <= nff[:, None], 255, (adv - 255 * nff)[:, None]))
+    last_adv = adv - F.ADV_CONTINUE * nff  # the advance's closing byte (< ADVANCE_CONTINUE)
+    ebytes = tl.where(e == 0, prev[:, None], tl.where(e <= nff[:, None], F.ADV_CONTINUE, last_adv[:, None]))
     emask = esc[:, None] & (e <= nff[:, None] + 1) & ok
     tl.store(sp_ptr + sp_base + start[:, None] + e, ebytes.to(tl.uint8), mask=emask)
     status = tl.where(bad, -ERR_NONFINITE, tl.where(overflow, -ERR_SCALE_OVERFLOW, total))
@@ -318,7 +321,7 @@ def encode_records(
             counts, d, rec, cap,
             NCH_P=_pow2(nch), INNER_BITS=config.inner_bits, OUTER_BITS=config.outer_bits, FP16=fp16,
             SB=F.scale_bytes(config), HAS_REC_DST=record_offsets is not None,
-            HAS_SP_DST=sparse_offsets is not None, KP=_pow2(2 ** max(4, config.outer_bits) + 1),
+            HAS_SP_DST=sparse_offsets is not None, KP=_pow2(2 ** max(F.MIDDLE_BITS, config.outer_bits) + 1),
             NE=_pow2(2 + (nch - 1) // F.ADVANCE_CONTINUE), FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX,
             ERR_NONFINITE=F.ERR_NONFINITE, ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW,
             num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False,
@@ -339,7 +342,7 @@ def encode_batch(x: torch.Tensor, thr: F.ThresholdsLike, config: F.OakenConfig |
     """Quantize and pack rows on ``x``'s device: the bytes of ``codec.pack(quant.quantize(x))``.
 
     The kernel writes records and per-row streams (:func:`encode_records`); this gathers them into an
-    :class:`~oakenkv.codec.EncodedBatch` on the same device (scales as their dtype, streams concatenated).
+    :class:`~oakenkv.format.EncodedBatch` on the same device (scales as their dtype, streams concatenated).
     """
     config = config or F.OakenConfig()
     records, sparse, counts = encode_records(x, thr, config)
