@@ -294,9 +294,10 @@ def build_pool(run: Run, hq: int, kv: int, hd: int, page_size: int, batch: int, 
     tencode.copy_spans(sps.view(-1), flat_row * cap, sparse_pool, addr, lens)
     run.sync()
     view = DeviceLayerView(
-        dense_pool=dense_pool, sparse_pool=sparse_pool, dense_pages=dense_pages,
-        sparse_addr=addr.view(batch, 2, ctx), sparse_len=lens.view(batch, 2, ctx), thr=thr,
-        page_size=page_size, rec_size=rec, num_tokens=ctx, num_kv_heads=kv, head_dim=hd, config=cfg,
+        dense_pool=dense_pool, sparse_pool=sparse_pool, page_size=page_size, record_size=rec,
+        scale_bytes=F.scale_bytes(cfg), dense_pages=dense_pages, sparse_addr=addr.view(batch, 2, ctx),
+        sparse_lengths=lens.view(batch, 2, ctx), thresholds=thr, inner_bits=cfg.inner_bits,
+        outer_bits=cfg.outer_bits, num_kv_heads=kv, head_dim=hd,
     )  # fmt: skip
     info = {"dense_bytes": int(dense_pool.numel()), "sparse_bytes": int(sparse_pool.numel()), "rows": r, "rpp": rpp}
     return view, info
@@ -311,8 +312,7 @@ def slice_view(view, batch: int, ctx: int):
         view,
         dense_pages=view.dense_pages[:batch, :, : -(-ctx // rpp)],
         sparse_addr=view.sparse_addr[:batch, :, :ctx],
-        sparse_len=view.sparse_len[:batch, :, :ctx],
-        num_tokens=ctx,
+        sparse_lengths=view.sparse_lengths[:batch, :, :ctx],
     )
 
 
@@ -511,7 +511,7 @@ def stage_attention(run: Run, layers: dict, batches: list[int], contexts: list[i
                     continue
                 v = slice_view(pool, b, t_n)
                 q = torch.randn(b, hq, hd, device=run.dev)
-                packed = int(b * 2 * t_n * v.rec_size + v.sparse_len.sum().item())
+                packed = int(b * 2 * t_n * v.record_size + v.sparse_lengths.sum().item())
                 fp16_bytes = 2 * b * kv * t_n * hd * 2
                 splits = tattn.num_splits_for(b, kv, t_n)
                 try:
@@ -568,7 +568,7 @@ def stage_tuning(run: Run, layers: dict) -> None:
     pool, _ = build_pool(run, hq, kv, hd, ps, b, t_n)
     q = torch.randn(b, hq, hd, device=run.dev)
     base = tattn.num_splits_for(b, kv, t_n)
-    packed = int(b * 2 * t_n * pool.rec_size + pool.sparse_len.sum().item())
+    packed = int(b * 2 * t_n * pool.record_size + pool.sparse_lengths.sum().item())
     out = []
     # (tokens per tile, warps): the default first, then the variants triton_sm90_check.py compiles without spills
     configs = [(tattn.TILE_TOKENS, tattn.NUM_WARPS), (8, 4), (16, 4)] if run.cuda else [(8, 4)]

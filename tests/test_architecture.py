@@ -171,13 +171,21 @@ FORMAT_FACTS = (
 
 
 def _definitions(path: Path) -> set[str]:
+    """Names a module defines anywhere in its file. A class's annotated fields (``record_size: int`` in a
+    dataclass or NamedTuple) are attributes, as ``self.record_size = ...`` is, not definitions: a view that
+    carries a record's size under the format's name does not define the format's ``record_size``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    fields = {
+        id(stmt) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is None
+    }  # fmt: skip
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and id(node) not in fields:
             names.add(node.target.id)
     return names
 

@@ -291,8 +291,9 @@ def test_decode_fp16_output_rounds_the_float32_result_once():
 def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="auto"):
     """A PagedKVStore holding ``t`` tokens of layer 1 for ``b`` rows (tests/test_attention.py's shapes: 3 KV
     heads x 64, 9 query heads), appended in chunks so that tokens spread over many pages."""
-    from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
+    from oakenkv.cache import PackedKV
     from oakenkv.pages import PoolConfig
+    from oakenkv.store import KEY, VALUE, PagedKVStore
     from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 
     config = config or OakenConfig()
@@ -434,3 +435,59 @@ def test_read_view_is_the_store_read_on_the_device():
         gone = (view.dense_pages[:, kind].cpu() == -1).sum(dim=1)  # released dense pages per row
         assert int(gone.min()) > 0
         assert torch.count_nonzero(got[:, :, : int(gone.min()) * view.records_per_page]) == 0
+
+
+# ----------------------------------------------------------------------------------------------- the view
+
+
+def test_sparse_addresses_from_the_layer_view_are_where_the_pool_keeps_each_record():
+    """The per-token sparse addresses derived from the store's LayerView point at each token's own COO bytes, as
+    the pool's reader finds them: across page boundaries, rows that share pages after a fork, both kinds, and
+    pages a sliding window released (address EVICTED, and only there)."""
+    from oakenkv.kernels.triton.view import EVICTED, sparse_addresses
+
+    store, _ = _attention_store(2, 60, seed=10, page_size=256, chunk=7)
+    store.reorder([0, 0, 1])  # rows 0 and 1 share every page so far
+    g = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        store.append(1, torch.randn(3, 3, 9, 64, generator=g) * 3, torch.randn(3, 3, 9, 64, generator=g))
+    store.evict_before(1, 40)
+    lv = store.layer_view(1)
+    addr = sparse_addresses(lv)
+    t_n = 87
+    assert addr.shape == lv.sparse_lengths.shape == (3, 2, t_n) and addr.dtype == np.int64
+    flat = store.pool.data.reshape(-1)
+    for b, seq in enumerate(store.seqs):
+        for kind in (0, 1):
+            stream = 2 + kind
+            table = store.pool.table(seq, stream)
+            start = table.evicted_before
+            assert start == 40
+            sparse, offs = store.pool.read_sparse(seq, stream, start)
+            lens = lv.sparse_lengths[b, kind]
+            for t in range(start, t_n):
+                a = int(addr[b, kind, t])
+                assert a >= 0 and a + int(lens[t]) <= flat.size
+                assert np.array_equal(flat[a : a + int(lens[t])], sparse[offs[t - start] : offs[t - start + 1]])
+            released = np.flatnonzero(addr[b, kind] == EVICTED)
+            assert released.size > 0 and released.max() < start  # only tokens below the window lose their address
+    assert np.array_equal(addr[0, :, :60], addr[1, :, :60])  # the fork shares the pages of the first 60 tokens
+
+
+def test_the_device_view_is_the_store_layer_view_on_the_device():
+    from oakenkv.kernels.triton.view import from_layer_view, view_from_store
+
+    store, _ = _attention_store(2, 30, seed=12, page_size=512)
+    lv = store.layer_view(1)
+    view = view_from_store(store, 1, DEV)
+    assert (view.batch_size, view.num_tokens, view.num_kv_heads, view.head_dim) == (2, 30, 3, 64)
+    assert (view.page_size, view.record_size, view.scale_bytes) == (lv.page_size, lv.record_size, lv.scale_bytes)
+    assert (view.inner_bits, view.outer_bits) == (lv.inner_bits, lv.outer_bits)
+    assert np.array_equal(view.dense_pages.cpu().numpy(), lv.dense_pages)
+    assert np.array_equal(view.sparse_lengths.cpu().numpy(), lv.sparse_lengths)
+    assert np.array_equal(view.thresholds.cpu().numpy(), lv.thresholds)
+    assert view.dense_pool.device.type == torch.device(DEV).type
+    with pytest.raises(ValueError, match="do not hold 3 heads x 32 values"):
+        from_layer_view(lv, 32, DEV)
+    with pytest.raises(ValueError, match="fp16 or fp32 scales"):
+        from_layer_view(lv._replace(scale_bytes=lv.scale_bytes + 1, record_size=lv.record_size + 1), 64, DEV)

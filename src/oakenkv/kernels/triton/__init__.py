@@ -3,10 +3,12 @@
 - ``encode``: float rows -> page records + COO bytes (bit-exact with ``quant.quantize`` + ``codec.pack``).
 - ``decode``: page records (or pages) -> float rows (bit-exact with ``quant.dequantize`` + ``codec.unpack``).
 - ``attention``: paged decode attention (flash-decoding) over a layer's dense and sparse pages.
-- ``view``: the per-layer kernel view (page ids, per-token sparse addresses and lengths) built from a store.
+- ``view``: a store's per-layer ``format.LayerView`` on a device, with the per-token sparse addresses the
+  kernels read (``DeviceLayerView``).
 
-Only ``_format`` imports oakenkv internals. Nothing is imported here, so that ``import oakenkv.kernels.triton``
-does not import triton; :func:`available` says whether it can be.
+Only ``_format`` imports oakenkv (the format, ``quant``, ``config``, ``pages.EVICTED``: nothing above them).
+Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton; :func:`available` says
+whether it can be.
 """
 
 from __future__ import annotations

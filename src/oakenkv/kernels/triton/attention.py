@@ -6,7 +6,7 @@ Grid: ``(B * H, splits)``. Program ``(b, h, s)`` takes the ``G = Hq / H`` query 
 
 1. dense: the tile's records (``dense_pages[t // rpp] * page_size + (t % rpp) * rec``): six scales, and the
    nibbles of head ``h`` (``hd`` values from value ``h * hd``), every value dequantized as a middle code;
-2. sparse: each token's COO stream (at ``sparse_addr[t]``, ``sparse_len[t]`` bytes) is read a block of bytes
+2. sparse: each token's COO stream (at ``sparse_addr[t]``, ``sparse_lengths[t]`` bytes) is read a block of bytes
    at a time for all tokens of the tile at once (:mod:`oakenkv.kernels.triton.coo`: roles by a state-map scan,
    chunks by a prefix sum); the entries that fall in head ``h`` mark their slot in a small per-program scratch
    tile (``[BT, hd]`` bytes in global memory, written and read between CTA barriers: a scatter has no
@@ -34,7 +34,7 @@ import triton.language as tl
 from oakenkv.kernels.triton import _format as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
 from oakenkv.kernels.triton.decode import load_scales, middle_values, outlier_values
-from oakenkv.kernels.triton.view import DeviceLayerView
+from oakenkv.kernels.triton.view import DeviceLayerView, view_from_store
 
 #: Tokens per tile (default; ``tile_tokens``).
 TILE_TOKENS = 16
@@ -239,11 +239,12 @@ def paged_decode_attention(
 
     Args:
         q: ``[B, Hq, hd]`` float query (post-RoPE), on the view's device; ``Hq`` a multiple of the KV heads.
-        view: the layer's :class:`~oakenkv.kernels.triton.view.DeviceLayerView` (fp16 or fp32 scales).
+        view: the layer's :class:`~oakenkv.kernels.triton.view.DeviceLayerView` (fp16 or fp32 scales), e.g.
+            ``view.view_from_store(store, layer, device)``.
         keep: uint8/bool ``[B, T]`` (1 = attend: padding and sliding-window masks), or None (attend to all).
         scaling: the softmax scale; softcap: logit soft cap (Gemma 2 style) or None.
         num_splits: token ranges per (sequence, KV head); default :func:`num_splits_for`.
-        check: raise :class:`~oakenkv.codec.CorruptDataError` on a kernel error code (a device sync).
+        check: raise :class:`~oakenkv.format.CorruptDataError` on a kernel error code (a device sync).
         exact_dequant: compile without FMA contraction, so that the keys and values are the reference's floats;
             False lets the compiler fuse ``lo + code * step`` and the dot products (each dequantized value then
             within one rounding of the reference's; whether it is faster is for ``benchmarks/gpu_check.sh``).
@@ -274,25 +275,28 @@ def paged_decode_attention(
     split_tokens = -(-split_tokens // tile_tokens) * tile_tokens
     splits = -(-max(t_n, 1) // split_tokens)
     hd_p = _pow2(hd)
-    cfg = view.config
     pm = torch.empty((b, hq, splits), dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
     pacc = torch.empty((b, hq, splits, hd_p), dtype=torch.float32, device=dev)
     status = torch.zeros(b * h * splits, dtype=torch.int32, device=dev)
     scratch = torch.empty(b * h * splits * tile_tokens * hd_p, dtype=torch.uint8, device=dev)
-    pages, addr, lens = view.dense_pages, view.sparse_addr, view.sparse_len
+    pages, addr, lens = view.dense_pages, view.sparse_addr, view.sparse_lengths
     if addr.stride() != lens.stride() or addr.stride(2) != 1 or pages.stride(2) != 1:
-        raise ValueError("sparse_addr and sparse_len must share strides, with unit stride over tokens (as dense_pages)")
+        raise ValueError(
+            "sparse_addr and sparse_lengths must share strides, with unit stride over tokens (as dense_pages)"
+        )
+    F.fp16_scales(view.scale_bytes)  # fp16 or fp32 scales, nothing else
     if t_n:
         group = hq // h
         _attn_kernel[(b * h, splits)](
             q, q.stride(0), q.stride(1), view.dense_pool, view.sparse_pool,
             pages, pages.stride(0), pages.stride(1), addr, lens, addr.stride(0), addr.stride(1),
-            keep, keep.stride(0), view.thr.to(torch.float32).contiguous(), scratch, pm, pl, pacc, status,
-            t_n, h, hq, hd, view.dim, view.page_size, view.rec_size, view.records_per_page, float(scaling),
+            keep, keep.stride(0), view.thresholds.to(torch.float32).contiguous(), scratch, pm, pl, pacc, status,
+            t_n, h, hq, hd, view.dim, view.page_size, view.record_size, view.records_per_page, float(scaling),
             float(softcap or 1.0), split_tokens, splits,
-            G=group, G_P=_pow2(group), HD_P=hd_p, BT=tile_tokens, SB=F.scale_bytes(cfg),
-            INNER_BITS=cfg.inner_bits, OUTER_BITS=cfg.outer_bits, SBLK=1 << SPARSE_BLOCK_LOG, SBLK_LOG=SPARSE_BLOCK_LOG,
+            G=group, G_P=_pow2(group), HD_P=hd_p, BT=tile_tokens, SB=view.scale_bytes,
+            INNER_BITS=view.inner_bits, OUTER_BITS=view.outer_bits, SBLK=1 << SPARSE_BLOCK_LOG,
+            SBLK_LOG=SPARSE_BLOCK_LOG,
             SOFTCAP=bool(softcap), E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
             num_warps=num_warps, enable_fp_fusion=not exact_dequant,
@@ -330,17 +334,17 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     """``oakenkv.attention.packed_decode_attention`` on the query's device: ``PackedKV`` handles of one layer,
     query ``[B, Hq, 1, hd]``, mask ``[B, 1, 1, T]`` -> ``[B, 1, Hq, hd]`` in the query's dtype.
 
-    The layer's view is built from the store's host tables on every call (:func:`view_from_store`); a device
-    store keeps it instead (``docs/gpu.md``)."""
-    from oakenkv.kernels.triton.view import view_from_store
-
+    The layer's view is the store's ``layer_view`` moved to the device on every call (:func:`view_from_store`:
+    sparse addresses derived on the host); a device store keeps it there instead (``docs/gpu.md``)."""
     store = key.store
-    if key.kind == value.kind or value.store is not store or value.layer != key.layer:
+    if (key.kind, value.kind) != (0, 1) or value.store is not store or value.layer != key.layer:  # LayerView's kinds
         raise ValueError("packed_decode_attention needs the key and value handles of one layer")
     b, s = query.shape[0], query.shape[2]
     if s != 1:
         raise ValueError(f"packed decode attention takes one query token per row, got {s}")
     view = view_from_store(store, key.layer, query.device)
+    if view.num_tokens != key.num_tokens:
+        raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {key.num_tokens}")
     keep = keep_from_mask(attention_mask, b, view.num_tokens, query.device)
     out = paged_decode_attention(query[:, :, 0, :], view, keep, scaling, softcap)
     return out[:, None].to(query.dtype)

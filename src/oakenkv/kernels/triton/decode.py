@@ -151,7 +151,9 @@ def decode_rows(
     sp_len: torch.Tensor,
     thr: torch.Tensor,
     dim: int,
-    config: F.OakenConfig,
+    scale_bytes: int,
+    inner_bits: int,
+    outer_bits: int,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     check: bool = True,
@@ -162,7 +164,9 @@ def decode_rows(
         records, sparse: flat uint8 tensors (page pools, or an encoded batch's records and streams).
         rec_addr, sp_addr: int64 ``[N]`` byte offsets of each row's record and stream; sp_len: int ``[N]``.
         thr: float32 ``[4]`` (all rows) or ``[N, 4]`` (per row) thresholds.
-        check: raise :class:`~oakenkv.codec.CorruptDataError` for the first row with an error (a device sync).
+        dim: values per row; scale_bytes: bytes of a record's scales (``format.scale_bytes``: fp16 or fp32);
+            inner_bits, outer_bits: bits of the inner and outer codes (``OakenConfig``'s).
+        check: raise :class:`~oakenkv.format.CorruptDataError` for the first row with an error (a device sync).
 
     Returns:
         ``(out, status)``: status int32 ``[N]``, 0 or an ``ERR_*`` code per row.
@@ -173,6 +177,7 @@ def decode_rows(
         out = torch.empty((n, dim), dtype=out_dtype, device=dev)
     if out.dtype not in (torch.float32, torch.float16) or tuple(out.shape) != (n, dim) or out.stride(1) != 1:
         raise ValueError(f"out must be float32 or float16 [{n}, {dim}] with unit column stride")
+    F.fp16_scales(scale_bytes)  # fp16 or fp32 scales, nothing else
     stride_thr = 4 if thr.dim() == 2 else 0
     status = torch.empty(n, dtype=torch.int32, device=dev)
     block_d = _pow2(dim)
@@ -181,8 +186,8 @@ def decode_rows(
         _decode_kernel[(triton.cdiv(n, bt),)](
             records, rec_addr, sparse, sp_addr, sp_len, thr.to(torch.float32).contiguous(), stride_thr,
             out, out.stride(0), status, n, dim,
-            BT=bt, BLOCK_D=block_d, SB=F.scale_bytes(config), INNER_BITS=config.inner_bits,
-            OUTER_BITS=config.outer_bits, SBLK=SPARSE_BLOCK, SBLK_LOG=SPARSE_BLOCK_LOG,
+            BT=bt, BLOCK_D=block_d, SB=scale_bytes, INNER_BITS=inner_bits, OUTER_BITS=outer_bits,
+            SBLK=SPARSE_BLOCK, SBLK_LOG=SPARSE_BLOCK_LOG,
             OUT_F16=out.dtype == torch.float16,
             E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_SCALE=F.ERR_SCALE_NONFINITE,
@@ -225,7 +230,7 @@ def decode_batch(
     thr_t = torch.tensor(F.thresholds_tuple(thr), dtype=torch.float32, device=dev)
     out, _ = decode_rows(
         records.reshape(-1), rec_addr, sparse, off[:-1].contiguous(), (off[1:] - off[:-1]).to(torch.int32),
-        thr_t, d, config, out_dtype=out_dtype,
+        thr_t, d, sb, config.inner_bits, config.outer_bits, out_dtype=out_dtype,
     )  # fmt: skip
     return out
 
@@ -242,12 +247,13 @@ def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.
     t_idx = torch.arange(t_n, device=dev)
     pages = view.dense_pages[:, kind, :].to(torch.int64)[:, t_idx // rpp]  # [B, T]
     live = pages >= 0
-    rec_addr = torch.where(live, pages * view.page_size + (t_idx % rpp) * view.rec_size, 0).flatten()
+    rec_addr = torch.where(live, pages * view.page_size + (t_idx % rpp) * view.record_size, 0).flatten()
     sp_addr = view.sparse_addr[:, kind, :t_n]
-    sp_len = torch.where(live & (sp_addr >= 0), view.sparse_len[:, kind, :t_n], 0)
+    sp_len = torch.where(live & (sp_addr >= 0), view.sparse_lengths[:, kind, :t_n], 0)
     out, _ = decode_rows(
         view.dense_pool, rec_addr.contiguous(), view.sparse_pool, sp_addr.clamp(min=0).flatten().contiguous(),
-        sp_len.flatten().contiguous(), view.thr[kind], view.dim, view.config, out_dtype=out_dtype,
+        sp_len.flatten().contiguous(), view.thresholds[kind], view.dim, view.scale_bytes, view.inner_bits,
+        view.outer_bits, out_dtype=out_dtype,
     )  # fmt: skip
     out = out.view(b, t_n, view.num_kv_heads, view.head_dim)
     out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=dev))
