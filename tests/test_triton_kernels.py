@@ -288,7 +288,7 @@ def test_decode_fp16_output_rounds_the_float32_result_once():
 # -------------------------------------------------------------------------------------------------- attention
 
 
-def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="auto"):
+def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="auto", transforms=None):
     """A PagedKVStore holding ``t`` tokens of layer 1 for ``b`` rows (tests/test_attention.py's shapes: 3 KV
     heads x 64, 9 query heads), appended in chunks so that tokens spread over many pages."""
     from oakenkv.cache import PackedKV
@@ -300,7 +300,7 @@ def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="a
     fp = ModelFingerprint("llama", 2, 3, 64)
     keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(2))
     values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(2))
-    thr = Thresholds(config, fp, keys, values)
+    thr = Thresholds(config, fp, keys, values, transforms=transforms)
     store = PagedKVStore(thr, 2, 3, 64, PoolConfig(page_size=page_size), codec=codec)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(b, 3, t, 64, generator=g)
@@ -364,6 +364,24 @@ def test_attention_softcap_additive_mask_and_fp32_scales_four_bit_groups():
     want = reference_packed_attention(q, kh, vh, additive, 0.125, softcap=5.0)
     assert got.shape == (1, 1, 9, 64)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_attention_rotates_the_queries_under_an_oaken_plus_key_rotation():
+    """An oaken-plus profile stores layer 1's keys shifted and rotated per head (oakenkv.transforms): the Triton
+    path rotates the queries as the CPU kernel does, and both agree with float attention over the restored keys."""
+    from oakenkv.attention import packed_decode_attention as cpu_attention
+    from oakenkv.attention import reference_packed_attention
+    from oakenkv.kernels.triton.attention import packed_decode_attention
+    from oakenkv.transforms import LayerTransforms, Transforms
+
+    shift = tuple(float(v) for v in np.random.default_rng(13).standard_normal(3 * 64) * 0.3)
+    plus = Transforms((LayerTransforms(), LayerTransforms(key_shift=shift, key_rotation=True)), 3, 64)
+    _, (kh, vh) = _attention_store(2, 40, seed=13, transforms=plus)
+    q = torch.randn(2, 9, 1, 64, generator=torch.Generator().manual_seed(14))
+    mask = _keep(2, 40, [0, 6])
+    got = packed_decode_attention(q.to(DEV), kh, vh, mask.to(DEV), 0.125).cpu()
+    torch.testing.assert_close(got, cpu_attention(q, kh, vh, mask, 0.125), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, 0.125), rtol=1e-4, atol=1e-5)
 
 
 def test_attention_skips_evicted_pages_and_reports_an_unmasked_one():

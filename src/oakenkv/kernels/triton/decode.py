@@ -240,7 +240,9 @@ def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.
 
     The device counterpart of ``PagedKVStore.read`` (the same floats, bit for bit): the dequantize-tile read of
     earlier pages for a prefill chunk's attention. ``view``: a :class:`~oakenkv.kernels.triton.view.DeviceLayerView`;
-    tokens on evicted pages (a sliding window's past) read as zeros, as in ``PagedKVStore.read``.
+    tokens on evicted pages (a sliding window's past) read as zeros, as in ``PagedKVStore.read``. The keys are the
+    stored ones: under an ``oaken-plus`` key rotation ``PagedKVStore.read`` also undoes the rotation
+    (``restore_keys``), this does not.
     """
     b, t_n, rpp = view.batch_size, view.num_tokens, view.records_per_page
     dev = view.dense_pool.device
