@@ -111,8 +111,8 @@ def packed_decode_attention(
         return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
     t = key.num_tokens
     view = store.layer_view(key.layer)
-    if view.sparse_lengths.shape[2] != t:
-        raise RuntimeError(f"page tables hold {view.sparse_lengths.shape[2]} tokens, the handle says {t}")
+    if view.num_tokens != t:
+        raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {t}")
     keep = _keep_mask(attention_mask, b, t)
     if query.dtype == torch.float32 and query.is_contiguous():
         q = np.ascontiguousarray(query.detach().numpy().reshape(b, hq, hd))  # no copy when S == 1 is contiguous

@@ -46,7 +46,8 @@ _F32 = np.float32
 
 @njit(cache=True, nogil=True)
 def _sparse_start(first, lens, t0):
-    """Walker state ``(page index, byte offset)`` of a stream's sparse records at token ``t0``."""
+    """Walker state ``(page index, byte offset)`` of a stream's sparse records at token ``t0``; ``first``: the
+    first tokens of the stream's sparse pages (its live part)."""
     sp = -1
     for i in range(first.shape[0]):
         if first[i] <= t0:
@@ -194,9 +195,9 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     pool, page_size, rec, sb = view.pool, view.page_size, view.record_size, view.scale_bytes
     thr, ib, ob, num_kv_heads = view.thresholds, view.inner_bits, view.outer_bits, view.num_kv_heads
     dense_pages, sparse_lengths = view.dense_pages, view.sparse_lengths
-    sparse_pages, sparse_first, sparse_starts = view.sparse_pages, view.sparse_first, view.sparse_starts
+    sparse_pages, sparse_first, sparse_counts = view.sparse_pages, view.sparse_first, view.sparse_counts
     hq_n, hd = q.shape[1], q.shape[2]
-    t_n = sparse_lengths.shape[2]
+    t_n = view.num_tokens
     d = num_kv_heads * hd
     group = hq_n // num_kv_heads
     rpp = page_size // rec
@@ -212,10 +213,9 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     m = np.full(hq_n, -np.inf, dtype=np.float32)
     ell = np.zeros(hq_n, dtype=np.float32)
     acc = np.zeros((hq_n, hd), dtype=np.float32)
-    kp0, kp1 = sparse_starts[2 * b], sparse_starts[2 * b + 1]
-    vp0, vp1 = sparse_starts[2 * b + 1], sparse_starts[2 * b + 2]
-    k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
-    v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
+    kn, vn = sparse_counts[b, 0], sparse_counts[b, 1]
+    k_pages, k_first = sparse_pages[b, 0, :kn], sparse_first[b, 0, :kn]
+    v_pages, v_first = sparse_pages[b, 1, :vn], sparse_first[b, 1, :vn]
     k_len, v_len = sparse_lengths[b, 0], sparse_lengths[b, 1]
     k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
     ksp, koff = _sparse_start(k_first, k_len, t0)
@@ -356,7 +356,7 @@ def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, 
 
     Args:
         q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``view.num_kv_heads`` (GQA).
-        keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
+        keep: uint8 ``[B, >= T]``: 1 where the query may attend to the token (mask), 0 to skip it.
         scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
         num_splits: token ranges per row processed in parallel.
         out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
