@@ -131,6 +131,31 @@ def packed_decode_attention(
     return result if query.dtype == torch.float32 else result.to(query.dtype)
 
 
+def load_kernels() -> float:
+    """Load every decode-step kernel (the single-token append and both attention kernels) from numba's on-disk
+    cache now, by running them on a tiny store, so that the first decode step of a generation does not pay it;
+    returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call loads
+    the code a model's will run.)"""
+    import time
+
+    from oakenkv.config import OakenConfig
+    from oakenkv.store import PagedKVStore
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    t0 = time.perf_counter()
+    thr = GroupThresholds(-2.0, -0.1, 0.1, 2.0)
+    store = PagedKVStore(Thresholds(OakenConfig(), ModelFingerprint("warm-up", 1, 1, 4), (thr,), (thr,)), 1, 1, 4)
+    x = torch.linspace(-3.0, 3.0, 4).reshape(1, 1, 1, 4)
+    store.append(0, x, x)
+    store.append_token(0, x, x)
+    q = np.ones((1, 1, 4), np.float32)
+    keep = np.ones((1, 2), np.uint8)
+    for kernel in (attention_cpu.packed_decode_attention, attention_cpu.packed_decode_attention_serial):
+        out = np.empty((1, 1, 4), np.float32)
+        kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), *store.layer_view(0))
+    return time.perf_counter() - t0
+
+
 def reference_packed_attention(
     query: torch.Tensor,
     key: PackedKV,
