@@ -118,6 +118,7 @@ def packed_decode_attention(
         q = np.ascontiguousarray(query.detach().numpy().reshape(b, hq, hd))  # no copy when S == 1 is contiguous
     else:
         q = query[:, :, 0, :].detach().to(torch.float32).contiguous().numpy()
+    q = store.rotate_queries(key.layer, q)  # oaken-plus: the keys in the pages are rotated per head
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
     parallel = b * t >= PARALLEL_MIN_TOKENS
     kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial

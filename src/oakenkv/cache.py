@@ -155,6 +155,7 @@ class OakenLayer(CacheLayerMixin):
                     .to(key_states.dtype)
                     for enc, name in zip((enc_k, enc_v), KINDS, strict=True)
                 )
+            result = (store.restore_keys(self.layer_idx, result[0]), result[1])
         else:
             result = (
                 store.read(self.layer_idx, KEY, key_states.dtype),
@@ -193,6 +194,23 @@ class OakenLayer(CacheLayerMixin):
         pass
 
 
+def _check_transforms(thresholds: Thresholds, config: Any) -> None:
+    """Refuse a profile whose offline transforms the model does not carry, and the other way round: either would
+    quantize vectors the thresholds were not profiled for (silently wrong numbers)."""
+    from oakenkv.transforms import FOLD_MARK
+
+    folded = getattr(config, FOLD_MARK, None)
+    t = thresholds.transforms
+    if t is None and folded is not None:
+        raise ValueError("this model carries oaken-plus transforms; use the oaken-plus profile they came from")
+    if t is not None and folded != t.digest():
+        raise ValueError(
+            "this profile has oaken-plus transforms the model does not carry"
+            + (" (it carries other ones)" if folded else "")
+            + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
+        )
+
+
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
 
@@ -206,14 +224,26 @@ class OakenCache(Cache):
         evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
             them (the sliding mask still hides them).
 
+    A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.plus``) is only valid on a model
+    that carries them: build the cache with :meth:`from_profile`, which folds them in first.
+
     Example::
 
         from oakenkv.attention import enable_oaken_attention
         enable_oaken_attention(model)           # optional: decode reads the packed pages directly
-        cache = OakenCache(thresholds, model.config)
+        cache = OakenCache.from_profile(model, Thresholds.load("profile.json"))
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         print(cache.kv_bytes())
     """
+
+    @classmethod
+    def from_profile(cls, model: Any, thresholds: Thresholds, **kwargs: Any) -> OakenCache:
+        """A cache for ``model`` with ``thresholds``, after folding the profile's transforms into ``model`` (in
+        place, once: ``oakenkv.plus.apply_profile``). Keyword arguments as for the constructor."""
+        from oakenkv.plus import apply_profile
+
+        apply_profile(model, thresholds)
+        return cls(thresholds, model.config, **kwargs)
 
     def __init__(
         self,
@@ -227,6 +257,7 @@ class OakenCache(Cache):
     ) -> None:
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
+        _check_transforms(thresholds, config)
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.store = PagedKVStore(

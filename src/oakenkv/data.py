@@ -27,12 +27,11 @@ import importlib.util
 import json
 import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oakenkv.paths import cache_root, file_sha256
+from oakenkv.paths import atomic_write, cache_root, file_sha256
 from oakenkv.paths import package_dir as _package_dir  # a module global, so that tests can stub it
 
 if TYPE_CHECKING:
@@ -195,14 +194,7 @@ def _wikipedia_text(dump: Path) -> str:
     if not pages:
         raise DataNotFoundError(f"{dump} holds no article text; it is not a MediaWiki XML dump.")
     text = "\n\n".join(pages) + "\n"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".wikipedia-", suffix=".txt")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, cache)  # atomic: concurrent readers see no half-written cache
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    atomic_write(cache, text)  # concurrent readers see no half-written cache
     return text
 
 

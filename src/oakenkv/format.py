@@ -55,8 +55,14 @@ start.
 
 Decoding untrusted bytes validates everything it reads and raises :class:`CorruptDataError`: an escape must be
 followed by its advance and an entry, an advance of 0 is only legal before the first entry, every position must
-be ``< D`` (so positions strictly increase), a fifth code bit is only legal for a 5-bit group, and offsets,
-shapes and scales must be consistent and finite. Dense nibbles carry no redundancy; there is no checksum.
+be ``< D`` (so positions strictly increase), a fifth code bit is only legal for a 5-bit group, the padding
+nibble of an odd ``D`` must be 0, offsets and shapes must be consistent, and the scales must be finite and
+decode to finite values: for each group the values of its lowest and highest code, threshold shift included,
+computed in the decoder's float32 arithmetic (every other code's value lies between them). The encoder refuses
+any row that would break the last rule, so it never writes a row the decoder refuses. Dense nibbles carry no
+redundancy and there is no checksum: a bit flip that keeps the stream valid decodes to other numbers, and
+``D`` is not stored (a row read with a width one less than written is only caught by a non-zero padding
+nibble or an entry beyond the end). docs/robustness.md says what is and is not guaranteed.
 
 In memory (:class:`EncodedBatch`) the fields of many rows are separate arrays; the header is what
 ``sparse_offsets[r + 1] - sparse_offsets[r]`` costs when stored per row.
@@ -135,8 +141,20 @@ def sparse_capacity(dim: int) -> int:
 
 def check_dim(dim: int) -> None:
     """Raise ValueError unless ``dim`` is a supported row width."""
-    if not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
         raise ValueError(f"row width D must be an int in [1, {MAX_DIM}], got {dim!r}")
+
+
+def check_dim_corrupt(dim: int) -> None:
+    """:func:`check_dim` for a width that comes with bytes to decode: raises :class:`CorruptDataError`."""
+    try:
+        check_dim(dim)
+    except ValueError as e:
+        raise CorruptDataError(str(e)) from None
+
+
+def _describe(a: object) -> str:
+    return f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "dtype") and hasattr(a, "shape") else type(a).__name__
 
 
 def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16) -> int:
@@ -176,6 +194,9 @@ ERR_FIFTH_BIT = 7
 ERR_SHAPE = 8
 ERR_EVICTED = 9
 ERR_SCALE_NONFINITE = 10
+ERR_SCALE_RANGE = 11
+ERR_PADDING = 12
+ERR_THRESHOLDS = 13
 
 ERROR_MESSAGES = {
     ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
@@ -187,7 +208,11 @@ ERROR_MESSAGES = {
     ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
     ERR_SHAPE: "row buffers have inconsistent sizes",
     ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
-    ERR_SCALE_NONFINITE: "scales contain NaN or infinite values",
+    ERR_SCALE_NONFINITE: "scales contain NaN or infinite values, or decode to values beyond the float32 range",
+    ERR_SCALE_RANGE: "a group's range, or a value restored from it, exceeds the float32 range (|x| > 3.4e38): "
+    "the KV cache cannot quantize values or thresholds this large",
+    ERR_PADDING: "the padding nibble of an odd-width row is not 0 (bytes of a row of another width?)",
+    ERR_THRESHOLDS: "thresholds must be 4 finite float32 values with to_lo < ti_lo <= ti_hi < to_hi",
 }
 
 
@@ -243,11 +268,15 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
     the scales, for a decoder that checks each row's itself. Raises :class:`CorruptDataError`.
     """
     config = config or OakenConfig()
-    if not isinstance(enc.dim, int) or not 1 <= enc.dim <= MAX_DIM:
-        raise CorruptDataError(f"row width D must be an int in [1, {MAX_DIM}], got {enc.dim!r}")
+    if not isinstance(enc, EncodedBatch):
+        raise CorruptDataError(f"expected an EncodedBatch, got {type(enc).__name__}")
+    check_dim_corrupt(enc.dim)
     for name in ("dense", "scales", "sparse", "sparse_offsets"):
-        if not isinstance(getattr(enc, name), torch.Tensor):
+        t = getattr(enc, name)
+        if not isinstance(t, torch.Tensor):
             raise CorruptDataError(f"EncodedBatch.{name} must be a torch.Tensor")
+        if t.device.type != "cpu":
+            raise CorruptDataError(f"EncodedBatch.{name} is on {t.device}; the CPU codec reads CPU tensors")
     if enc.dense.dtype != torch.uint8 or enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
         raise CorruptDataError(
             f"dense must be uint8 [N, {dense_bytes(enc.dim)}] for D = {enc.dim}, got {enc.dense.dtype} "
@@ -277,6 +306,10 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
     counts = off_np[1:] - off_np[:-1]
     if n and (bool((counts < 0).any()) or int(counts.max()) > MAX_ROW_SPARSE_BYTES):
         raise CorruptDataError(f"sparse_offsets must be non-decreasing with row counts <= {MAX_ROW_SPARSE_BYTES}")
+    if enc.dim % 2 and n:
+        pad = np.flatnonzero(enc.dense[:, -1].detach().cpu().numpy() >> 4)
+        if pad.size:
+            raise CorruptDataError(f"row {int(pad[0])}: {ERROR_MESSAGES[ERR_PADDING]}")
 
 
 # ------------------------------------------------------------------------------------------------ page records
@@ -304,7 +337,21 @@ def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def from_records(
     dense: np.ndarray, sparse: np.ndarray, offsets: np.ndarray, dim: int, config: OakenConfig
 ) -> EncodedBatch:
-    """The inverse of :func:`to_records`."""
+    """The inverse of :func:`to_records`: an :class:`EncodedBatch` of the records (decode it to validate the
+    streams). Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and
+    ``config``."""
+    check_dim_corrupt(dim)
+    size = record_size(dim, config)
+    for name, a, nd in (("dense", dense, 2), ("sparse", sparse, 1)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != nd:
+            raise CorruptDataError(f"{name} records must be a {nd}-D uint8 array, got {_describe(a)}")
+    if dense.shape[1] != size:
+        raise CorruptDataError(
+            f"dense records must be {size} bytes for D = {dim} and {config.scale_dtype} scales, got {dense.shape[1]}"
+        )
+    offsets = np.asarray(offsets)
+    if offsets.dtype.kind not in "iu" or offsets.shape != (dense.shape[0] + 1,):
+        raise CorruptDataError(f"offsets must be {dense.shape[0] + 1} integers, got {_describe(offsets)}")
     sb = scale_bytes(config)
     scales = np.ascontiguousarray(dense[:, :sb]).view(config.scale_np_dtype).reshape(-1, NUM_SCALES)
     return EncodedBatch(

@@ -12,20 +12,20 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
 def load_or_profile_thresholds(
-    loaded: Any, path: str | Path | None = None, *, samples: int = 16, window: int = 256, progress: bool = False
+    loaded: Any, path: Any = None, *, samples: int = 16, window: int = 256, progress: bool = False
 ) -> Any:
-    """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (checked against the model), or a
-    profile of ``samples`` calibration windows of ``window`` tokens, cached on disk after the first run."""
-    from oakenkv.thresholds import ModelFingerprint, Thresholds
+    """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (a file, or thresholds already loaded;
+    checked against the model's shape and weights), or a profile of ``samples`` calibration windows of ``window``
+    tokens, cached on disk after the first run."""
+    from oakenkv.thresholds import Thresholds
 
     if path is not None:
-        thr = Thresholds.load(path)
-        thr.check_fingerprint(ModelFingerprint.from_model_config(loaded.model.config, name=thr.fingerprint.name))
+        thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
+        thr.check_model(loaded.model)  # shape and weights
         return thr
     from oakenkv.config import OakenConfig
     from oakenkv.profile import CalibrationSpec, cached_thresholds
@@ -216,6 +216,8 @@ def generate_text(
         )["input_ids"]
     else:
         ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[-1] == 0:
+        raise ValueError("the prompt is empty (no tokens to continue); give some text")
     cache = OakenCache(thresholds, model.config) if thresholds is not None else DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
     with ctx:

@@ -45,7 +45,8 @@ Entry points
 - :func:`profile_thresholds` (given windows) and :func:`profile_model` (load a model and its calibration text):
   what ``oakenkv profile`` runs.
 - :func:`cached_thresholds`: a profile over the windows of a :class:`CalibrationSpec`, made once and then read
-  from the disk cache (:func:`thresholds_cache_path`); what ``oakenkv generate``/``demo`` and the evaluation use.
+  from the disk cache (:func:`thresholds_cache_path`, keyed by content: :class:`CalibrationKey`); what
+  ``oakenkv generate``/``demo`` and the evaluation use.
 - The parts, for a profiler that records K/V its own way (``oakenkv.eval.calibration.calibrate_all`` profiles
   several configs in one pass): :class:`KVRecorder` / :func:`record_kv`, :func:`run_thresholds` per run,
   :func:`candidate_ratios` and :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds`.
@@ -67,6 +68,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from oakenkv.calibspec import (
+    DEFAULT_CALIB_SAMPLES,
+    DEFAULT_CALIB_TEXT,
+    DEFAULT_CALIB_WINDOW,
+    CalibrationSpec,
+)
 from oakenkv.config import OakenConfig
 from oakenkv.paths import cache_root
 from oakenkv.rope import rotate_half
@@ -86,16 +93,18 @@ __all__ = [
     "KURTOSIS_LOW",
     "OUTER_DELTA",
     "RECOMMENDED_RUNS",
+    "CalibrationKey",
     "CalibrationSpec",
     "FewRunsWarning",
     "KVRecorder",
     "RunAccumulator",
     "cached_thresholds",
-    "calibration_stem",
+    "calibration_key",
     "calibration_windows",
     "candidate_ratios",
     "exact_quantiles",
     "kurtosis",
+    "load_cached_thresholds",
     "profile_cache_dir",
     "profile_model",
     "profile_thresholds",
@@ -465,12 +474,12 @@ def profile_thresholds(
             FewRunsWarning,
             stacklevel=2,
         )
-    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
+    fingerprint = ModelFingerprint.from_model(model, name=name)
     outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
+    with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
         for start in range(0, runs, batch_size):
             batch = windows[start : start + batch_size]
             keys, values = rec.record(batch)
@@ -517,12 +526,13 @@ def profile_thresholds(
     return Thresholds(config, fingerprint, tuple(keys_t), tuple(values_t), tuple(kst), tuple(vst), info)
 
 
-class _progress:
+class ProgressLog:
     """Context manager yielding an ``advance(n)`` callable: a rich progress bar on a terminal, a line per ~10% of
-    the runs when stderr is not a terminal (logs of long runs), or a no-op when disabled."""
+    the work when stderr is not a terminal (logs of long runs), or a no-op when disabled. ``label`` names the work
+    and ``unit`` its steps."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, label: str = "profiling", unit: str = "runs") -> None:
+        self.enabled, self.total, self.label, self.unit = enabled, total, label, unit
 
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
@@ -532,10 +542,10 @@ class _progress:
 
         console = Console(stderr=True)
         self._p = Progress(
-            TextColumn("profiling"),
+            TextColumn(self.label),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("runs"),
+            TextColumn(self.unit),
             TimeRemainingColumn(),
             console=console,
         )
@@ -546,7 +556,7 @@ class _progress:
             def log(n: int) -> None:
                 before, done[0] = done[0], done[0] + n
                 if done[0] // every > before // every or done[0] == self.total:
-                    console.print(f"profiling: {done[0]}/{self.total} runs, {time.perf_counter() - t0:.1f} s")
+                    console.print(f"{self.label}: {done[0]}/{self.total} {self.unit}, {time.perf_counter() - t0:.1f} s")
 
             return log
         self._p.start()
@@ -556,6 +566,36 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self.enabled and self._p is not None:
             self._p.stop()
+
+
+def load_calibration(
+    model: str, samples: int, window: int, data: str = "wikipedia", data_path: str | None = None
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
+    its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if data == "wikitext2":
+        warnings.warn(
+            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
+            UserWarning,
+            stacklevel=3,
+        )
+    loaded = load_model(model)
+    text = load_text(data, data_path)
+    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
+            UserWarning,
+            stacklevel=3,
+        )
+    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    return loaded, ids, meta
 
 
 def profile_model(
@@ -571,32 +611,8 @@ def profile_model(
     batch_size: int = 1,
     progress: bool = False,
 ) -> Thresholds:
-    """Load a model and its calibration text, cut ``samples`` windows of ``window`` tokens, and profile.
-
-    The windows are consecutive and non-overlapping from the start of the text. ``data`` defaults to the
-    calibration text ("wikipedia"); profiling on "wikitext2" (the evaluation text) is allowed but warned about.
-    """
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if data == "wikitext2":
-        warnings.warn(
-            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
-            UserWarning,
-            stacklevel=2,
-        )
-    loaded = load_model(model)
-    text = load_text(data, data_path)
-    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
-    if ids.shape[0] < samples:
-        warnings.warn(
-            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
-            UserWarning,
-            stacklevel=2,
-        )
-    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds."""
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
     return profile_thresholds(
         loaded.model,
         ids,
@@ -611,35 +627,6 @@ def profile_model(
 
 
 # ---------------------------------------------------------------------------------------------- calibration
-
-
-#: Default calibration of a cached profile: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages
-#: ~100 runs; 16 keep calibration to minutes on 2 shared CPU cores (``oakenkv profile`` defaults to 100 runs).
-DEFAULT_CALIB_TEXT = "wikipedia"
-DEFAULT_CALIB_SAMPLES = 16
-DEFAULT_CALIB_WINDOW = 256
-
-
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """Which text and how much of it calibration uses.
-
-    ``text`` is an ``oakenkv.data.load_text`` name ("wikipedia", the default; "wikitext2" is the evaluation
-    text and warns) or "file" for the plain text file at ``text_path``.
-    """
-
-    text: str = DEFAULT_CALIB_TEXT
-    samples: int = DEFAULT_CALIB_SAMPLES
-    window: int = DEFAULT_CALIB_WINDOW
-    text_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.samples < 1 or self.window < 2:
-            raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {self.samples}, {self.window}")
-
-    def tag(self) -> str:
-        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
-        return f"{self.text}{path}-{self.samples}x{self.window}"
 
 
 def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
@@ -665,28 +652,90 @@ def profile_cache_dir() -> Path:
     return d
 
 
-def calibration_stem(model_name: str, spec: CalibrationSpec, tokenizer: Any) -> str:
-    """The part of a calibration cache file's name that names the model and the windows: ``<model>-<spec tag>``,
-    plus ``-bos`` when the tokenizer starts windows with BOS."""
-    from oakenkv.data import adds_bos
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a cached calibration result depends on, by content: the model's shape and weights
+    (:class:`~oakenkv.thresholds.ModelFingerprint` with :func:`~oakenkv.thresholds.weights_digest`) and the token
+    ids of the calibration windows (which carry the text's content, the tokenizer, BOS, the window count and
+    length). ``model_name`` and ``spec`` only make the cache's file names readable: two models loaded by one name,
+    or one text file edited in place, get different keys.
+    """
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)[-60:]
-    return f"{safe}-{spec.tag()}" + ("-bos" if adds_bos(tokenizer) else "")
+    model_name: str
+    fingerprint: ModelFingerprint
+    spec: CalibrationSpec
+    #: sha256 of the windows' int64 token ids.
+    windows_sha256: str
+
+    def digest(self, *extra: Any) -> str:
+        """sha256 (hex) of the key's content and ``extra`` (JSON-able: the config, tuning, ...)."""
+        fp = {k: v for k, v in self.fingerprint.to_dict().items() if k != "name"}
+        payload = json.dumps([fp, self.windows_sha256, *extra], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def stem(self) -> str:
+        """The readable part of a cache file's name: ``<model>-<spec tag>``."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model_name)[-60:]
+        return f"{safe}-{self.spec.tag()}"
+
+
+def calibration_key(model: Any, model_name: str, spec: CalibrationSpec, windows: torch.Tensor) -> CalibrationKey:
+    """The :class:`CalibrationKey` of ``model`` (shape and :func:`~oakenkv.thresholds.weights_digest`) over the
+    calibration ``windows`` (:func:`calibration_windows` of ``spec``)."""
+    ids = windows.detach().to(torch.int64).contiguous()
+    return CalibrationKey(
+        model_name,
+        ModelFingerprint.from_model(model, name=model_name),
+        spec,
+        hashlib.sha256(ids.numpy().tobytes() + repr(tuple(ids.shape)).encode()).hexdigest(),
+    )
 
 
 def thresholds_cache_path(
-    model_name: str,
-    tokenizer: Any,
+    key: CalibrationKey,
     config: OakenConfig,
-    spec: CalibrationSpec,
     kurtosis_tuning: bool = False,
     cache_dir: Path | None = None,
 ) -> Path:
-    """The file :func:`cached_thresholds` keeps a profile in, keyed by model, windows, config and tuning."""
-    key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
-    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    """The file :func:`cached_thresholds` keeps a profile in: named by the model, the calibration, and a digest of
+    the :class:`CalibrationKey`'s content, the config and the tuning."""
+    digest = key.digest(config.to_dict(), bool(kurtosis_tuning))[:16]
     directory = profile_cache_dir() if cache_dir is None else cache_dir
-    return directory / f"thr-{calibration_stem(model_name, spec, tokenizer)}-{digest}.json"
+    return directory / f"thr-{key.stem()}-{digest}.json"
+
+
+def load_cached_thresholds(
+    path: Path, key: CalibrationKey, config: OakenConfig, kurtosis_tuning: bool = False
+) -> Thresholds | None:
+    """The profile cached at ``path`` if it is the one ``key``, ``config`` and ``kurtosis_tuning`` ask for, else
+    None (no file, an unreadable one, or one whose recorded model, weights, windows, config or tuning differ: a
+    warning says which, and the caller profiles again and overwrites it)."""
+    if not path.is_file():
+        return None
+    try:
+        thr = Thresholds.load(path)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the unreadable cached profile {path} ({e}); profiling again", stacklevel=3)
+        return None
+    recorded = {
+        "model": (thr.fingerprint, thr.fingerprint.weights),
+        "calibration windows": thr.profile.get("windows_sha256"),
+        "config": thr.config,
+        "kurtosis tuning": bool(thr.profile.get("kurtosis_tuning")),
+    }
+    wanted = {
+        "model": (key.fingerprint, key.fingerprint.weights),
+        "calibration windows": key.windows_sha256,
+        "config": config,
+        "kurtosis tuning": bool(kurtosis_tuning),
+    }
+    differ = [k for k in wanted if recorded[k] != wanted[k]]
+    if differ:
+        warnings.warn(
+            f"the cached profile {path} was made for another {', '.join(differ)}; profiling again", stacklevel=3
+        )
+        return None
+    return thr
 
 
 def cached_thresholds(
@@ -702,12 +751,18 @@ def cached_thresholds(
 ) -> Thresholds:
     """The :class:`~oakenkv.thresholds.Thresholds` of :func:`profile_thresholds` over the calibration windows of
     ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the disk cache
-    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`)."""
+    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`).
+
+    The cache is keyed by content (:class:`CalibrationKey`: the model's weights and the windows' tokens, with the
+    config and tuning) and a cached file is checked against that key when read: a model changed at the same
+    name or path, or an edited calibration text, is profiled again, never served another model's profile."""
     spec = spec or CalibrationSpec()
-    path = thresholds_cache_path(model_name, tokenizer, config, spec, kurtosis_tuning, cache_dir)
-    if path.is_file():
-        return Thresholds.load(path)
     ids = calibration_windows(tokenizer, spec)
+    key = calibration_key(model, model_name, spec, ids)
+    path = thresholds_cache_path(key, config, kurtosis_tuning, cache_dir)
+    cached = load_cached_thresholds(path, key, config, kurtosis_tuning)
+    if cached is not None:
+        return cached
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FewRunsWarning)
         thr = profile_thresholds(
@@ -717,7 +772,13 @@ def cached_thresholds(
             kurtosis_tuning=kurtosis_tuning,
             progress=progress,
             name=model_name,
-            metadata={"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window},
+            metadata={
+                "data": spec.text,
+                "data_path": spec.text_path,
+                "samples": spec.samples,
+                "window": spec.window,
+                "windows_sha256": key.windows_sha256,
+            },
         )
     thr.save(path)
     return thr

@@ -16,6 +16,8 @@ from oakenkv.format import (
     CHUNK_SIZE,
     COO_GROUP_BIT,
     COO_INDEX_MASK,
+    ERR_SCALE_NONFINITE,
+    ERROR_MESSAGES,
     MAX_ROW_SPARSE_BYTES,
     NUM_SCALES,
     CorruptDataError,
@@ -30,6 +32,7 @@ from oakenkv.quant import (
     GROUP_OUTER,
     QuantizedVectors,
     ThresholdsLike,
+    decodes_finite,
     dequantize,
     group_bits,
     quantize,
@@ -187,9 +190,14 @@ def encode(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = No
 
 
 def decode(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:
-    """``dequantize(unpack(enc))``: the reference of ``oakenkv.codec.decode``."""
+    """``dequantize(unpack(enc))``: the reference of ``oakenkv.codec.decode``. Raises :class:`CorruptDataError`
+    for invalid bytes, including scales whose codes would decode to non-finite values (``quant.decodes_finite``)."""
     config = config or OakenConfig()
-    return dequantize(unpack(enc, config), thr, config)
+    q = unpack(enc, config)
+    bad = torch.nonzero(~decodes_finite(q.mins, q.maxs, thr, config))
+    if bad.numel():
+        raise CorruptDataError(f"row {int(bad[0, 0])}: {ERROR_MESSAGES[ERR_SCALE_NONFINITE]}")
+    return dequantize(q, thr, config)
 
 
 __all__ = ["decode", "encode", "pack", "unpack"]

@@ -36,6 +36,7 @@ from oakenkv.format import (
 from oakenkv.kernels.cpu import encode_records
 from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
+from oakenkv.transforms import fwht
 
 KEY, VALUE = 0, 1
 #: Names of the two kinds, indexed by ``KEY`` / ``VALUE`` (as ``Thresholds.layer`` spells them).
@@ -204,6 +205,31 @@ class PagedKVStore:
         self.thr = np.array(
             [[thresholds.layer(i, k).as_tuple() for k in KINDS] for i in range(num_layers)], dtype=np.float32
         )
+        #: The online part of an ``oaken-plus`` profile (``oakenkv.transforms``): None without one; else which
+        #: layers transform their keys, and the float32 key shifts ``[num_layers, D]``.
+        self.transforms = thresholds.transforms if thresholds.transforms and thresholds.transforms.online_keys else None
+        if self.transforms is not None:
+            t = self.transforms
+            self._key_online = [lt.key_shift is not None or lt.key_rotation for lt in t.layers]
+            self._key_shifts = t.key_shifts()
+
+    def _transform_keys(self, layer: int, rows: np.ndarray) -> None:
+        """The profile's online key transform (``Transforms.key_rows``), in place, on float32 key rows ``[N, D]``.
+        No-op without an oaken-plus profile."""
+        if self.transforms is not None and self._key_online[layer]:
+            self.transforms.key_rows(layer, rows, self._key_shifts[layer], out=rows)
+
+    def restore_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Dequantized keys ``[..., hd]`` of ``layer`` as stock attention must see them next to the model's own
+        queries: an oaken-plus rotation undone (its shift stays: softmax ignores it)."""
+        return keys if self.transforms is None else self.transforms.keys_restore(layer, keys)
+
+    def rotate_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """Queries ``[..., hd]`` (float32) for a kernel that reads this layer's keys: rotated like them under an
+        oaken-plus key rotation (``q . k`` is unchanged because the rotation is orthogonal)."""
+        if self.transforms is None or not self.transforms.layers[layer].key_rotation:
+            return q
+        return fwht(q)
 
     @property
     def batch_size(self) -> int:
@@ -272,9 +298,12 @@ class PagedKVStore:
                 # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
                 # tensors waits for thread wake-ups on a loaded machine (docs/perf-notes.md).
                 x32 = x.detach().to(torch.float32).numpy()
-                # The rows, float32 [B * S, D], as they are quantized (online transforms of the rows go here).
-                rows = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
-                enc = self.encode(torch.from_numpy(rows), self.thresholds.layer(layer, KINDS[kind]), self.config)
+                # The rows, float32 [B * S, D], as they are quantized (the online key transform runs on them).
+                rows_np = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
+                if kind == KEY:
+                    self._transform_keys(layer, rows_np)
+                rows = torch.from_numpy(rows_np)
+                enc = self.encode(rows, self.thresholds.layer(layer, KINDS[kind]), self.config)
                 encoded.append(enc)
                 dense, sparse, offs = to_records(enc)
                 for r in range(b):
@@ -299,19 +328,20 @@ class PagedKVStore:
                 f"append_token expects keys and values [B, {self.num_kv_heads}, 1, {self.head_dim}], got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
-        if not self.seqs:
+        if len(self.seqs) != b:  # (new rows, or the error for a batch the cache does not hold)
             self.ensure_batch(b)
         scratch = self._token_scratch
         if scratch is None or scratch[0].shape[0] != 2 * b:
             scratch = self._token_scratch = self._make_token_scratch(b)
         rows, records, sparse, counts, thr, constants = scratch
-        # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (online transforms of the rows
-        # go here, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
+        # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (the online key transform runs on
+        # the key rows, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
         # it takes (a .to() call costs more than the copy).
         k = keys.detach()
         v = values.detach()
         rows[:b] = (k if k.dtype == torch.float32 else k.float()).numpy().reshape(b, self.dim)
         rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
+        self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
         encode_records(rows, thr[layer], *constants, records, sparse, counts)
         if min(counts.tolist()) < 0:  # (a list's min: faster than numpy's on a few values)
             r = int(np.flatnonzero(counts < 0)[0])
@@ -412,7 +442,8 @@ class PagedKVStore:
     def read(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``.
 
-        Tokens a sliding window evicted (:meth:`evict_before`) read as zeros; the sliding mask hides them.
+        Tokens a sliding window evicted (:meth:`evict_before`) read as zeros; the sliding mask hides them. Keys
+        come back in the model's frame up to an oaken-plus shift (:meth:`restore_keys`).
         """
         out = []
         for seq in self.seqs:
@@ -428,7 +459,8 @@ class PagedKVStore:
             if start:
                 x = torch.cat([torch.zeros(start, self.dim, dtype=x.dtype), x])
             out.append(x.reshape(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2))
-        return torch.stack(out).to(dtype)
+        x = torch.stack(out)
+        return (self.restore_keys(layer, x) if kind == KEY else x).to(dtype)
 
     def evict_before(self, layer: int, token: int) -> int:
         """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;

@@ -2,8 +2,9 @@
 
 Nothing here reads the evaluation text unless asked: the default calibration text is the Wikipedia excerpt
 (``oakenkv.data.load_text("wikipedia")``), not WikiText-2. Results are cached on disk under
-``oakenkv.profile.profile_cache_dir()`` keyed by model, text, window count and length, and the config, so a
-report run profiles each model once.
+``oakenkv.profile.profile_cache_dir()`` keyed by content (``oakenkv.profile.CalibrationKey``: the model's weights
+and the calibration windows' tokens) and the config, so a report run profiles each model once, and a model
+changed at the same path is calibrated again.
 
 - :func:`oaken_thresholds`: ``oakenkv.profile.cached_thresholds`` in this module's cache directory (the
   calibration spec, windows and profile cache are ``oakenkv.profile``'s, re-exported here).
@@ -14,6 +15,9 @@ report run profiles each model once.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,22 +25,25 @@ from typing import Any
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 from oakenkv.profile import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_CALIB_TEXT,
     DEFAULT_CALIB_WINDOW,
+    CalibrationKey,
     CalibrationSpec,
     RunAccumulator,
     cached_thresholds,
-    calibration_stem,
+    calibration_key,
     calibration_windows,
     candidate_ratios,
+    load_cached_thresholds,
     profile_cache_dir,
     record_kv,
     run_thresholds,
     thresholds_cache_path,
 )
-from oakenkv.thresholds import ModelFingerprint, Thresholds
+from oakenkv.thresholds import Thresholds
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
@@ -94,17 +101,27 @@ class KVRanges:
     key_channel_hi: list[torch.Tensor]
     q: float
 
+    def sha256(self) -> str:
+        """Digest of every number held (what a result or a checkpoint that used these ranges depends on)."""
+        h = hashlib.sha256(json.dumps([self.key_extremes, self.value_extremes, self.q]).encode())
+        for t in (*self.key_channel_lo, *self.key_channel_hi):
+            t = t.detach().to(torch.float32).contiguous()
+            h.update(repr(tuple(t.shape)).encode())
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()
+
 
 def kv_ranges(
     model: Any, tokenizer: Any, model_name: str, spec: CalibrationSpec | None = None, q: float = 0.005
 ) -> KVRanges:
     """Compute (or load from the disk cache) :class:`KVRanges` on the calibration windows."""
     spec = spec or CalibrationSpec()
-    path = _ranges_path(model_name, tokenizer, spec, q)
-    if path.is_file():
-        d = torch.load(path)
-        return KVRanges(**d)
     ids = calibration_windows(tokenizer, spec)
+    key = calibration_key(model, model_name, spec, ids)
+    path, ident = _ranges_path(key, q), _ranges_identity(key, q)
+    cached = _load_ranges(path, ident)
+    if cached is not None:
+        return cached
     kmin = kmax = vmin = vmax = None
     lo_sum: list[torch.Tensor] = []
     hi_sum: list[torch.Tensor] = []
@@ -138,16 +155,47 @@ def kv_ranges(
         key_channel_hi=[x / n for x in hi_sum],
         q=q,
     )
-    torch.save(out.__dict__, path)
+    _save_ranges(out, path, ident)
     return out
+
+
+def _save_ranges(ranges: KVRanges, path: Path, identity: str) -> None:
+    """Write the ranges cache atomically (a torn file would break every later run), with the identity (a digest of
+    the :class:`~oakenkv.profile.CalibrationKey` and ``q``) it was computed for."""
+    atomic_write(path, lambda f: torch.save({"identity": identity, **ranges.__dict__}, f))
+
+
+def _load_ranges(path: Path, identity: str) -> KVRanges | None:
+    """The cached ranges at ``path`` if they were computed for ``identity``, else None: no file, another model or
+    calibration (warned), or an unreadable file (warned; then recomputed and overwritten). ``weights_only=True``:
+    tensors and plain containers only, never code (torch < 2.6 defaults to unpickling anything)."""
+    if not path.is_file():
+        return None
+    try:
+        d = torch.load(path, weights_only=True)
+        if d.pop("identity", None) != identity:
+            warnings.warn(
+                f"the cached ranges {path} were computed for another model or calibration; recomputing", stacklevel=3
+            )
+            return None
+        return KVRanges(**d)
+    except Exception as e:  # any unreadable file: recompute rather than fail every later run
+        warnings.warn(
+            f"ignoring the unreadable calibration cache {path} ({type(e).__name__}: {e}); recomputing", stacklevel=3
+        )
+        return None
 
 
 def _pos(config: OakenConfig) -> str:
     return "pre" if config.key_position == "pre_rope" else "post"
 
 
-def _ranges_path(model_name: str, tokenizer: Any, spec: CalibrationSpec, q: float) -> Path:
-    return _cache_dir() / f"ranges-{calibration_stem(model_name, spec, tokenizer)}-q{q:g}.pt"
+def _ranges_identity(key: CalibrationKey, q: float) -> str:
+    return key.digest("kv_ranges", float(q))
+
+
+def _ranges_path(key: CalibrationKey, q: float) -> Path:
+    return _cache_dir() / f"ranges-{key.stem()}-q{q:g}-{_ranges_identity(key, q)[:16]}.pt"
 
 
 def calibrate_all(
@@ -174,18 +222,19 @@ def calibrate_all(
 
     spec = spec or CalibrationSpec()
     ids = calibration_windows(tokenizer, spec)
-    fp = ModelFingerprint.from_model_config(model.config, name=model_name)
+    key = calibration_key(model, model_name, spec, ids)
+    fp = key.fingerprint
     n_layers = fp.num_layers
     todo = []
     for config, tuning in configs:
-        path = thresholds_cache_path(model_name, tokenizer, config, spec, tuning, _cache_dir())
-        if not path.is_file():
+        path = thresholds_cache_path(key, config, tuning, _cache_dir())
+        if load_cached_thresholds(path, key, config, tuning) is None:
             cand = candidate_ratios(config, tuning)
             accs = {(i, k): RunAccumulator() for i in range(n_layers) for k in ("key", "value")}
             todo.append((config, tuning, path, cand, accs))
     q = 0.005
-    ranges_path = _ranges_path(model_name, tokenizer, spec, q)
-    need_ranges = not ranges_path.is_file()
+    ranges_path, ranges_ident = _ranges_path(key, q), _ranges_identity(key, q)
+    need_ranges = _load_ranges(ranges_path, ranges_ident) is None
     if not todo and not need_ranges:
         return
     union_outer = tuple(sorted({r for *_, (oc, _ic), _a in todo for r in oc}))
@@ -252,18 +301,20 @@ def calibrate_all(
                 "runs": spec.samples,
                 "window": spec.window,
                 "kurtosis_tuning": tuning,
+                "windows_sha256": key.windows_sha256,
                 "profiler": "oakenkv.eval.calibration.calibrate_all (oakenkv.profile quantiles, one pass)",
             },
         ).save(path)
     if need_ranges:
         n = ids.shape[0]
-        torch.save(
+        _save_ranges(
             KVRanges(
                 key_extremes=list(zip(kmin, kmax, strict=True)),
                 value_extremes=list(zip(vmin, vmax, strict=True)),
                 key_channel_lo=[x / n for x in lo_sum],
                 key_channel_hi=[x / n for x in hi_sum],
                 q=q,
-            ).__dict__,
+            ),
             ranges_path,
+            ranges_ident,
         )

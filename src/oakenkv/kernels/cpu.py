@@ -18,8 +18,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+from numba.extending import overload
 
 from oakenkv.config import OakenConfig
 from oakenkv.format import (
@@ -33,10 +34,13 @@ from oakenkv.format import (
     ERR_FIFTH_BIT,
     ERR_NONFINITE,
     ERR_OK,
+    ERR_PADDING,
     ERR_POSITION_RANGE,
     ERR_SCALE_NONFINITE,
     ERR_SCALE_OVERFLOW,
+    ERR_SCALE_RANGE,
     ERR_SHAPE,
+    ERR_THRESHOLDS,
     ERR_ZERO_ADVANCE,
     ERROR_MESSAGES,
     MAX_DIM,
@@ -76,6 +80,83 @@ _F32 = np.float32
 _FP16_MAX = 65504.0
 _STEP_FLOOR = np.float32(STEP_FLOOR)
 _INF32 = np.float32(np.inf)
+
+
+def _is_u8_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
+    """Whether ``a`` is a 1-D uint8 array: a constant of the compiled specialisation (a row decoder called with
+    int64 "bytes" must refuse them, not index tables with them)."""
+    raise NotImplementedError
+
+
+@overload(_is_u8_vector)
+def _is_u8_vector_impl(a):
+    ok = isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8
+    return lambda a: ok
+
+
+def _is_f32_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
+    """Whether ``a`` is a 1-D float32 array (see _is_u8_vector)."""
+    raise NotImplementedError
+
+
+@overload(_is_f32_vector)
+def _is_f32_vector_impl(a):
+    ok = isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+    return lambda a: ok
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _group_ends_zero(lo, step, n_codes, shift_lo, shift_hi):
+    """0.0 if a group's lowest and highest code decode to finite values, else NaN: the decoder's float32
+    operations (``v = lo + code * step``, then ``+ shift_hi`` if ``v > 0`` else ``+ shift_lo``; 0, 0 for the
+    unshifted inner group), and ``w - w`` (0 for a finite ``w``, NaN for an infinite or NaN one). Every other code's
+    value lies between the two ends (rounding is monotonic), so all are finite. Branch-free: it runs per row."""
+    zero = _F32(0.0)
+    v0 = lo + _F32(0.0) * step
+    v1 = lo + _F32(n_codes - 1) * step
+    w0 = v0 + (shift_hi if v0 > zero else shift_lo)
+    w1 = v1 + (shift_hi if v1 > zero else shift_lo)
+    return (w0 - w0) + (w1 - w1)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def steps_decode_finite(m_lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_in, n_out):
+    """The format's rule on one row's scales, given each group's code-0 value and step (float32, as the decoders
+    compute them) and ``thr`` (float32 ``[4]``): every code of each group decodes to a finite value. The decoders
+    refuse a row that breaks it (``ERR_SCALE_NONFINITE``) and the encoder never writes one (``ERR_SCALE_RANGE``);
+    NaN or infinite scales break it."""
+    zero = _F32(0.0)
+    z = (
+        _group_ends_zero(m_lo, m_step, 16, thr[1], thr[2])
+        + _group_ends_zero(i_lo, i_step, n_in, zero, zero)
+        + _group_ends_zero(o_lo, o_step, n_out, thr[0], thr[3])
+    )
+    return z == zero
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def scales_decode_finite(mid_lo, mid_hi, in_lo, in_hi, out_lo, out_hi, thr, inner_bits, outer_bits):
+    """:func:`steps_decode_finite` from the six scales (float32) and the outlier groups' bits."""
+    n_in, n_out = 1 << inner_bits, 1 << outer_bits
+    return steps_decode_finite(
+        mid_lo,
+        (mid_hi - mid_lo) / _F32(15.0),
+        in_lo,
+        (in_hi - in_lo) / _F32(n_in - 1),
+        out_lo,
+        (out_hi - out_lo) / _F32(n_out - 1),
+        thr,
+        n_in,
+        n_out,
+    )
+
+
+@njit(cache=True, nogil=True)
+def thresholds_valid(thr):
+    """Whether ``thr`` holds 4 finite values with ``to_lo < ti_lo <= ti_hi < to_hi`` (NaN fails every test)."""
+    if thr.shape[0] < 4:
+        return False
+    return np.isfinite(thr[0]) and np.isfinite(thr[3]) and thr[0] < thr[1] <= thr[2] < thr[3]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -524,6 +605,10 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     m_step = (mg1 - mg0) / _F32(n_mid - 1)
     i_step = (ig1 - ig0) / _F32(n_in - 1)
     o_step = (og1 - og0) / _F32(n_out - 1)
+    # never write a row the decoder refuses: infinite fp32 scales (a range beyond float32), or values that the
+    # threshold shift takes beyond it
+    if not steps_decode_finite(mg0, m_step, ig0, i_step, og0, o_step, thr, n_in, n_out):
+        return -ERR_SCALE_RANGE
     # pass 2: codes and groups
     _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out)
     # pass 3: dense nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
@@ -746,8 +831,18 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
 def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
     """The dequantized value of every code of the row's three groups (float32, exactly quant.dequantize).
 
-    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48...
+    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48... Returns ``ERR_OK``, or
+    ``ERR_SHAPE`` (nothing written) when an array is too short or a group's bits are not 4 or 5 (the table's
+    layout holds 32 codes per outlier group).
     """
+    if (
+        lut.shape[0] < LUT_SIZE
+        or scales_row.shape[0] < NUM_SCALES
+        or thr.shape[0] < 4
+        or not 4 <= inner_bits <= 5
+        or not 4 <= outer_bits <= 5
+    ):
+        return ERR_SHAPE
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     lo = scales_row[0]
     step = (scales_row[1] - lo) / _F32(15.0)
@@ -765,6 +860,7 @@ def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
     for c in range(n_out):
         v = lo + _F32(c) * step
         lut[_LUT_OUTER + c] = v + (to_hi if v > _F32(0.0) else to_lo)
+    return ERR_OK
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -848,14 +944,36 @@ def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits,
         dense_row: uint8 ``[ceil(D/2)]``; sparse_row: uint8 ``[S]`` (this row's COO stream only);
         scales_row: float32 ``[6]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; out: float32 ``[D]``.
 
+    Every input is checked before it is used, so untrusted bytes never make it read or write out of bounds:
+    ``ERR_SHAPE`` for arrays of other dtypes or sizes (``1 <= D <= MAX_DIM``) or bits other than 4 and 5,
+    ``ERR_THRESHOLDS`` for thresholds that are not finite and ordered, ``ERR_SCALE_NONFINITE`` for scales that
+    do not decode to finite values, ``ERR_PADDING`` for a non-zero padding nibble, and the stream's codes.
+
     Returns:
         ``ERR_OK`` (0) or an ``ERR_*`` code; ``out`` is then partly written and must not be used.
     """
-    d = out.shape[0]
-    if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
+    if not (_is_u8_vector(dense_row) and _is_u8_vector(sparse_row) and _is_f32_vector(out) and _is_f32_vector(lut)):
         return ERR_SHAPE
-    fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
+    d = out.shape[0]
+    if (
+        not 1 <= d <= MAX_DIM
+        or dense_row.shape[0] != (d + 1) // 2
+        or scales_row.ndim != 1
+        or thr.ndim != 1
+        or fill_lut(scales_row, thr, inner_bits, outer_bits, lut) != ERR_OK
+    ):
+        return ERR_SHAPE
+    if not thresholds_valid(thr):
+        return ERR_THRESHOLDS
+    # the decoded values of each group's end codes, as in _decode_rows (lut holds them: fill_lut's arithmetic)
+    n_in, n_out = 1 << inner_bits, 1 << outer_bits
+    ends = (lut[0], lut[15], lut[_LUT_INNER], lut[_LUT_INNER + n_in - 1], lut[_LUT_OUTER], lut[_LUT_OUTER + n_out - 1])
+    for v in ends:
+        if not np.isfinite(v):
+            return ERR_SCALE_NONFINITE
     half = d >> 1
+    if d & 1 and dense_row[half] >> 4:
+        return ERR_PADDING
     for j in range(half):
         b = dense_row[j]
         out[2 * j] = lut[b & 0xF]
@@ -877,14 +995,6 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
 # or fp16 bit patterns as uint16): the overloads out_elem / f32_at pick the conversions when numba compiles each
 # combination.
 # --------------------------------------------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _scales_finite(sr):
-    ok = True
-    for i in range(NUM_SCALES):
-        ok &= np.isfinite(f32_at(sr, i))
-    return ok
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -931,11 +1041,14 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             # borrowed row views (no reference counting; the arrays outlive the loop)
             sr, dense_r, out_r = row_view(scales, r), row_view(dense, r), row_view(out, r)
-            if not _scales_finite(sr):
+            lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
+            m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
+            i_step = (f32_at(sr, 3) - i_lo) / n_in
+            o_step = (f32_at(sr, 5) - o_lo) / n_out
+            if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
                 status[r] = ERR_SCALE_NONFINITE
                 continue
-            lo = f32_at(sr, 0)
-            _dense_middle(dense_r, lo, (f32_at(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out_r)
+            _dense_middle(dense_r, lo, m_step, ti_lo, ti_hi, out_r)
             if use_lut:
                 for i in range(NUM_SCALES):
                     sc32[i] = f32_at(sr, i)
@@ -943,9 +1056,8 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
                 for i in range(LUT_SIZE):
                     lut[i] = out_elem(lut32[i], lut)
             else:
-                i_lo, o_lo = f32_at(sr, 2), f32_at(sr, 4)
-                grid[0], grid[1] = i_lo, (f32_at(sr, 3) - i_lo) / n_in
-                grid[2], grid[3] = o_lo, (f32_at(sr, 5) - o_lo) / n_out
+                grid[0], grid[1] = i_lo, i_step
+                grid[2], grid[3] = o_lo, o_step
             sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
             status[r] = _walk_outliers(dense_r, sp, d, inner_bits, outer_bits, lut, grid, out_r)
 
