@@ -818,7 +818,7 @@ def bench_generate(
         ),
     ] = "oaken,dynamic,quanto",
     new_tokens: Annotated[
-        int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=1)
+        int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=2)
     ] = 64,
     rounds: Annotated[int, typer.Option(help="Timed generates per method and point (interleaved).", min=1)] = 3,
     threads: Annotated[
