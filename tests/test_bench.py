@@ -33,3 +33,76 @@ def test_decode_bench_small_context(default_model):
     assert "step_goal (<= 1.5)" in res["goals"]
     with pytest.raises(ValueError, match="distinct"):
         run_decode_bench([40], ["oaken", "oaken"], thresholds=quick_thresholds(default_model))
+
+
+def test_generate_bench_small_points(default_model):
+    from oakenkv.bench.generate import run_generate_bench
+
+    methods = ["oaken", "dynamic"] + (["quanto"] if importlib.util.find_spec("optimum.quanto") else [])
+    seen = []
+    res = run_generate_bench(
+        points=[(12, 1), (12, 2)],
+        methods=methods,
+        thresholds=quick_thresholds(default_model),
+        new_tokens=3,
+        rounds=2,
+        progress=lambda done, total, msg: seen.append((done, total)),
+    )
+    r = res["results"]
+    assert set(r) == set(methods)
+    for m in methods:
+        for key, batch in (("12x1", 1), ("12x2", 2)):
+            p = r[m][key]
+            assert (p["prompt"], p["batch"], p["new_tokens"], len(p["rounds"])) == (12, batch, 3, 2)
+            assert p["tokens_per_s"] > 0 and p["prefill_s"] > 0 and p["kv_bytes"] > 0
+            assert p["decode_step_ms"] == pytest.approx(1e3 * batch / p["tokens_per_s"], rel=0.5)
+    # fp32 DynamicCache after 12 + 3 tokens: 14 stored (the last new token is never fed back)
+    assert r["dynamic"]["12x2"]["kv_bytes"] == 2 * 14 * 30 * 2 * 192 * 4
+    assert r["oaken"]["12x2"]["kv_bytes"] < r["dynamic"]["12x2"]["kv_bytes"]
+    assert 0.0 <= r["oaken"]["12x1"]["tokens_equal_to_dynamic"] <= 1.0
+    vs = r["oaken"]["12x2"]["paired_vs_dynamic"]
+    assert vs["tokens_per_s_ratio"]["rounds"] == 2 and vs["prefill_tokens_per_s_ratio"]["median"] > 0
+    assert "decode >= 1.0x dynamic at every point" in res["goals"]
+    assert seen[-1][0] == seen[-1][1] == 2 * (2 + 1) * len(methods)  # progress reached the end
+    with pytest.raises(ValueError, match="distinct"):
+        run_generate_bench(points=[(12, 1)], methods=["dynamic", "dynamic"])
+    with pytest.raises(ValueError, match="new_tokens"):
+        run_generate_bench(points=[(12, 1)], methods=["dynamic"], new_tokens=1)
+
+
+def test_decode_bench_with_a_batch(default_model):
+    res = run_decode_bench(
+        [24], ["oaken", "dynamic"], thresholds=quick_thresholds(default_model), steps=1, source_tokens=16, batch=2
+    )
+    r = res["results"]
+    assert res["meta"]["batch"] == 2
+    assert r["dynamic"]["24"]["kv_bytes"] == 2 * 24 * 30 * 2 * 192 * 4 and r["dynamic"]["24"]["fp32_ratio"] == 1.0
+    assert r["oaken"]["24"]["kv_bytes"] < r["dynamic"]["24"]["kv_bytes"]
+
+
+def test_tile_rows_offsets_each_row():
+    import torch
+
+    from oakenkv.bench.decode import tile_rows
+
+    x = torch.arange(10.0).reshape(1, 1, 10, 1)
+    t = tile_rows(x, 12, 2)
+    assert t.shape == (2, 1, 12, 1)
+    assert t[0, 0, :, 0].tolist() == [*range(10), 0, 1]
+    assert t[1, 0, :3, 0].tolist() == [7.0, 8.0, 9.0]  # row 1 starts 37 tokens on: 37 % 10
+
+
+def test_attention_bench_reports_bandwidth_next_to_memcpy(default_model):
+    from oakenkv.bench.attention import run_attention_bench
+
+    res = run_attention_bench([64], [1, 2], [1], thresholds=quick_thresholds(default_model), rounds=1, source_tokens=16)
+    pts = res["points"]
+    assert [(p["context"], p["batch"], p["threads"]) for p in pts] == [(64, 1, 1), (64, 2, 1)]
+    for p in pts:
+        # dense records of keys and values (12 B of scales + 96 B of nibbles per token), plus the sparse bytes
+        dense = 2 * p["batch"] * 64 * 108
+        assert dense < p["packed_bytes"] < 1.5 * dense and p["fp32_bytes"] == 2 * p["batch"] * 64 * 192 * 4
+        assert p["packed_gbps"] > 0 and p["memcpy_gbps"] > 0
+        assert p["packed_vs_memcpy"] == pytest.approx(p["packed_gbps"] / p["memcpy_gbps"])
+    with pytest.raises(ValueError, match="thresholds"):
+        run_attention_bench([64], [1], [1])

@@ -71,3 +71,14 @@ def test_window_nll_matches_transformers_loss(default_model):
     with torch.inference_mode():
         losses = [default_model.model(input_ids=row[None], labels=row[None]).loss for row in ids]
     assert math.isclose(nll / n, float(sum(losses)) / 2, rel_tol=1e-4)
+
+
+def test_bench_generate_runs_a_selected_point_and_rejects_bad_points(default_model, tmp_path):
+    out = tmp_path / "gen.json"
+    args = ["bench", "generate", "--points", "8x1", "--methods", "dynamic", "--new-tokens", "2", "--rounds", "1"]
+    result = runner.invoke(app, [*args, "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    res = json.loads(out.read_text())
+    assert res["meta"]["points"] == ["8x1"] and res["results"]["dynamic"]["8x1"]["new_tokens"] == 2
+    bad = runner.invoke(app, ["bench", "generate", "--points", "8by1", "--methods", "dynamic"])
+    assert bad.exit_code != 0 and "PROMPTxBATCH" in bad.output

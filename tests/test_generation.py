@@ -46,3 +46,23 @@ def test_generate_text_reports_bytes(default_model):
     assert g.new_tokens == fp.new_tokens == 4
     assert fp.kv_bytes == fp.fp32_kv_bytes
     assert g.fp32_kv_bytes == fp.fp32_kv_bytes and g.kv_bytes < g.fp32_kv_bytes
+
+
+def test_timed_generate_splits_prefill_and_decode(default_model):
+    from transformers import DynamicCache
+
+    from oakenkv.generation import timed_generate
+
+    model, tok = default_model.model, default_model.tokenizer
+    ids = tok(["Name a color.", "Name a fruit!"], return_tensors="pt").input_ids
+    out, t = timed_generate(
+        model, ids, DynamicCache(config=model.config), max_new_tokens=5, exact_length=True, pad_token_id=0
+    )
+    assert out.shape == (2, ids.shape[1] + 5)
+    assert (t.batch, t.prompt_tokens, t.new_tokens, len(t.step_s)) == (2, ids.shape[1], 5, 4)
+    assert t.prefill_s > 0 and all(s > 0 for s in t.step_s)
+    assert t.tokens_per_s == pytest.approx(2 * 4 / sum(t.step_s))
+    assert t.prefill_tokens_per_s == pytest.approx(2 * ids.shape[1] / t.prefill_s)
+    assert t.total_s == pytest.approx(t.prefill_s + t.decode_s)
+    d = t.to_dict()
+    assert d["decode_step_ms"] == pytest.approx(1e3 * t.decode_s / 4) and len(d["step_ms"]) == 4

@@ -111,8 +111,8 @@ def packed_decode_attention(
         return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
     t = key.num_tokens
     view = store.layer_view(key.layer)
-    if view.sparse_lengths.shape[2] != t:
-        raise RuntimeError(f"page tables hold {view.sparse_lengths.shape[2]} tokens, the handle says {t}")
+    if view.num_tokens != t:
+        raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {t}")
     keep = _keep_mask(attention_mask, b, t)
     if query.dtype == torch.float32 and query.is_contiguous():
         q = np.ascontiguousarray(query.detach().numpy().reshape(b, hq, hd))  # no copy when S == 1 is contiguous
@@ -130,6 +130,31 @@ def packed_decode_attention(
         raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
+
+
+def load_kernels() -> float:
+    """Load every decode-step kernel (the single-token append and both attention kernels) from numba's on-disk
+    cache now, by running them on a tiny store, so that the first decode step of a generation does not pay it;
+    returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call loads
+    the code a model's will run.)"""
+    import time
+
+    from oakenkv.config import OakenConfig
+    from oakenkv.store import PagedKVStore
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    t0 = time.perf_counter()
+    thr = GroupThresholds(-2.0, -0.1, 0.1, 2.0)
+    store = PagedKVStore(Thresholds(OakenConfig(), ModelFingerprint("warm-up", 1, 1, 4), (thr,), (thr,)), 1, 1, 4)
+    x = torch.linspace(-3.0, 3.0, 4).reshape(1, 1, 1, 4)
+    store.append(0, x, x)
+    store.append_token(0, x, x)
+    q = np.ones((1, 1, 4), np.float32)
+    keep = np.ones((1, 2), np.uint8)
+    for kernel in (attention_cpu.packed_decode_attention, attention_cpu.packed_decode_attention_serial):
+        out = np.empty((1, 1, 4), np.float32)
+        kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), *store.layer_view(0))
+    return time.perf_counter() - t0
 
 
 def reference_packed_attention(

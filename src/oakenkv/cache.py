@@ -47,6 +47,8 @@ from oakenkv.thresholds import Thresholds
 #: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "oaken"
 
+_MISSING = object()
+
 
 @dataclass(frozen=True)
 class PackedKV:
@@ -102,7 +104,12 @@ class OakenLayer(CacheLayerMixin):
         Read at each decode step, not fixed once: a model may switch its attention between steps of one cache
         (``oakenkv.attention.oaken_attention``), and a float step must get float tensors."""
         cfg = self._model_config
-        return cfg is not None and cfg._attn_implementation == ATTN_IMPLEMENTATION
+        if cfg is None:
+            return False
+        # transformers' property reads this attribute; its config class's __getattribute__ costs ~2-3 us a call,
+        # once per layer and step (docs/perf-notes.md), so the attribute is read directly where it exists
+        impl = vars(cfg).get("_attn_implementation_internal", _MISSING)
+        return (cfg._attn_implementation if impl is _MISSING else impl) == ATTN_IMPLEMENTATION
 
     def __repr__(self) -> str:
         return f"OakenLayer(layer={self.layer_idx}, tokens={self.get_seq_length()}, sliding={self.sliding_window})"

@@ -672,6 +672,7 @@ def bench_decode(
         ),
     ] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
+    batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
@@ -687,15 +688,12 @@ def bench_decode(
     from oakenkv.sim.report import parse_int_list
 
     contexts = parse_int_list(context, "--context")
-    names = [m.strip() for m in methods.split(",") if m.strip()]
-    known = ("oaken", "dynamic", "quanto")
-    if not names or len(set(names)) != len(names) or any(m not in known for m in names):
-        raise _bad("--methods", f"give distinct methods among {', '.join(known)}, got {methods!r}")
+    names = _check_methods(methods)
     if thresholds is not None and "oaken" not in names:
         raise _bad("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
     _check_out(json_out, "--json")
     _check_model(model)
-    _check_decode_contexts(model, contexts)
+    _check_decode_contexts(model, contexts, batch)
     thr_file = _load_thresholds(thresholds)
     from rich.console import Console
 
@@ -703,19 +701,14 @@ def bench_decode(
     from oakenkv.generation import load_or_profile_thresholds
     from oakenkv.models import load_model
 
-    if threads is not None:
-        import numba
-        import torch
-
-        torch.set_num_threads(threads)
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    _set_threads(threads)
     console = Console(stderr=True)
     with console.status("loading the model and thresholds") as status:
         thr = None
         if "oaken" in names:
             thr = load_or_profile_thresholds(load_model(model), thr_file)
         result = run_decode_bench(
-            contexts, names, model=model, thresholds=thr, steps=steps, progress=lambda m: status.update(m)
+            contexts, names, model=model, thresholds=thr, steps=steps, batch=batch, progress=lambda m: status.update(m)
         )
     print_decode_bench(result)
     if json_out is not None:
@@ -725,9 +718,10 @@ def bench_decode(
         typer.echo(f"wrote {json_out}")
 
 
-def _check_decode_contexts(model: str, contexts: list[int]) -> None:
-    """``bench decode --context``: every method's cache of the longest context is held at once (fp32 K/V for
-    DynamicCache, about a third of that for the others), so check the memory before loading anything."""
+def _check_decode_contexts(model: str, contexts: list[int], batch: int = 1, option: str = "--context") -> None:
+    """``bench decode --context`` (and ``bench generate``'s prompts): every method's cache of the longest context
+    is held at once (fp32 K/V for DynamicCache, about a third of that for the others), so check the memory before
+    loading anything."""
     from oakenkv.models import model_kv_shape
     from oakenkv.resources import check_memory
 
@@ -735,8 +729,160 @@ def _check_decode_contexts(model: str, contexts: list[int]) -> None:
     if shape is None:  # a model not converted yet: its shape is known only once it loads
         return
     layers, dim = shape
-    need = int(max(contexts) * layers * dim * 2 * 4 * 1.5)
-    check_memory(need, f"--context {max(contexts)}", "give shorter contexts")
+    need = int(max(contexts) * batch * layers * dim * 2 * 4 * 1.5)
+    what = f"{option} {max(contexts)}" + (f" at batch {batch}" if batch > 1 else "")
+    check_memory(need, what, "give shorter contexts")
+
+
+_BENCH_METHODS = ("oaken", "dynamic", "quanto")
+
+
+def _check_methods(methods: str) -> list[str]:
+    """``--methods`` of the cache benchmarks: distinct names among :data:`_BENCH_METHODS`."""
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    if not names or len(set(names)) != len(names) or any(m not in _BENCH_METHODS for m in names):
+        raise _bad("--methods", f"give distinct methods among {', '.join(_BENCH_METHODS)}, got {methods!r}")
+    return names
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import numba
+        import torch
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+@bench_app.command("attention")
+def bench_attention(
+    context: Annotated[str, typer.Option(help="Comma-separated context lengths in tokens.")] = "1024,16384",
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8",
+    threads: Annotated[str, typer.Option(help="Comma-separated thread counts (torch and numba).")] = "1,2",
+    rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (the best time is reported).", min=1)] = 5,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    thresholds: Annotated[
+        Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name (see `oakenkv info`).")] = "default",
+) -> None:
+    """Time the packed decode-attention kernel on one layer's real K/V and report the packed bytes it reads per
+    second next to memcpy (same threads) and fp32 SDPA, measured in the same rounds."""
+    import json
+
+    from oakenkv.sim.report import parse_int_list
+
+    contexts = parse_int_list(context, "--context")
+    batches = parse_int_list(batch, "--batch")
+    counts = parse_int_list(threads, "--threads")
+    import numba
+
+    if max(counts) > numba.config.NUMBA_NUM_THREADS:
+        raise _bad("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
+    _check_out(json_out, "--json")
+    _check_model(model)
+    thr_file = _load_thresholds(thresholds)
+    from rich.console import Console
+
+    from oakenkv.bench.attention import print_attention_bench, run_attention_bench
+    from oakenkv.generation import load_or_profile_thresholds
+    from oakenkv.models import load_model
+
+    console = Console(stderr=True)
+    with console.status("loading the model and thresholds") as status:
+        thr = load_or_profile_thresholds(load_model(model), thr_file)
+        result = run_attention_bench(
+            contexts, batches, counts, model=model, thresholds=thr, rounds=rounds, progress=status.update
+        )
+    print_attention_bench(result)
+    if json_out is not None:
+        from oakenkv.paths import atomic_write
+
+        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
+
+
+@bench_app.command("generate")
+def bench_generate(
+    prompts: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "128,1024,4096,16384",
+    batches: Annotated[str, typer.Option(help="Comma-separated batch sizes (every prompt with every batch).")] = "1,8",
+    points: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated PROMPTxBATCH points to run instead of the grid, e.g. '128x1,4096x8'."),
+    ] = None,
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated caches to compare: oaken (OakenCache + packed attention), dynamic (fp32 "
+            "DynamicCache), quanto (QuantizedCache, quanto int4)."
+        ),
+    ] = "oaken,dynamic,quanto",
+    new_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=2)
+    ] = 64,
+    rounds: Annotated[int, typer.Option(help="Timed generates per method and point (interleaved).", min=1)] = 3,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    thresholds: Annotated[
+        Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name (see `oakenkv info`).")] = "default",
+) -> None:
+    """Time model.generate end to end (prefill and decode tokens/s apart) for OakenCache, transformers'
+    DynamicCache (fp32) and QuantizedCache (quanto int4) at several prompt lengths and batch sizes, in interleaved
+    rounds with paired ratios. The full grid (16K-token prompts at batch 8) takes hours on a 2-core machine:
+    select a subset with --prompts/--batches or --points."""
+    import json
+
+    from oakenkv.sim.report import parse_int_list
+
+    names = _check_methods(methods)
+    if thresholds is not None and "oaken" not in names:
+        raise _bad("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
+    if points:
+        try:
+            grid = [tuple(int(x) for x in p.lower().split("x")) for p in points.split(",") if p.strip()]
+        except ValueError:
+            grid = []
+        if not grid or any(len(p) != 2 or min(p) < 1 for p in grid):
+            raise _bad("--points", f"points are PROMPTxBATCH with positive integers, e.g. 128x1; got {points!r}")
+    else:
+        grid = [(p, b) for p in parse_int_list(prompts, "--prompts") for b in parse_int_list(batches, "--batches")]
+    _check_out(json_out, "--json")
+    _check_model(model)
+    p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
+    _check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
+    thr_file = _load_thresholds(thresholds)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from oakenkv.bench.generate import print_generate_bench, run_generate_bench
+    from oakenkv.generation import load_or_profile_thresholds
+    from oakenkv.models import load_model
+
+    _set_threads(threads)
+    console = Console(stderr=True)
+    with console.status("loading the model and thresholds"):
+        thr = load_or_profile_thresholds(load_model(model), thr_file) if "oaken" in names else None
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("bench generate", total=None)
+
+        def progress(done: int, total: int, message: str) -> None:
+            bar.update(task, completed=done, total=total, description=message)
+
+        result = run_generate_bench(
+            points=grid, methods=names, model=model, thresholds=thr, new_tokens=new_tokens, rounds=rounds,
+            progress=progress,
+        )  # fmt: skip
+    print_generate_bench(result)
+    if json_out is not None:
+        from oakenkv.paths import atomic_write
+
+        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
 
 
 eval_app = typer.Typer(

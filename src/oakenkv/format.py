@@ -369,16 +369,18 @@ def from_records(
 class LayerView(NamedTuple):
     """Where one layer's keys and values of every batch row lie in a page pool: what a decode kernel reads.
 
-    Built by ``oakenkv.store.PagedKVStore.layer_view``; read by ``oakenkv.kernels.attention_cpu`` (and the
-    backends to come). ``B`` batch rows, ``T`` tokens stored per row, kind 0 = keys, 1 = values. Token ``t`` of
-    row ``b``, kind ``k``:
+    Built by ``oakenkv.store.PagedKVStore.layer_view`` from the tables the store keeps current on every write (no
+    table is rebuilt per step); read by ``oakenkv.kernels.attention_cpu`` (and the backends to come). ``B``
+    batch rows, ``T = num_tokens`` tokens stored per row, kind 0 = keys, 1 = values. The table arrays have
+    capacity beyond what is live (they grow by doubling): a reader uses ``num_tokens`` and ``sparse_counts``,
+    never their shapes. Token ``t < T`` of row ``b``, kind ``k``:
 
     * dense record: ``pool[p * page_size + (t % rpp) * record_size :][:record_size]`` with
       ``p = dense_pages[b, k, t // rpp]`` and ``rpp = page_size // record_size`` (records never straddle pages);
     * sparse record: ``sparse_lengths[b, k, t]`` bytes in the sparse page of its stream that holds it. The
-      stream's sparse pages are ``sparse_pages[i0:i1]`` with first tokens ``sparse_first[i0:i1]``, where
-      ``i0, i1 = sparse_starts[2 * b + k], sparse_starts[2 * b + k + 1]``; the record's offset in its page is the
-      sum of the lengths of the tokens before it in that page (readers walk a stream in token order).
+      stream's sparse pages are ``sparse_pages[b, k, :n]`` with first tokens ``sparse_first[b, k, :n]``,
+      ``n = sparse_counts[b, k]``; the record's offset in its page is the sum of the lengths of the tokens
+      before it in that page (readers walk a stream in token order).
 
     Page ids of -1 (``oakenkv.pages.EVICTED``) are pages a sliding window released; a kernel must not read them.
     The field order is the order of a kernel's trailing arguments: pass ``*view``.
@@ -392,15 +394,17 @@ class LayerView(NamedTuple):
     record_size: int
     #: Bytes of the scales at the start of a dense record (:func:`scale_bytes`).
     scale_bytes: int
-    #: int32 ``[B, 2, ceil(T / rpp)]``: dense page ids per row and kind, in token order.
+    #: ``T``: tokens stored in every stream of the layer.
+    num_tokens: int
+    #: int32 ``[B, 2, >= ceil(T / rpp)]``: dense page ids per row and kind, in token order.
     dense_pages: np.ndarray
-    #: int32 ``[S]``: sparse page ids of every (row, kind) stream, concatenated in ``2 * b + k`` order.
+    #: int32 ``[B, 2, >= max(sparse_counts)]``: sparse page ids per row and kind, in token order.
     sparse_pages: np.ndarray
-    #: int32 ``[S]``: first token whose sparse record lies in each of those pages.
+    #: int32 ``[B, 2, >= max(sparse_counts)]``: first token whose sparse record lies in each of those pages.
     sparse_first: np.ndarray
-    #: int64 ``[2 * B + 1]``: stream ``2 * b + k``'s pages are ``sparse_pages[starts[2b+k]:starts[2b+k+1]]``.
-    sparse_starts: np.ndarray
-    #: uint16 ``[B, 2, T]``: sparse record length of every token (the row format's header).
+    #: int64 ``[B, 2]``: sparse pages of each stream.
+    sparse_counts: np.ndarray
+    #: uint16 ``[B, 2, >= T]``: sparse record length of every token (the row format's header).
     sparse_lengths: np.ndarray
     #: float32 ``[2, 4]``: the layer's key and value thresholds ``(to_lo, ti_lo, ti_hi, to_hi)``.
     thresholds: np.ndarray

@@ -2,10 +2,14 @@
 
 :func:`load_or_profile_thresholds` reads a thresholds file, or profiles the model once on the calibration text
 and caches the result on disk (``oakenkv.profile.cached_thresholds``), so later runs start in seconds.
+
+:func:`timed_generate` runs ``model.generate`` and times it split at the first new token (prefill, then each
+decode step); the demo's tokens/s and ``oakenkv bench generate`` both come from it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +35,121 @@ def load_or_profile_thresholds(
 
 
 @dataclass(frozen=True)
+class GenerationTiming:
+    """Wall-clock times of one ``model.generate`` call, split at the first new token.
+
+    ``prefill_s`` runs from the call to the first new token (the prompt's forward pass and the first pick);
+    ``step_s`` holds each later token's time (one decode step: a forward pass of one token per row, its pick
+    and transformers' bookkeeping). Tokens/s count every batch row.
+    """
+
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    step_s: tuple[float, ...]
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.step_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode tokens per second: ``batch * decode steps / decode time`` (NaN without a decode step)."""
+        return self.batch * len(self.step_s) / self.decode_s if self.step_s else float("nan")
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of the prefill: ``batch * prompt tokens / prefill_s``."""
+        return self.batch * self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_step_ms(self) -> float:
+        """Mean decode step, milliseconds."""
+        return 1e3 * self.decode_s / len(self.step_s) if self.step_s else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "prefill_s": self.prefill_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_step_ms": self.decode_step_ms,
+            "tokens_per_s": self.tokens_per_s,
+            "step_ms": [1e3 * t for t in self.step_s],
+        }
+
+
+class _Clock:
+    """A transformers streamer that only notes when each ``put`` arrives: the prompt first, then every new
+    token (all rows of the batch at once)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(
+    model: Any,
+    input_ids: Any,
+    cache: Any,
+    *,
+    max_new_tokens: int,
+    attention_mask: Any = None,
+    exact_length: bool = False,
+    **generate_kwargs: Any,
+) -> tuple[Any, GenerationTiming]:
+    """``model.generate`` with ``cache``, timed: returns ``(output ids, GenerationTiming)``.
+
+    Args:
+        input_ids: int64 ``[B, P]`` prompt ids; attention_mask: ``[B, P]`` (default: all ones).
+        exact_length: generate exactly ``max_new_tokens`` tokens (end-of-sequence ignored), as a benchmark does.
+        generate_kwargs: passed on (``do_sample``, ``pad_token_id``, ...).
+
+    The attention implementation is the model's current one: wrap the call in ``oaken_attention(model)`` for
+    an ``OakenCache``'s packed decode. Timing marks come from a streamer (one mark per new token), so they
+    include transformers' per-step work, as a user sees it.
+    """
+    import torch
+
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if exact_length:
+        generate_kwargs["min_new_tokens"] = max_new_tokens
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            streamer=clock,
+            **generate_kwargs,
+        )
+    marks = [t0, *clock.times[1:]]  # times[0]: the prompt, handed to the streamer before the prefill
+    b, p = input_ids.shape
+    timing = GenerationTiming(
+        batch=int(b),
+        prompt_tokens=int(p),
+        new_tokens=int(out.shape[1] - p),
+        prefill_s=marks[1] - marks[0] if len(marks) > 1 else time.perf_counter() - t0,
+        step_s=tuple(y - x for x, y in itertools.pairwise(marks[1:])),
+    )
+    return out, timing
+
+
+@dataclass(frozen=True)
 class Generation:
     """One generation and what its KV cache cost."""
 
@@ -42,9 +161,11 @@ class Generation:
     kv_bytes: int
     #: What an fp32 DynamicCache holds for the same tokens.
     fp32_kv_bytes: int
+    #: The call's prefill and decode times (:func:`timed_generate`).
+    timing: GenerationTiming | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "text": self.text,
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
@@ -53,6 +174,15 @@ class Generation:
             "fp32_kv_bytes": self.fp32_kv_bytes,
             "compression": self.fp32_kv_bytes / self.kv_bytes if self.kv_bytes else None,
         }
+        if self.timing is not None:
+            t = self.timing
+            out.update(
+                prefill_s=t.prefill_s,
+                decode_step_ms=t.decode_step_ms,
+                tokens_per_s=t.tokens_per_s,
+                step_ms=[1e3 * x for x in t.step_s],
+            )
+        return out
 
 
 def generate_text(
@@ -74,7 +204,6 @@ def generate_text(
     """
     import contextlib
 
-    import torch
     from transformers import DynamicCache
 
     from oakenkv.attention import oaken_attention
@@ -91,17 +220,15 @@ def generate_text(
         raise ValueError("the prompt is empty (no tokens to continue); give some text")
     cache = OakenCache(thresholds, model.config) if thresholds is not None else DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    with ctx, torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            cache=cache,
+    with ctx:
+        out, timing = timed_generate(
+            model,
+            ids,
+            cache,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         )
-    seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1] :]
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -111,9 +238,10 @@ def generate_text(
         text=tok.decode(new, skip_special_tokens=True),
         new_tokens=int(new.numel()),
         prompt_tokens=int(ids.shape[1]),
-        seconds=seconds,
+        seconds=timing.total_s,
         kv_bytes=kv_bytes(cache),
         fp32_kv_bytes=fp32,
+        timing=timing,
     )
 
 
@@ -188,7 +316,12 @@ def oaken_demo_side(
         "fp32_kv_bytes_per_window": fp32,
     }
     if max_new_tokens > 0:
+        from oakenkv.attention import load_kernels
+
+        # the decode kernels' first use loads them from numba's disk cache (~0.5-1 s): not part of the tokens/s
+        with status("Loading the decode kernels..."):
+            out["kernel_load_s"] = load_kernels()
         with status(f"Generating {max_new_tokens} tokens greedily with the Oaken cache..."):
             g = generate_text(loaded, prompt, thr, max_new_tokens=max_new_tokens)
-        out["oaken_generation"] = {**g.to_dict(), "tokens_per_s": g.new_tokens / g.seconds if g.seconds else None}
+        out["oaken_generation"] = g.to_dict()
     return out

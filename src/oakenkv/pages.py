@@ -221,6 +221,25 @@ class PoolStats:
         return self.bytes_reserved + self.table_bytes
 
 
+class TokenTargets:
+    """The streams a decode step appends one record to, resolved to their tables once
+    (:meth:`PagePool.token_targets`) instead of at every step; :meth:`PagePool.append_token` resolves them again
+    if a sequence was freed since."""
+
+    __slots__ = ("generation", "pairs", "tables")
+
+    def __init__(self, pairs: list[tuple[int, int]], tables: list[StreamTable], generation: int) -> None:
+        #: ``[(seq, stream), ...]``: distinct pairs.
+        self.pairs = pairs
+        #: Their live tables, in the same order.
+        self.tables = tables
+        #: The pool's count of freed sequences when the tables were looked up.
+        self.generation = generation
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
 class PagePool:
     """A budgeted pool of byte pages holding many sequences' dense and sparse records (module docstring).
 
@@ -243,6 +262,11 @@ class PagePool:
         self._seqs: dict[int, list[StreamTable]] = {}
         self._next_seq = 0
         self._pages_in_use = 0
+        #: False while no page can be shared (no fork since the last check found none): append_token then skips
+        #: the reference counts' copy-on-write checks.
+        self._maybe_shared = False
+        #: Sequences freed so far: a TokenTargets resolved before a free is looked up again.
+        self._generation = 0
 
     # ---------------------------------------------------------------- sequences
 
@@ -265,6 +289,7 @@ class PagePool:
             for pages in (s.dense_pages.view, s.sparse_pages.view):
                 np.add.at(self.refcount, pages[pages != EVICTED], 1)
         self._seqs[sid] = copies
+        self._maybe_shared = True
         return sid
 
     def free(self, seq: int) -> None:
@@ -275,6 +300,7 @@ class PagePool:
                     if p != EVICTED:
                         self._decref(p)
         del self._seqs[seq]
+        self._generation += 1
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -389,20 +415,37 @@ class PagePool:
         for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
             self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
 
+    def token_targets(self, pairs: list[tuple[int, int]]) -> TokenTargets:
+        """``pairs`` (distinct ``(seq, stream)``) resolved to their tables, for many :meth:`append_token` calls."""
+        pairs = list(pairs)
+        if len(set(pairs)) != len(pairs):
+            raise ValueError("append_token got the same stream twice")
+        return TokenTargets(pairs, [self.table(seq, stream) for seq, stream in pairs], self._generation)
+
     def append_token(
-        self, targets: list[tuple[int, int]], dense: np.ndarray, sparse: np.ndarray, lengths: np.ndarray
-    ) -> None:
+        self,
+        targets: list[tuple[int, int]] | TokenTargets,
+        dense: np.ndarray,
+        sparse: np.ndarray,
+        lengths: np.ndarray,
+    ) -> list[int]:
         """Append one token's records to each of several distinct streams, atomically (the decode step).
 
         The same result as :meth:`append_many` with one-token items, without its per-item array work: a decode
         step appends ``2 * layers * batch`` single records, and the general path's planning costs more than
-        the encoding itself.
+        the encoding itself. The tables are updated with scalar bookkeeping, then one numba call copies the
+        records into the pages.
 
         Args:
-            targets: ``[(seq, stream), ...]``, ``m`` distinct pairs.
+            targets: ``[(seq, stream), ...]``, ``m`` distinct pairs, or the same resolved once by
+                :meth:`token_targets` (what a cache does: no table look-ups per step).
             dense: uint8 ``[m, rec]``: the dense record for each target.
             sparse: uint8 ``[m, >= max(lengths)]``: row ``k`` starts with target ``k``'s sparse record.
             lengths: int ``[m]``: sparse record lengths.
+
+        Returns:
+            The indices of the targets whose page lists changed (a page added, or their last page copied on
+            write), for readers that keep a copy of the tables (``oakenkv.store``); usually empty.
         """
         ps = self.config.page_size
         m, rec = dense.shape
@@ -412,57 +455,81 @@ class PagePool:
             raise ValueError(f"dense record size must be in [1, page_size={ps}], got {rec}")
         lens = lengths.tolist()
         limit = min(ps, MAX_SPARSE_RECORD, sparse.shape[1])
-        tables = [self.table(seq, stream) for seq, stream in targets]
-        if len(set(targets)) != m:
-            raise ValueError("append_token got the same stream twice")
+        if not isinstance(targets, TokenTargets):
+            targets = self.token_targets(targets)
+        elif targets.generation != self._generation:  # a sequence was freed: look the tables up again
+            fresh = self.token_targets(targets.pairs)
+            targets.tables, targets.generation = fresh.tables, fresh.generation
+        tables = targets.tables
         rpp = ps // rec
+        # Copy on write needs a look at reference counts only while some page is shared (after a fork).
+        shared = self._maybe_shared and bool((self.refcount > 1).any())
+        self._maybe_shared = shared
+        refcount = self.refcount
         need = 0
         for t, length in zip(tables, lens, strict=True):  # ask
             if t.num_tokens and t.rec_size != rec:
                 raise ValueError(f"a stream holds {t.rec_size}-byte records, got {rec}")
             if not 0 <= length <= limit:
                 raise ValueError(f"sparse record lengths must be in [0, {limit}] bytes, got {length}")
-            if t.num_tokens % rpp == 0 or self.refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1:
+            if t.num_tokens % rpp == 0 or (shared and refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1):
                 need += 1
-            if length:
-                space = ps - t.sparse_tail if t.sparse_pages.n else 0
-                if length > space or self.refcount[t.sparse_pages.buf[t.sparse_pages.n - 1]] > 1:
-                    need += 1
+            if length and (
+                not t.sparse_pages.n
+                or length > ps - t.sparse_tail
+                or (shared and refcount[t.sparse_pages.buf[t.sparse_pages.n - 1]] > 1)
+            ):
+                need += 1
         if need > self.free_pages:
             raise PoolExhaustedError(
                 f"page pool exhausted: appending a token to {m} stream(s) needs {need} pages, {self.free_pages} "
                 f"are free ({self.config.max_pages} pages of {ps} B = {self.config.budget_bytes} B budget); "
                 "no sequence was changed"
             )
-        for k, (t, length) in enumerate(zip(tables, lens, strict=True)):  # commit
+        # commit: the tables first, collecting where each record goes (flat byte offsets into the storage)
+        dense_at = np.empty(m, np.int64)
+        sparse_at = np.empty(m, np.int64)
+        changed = []
+        for k, (t, length) in enumerate(zip(tables, lens, strict=True)):
             t.rec_size = rec
             slot = t.num_tokens % rpp
+            dp = t.dense_pages
             if slot == 0:
-                t.dense_pages.push(self._alloc())
-            elif self.refcount[t.dense_pages.buf[t.dense_pages.n - 1]] > 1:
-                t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.buf[t.dense_pages.n - 1]))
-            pg = int(t.dense_pages.buf[t.dense_pages.n - 1])
-            # self.data is read after every _alloc: growing the pool replaces the array
-            self.data[pg, slot * rec : (slot + 1) * rec] = dense[k]
+                dp.push(self._alloc())
+                changed.append(k)
+            elif shared and self.refcount[dp.buf[dp.n - 1]] > 1:
+                dp.buf[dp.n - 1] = self._cow(int(dp.buf[dp.n - 1]))
+                changed.append(k)
+            pg = int(dp.buf[dp.n - 1])
+            dense_at[k] = pg * ps + slot * rec
             self.page_fill[pg] = (slot + 1) * rec
             if length:
-                space = ps - t.sparse_tail if t.sparse_pages.n else 0
-                if length > space:
+                sp = t.sparse_pages
+                if not sp.n or length > ps - t.sparse_tail:
                     pg = self._alloc()
-                    t.sparse_pages.push(pg)
+                    sp.push(pg)
                     t.sparse_first.push(t.num_tokens)
                     at = 0
+                    if not changed or changed[-1] != k:
+                        changed.append(k)
                 else:
-                    pg = int(t.sparse_pages.buf[t.sparse_pages.n - 1])
-                    if self.refcount[pg] > 1:
+                    pg = int(sp.buf[sp.n - 1])
+                    if shared and self.refcount[pg] > 1:
                         pg = self._cow(pg)
-                        t.sparse_pages.buf[t.sparse_pages.n - 1] = pg
+                        sp.buf[sp.n - 1] = pg
+                        if not changed or changed[-1] != k:
+                            changed.append(k)
                     at = t.sparse_tail
-                self.data[pg, at : at + length] = sparse[k, :length]
+                sparse_at[k] = pg * ps + at
                 t.sparse_tail = at + length
                 self.page_fill[pg] = t.sparse_tail
+            else:
+                sparse_at[k] = -1
             t.sparse_len.push(length)
             t.num_tokens += 1
+        # self.data is read after every _alloc: growing the pool replaces the array
+        _copy_token_records(self.data, dense, dense_at, sparse, lengths, sparse_at)
+        return changed
 
     # ---------------------------------------------------------------- reading (reference paths)
 
@@ -797,3 +864,19 @@ def _copy_sparse(data, page_ids, slot, offset, sparse, offs):
         a = offset[j]
         for i in range(offs[j + 1] - offs[j]):
             data[p, a + i] = sparse[offs[j] + i]
+
+
+@njit(cache=True, nogil=True)
+def _copy_token_records(data, dense, dense_at, sparse, lengths, sparse_at):
+    """Copy record ``k`` (``dense[k]``, and ``sparse[k, :lengths[k]]`` unless ``sparse_at[k] < 0``) to the flat
+    byte offsets ``dense_at[k]`` and ``sparse_at[k]`` of the page storage ``data``."""
+    flat = data.reshape(-1)
+    rec = dense.shape[1]
+    for k in range(dense.shape[0]):
+        a = dense_at[k]
+        for i in range(rec):
+            flat[a + i] = dense[k, i]
+        a = sparse_at[k]
+        if a >= 0:
+            for i in range(lengths[k]):
+                flat[a + i] = sparse[k, i]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 
 from oakenkv.config import OakenConfig
 from oakenkv.format import (
@@ -33,7 +34,7 @@ from oakenkv.format import (
     to_records,
 )
 from oakenkv.kernels.cpu import encode_records
-from oakenkv.pages import PagePool, PoolConfig, PoolStats
+from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
 from oakenkv.transforms import fwht
 
@@ -81,6 +82,67 @@ def codec_functions(kind: str) -> tuple[Encoder, Decoder]:
     from oakenkv import codec
 
     return codec.encode, codec.decode
+
+
+@njit(cache=True, nogil=True)
+def _set_lengths(sparse_lengths, t, counts):
+    """``sparse_lengths[:, KEY, t] = counts[:B]`` and ``[:, VALUE, t] = counts[B:]`` in one call (two numpy
+    assignments cost more than the rest of the mirror's update)."""
+    b = sparse_lengths.shape[0]
+    for r in range(b):
+        sparse_lengths[r, 0, t] = counts[r]
+        sparse_lengths[r, 1, t] = counts[b + r]
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a`` with its last axis at least ``size`` long (doubling), contents kept."""
+    if a.shape[-1] >= size:
+        return a
+    new = np.zeros((*a.shape[:-1], max(size, 2 * a.shape[-1])), dtype=a.dtype)
+    new[..., : a.shape[-1]] = a
+    return new
+
+
+class LayerTables:
+    """One layer's page tables of every batch row, stacked the way a decode kernel reads them; kept current by
+    every write of :class:`PagedKVStore` (append, eviction, reorder), so a decode step hands the kernel these
+    arrays as they are: no table is rebuilt or copied per step.
+
+    A mirror of the pool's tables (``pages.StreamTable``, which stay the authority): each write copies what it
+    changed into the mirror: one sparse length per stream per token, and a page id when a page is added, copied
+    on write or released. :meth:`PagedKVStore.check_tables` compares the two. Capacities double as the layer
+    grows; entries past a stream's live part are meaningless. Shapes (``B`` rows, kind 0 keys / 1 values) are
+    those of :class:`~oakenkv.format.LayerView`, which :meth:`view` builds from these arrays.
+    """
+
+    __slots__ = ("dense_pages", "num_tokens", "sparse_counts", "sparse_first", "sparse_lengths", "sparse_pages")
+
+    def __init__(self, batch: int) -> None:
+        #: Tokens stored in every stream of the layer.
+        self.num_tokens = 0
+        #: int32 ``[B, 2, >= ceil(T / rpp)]``: dense page ids in token order.
+        self.dense_pages = np.zeros((batch, 2, 4), np.int32)
+        #: int32 ``[B, 2, >= max sparse pages]``: sparse page ids, and the first token of each.
+        self.sparse_pages = np.zeros((batch, 2, 4), np.int32)
+        self.sparse_first = np.zeros((batch, 2, 4), np.int32)
+        #: int64 ``[B, 2]``: sparse pages of each stream.
+        self.sparse_counts = np.zeros((batch, 2), np.int64)
+        #: uint16 ``[B, 2, >= T]``: sparse record length of every token.
+        self.sparse_lengths = np.zeros((batch, 2, 64), np.uint16)
+
+    def sync(self, b: int, kind: int, table: StreamTable, dense_from: int, sparse_from: int, token_from: int) -> None:
+        """Copy stream ``(b, kind)``'s tables from dense page ``dense_from``, sparse page ``sparse_from`` and token
+        ``token_from`` on (what a write may have changed); the rest is already current."""
+        dp, sp, n = table.dense_pages, table.sparse_pages, table.num_tokens
+        self.dense_pages = _grown(self.dense_pages, dp.n)
+        self.dense_pages[b, kind, dense_from : dp.n] = dp.buf[dense_from : dp.n]
+        self.sparse_pages = _grown(self.sparse_pages, sp.n)
+        self.sparse_first = _grown(self.sparse_first, sp.n)
+        self.sparse_pages[b, kind, sparse_from : sp.n] = sp.buf[sparse_from : sp.n]
+        self.sparse_first[b, kind, sparse_from : sp.n] = table.sparse_first.buf[sparse_from : sp.n]
+        self.sparse_counts[b, kind] = sp.n
+        self.sparse_lengths = _grown(self.sparse_lengths, n)
+        self.sparse_lengths[b, kind, token_from:n] = table.sparse_len.buf[token_from:n]
 
 
 class PagedKVStore:
@@ -133,6 +195,12 @@ class PagedKVStore:
         self.prefill_chunk = prefill_chunk
         #: Pool sequence id of each batch row.
         self.seqs: list[int] = []
+        #: Per layer: the kernel's page tables of every row (:class:`LayerTables`), kept current by every write.
+        self.tables: list[LayerTables] = []
+        #: Per layer: ``append_token``'s targets, the (sequence, stream) of every row's keys, then its values.
+        self._targets: list[TokenTargets] = []
+        #: The pool's storage as one flat array (a view, renewed when the pool grows).
+        self._flat: tuple[np.ndarray, np.ndarray] = (self.pool.data, self.pool.data.reshape(-1))
         #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
         self.thr = np.array(
             [[thresholds.layer(i, k).as_tuple() for k in KINDS] for i in range(num_layers)], dtype=np.float32
@@ -169,12 +237,41 @@ class PagedKVStore:
 
     def ensure_batch(self, batch_size: int) -> None:
         if not self.seqs:
-            self.seqs = [self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)]
+            self._set_rows([self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)])
         elif batch_size != len(self.seqs):
             raise ValueError(f"the cache holds {len(self.seqs)} sequences but got a batch of {batch_size}")
 
     def num_tokens(self, layer: int) -> int:
-        return self.pool.num_tokens(self.seqs[0], 2 * layer) if self.seqs else 0
+        return self.tables[layer].num_tokens if self.seqs else 0
+
+    def _set_rows(self, seqs: list[int]) -> None:
+        """Make ``seqs`` the batch rows and build every layer's tables from the pool (new rows, reorders)."""
+        self.seqs = seqs
+        self._targets = [
+            self.pool.token_targets(
+                [(seq, 2 * layer + KEY) for seq in seqs] + [(seq, 2 * layer + VALUE) for seq in seqs]
+            )
+            for layer in range(self.num_layers)
+        ]
+        self.tables = [LayerTables(len(seqs)) for _ in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            self._sync_layer(layer)
+
+    def _sync_layer(self, layer: int) -> None:
+        """Bring ``layer``'s tables up to the pool's after a write to every row: from the last dense and sparse page
+        and the first token the tables already held (those pages may have been copied on write)."""
+        lt = self.tables[layer]
+        t0 = lt.num_tokens
+        dense_from = max(0, -(-t0 // (self.pool.config.page_size // self.rec_size)) - 1)
+        counts = set()
+        for r, seq in enumerate(self.seqs):
+            for kind in (KEY, VALUE):
+                table = self.pool.table(seq, 2 * layer + kind)
+                lt.sync(r, kind, table, dense_from, max(0, int(lt.sparse_counts[r, kind]) - 1), t0)
+                counts.add(table.num_tokens)
+        if len(counts) > 1:
+            raise RuntimeError(f"layer {layer}: the rows' streams hold different numbers of tokens {sorted(counts)}")
+        lt.num_tokens = counts.pop() if counts else 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[EncodedBatch, EncodedBatch]:
         """Encode and store new tokens of one layer for every row, atomically for the layer.
@@ -201,6 +298,7 @@ class PagedKVStore:
                 # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
                 # tensors waits for thread wake-ups on a loaded machine (docs/perf-notes.md).
                 x32 = x.detach().to(torch.float32).numpy()
+                # The rows, float32 [B * S, D], as they are quantized (the online key transform runs on them).
                 rows_np = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
                 if kind == KEY:
                     self._transform_keys(layer, rows_np)
@@ -214,13 +312,15 @@ class PagedKVStore:
                         (self.seqs[r], 2 * layer + kind, dense[r * s : (r + 1) * s], sparse[o[0] : o[-1]], o - o[0])
                     )
         self.pool.append_many(items)
+        self._sync_layer(layer)
         return encoded[0], encoded[1]
 
     def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one new token ``[B, H, 1, hd]`` of one layer for every row (a decode step), atomically.
 
         Same bytes as :meth:`append`; one serial numba call encodes the ``2 B`` rows straight into page records
-        and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). Needs the fast codec.
+        and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). The layer's tables
+        take the new sparse lengths, and a page id only where a page was added or copied. Needs the fast codec.
         """
         b, h, s, hd = keys.shape
         if (h, s, hd) != (self.num_kv_heads, 1, self.head_dim) or values.shape != keys.shape:
@@ -228,72 +328,96 @@ class PagedKVStore:
                 f"append_token expects keys and values [B, {self.num_kv_heads}, 1, {self.head_dim}], got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
-        self.ensure_batch(b)
+        if len(self.seqs) != b:  # (new rows, or the error for a batch the cache does not hold)
+            self.ensure_batch(b)
         scratch = self._token_scratch
         if scratch is None or scratch[0].shape[0] != 2 * b:
-            m = 2 * b
-            scratch = (
-                np.empty((m, self.dim), np.float32),
-                np.empty((m, self.rec_size), np.uint8),
-                np.empty((m, sparse_capacity(self.dim)), np.uint8),
-                np.empty(m, np.int64),
-                np.empty((m, 4), np.float32),
-            )
-            self._token_scratch = scratch
-        rows, records, sparse, counts, thr = scratch
-        # [B, H, 1, hd] -> [B, H * hd] rows (keys first, then values); numpy copies on this thread (see append).
-        rows[:b] = keys.detach().to(torch.float32).numpy().reshape(b, self.dim)
-        rows[b:] = values.detach().to(torch.float32).numpy().reshape(b, self.dim)
-        self._transform_keys(layer, rows[:b])
-        thr[:b] = self.thr[layer, KEY]
-        thr[b:] = self.thr[layer, VALUE]
-        cfg = self.config
-        fp16 = cfg.scale_dtype == "float16"
-        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, fp16, self.scale_bytes, records, sparse, counts)
-        bad = np.flatnonzero(counts < 0)
-        if bad.size:
-            r = int(bad[0])
+            scratch = self._token_scratch = self._make_token_scratch(b)
+        rows, records, sparse, counts, thr, constants = scratch
+        # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (the online key transform runs on
+        # the key rows, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
+        # it takes (a .to() call costs more than the copy).
+        k = keys.detach()
+        v = values.detach()
+        rows[:b] = (k if k.dtype == torch.float32 else k.float()).numpy().reshape(b, self.dim)
+        rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
+        self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
+        encode_records(rows, thr[layer], *constants, records, sparse, counts)
+        if min(counts.tolist()) < 0:  # (a list's min: faster than numpy's on a few values)
+            r = int(np.flatnonzero(counts < 0)[0])
             kind = "keys" if r < b else "values"
             raise ValueError(f"cannot encode the {kind} of row {r % b}: {ERROR_MESSAGES[int(-counts[r])]}")
-        targets = [(seq, 2 * layer + KEY) for seq in self.seqs] + [(seq, 2 * layer + VALUE) for seq in self.seqs]
-        self.pool.append_token(targets, records, sparse, counts)
+        changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
+        lt = self.tables[layer]
+        t = lt.num_tokens
+        if t >= lt.sparse_lengths.shape[2]:
+            lt.sparse_lengths = _grown(lt.sparse_lengths, t + 1)
+        _set_lengths(lt.sparse_lengths, t, counts)
+        lt.num_tokens = t + 1
+        for i in changed:  # a page added or copied on write: its id (rarely: every page_size // record bytes)
+            r, kind = i % b, i // b
+            table = self.pool.table(self.seqs[r], 2 * layer + kind)
+            lt.sync(r, kind, table, table.dense_pages.n - 1, max(0, table.sparse_pages.n - 1), t + 1)
+
+    def _make_token_scratch(self, b: int) -> tuple[Any, ...]:
+        """append_token's buffers for ``2 b`` rows, each layer's thresholds per row, the encoder's constants."""
+        m = 2 * b
+        thr = np.empty((self.num_layers, m, 4), np.float32)
+        thr[:, :b] = self.thr[:, None, KEY]
+        thr[:, b:] = self.thr[:, None, VALUE]
+        cfg = self.config
+        return (
+            np.empty((m, self.dim), np.float32),
+            np.empty((m, self.rec_size), np.uint8),
+            np.empty((m, sparse_capacity(self.dim)), np.uint8),
+            np.empty(m, np.int64),
+            thr,
+            (cfg.inner_bits, cfg.outer_bits, cfg.scale_dtype == "float16", self.scale_bytes),
+        )
 
     def layer_view(self, layer: int) -> LayerView:
         """Where ``layer``'s keys and values of every row lie in the pool: the :class:`LayerView` a decode kernel
-        reads (page tables of all rows stacked; see its docstring for shapes and layout).
+        reads (see its docstring for shapes and layout).
 
-        Built from the pool's tables on each call, with as few numpy calls as possible (this runs for every layer
-        of every decode step), so it is current until the next append, eviction or reorder.
+        The arrays are the layer's :class:`LayerTables`, which every write keeps current: building the view
+        copies nothing. It is valid until the next write (append, eviction, reorder).
         """
-        pool = self.pool
-        tables = [(pool.table(seq, 2 * layer + KEY), pool.table(seq, 2 * layer + VALUE)) for seq in self.seqs]
-        b, t = len(tables), tables[0][0].sparse_len.n
-        dense_pages = np.empty((b, 2, tables[0][0].dense_pages.n), dtype=np.int32)
-        sparse_lengths = np.empty((b, 2, t), dtype=np.uint16)
-        sizes = [0]
-        for i, row in enumerate(tables):
-            for kind, tt in enumerate(row):
-                if tt.sparse_len.n != t:
-                    raise RuntimeError(f"layer {layer}: page tables hold {tt.sparse_len.n} and {t} tokens")
-                dense_pages[i, kind] = tt.dense_pages.view
-                sparse_lengths[i, kind] = tt.sparse_len.view
-                sizes.append(sizes[-1] + tt.sparse_pages.n)
+        lt = self.tables[layer]
+        data = self.pool.data
+        if self._flat[0] is not data:  # the pool grew: its storage is a new array
+            self._flat = (data, data.reshape(-1))
         cfg = self.config
         return LayerView(
-            pool=pool.data.reshape(-1),
-            page_size=pool.config.page_size,
-            record_size=self.rec_size,
-            scale_bytes=self.scale_bytes,
-            dense_pages=dense_pages,
-            sparse_pages=np.concatenate([tt.sparse_pages.view for row in tables for tt in row]),
-            sparse_first=np.concatenate([tt.sparse_first.view for row in tables for tt in row]),
-            sparse_starts=np.array(sizes, dtype=np.int64),
-            sparse_lengths=sparse_lengths,
-            thresholds=self.thr[layer],
-            inner_bits=cfg.inner_bits,
-            outer_bits=cfg.outer_bits,
-            num_kv_heads=self.num_kv_heads,
+            self._flat[1],
+            self.pool.config.page_size,
+            self.rec_size,
+            self.scale_bytes,
+            lt.num_tokens,
+            lt.dense_pages,
+            lt.sparse_pages,
+            lt.sparse_first,
+            lt.sparse_counts,
+            lt.sparse_lengths,
+            self.thr[layer],
+            cfg.inner_bits,
+            cfg.outer_bits,
+            self.num_kv_heads,
         )
+
+    def check_tables(self) -> None:
+        """Assert that every layer's :class:`LayerTables` equal the pool's tables (for tests)."""
+        for layer, lt in enumerate(self.tables):
+            for r, seq in enumerate(self.seqs):
+                for kind in (KEY, VALUE):
+                    t = self.pool.table(seq, 2 * layer + kind)
+                    where = f"layer {layer} row {r} kind {kind}"
+                    assert lt.num_tokens == t.num_tokens, f"{where}: {lt.num_tokens} != {t.num_tokens} tokens"
+                    assert np.array_equal(lt.dense_pages[r, kind, : t.dense_pages.n], t.dense_pages.view), where
+                    assert lt.sparse_counts[r, kind] == t.sparse_pages.n, f"{where}: sparse page count"
+                    n = t.sparse_pages.n
+                    assert np.array_equal(lt.sparse_pages[r, kind, :n], t.sparse_pages.view), where
+                    assert np.array_equal(lt.sparse_first[r, kind, :n], t.sparse_first.view), where
+                    assert np.array_equal(lt.sparse_lengths[r, kind, : t.num_tokens], t.sparse_len.view), where
 
     def bits_per_value(self) -> dict[str, float]:
         """Bits per stored value, from the pages: ``format``: what the Oaken format stores (dense records,
@@ -342,9 +466,14 @@ class PagedKVStore:
         """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
         returns the table slots released. For sliding-window layers: no query will attend to those tokens."""
         released = 0
-        for seq in self.seqs:
+        lt = self.tables[layer] if self.seqs else None
+        for r, seq in enumerate(self.seqs):
             for kind in (KEY, VALUE):
-                released += self.pool.evict_before(seq, 2 * layer + kind, token)
+                table = self.pool.table(seq, 2 * layer + kind)
+                n = self.pool.evict_before(seq, 2 * layer + kind, token)
+                if n:  # released slots became EVICTED (a prefix of the page lists): copy the lists again
+                    lt.sync(r, kind, table, 0, 0, table.num_tokens)
+                released += n
         return released
 
     def reorder(self, index: list[int]) -> None:
@@ -364,12 +493,14 @@ class PagedKVStore:
         for j, seq in enumerate(self.seqs):
             if j not in used:
                 self.pool.free(seq)
-        self.seqs = new
+        self._set_rows(new)
 
     def reset(self) -> None:
         for seq in self.seqs:
             self.pool.free(seq)
         self.seqs = []
+        self.tables = []
+        self._targets = []
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

@@ -69,9 +69,12 @@ def record_source_kv(model: Any, input_ids: torch.Tensor) -> list[tuple[torch.Te
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
-def _tile(x: torch.Tensor, n: int) -> torch.Tensor:
-    reps = -(-n // x.shape[2])
-    return x.repeat(1, 1, reps, 1)[:, :, :n].contiguous()
+def tile_rows(x: torch.Tensor, n: int, batch: int = 1) -> torch.Tensor:
+    """``[1, H, S, hd]`` -> ``[batch, H, n, hd]``: ``x`` tiled along the tokens, row ``b`` starting ``37 b`` tokens
+    further (so that the rows differ)."""
+    reps = -(-(n + 37 * (batch - 1)) // x.shape[2])
+    tiled = x.repeat(1, 1, reps, 1)
+    return torch.cat([tiled[:, :, 37 * b : 37 * b + n] for b in range(batch)]).contiguous()
 
 
 def make_cache(method: str, model: Any, thresholds: Any) -> Any:
@@ -88,18 +91,28 @@ def make_cache(method: str, model: Any, thresholds: Any) -> Any:
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def fill_cache(method: str, model: Any, thresholds: Any, source: list[tuple[torch.Tensor, torch.Tensor]], context: int):
-    """A fresh cache of ``method`` holding ``context`` tokens (the source K/V tiled); returns ``(cache, seconds)``."""
+def fill_cache(
+    method: str,
+    model: Any,
+    thresholds: Any,
+    source: list[tuple[torch.Tensor, torch.Tensor]],
+    context: int,
+    batch: int = 1,
+):
+    """A fresh cache of ``method`` holding ``context`` tokens per row for ``batch`` rows (the source K/V tiled,
+    :func:`tile_rows`); returns ``(cache, seconds)``."""
     cache = make_cache(method, model, thresholds)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i, (k, v) in enumerate(source):
-            out = cache.update(_tile(k, context), _tile(v, context), i)
+            out = cache.update(tile_rows(k, context, batch), tile_rows(v, context, batch), i)
             del out  # the float tensors returned for prefill attention are not kept
     return cache, time.perf_counter() - t0
 
 
-def time_steps(model: Any, caches: dict[str, Any], steps: int, warmup: int = 1) -> dict[str, list[float]]:
+def time_steps(
+    model: Any, caches: dict[str, Any], steps: int, warmup: int = 1, batch: int = 1
+) -> dict[str, list[float]]:
     """Decode-step times (ms) of several caches, interleaved: round ``r`` times one step of every cache, starting
     with a different one each round, so that drifting machine load hits every method alike and step ``i`` of two
     methods can be compared as a pair. The ``"oaken"`` attention is on for all of them: it runs SDPA for float
@@ -108,7 +121,7 @@ def time_steps(model: Any, caches: dict[str, Any], steps: int, warmup: int = 1) 
 
     names = list(caches)
     times: dict[str, list[float]] = {m: [] for m in names}
-    tokens = {m: torch.tensor([[1000]]) for m in names}
+    tokens = {m: torch.full((batch, 1), 1000) for m in names}
     ctx = oaken_attention(model) if "oaken" in names else contextlib.nullcontext()
     with ctx, torch.inference_mode():
         for r in range(warmup + steps):
@@ -138,6 +151,7 @@ def run_decode_bench(
     thresholds: Any = None,
     steps: int = 5,
     source_tokens: int = 512,
+    batch: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every method at every context; returns ``{"results": {method: {context: {...}}}, "meta": {...}}``.
@@ -153,6 +167,7 @@ def run_decode_bench(
         thresholds: a ``Thresholds`` for the model (required for "oaken").
         steps: timed decode steps per point (the median is reported).
         source_tokens: WikiText-2 tokens of the real prefill whose K/V are tiled to each context.
+        batch: rows decoded together (each row's K/V start at another offset of the source).
         progress: called with a short message before each point.
     """
     import numba
@@ -167,8 +182,8 @@ def run_decode_bench(
         raise ValueError(f"methods must be distinct and not empty, got {list(methods)}")
     if "oaken" in methods and thresholds is None:
         raise ValueError("the 'oaken' method needs thresholds")
-    if any(c < 1 for c in contexts) or steps < 1:
-        raise ValueError("contexts and steps must be positive")
+    if any(c < 1 for c in contexts) or steps < 1 or batch < 1:
+        raise ValueError("contexts, steps and batch must be positive")
     loaded = load_model(model)
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=source_tokens, max_windows=1)
     source = record_source_kv(loaded.model, ids)
@@ -180,16 +195,16 @@ def run_decode_bench(
         for m in methods:
             if progress:
                 progress(f"filling {m} @ {context} tokens")
-            caches[m], fill_s = fill_cache(m, loaded.model, thresholds, source, context)
+            caches[m], fill_s = fill_cache(m, loaded.model, thresholds, source, context, batch)
             filled[m] = (kv_bytes(caches[m]), fill_s)
         if progress:
             progress(f"timing {', '.join(methods)} @ {context} tokens")
-        times = time_steps(loaded.model, caches, steps)
+        times = time_steps(loaded.model, caches, steps, batch=batch)
         del caches
         for m in methods:
             r = DecodeResult(m, context, statistics.median(times[m]), tuple(times[m]), *filled[m])
             d = r.to_dict()
-            d["fp32_ratio"] = fp32_per_token * context / r.kv_bytes
+            d["fp32_ratio"] = fp32_per_token * context * batch / r.kv_bytes
             results[m][str(context)] = d
         if "oaken" in methods:
             for other in methods:
@@ -200,6 +215,7 @@ def run_decode_bench(
         "torch_threads": torch.get_num_threads(),
         "numba_threads": numba.get_num_threads(),
         "steps": steps,
+        "batch": batch,
         "source_tokens": source_tokens,
         "fp32_bytes_per_token": fp32_per_token,
         "note": "context = real prefill K/V of WikiText-2 tiled to length; step = one full model forward; "
@@ -236,7 +252,10 @@ def print_decode_bench(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     res = result["results"]
-    table = Table(title=f"decode step, {result['meta']['model']} model (median of {result['meta']['steps']} steps)")
+    meta = result["meta"]
+    table = Table(
+        title=f"decode step, {meta['model']} model, batch {meta.get('batch', 1)} (median of {meta['steps']} steps)"
+    )
     for col in ("method", "context", "step ms", "x dynamic", "KV MiB", "fp32 / KV"):
         table.add_column(col, justify="right" if col != "method" else "left")
     for method, points in res.items():

@@ -1,22 +1,32 @@
 """Decode attention over packed Oaken pages (numba, CPU): one query token per row, flash-decoding style.
 
 The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
-straight from the page pool, dequantizes it into a ``D``-float scratch row with the codec's own single-row
-decoder specialised for this loop (same float32 arithmetic as ``oakenkv.kernels.cpu.decode_row_into_lut``,
-bit-exact with ``oakenkv.quant.dequantize``), and folds it
-into an online softmax. It never materialises more than one key row and one value row per thread: the float
-history is never rebuilt.
+straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
+``oakenkv.kernels.cpu.decode_row_into_lut``, bit-exact with ``oakenkv.quant.dequantize``) and folds it into an
+online softmax. The float history is never rebuilt: a work item holds one block of decoded key rows, one value
+row and its per-head accumulators.
+
+Blocks: a work item takes its tokens ``_BLOCK`` at a time. It decodes the block's key rows into a small float
+buffer, then computes all the block's scores (unit-stride dot products that LLVM vectorizes), the block's maximum
+and the probabilities (a polynomial ``exp`` that vectorizes, where a libm call per score would not), rescales the
+accumulators once, and finally decodes each value row and adds it into every query head's accumulator. Loops
+over the buffers use borrowed views (``numba_helpers.row_view`` / ``span_view``): a numba slice costs an atomic
+reference-count increment and decrement, which per token and head was most of the old kernel's time
+(docs/perf-notes.md).
 
 Parallelism: the tokens of each batch row are split into ``num_splits`` contiguous ranges (split-K, as in
 flash-decoding); each (row, split) work item keeps its own running max, sum and accumulator per query head, and a
-final pass combines them. Within a work item, tokens are processed in blocks of ``_BLOCK`` so that the
-accumulator is rescaled once per block, not once per token.
+final pass combines them.
 
-What the kernels read is one layer's :class:`~oakenkv.format.LayerView` (built by
-``oakenkv.store.PagedKVStore.layer_view``; its docstring has the table layout), passed as the kernels' trailing
-arguments (``*view``: numba dispatches plain arrays and integers fastest) and rebuilt as the named tuple inside.
-Page ids of -1 (``pages.EVICTED``: a sliding window released them) are never dereferenced: masked tokens are
-skipped without reading their pages, and an unmasked token on a released page stops the row with ``ERR_EVICTED``.
+What the kernels read is one layer's :class:`~oakenkv.format.LayerView` (``oakenkv.store.PagedKVStore.layer_view``;
+its docstring has the table layout), passed as the kernels' trailing arguments (``*view``: numba dispatches
+plain arrays and integers fastest) and rebuilt as the named tuple inside. Page ids of -1 (``pages.EVICTED``: a
+sliding window released them) are never dereferenced: masked tokens are skipped without reading their pages, and
+an unmasked token on a released page stops the row with ``ERR_EVICTED``.
+
+Fast math: the attention loops may reassociate and contract (vectorized reductions, FMA), but keep IEEE
+infinities (a masked score is ``-inf``; numba's plain ``fastmath=True`` would assume none exist). The row
+decoder is compiled without any, so the dequantized values are the codec's to the bit.
 """
 
 from __future__ import annotations
@@ -27,28 +37,60 @@ from numba import njit, prange
 from oakenkv.format import (
     ADVANCE_CONTINUE,
     CHUNK_SIZE,
+    COO_CODE_BIT4,
     COO_GROUP_BIT,
     COO_INDEX_MASK,
     ERR_ESCAPE_TRUNCATED,
     ERR_EVICTED,
     ERR_OK,
     ERR_POSITION_RANGE,
-    NUM_SCALES,
     LayerView,
 )
-from oakenkv.kernels.numba_helpers import f16_widen_int
+from oakenkv.kernels.numba_helpers import f16_widen, row_view, span_view
 
-#: Tokens per softmax block inside a work item.
+#: Tokens per block inside a work item: the scores of a block are computed together, the accumulators rescaled
+#: once per block.
 _BLOCK = 32
+
+#: LLVM fast-math flags of the attention loops: everything but "no NaNs" and "no infinities".
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 _F32 = np.float32
 
+#: Codes of a 5-bit outlier group: the entries of each group's half of the outlier look-up table.
+_CODES = 32
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _exp(x):
+    """``e ** x`` in float32 for ``x <= 0`` (``-inf`` included), without a libm call, so a loop over it
+    vectorizes: ``2 ** n`` times Cephes' ``expf`` polynomial on ``[-ln 2 / 2, ln 2 / 2]`` (about 1 ulp); 0 below
+    -87.3, where float32 would turn subnormal."""
+    xc = max(x, _F32(-87.3))
+    n = np.rint(xc * _F32(1.44269504))
+    r = xc - n * _F32(0.693359375) + n * _F32(2.12194440e-4)
+    p = _F32(1.9875691500e-4)
+    p = p * r + _F32(1.3981999507e-3)
+    p = p * r + _F32(8.3334519073e-3)
+    p = p * r + _F32(4.1665795894e-2)
+    p = p * r + _F32(1.6666665459e-1)
+    p = p * r + _F32(5.0000001201e-1)
+    p = p * r * r + r + _F32(1.0)
+    scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p * scale if x > _F32(-87.3) else _F32(0.0)
+
 
 @njit(cache=True, nogil=True)
-def _sparse_start(first, lens, t0):
+def _f16_at(pool, i):
+    """The fp16 stored little-endian at ``pool[i:i + 2]``, as float32 (exact)."""
+    return f16_widen(np.uint16(np.int64(pool[i]) | (np.int64(pool[i + 1]) << 8)))
+
+
+@njit(cache=True, nogil=True)
+def _sparse_start(first, count, lens, t0):
     """Walker state ``(page index, byte offset)`` of a stream's sparse records at token ``t0``."""
     sp = -1
-    for i in range(first.shape[0]):
+    for i in range(count):
         if first[i] <= t0:
             sp = i
         else:
@@ -61,84 +103,97 @@ def _sparse_start(first, lens, t0):
 
 
 @njit(cache=True, nogil=True)
-def _decode_token(
-    pool,
-    page_size,
-    dense_pages,
-    rpp,
-    rec,
-    sb,
-    sc_pages,
-    sc_first,
-    lens,
-    t,
-    sp,
-    off,
-    thr,
-    ib,
-    ob,
-    sc,
-    out,
-    codes,
+def _decode_rows(
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, ib, ob, keep, t0, sp, off, out
 ):
-    """Decode token ``t`` of one stream into float32 ``out[D]``; returns ``(status, sp, off)`` (advanced walker).
+    """Decode tokens ``t0 .. t0 + len(out)`` of one stream whose ``keep`` is set into the float32 rows ``out[j]``
+    (``out[j]`` is token ``t0 + j``; masked tokens are skipped, their pages never read). ``(sp, off)`` is the
+    stream's sparse walker at ``t0`` (page index, byte offset); returns ``(status, sp, off)`` advanced past the
+    block.
 
-    ``sc`` (float32 ``[6]``) and ``codes`` (uint8 ``[D]``) are scratch. The arithmetic is exactly
-    ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference ``quant.dequantize``):
-    ``v = lo + code * step`` in float32, then the threshold of the value's side. It is laid out for the attention
-    loop, where one row is ~200 values and the per-row work dominates: the nibbles are first unpacked into
-    ``codes`` and the values then computed from them (two simple loops that LLVM vectorizes, faster than a
-    table look-up per nibble: docs/perf-notes.md), and each COO entry's value is computed for both outlier groups and
-    selected without a branch (the group of consecutive entries is random, a branch mispredicts). This function
-    is compiled without fastmath (no FMA contraction), so the numbers stay bit-exact even when inlined into the
-    fastmath attention kernel.
+    The arithmetic is exactly ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference
+    ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
+    middle values are computed from the nibbles in one loop that LLVM vectorizes (no table look-up, no codes
+    buffer; the int32 casts keep it at 16 lanes, numba would widen the nibbles to int64); each COO entry then
+    overwrites its value (:func:`_coo_walk`). Compiled without fastmath (no FMA contraction), so the numbers
+    stay bit-exact inside the fast-math attention kernel. A block per call, not a row: the call and the page
+    arithmetic cost as much as a row's nibbles (docs/perf-notes.md).
     """
-    page = np.int64(dense_pages[t // rpp])
-    if page < 0:  # released by a sliding window (pages.EVICTED): the mask should have hidden this token
-        return ERR_EVICTED, sp, off
-    base = page * page_size + (t % rpp) * rec
-    for i in range(NUM_SCALES):  # fp16 scales, little-endian (the page-record layout of oakenkv.format)
-        bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
-        sc[i] = f16_widen_int(bits)
-    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
-    lo = sc[0]
-    step = (sc[1] - lo) / _F32(15.0)
-    d = out.shape[0]
-    dense0 = base + sb
-    # The middle value of code c is computed, not looked up: the same float32 operations as fill_lut's table
-    # entry (lo + c * step, then the threshold of its side), but branch-free and gather-free, so LLVM
-    # vectorizes both loops (unpack the nibbles, then compute the values).
-    zero = _F32(0.0)
+    rpp = page_size // rec
+    d = out.shape[1]
     half = d >> 1
-    src = pool[dense0 : dense0 + half]
-    for j in range(half):
-        b = src[j]
-        codes[2 * j] = b & np.uint8(15)
-        codes[2 * j + 1] = b >> np.uint8(4)
-    if d & 1:
-        codes[d - 1] = pool[dense0 + half] & np.uint8(15)
-    for j in range(d):
-        v = lo + _F32(codes[j]) * step
-        out[j] = v + (ti_hi if v > zero else ti_lo)
-    n = np.int64(lens[t])
-    if n == 0:
-        return ERR_OK, sp, off
-    while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
-        sp += 1
-        off = 0
-    spage = np.int64(sc_pages[sp])
-    if spage < 0:
-        return ERR_EVICTED, sp, off
-    s0 = spage * page_size + off
-    off += n
-    in_lo = sc[2]
-    in_step = (sc[3] - in_lo) / _F32((1 << ib) - 1)
-    out_lo = sc[4]
-    out_step = (sc[5] - out_lo) / _F32((1 << ob) - 1)
-    # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
-    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path
-    # (docs/perf-notes.md).
-    coo = pool[s0 : s0 + n]
+    zero = _F32(0.0)
+    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    in_div = _F32((1 << ib) - 1)
+    out_div = _F32((1 << ob) - 1)
+    pi = t0 // rpp
+    slot = t0 - pi * rpp
+    lut = np.empty(2 * _CODES, np.float32)  # the outlier values of the row being decoded (_coo_walk)
+    for j in range(out.shape[0]):
+        t = t0 + j
+        n = np.int64(lens[t])
+        s0 = off
+        if n:  # the walker follows every record, read or not
+            while sp + 1 < sc_count and sc_first[sp + 1] <= t:
+                sp += 1
+                off = 0
+            s0 = off
+            off += n
+        if keep[t]:
+            page = np.int64(dense_pages[pi])
+            if page < 0:  # released by a sliding window (pages.EVICTED): the mask should have hidden this token
+                return ERR_EVICTED, sp, off
+            base = page * page_size + slot * rec
+            row = row_view(out, j)
+            lo = _f16_at(pool, base)
+            step = (_f16_at(pool, base + 2) - lo) / _F32(15.0)
+            src = span_view(pool, base + sb, base + sb + half + (d & 1))
+            for i in range(half):
+                byte = src[i]
+                v0 = lo + _F32(np.int32(byte & np.uint8(15))) * step
+                v1 = lo + _F32(np.int32(byte >> np.uint8(4))) * step
+                row[2 * i] = v0 + (ti_hi if v0 > zero else ti_lo)
+                row[2 * i + 1] = v1 + (ti_hi if v1 > zero else ti_lo)
+            if d & 1:
+                v0 = lo + _F32(np.int32(src[half] & np.uint8(15))) * step
+                row[d - 1] = v0 + (ti_hi if v0 > zero else ti_lo)
+            if n:
+                spage = np.int64(sc_pages[sp])
+                if spage < 0:
+                    return ERR_EVICTED, sp, off
+                in_lo = _f16_at(pool, base + 4)
+                in_step = (_f16_at(pool, base + 6) - in_lo) / in_div
+                out_lo = _f16_at(pool, base + 8)
+                out_step = (_f16_at(pool, base + 10) - out_lo) / out_div
+                st = _coo_walk(
+                    pool, spage * page_size + s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut
+                )
+                if st != ERR_OK:
+                    return st, sp, off
+        slot += 1
+        if slot == rpp:
+            slot = 0
+            pi += 1
+    return ERR_OK, sp, off
+
+
+@njit(cache=True, nogil=True)
+def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
+    """Overwrite the outliers of one decoded row with their values: the COO walk of ``oakenkv.format`` (its
+    module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low four code
+    bits come from the row's nibbles ``src``. Returns ``ERR_OK`` or an ``ERR_*`` code.
+
+    The values of every code of both outlier groups go to ``lut`` (float32 ``[2 * _CODES]``: inner, then outer)
+    first, in a loop LLVM vectorizes; an entry then costs one look-up, indexed by its group bit, its fifth code
+    bit and its nibble (12% faster than computing each entry's value, docs/perf-notes.md). Unsigned indices spare
+    numba's negative-index checks."""
+    zero = _F32(0.0)
+    d = row.shape[0]
+    for c in range(_CODES):
+        lut[c] = in_lo + _F32(np.int32(c)) * in_step
+        vo = out_lo + _F32(np.int32(c)) * out_step
+        lut[_CODES + c] = vo + (to_hi if vo > zero else to_lo)
+    coo = span_view(pool, s0, s0 + n)
     c, p, prev = 0, -1, 0
     j = 0
     while j < n:
@@ -148,7 +203,7 @@ def _decode_token(
             k = 0
             while True:
                 if j >= n:
-                    return ERR_ESCAPE_TRUNCATED, sp, off
+                    return ERR_ESCAPE_TRUNCATED
                 a = np.int64(coo[np.uint64(j)])
                 j += 1
                 k += a
@@ -162,166 +217,129 @@ def _decode_token(
         c += np.int64(i <= p)
         pos = c * CHUNK_SIZE + i
         if pos >= d:
-            return ERR_POSITION_RANGE, sp, off
+            return ERR_POSITION_RANGE
         upos = np.uint64(pos)
-        cf = _F32(np.int64(codes[upos]) | ((e >> 7) << 4))
-        vi = in_lo + cf * in_step
-        vo = out_lo + cf * out_step
-        vo = vo + (to_hi if vo > zero else to_lo)
-        out[upos] = vo if (e & COO_GROUP_BIT) else vi
+        nib = (np.int64(src[upos >> np.uint64(1)]) >> np.int64((pos & 1) << 2)) & 15
+        # lut index: group * _CODES + (fifth code bit) * 16 + nibble (COO_CODE_BIT4 is bit 7, COO_GROUP_BIT bit 6)
+        row[upos] = lut[np.uint64(nib | ((e & COO_CODE_BIT4) >> 3) | ((e & COO_GROUP_BIT) >> 1))]
         p = i
         prev = e
-    return ERR_OK, sp, off
+    return ERR_OK
 
 
-@njit(cache=True, nogil=True)
-def _skip_token(sc_first, lens, t, sp, off):
-    """Advance a sparse walker past token ``t`` without decoding it (masked tokens)."""
-    n = np.int64(lens[t])
-    if n > 0:
-        while sp + 1 < sc_first.shape[0] and sc_first[sp + 1] <= t:
-            sp += 1
-            off = 0
-        off += n
-    return sp, off
-
-
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, view):
     """Work item ``w`` of :func:`packed_decode_attention`: row ``b = w // num_splits``, token range
     ``s = w % num_splits``, over the layer's ``view`` (a :class:`LayerView`). Writes its running max, sum and
     accumulator per query head to ``part_*[b, s]``; returns ``ERR_OK`` or the first codec error code met."""
     pool, page_size, rec, sb = view.pool, view.page_size, view.record_size, view.scale_bytes
     thr, ib, ob, num_kv_heads = view.thresholds, view.inner_bits, view.outer_bits, view.num_kv_heads
-    dense_pages, sparse_lengths = view.dense_pages, view.sparse_lengths
-    sparse_pages, sparse_first, sparse_starts = view.sparse_pages, view.sparse_first, view.sparse_starts
+    t_n = view.num_tokens
     hq_n, hd = q.shape[1], q.shape[2]
-    t_n = sparse_lengths.shape[2]
     d = num_kv_heads * hd
     group = hq_n // num_kv_heads
-    rpp = page_size // rec
     b = w // num_splits
     s = w % num_splits
     t0 = s * t_n // num_splits
     t1 = (s + 1) * t_n // num_splits
-    sc = np.empty(NUM_SCALES, np.float32)
-    codes = np.empty(d, np.uint8)
-    krow = np.empty(d, np.float32)
-    vrow = np.empty(d, np.float32)
-    scores = np.empty((hq_n, _BLOCK), np.float32)
+    # per-item buffers: the scaled query, a block of key rows, one value row, scores/probabilities, accumulators
+    qs = np.empty(hq_n * hd, np.float32)
+    for h in range(hq_n):
+        for i in range(hd):
+            qs[h * hd + i] = q[b, h, i] * scaling
+    kbuf = np.empty((_BLOCK, d), np.float32)
+    vbuf = np.empty((_BLOCK, d), np.float32)
+    probs = np.empty((hq_n, _BLOCK), np.float32)
     m = np.full(hq_n, -np.inf, dtype=np.float32)
     ell = np.zeros(hq_n, dtype=np.float32)
-    acc = np.zeros((hq_n, hd), dtype=np.float32)
-    kp0, kp1 = sparse_starts[2 * b], sparse_starts[2 * b + 1]
-    vp0, vp1 = sparse_starts[2 * b + 1], sparse_starts[2 * b + 2]
-    k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
-    v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
-    k_len, v_len = sparse_lengths[b, 0], sparse_lengths[b, 1]
-    k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
-    ksp, koff = _sparse_start(k_first, k_len, t0)
-    vsp, voff = _sparse_start(v_first, v_len, t0)
+    acc = np.zeros(hq_n * hd, dtype=np.float32)
+    k_dense, v_dense = view.dense_pages[b, 0], view.dense_pages[b, 1]
+    k_pages, v_pages = view.sparse_pages[b, 0], view.sparse_pages[b, 1]
+    k_first, v_first = view.sparse_first[b, 0], view.sparse_first[b, 1]
+    k_count, v_count = view.sparse_counts[b, 0], view.sparse_counts[b, 1]
+    k_len, v_len = view.sparse_lengths[b, 0], view.sparse_lengths[b, 1]
+    thr_k, thr_v = thr[0], thr[1]
+    keep_b = keep[b]
+    ksp, koff = _sparse_start(k_first, k_count, k_len, t0)
+    vsp, voff = _sparse_start(v_first, v_count, v_len, t0)
     for tb in range(t0, t1, _BLOCK):
-        te = min(tb + _BLOCK, t1)
-        # Scores of the block.
-        bmax = np.full(hq_n, -np.inf, dtype=np.float32)
-        for t in range(tb, te):
-            j = t - tb
-            if keep[b, t] == 0:
-                ksp, koff = _skip_token(k_first, k_len, t, ksp, koff)
-                for h in range(hq_n):
-                    scores[h, j] = -np.inf
-                continue
-            st, ksp, koff = _decode_token(
-                pool,
-                page_size,
-                k_dense,
-                rpp,
-                rec,
-                sb,
-                k_pages,
-                k_first,
-                k_len,
-                t,
-                ksp,
-                koff,
-                thr[0],
-                ib,
-                ob,
-                sc,
-                krow,
-                codes,
-            )
-            if st != ERR_OK:
-                return st  # the first error ends the item: a walker past a bad record would misread what follows
-            for h in range(hq_n):
-                kb = (h // group) * hd
-                # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
-                # (faster than indexing the 3-D arrays directly: docs/perf-notes.md).
-                dot = _F32(0.0)
-                qv = q[b, h]
-                kv = krow[kb : kb + hd]
-                for i in range(hd):
-                    dot += qv[i] * kv[i]
-                x = dot * scaling
-                if softcap > 0:
-                    x = np.tanh(x / softcap) * softcap
-                scores[h, j] = x
-                if x > bmax[h]:
-                    bmax[h] = x
-        # Rescale the running sums to the new maximum once per block.
+        nb = min(_BLOCK, t1 - tb)
+        nlive = 0
+        for j in range(nb):
+            nlive += keep_b[tb + j] != 0
+        # 1. the block's key rows
+        st, ksp, koff = _decode_rows(
+            pool, page_size, rec, sb, k_dense, k_pages, k_first, k_count, k_len, thr_k, ib, ob, keep_b, tb, ksp,
+            koff, kbuf[:nb],
+        )  # fmt: skip
+        if st != ERR_OK:
+            return st  # the first error ends the item: a walker past a bad record would misread what follows
+        if nlive == 0:  # nothing to attend to: only the value walker moves on
+            st, vsp, voff = _decode_rows(
+                pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, ib, ob, keep_b, tb,
+                vsp, voff, vbuf[:nb],
+            )  # fmt: skip
+            continue
+        # 2. scores of every query head for the block; its maximum; the running sums rescaled once
         for h in range(hq_n):
-            if bmax[h] > m[h]:
-                if m[h] > -np.inf:
-                    corr = np.exp(m[h] - bmax[h])
-                    ell[h] *= corr
-                    for i in range(hd):
-                        acc[h, i] *= corr
-                m[h] = bmax[h]
-        # Values of the block.
-        for t in range(tb, te):
-            j = t - tb
-            if keep[b, t] == 0:
-                vsp, voff = _skip_token(v_first, v_len, t, vsp, voff)
-                continue
-            st, vsp, voff = _decode_token(
-                pool,
-                page_size,
-                v_dense,
-                rpp,
-                rec,
-                sb,
-                v_pages,
-                v_first,
-                v_len,
-                t,
-                vsp,
-                voff,
-                thr[1],
-                ib,
-                ob,
-                sc,
-                vrow,
-                codes,
-            )
-            if st != ERR_OK:
-                return st  # the first error ends the item: a walker past a bad record would misread what follows
-            for h in range(hq_n):
-                p = np.exp(scores[h, j] - m[h])
-                ell[h] += p
-                vb = (h // group) * hd
-                av = acc[h]
-                vv = vrow[vb : vb + hd]
+            qh = span_view(qs, h * hd, h * hd + hd)
+            ko = (h // group) * hd
+            ph = row_view(probs, h)
+            for j in range(nb):
+                # indices from range() only: numba's wrap-around of a negative index (ko + i) would stop LLVM
+                # from vectorizing the loop
+                kr = span_view(row_view(kbuf, j), ko, ko + hd)
+                dot = _F32(0.0)
                 for i in range(hd):
-                    av[i] += p * vv[i]
+                    dot += qh[i] * kr[i]
+                if softcap > 0:
+                    dot = np.tanh(dot / softcap) * softcap
+                ph[j] = dot if keep_b[tb + j] else -np.inf
+            bmax = _F32(-np.inf)
+            for j in range(nb):
+                bmax = max(bmax, ph[j])
+            mh = m[h]
+            if bmax > mh:
+                if mh > -np.inf:
+                    corr = _exp(mh - bmax)
+                    ell[h] *= corr
+                    ah = span_view(acc, h * hd, h * hd + hd)
+                    for i in range(hd):
+                        ah[i] *= corr
+                m[h] = bmax
+                mh = bmax
+            total = _F32(0.0)
+            for j in range(nb):
+                e = _exp(ph[j] - mh)
+                ph[j] = e
+                total += e
+            ell[h] += total
+        # 3. the block's value rows, added into every query head's accumulator
+        st, vsp, voff = _decode_rows(
+            pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, ib, ob, keep_b, tb, vsp,
+            voff, vbuf[:nb],
+        )  # fmt: skip
+        if st != ERR_OK:
+            return st
+        for h in range(hq_n):
+            vo = (h // group) * hd
+            ah = span_view(acc, h * hd, h * hd + hd)
+            ph = row_view(probs, h)
+            for j in range(nb):
+                if keep_b[tb + j]:
+                    pj = ph[j]
+                    vr = span_view(row_view(vbuf, j), vo, vo + hd)
+                    for i in range(hd):
+                        ah[i] += pj * vr[i]
     for h in range(hq_n):
         part_m[b, s, h] = m[h]
         part_l[b, s, h] = ell[h]
         for i in range(hd):
-            part_acc[b, s, h, i] = acc[h, i]
+            part_acc[b, s, h, i] = acc[h * hd + i]
     return ERR_OK
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _combine(part_m, part_l, part_acc, out):
     """Combine the splits of each row: ``out[b, h] = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m)``."""
     b_n, num_splits, hq_n = part_m.shape
@@ -349,14 +367,14 @@ def _combine(part_m, part_l, part_acc, out):
                     out[b, h, i] /= total
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
 def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, *view):
     """Attention of one query token per row over ``T`` packed tokens, multi-threaded over (row, split) work
     items: for long contexts.
 
     Args:
         q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``view.num_kv_heads`` (GQA).
-        keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
+        keep: uint8 ``[B, >= T]``: 1 where the query may attend to the token (mask), 0 to skip it.
         scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
         num_splits: token ranges per row processed in parallel.
         out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
@@ -372,7 +390,7 @@ def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, 
     _combine(part_m, part_l, part_acc, out)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, status, *view):
     """:func:`packed_decode_attention` on the calling thread: for short contexts, where waking threads costs
     more than the work.

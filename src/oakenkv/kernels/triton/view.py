@@ -84,20 +84,27 @@ def sparse_addresses(view: F.LayerView) -> np.ndarray:
 
     Token ``t`` of stream ``i = 2 b + k`` lies in the last of the stream's pages whose first token is ``<= t``, at
     the page's offset plus the lengths of the tokens from that first token to ``t`` (``format.LayerView``). All
-    streams at once: the streams' pages are concatenated in stream order, so ``(stream, first token)`` keys are
-    sorted and one ``searchsorted`` finds every token's page.
+    streams at once: the streams' live pages (``sparse_counts`` of them; the tables have capacity beyond) are
+    concatenated in stream order, so ``(stream, first token)`` keys are sorted and one ``searchsorted`` finds
+    every token's page.
     """
-    lens = view.sparse_lengths
-    b, kinds, t_n = lens.shape
+    t_n = int(view.num_tokens)
+    lens = np.asarray(view.sparse_lengths)[:, :, :t_n]
+    b, kinds, _ = lens.shape
     n_streams = b * kinds
     out = np.full((n_streams, t_n), EVICTED, dtype=np.int64)
-    pages = np.asarray(view.sparse_pages, dtype=np.int64)
+    counts = np.asarray(view.sparse_counts, dtype=np.int64)
+    cap = view.sparse_pages.shape[2]
+    if counts.shape != (b, kinds) or (counts.size and (counts.min() < 0 or counts.max() > cap)):
+        raise ValueError(f"sparse tables of capacity {cap} do not fit page counts {counts.tolist()}")
+    # The streams' live pages concatenated in stream order (the tables have capacity beyond them).
+    live = np.arange(cap)[None, None, :] < counts[:, :, None]
+    pages = np.asarray(view.sparse_pages, dtype=np.int64)[live]
     if t_n == 0 or pages.size == 0:
         return out.reshape(lens.shape)
-    first = np.asarray(view.sparse_first, dtype=np.int64)
-    starts = np.asarray(view.sparse_starts, dtype=np.int64)
-    if starts.shape != (n_streams + 1,) or starts[0] != 0 or starts[-1] != pages.size or first.shape != pages.shape:
-        raise ValueError(f"sparse tables of {pages.size} pages do not fit {n_streams} streams of {t_n} tokens")
+    first = np.asarray(view.sparse_first, dtype=np.int64)[live]
+    starts = np.zeros(n_streams + 1, dtype=np.int64)
+    np.cumsum(counts.reshape(-1), out=starts[1:])
     stream_of_page = np.repeat(np.arange(n_streams, dtype=np.int64), np.diff(starts))
     span = max(t_n, int(first.max()) + 1) + 1  # keys stream * span + token never collide across streams
     page_keys = stream_of_page * span + first
@@ -134,15 +141,18 @@ def from_layer_view(view: F.LayerView, head_dim: int, device: torch.device | str
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     pool = dev(view.pool)
+    # The live part of the store's tables (they have capacity beyond it: format.LayerView).
+    t_n = int(view.num_tokens)
+    n_dense = -(-t_n // (view.page_size // view.record_size))
     return DeviceLayerView(
         dense_pool=pool,
         sparse_pool=pool,
         page_size=int(view.page_size),
         record_size=int(view.record_size),
         scale_bytes=int(view.scale_bytes),
-        dense_pages=dev(np.asarray(view.dense_pages, dtype=np.int32)),
+        dense_pages=dev(np.asarray(view.dense_pages[:, :, :n_dense], dtype=np.int32)),
         sparse_addr=dev(sparse_addresses(view)),
-        sparse_lengths=dev(np.asarray(view.sparse_lengths, dtype=np.int32)),
+        sparse_lengths=dev(np.asarray(view.sparse_lengths[:, :, :t_n], dtype=np.int32)),
         thresholds=dev(np.asarray(view.thresholds, dtype=np.float32)),
         inner_bits=int(view.inner_bits),
         outer_bits=int(view.outer_bits),

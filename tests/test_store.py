@@ -1,0 +1,111 @@
+"""The paged K/V store (src/oakenkv/store.py): the kernel's tables it keeps current on every write.
+
+Random sequences of prefill appends, decode-step appends, sliding-window evictions and reorders (forks, frees,
+copy on write) keep every layer's ``LayerTables`` equal to the pool's tables, and the decode kernel reading them
+gives the reference attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from oakenkv.attention import packed_decode_attention, reference_packed_attention
+from oakenkv.cache import KEY, VALUE, PackedKV
+from oakenkv.config import OakenConfig
+from oakenkv.pages import EVICTED, PoolConfig
+from oakenkv.store import PagedKVStore
+from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+H, HD, HQ = 3, 64, 9
+
+
+def _store(layers: int = 2, page_size: int = 512) -> PagedKVStore:
+    fp = ModelFingerprint("llama", layers, H, HD)
+    keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(layers))
+    values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(layers))
+    return PagedKVStore(Thresholds(OakenConfig(), fp, keys, values), layers, H, HD, PoolConfig(page_size=page_size))
+
+
+def _attend(store: PagedKVStore, layer: int, seed: int, window: int | None = None) -> None:
+    b, t = store.batch_size, store.num_tokens(layer)
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    if window is not None:
+        mask[..., : t - window] = False
+    kh, vh = PackedKV(store, layer, KEY, t), PackedKV(store, layer, VALUE, t)
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
+    want = reference_packed_attention(q, kh, vh, mask, HD**-0.5)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tables_follow_appends_evictions_and_reorders(seed):
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    store = _store()
+    b = int(rng.integers(1, 4))
+    window = None  # layer 1 becomes a sliding layer of this window at its first eviction
+    for step in range(40):
+        op = rng.random()
+        n = store.num_tokens(1)
+        if n == 0 or op < 0.15:  # a prefill chunk into both layers
+            s = int(rng.integers(1, 60))
+            for layer in (0, 1):
+                store.append(layer, torch.randn(b, H, s, HD, generator=g), torch.randn(b, H, s, HD, generator=g))
+        elif op < 0.75:  # decode steps: one token per layer
+            for layer in (0, 1):
+                k = torch.randn(b, H, 1, HD, generator=g) * 1.5
+                store.append_token(layer, k, torch.randn(b, H, 1, HD, generator=g))
+        elif op < 0.85:  # layer 1 is a sliding layer: release what left a window
+            window = window or int(rng.integers(8, 64))
+            store.evict_before(1, n - window)
+        else:  # beam search / batch selection: forks (shared pages, copied on write) and frees
+            index = [int(i) for i in rng.integers(0, b, size=int(rng.integers(1, 4)))]
+            store.reorder(index)
+            b = len(index)
+        store.check_tables()
+        store.pool.check_invariants()
+        if step % 8 == 7:
+            _attend(store, 0, step)
+            _attend(store, 1, step, window)
+    _attend(store, 0, 99)
+    _attend(store, 1, 99, window)
+
+
+def test_the_view_copies_nothing_and_grows_by_doubling():
+    store = _store(page_size=256)
+    g = torch.Generator().manual_seed(0)
+    store.append(0, torch.randn(2, H, 5, HD, generator=g), torch.randn(2, H, 5, HD, generator=g))
+    view = store.layer_view(0)
+    assert view.num_tokens == 5
+    step_arrays = []
+    for _ in range(200):
+        store.append_token(0, torch.randn(2, H, 1, HD, generator=g), torch.randn(2, H, 1, HD, generator=g))
+        v = store.layer_view(0)
+        step_arrays.append(id(v.sparse_lengths))
+        assert np.shares_memory(v.sparse_lengths, store.tables[0].sparse_lengths)
+    # the tables are reallocated only when they double, not every step
+    assert len(set(step_arrays)) <= 4
+    store.check_tables()
+    lt = store.tables[0]
+    rpp = 256 // store.rec_size
+    assert (lt.dense_pages[:, :, : -(-205 // rpp)] != EVICTED).all()
+    _attend(store, 0, 1)
+
+
+def test_a_failed_decode_append_leaves_the_tables_as_they_were():
+    store = _store()
+    g = torch.Generator().manual_seed(1)
+    store.append(0, torch.randn(2, H, 30, HD, generator=g), torch.randn(2, H, 30, HD, generator=g))
+    before = store.layer_view(0)
+    lengths = before.sparse_lengths[:, :, :30].copy()
+    bad = torch.randn(2, H, 1, HD, generator=g)
+    bad[1, 0, 0, 3] = float("inf")
+    with pytest.raises(ValueError, match="values of row 1"):
+        store.append_token(0, torch.randn(2, H, 1, HD, generator=g), bad)
+    after = store.layer_view(0)
+    assert after.num_tokens == 30
+    np.testing.assert_array_equal(after.sparse_lengths[:, :, :30], lengths)
+    store.check_tables()
