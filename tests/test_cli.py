@@ -47,7 +47,19 @@ def test_info_reports_default_model_and_each_data_source_found():
 
 def test_demo_prints_fp_perplexity_and_writes_json(default_model, tmp_path):
     out = tmp_path / "demo.json"
-    args = ["demo", "--windows", "2", "--window", "64", "--max-new-tokens", "4", "--json", str(out)]
+    args = [
+        "demo",
+        "--windows",
+        "2",
+        "--window",
+        "64",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        str(out),
+        "--preset",
+        "oaken",
+    ]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "WikiText-2 perplexity" in result.output and "FP" in result.output
@@ -57,6 +69,26 @@ def test_demo_prints_fp_perplexity_and_writes_json(default_model, tmp_path):
     assert 1.0 < res["fp"]["perplexity"] < 200 and math.isfinite(res["fp"]["nll"])
     assert res["config"] == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "float32"}
     assert 1 <= res["generation"]["new_tokens"] <= 4
+    assert "oaken_plus" not in res and 1.0 < res["oaken"]["perplexity"] < 200
+
+
+def test_demo_runs_oaken_plus_beside_oaken_without_touching_the_model(default_model, tmp_path):
+    from oakenkv.transforms import is_folded
+
+    out = tmp_path / "demo.json"
+    args = ["demo", "--windows", "1", "--window", "64", "--max-new-tokens", "3", "--json", str(out)]
+    args += ["--plus-samples", "2", "--plus-window", "96"]  # a tiny oaken-plus calibration keeps this quick
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "oaken-plus" in result.output and "Oaken, the paper's" in result.output
+    res = json.loads(out.read_text())
+    fp, plus, oaken = res["fp"]["perplexity"], res["oaken_plus"]["perplexity"], res["oaken"]["perplexity"]
+    assert res["oaken_plus"]["tokens"] == res["oaken"]["tokens"] == 63
+    # both quantize (not FP's exact number) and neither is broken; bits stay the paper's budget (10% sparse)
+    assert plus != fp and oaken != fp and fp / 2 < plus < 2 * fp and fp / 2 < oaken < 2 * fp
+    assert abs(res["oaken_plus"]["bits_per_value"]["format"] - res["oaken"]["bits_per_value"]["format"]) < 0.5
+    assert 1 <= res["oaken_plus_generation"]["new_tokens"] <= 3
+    assert is_folded(default_model.model) is None  # the transforms went into a copy
 
 
 def test_window_nll_matches_transformers_loss(default_model):

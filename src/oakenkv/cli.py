@@ -165,13 +165,38 @@ def demo(
     window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2)] = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate greedily.", min=0)] = 32,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="'oaken-plus': offline transforms (docs/plus.md), with the paper's 'oaken' beside it; 'oaken': "
+            "the paper's only (no oaken-plus profiling, which takes minutes the first time)."
+        ),
+    ] = "oaken-plus",
+    plus_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows of the oaken-plus profile (default 16).", min=1)
+    ] = None,
+    plus_window: Annotated[
+        int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2)
+    ] = None,
 ) -> None:
-    """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation."""
+    """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation, FP next
+    to oaken-plus and the paper's Oaken."""
+    if preset not in ("oaken", "oaken-plus"):
+        raise _bad("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     _check_out(json_out, "--json")
     _check_model(model)
     from oakenkv.demo import run_demo
 
-    run_demo(model=model, windows=windows, window=window, max_new_tokens=max_new_tokens, json_out=json_out)
+    run_demo(
+        model=model,
+        windows=windows,
+        window=window,
+        max_new_tokens=max_new_tokens,
+        json_out=json_out,
+        preset=preset,
+        plus_samples=plus_samples,
+        plus_window=plus_window,
+    )
 
 
 @app.command()
@@ -182,26 +207,49 @@ def generate(
     ] = "default",
     thresholds: Annotated[
         Path | None,
-        typer.Option(help="Thresholds file from `oakenkv profile` (default: a cached 16-window profile)."),
+        typer.Option(help="Thresholds file from `oakenkv profile` (default: the preset's cached profile)."),
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.", min=1, max=1_000_000)] = 64,
     sample: Annotated[bool, typer.Option(help="Sample instead of greedy decoding.")] = False,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template.")] = True,
     fp: Annotated[bool, typer.Option(help="Also generate with the fp32 DynamicCache, for comparison.")] = False,
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="'oaken-plus' (offline transforms, docs/plus.md; its profile takes minutes the first time, then "
+            "is cached) or 'oaken' (the paper's). A --thresholds file decides this by its kind."
+        ),
+    ] = "oaken-plus",
+    beside: Annotated[
+        bool, typer.Option(help="With oaken-plus, also generate with the paper's oaken, for comparison.")
+    ] = True,
 ) -> None:
-    """Generate text with the Oaken-quantized KV cache and print it with the bytes the cache holds."""
+    """Generate text with the Oaken-quantized KV cache (oaken-plus, the paper's oaken beside it) and print it with
+    the bytes the cache holds."""
     if not prompt.strip():
         raise _bad("--prompt", "the prompt is empty; give some text to continue")
+    if preset not in ("oaken", "oaken-plus"):
+        raise _bad("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     _check_model(model)
     thr_file = _load_thresholds(thresholds)
-    from oakenkv.generation import generate_text, load_or_profile_thresholds
+    if thr_file is not None:
+        preset = "oaken-plus" if thr_file.transforms is not None else "oaken"
+    from oakenkv.generation import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
     from oakenkv.models import load_model
 
     loaded = load_model(model)
-    thr = load_or_profile_thresholds(loaded, thr_file, progress=True)
-    runs = [("oaken", thr)] + ([("fp32", None)] if fp else [])
-    for name, t in runs:
-        g = generate_text(loaded, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample)
+    runs: list[tuple[str, Any, Any]] = []
+    if preset == "oaken-plus":
+        plus = load_or_profile_plus(loaded, thr_file, progress=True)
+        runs.append(("oaken-plus", plus_model(loaded, plus), plus))
+        if beside:
+            runs.append(("oaken", loaded, load_or_profile_thresholds(loaded, progress=True)))
+    else:
+        runs.append(("oaken", loaded, load_or_profile_thresholds(loaded, thr_file, progress=True)))
+    if fp:
+        runs.append(("fp32", loaded, None))
+    for name, lm, t in runs:
+        g = generate_text(lm, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample)
         typer.echo(f"--- {name} ({g.new_tokens} tokens in {g.seconds:.1f} s)")
         typer.echo(g.text)
         typer.echo(

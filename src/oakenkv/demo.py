@@ -1,9 +1,11 @@
-"""``oakenkv demo``: the end-to-end run on the embedded default model, FP next to Oaken.
+"""``oakenkv demo``: the end-to-end run on the embedded default model, FP next to ``oaken-plus`` and the paper's
+``oaken``.
 
 FP side: perplexity on a few WikiText-2 windows and a short greedy generation with transformers' fp32 cache.
-Oaken side (``oakenkv.generation.oaken_demo_side``): profile the thresholds (16 calibration windows, cached on disk
-after the first run), perplexity of the same windows through the paged OakenCache, the bits per stored value
-(format, and with page overhead), KV bytes, and the same greedy generation with the packed-page attention.
+Each Oaken side (``oakenkv.generation.oaken_demo_side``): its profile (cached on disk after the first run; for
+``oaken-plus`` the offline transforms are folded into a copy of the model, docs/plus.md), perplexity of the same
+windows through the paged OakenCache, the bits per stored value (format, and with page overhead), KV bytes, and the
+same greedy generation with the packed-page attention. ``preset="oaken"`` runs the paper's side only.
 :func:`run_demo` returns a plain dict (also written as JSON with ``--json``).
 """
 
@@ -55,6 +57,9 @@ def run_demo(
     max_new_tokens: int = 32,
     json_out: str | Path | None = None,
     *,
+    preset: str = "oaken-plus",
+    plus_samples: int | None = None,
+    plus_window: int | None = None,
     quiet: bool = False,
 ) -> dict[str, Any]:
     """Load a model, report FP perplexity on WikiText-2 windows and a greedy generation.
@@ -65,12 +70,19 @@ def run_demo(
         window: tokens per window.
         max_new_tokens: tokens to generate greedily after :data:`DEMO_PROMPT`.
         json_out: also write the returned dict to this JSON file.
+        preset: ``"oaken-plus"`` (default: oaken-plus, with the paper's ``oaken`` beside it) or ``"oaken"`` (the
+            paper's only).
+        plus_samples, plus_window: calibration windows and tokens per window of the oaken-plus profile (default:
+            the preset's 16 x 2048).
         quiet: print nothing (the dict is still returned).
 
     Returns:
         ``{"model", "source", "config", "fp": {"perplexity", "nll", "tokens", "seconds"}, "generation": {...},
-        "timings": {...}}``.
+        "oaken": {...}, "oaken_generation": {...}, "oaken_plus": {...}, "oaken_plus_generation": {...},
+        "timings": {...}}`` (the ``oaken_plus`` entries with ``preset="oaken-plus"`` only).
     """
+    if preset not in ("oaken", "oaken-plus"):
+        raise ValueError(f"preset must be 'oaken' or 'oaken-plus', got {preset!r}")
     if windows < 1 or window < 2 or max_new_tokens < 0:
         raise ValueError(
             f"need windows >= 1, window >= 2, max_new_tokens >= 0; got {windows}, {window}, {max_new_tokens}"
@@ -126,6 +138,19 @@ def run_demo(
     # The Oaken side (profile or cached profile, perplexity through the paged 4.8-bit cache, generation).
     from oakenkv.generation import oaken_demo_side
 
+    plus = None
+    if preset == "oaken-plus":
+        plus = oaken_demo_side(
+            lm,
+            ids,
+            DEMO_PROMPT,
+            max_new_tokens,
+            console=console,
+            preset="oaken-plus",
+            plus_samples=plus_samples,
+            plus_window=plus_window,
+        )
+        timings["plus_profile_s"] = plus["profile_s"]
     oaken = oaken_demo_side(lm, ids, DEMO_PROMPT, max_new_tokens, console=console)
     timings["profile_s"] = oaken["profile_s"]
 
@@ -144,6 +169,11 @@ def run_demo(
         "generation": generation,
         "oaken": oaken["oaken"],
         "oaken_generation": oaken.get("oaken_generation"),
+        **(
+            {"oaken_plus": plus["oaken"], "oaken_plus_generation": plus.get("oaken_generation")}
+            if plus is not None
+            else {}
+        ),
         "timings": timings,
         "torch_threads": torch.get_num_threads(),
     }
@@ -156,26 +186,30 @@ def run_demo(
     table.add_column("KV bytes per window", justify="right")
     fp32_bytes = oaken["oaken"]["fp32_kv_bytes_per_window"]
     table.add_row("FP (full precision)", f"{ppl:.3f}", f"{total_tokens / ppl_s:,.0f}", "32", f"{fp32_bytes:,}")
-    o = oaken["oaken"]
-    table.add_row(
-        "Oaken (paged, packed)",
-        f"{o['perplexity']:.3f}",
-        f"{o['tokens'] / o['seconds']:,.0f}",
-        f"{o['bits_per_value']['format']:.2f}; {o['bits_per_value']['with_pages']:.2f}",
-        f"{o['kv_bytes_per_window']:,} ({fp32_bytes / o['kv_bytes_per_window']:.2f}x smaller)",
-    )
+    sides = [("oaken-plus (paged, packed)", plus)] if plus is not None else []
+    sides.append(("Oaken, the paper's (paged, packed)", oaken))
+    for label, side in sides:
+        o = side["oaken"]
+        table.add_row(
+            label,
+            f"{o['perplexity']:.3f}",
+            f"{o['tokens'] / o['seconds']:,.0f}",
+            f"{o['bits_per_value']['format']:.2f}; {o['bits_per_value']['with_pages']:.2f}",
+            f"{o['kv_bytes_per_window']:,} ({fp32_bytes / o['kv_bytes_per_window']:.2f}x smaller)",
+        )
     console.print(table)
     if generation is not None:
         console.print(f"[bold]Prompt:[/bold] {generation['prompt']}")
         console.print(
             f"[bold]Greedy ({generation['new_tokens']} tokens, {_rate(generation)}):[/bold] " + generation["text"]
         )
-    og = oaken.get("oaken_generation")
-    if og is not None:
-        console.print(
-            f"[bold]Oaken greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
-            f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B):[/bold] " + og["text"].strip()
-        )
+    for name, side in (("oaken-plus", plus), ("Oaken", oaken)):
+        og = side.get("oaken_generation") if side is not None else None
+        if og is not None:
+            console.print(
+                f"[bold]{name} greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
+                f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B):[/bold] " + og["text"].strip()
+            )
 
     if json_out is not None:
         out = atomic_write(json_out, json.dumps(results, indent=2) + "\n")

@@ -269,6 +269,38 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
     return float(nll.sum()), nll.numel(), cache.bits_per_value(), cache.kv_bytes()
 
 
+def plus_model(loaded: Any, profile: Any) -> Any:
+    """A copy of ``loaded`` whose model carries the oaken-plus ``profile``'s transforms (folded into a deep copy
+    of the weights; ``loaded`` itself is left as it is, so the paper's ``oaken`` can run beside it)."""
+    import copy
+    import dataclasses
+
+    from oakenkv.plus import apply_profile
+
+    return dataclasses.replace(loaded, model=apply_profile(copy.deepcopy(loaded.model), profile))
+
+
+def load_or_profile_plus(
+    loaded: Any, path: Any = None, *, samples: int | None = None, window: int | None = None, progress: bool = False
+) -> Any:
+    """The model's oaken-plus profile: from ``path`` (a file or a loaded ``Thresholds``, which must carry
+    transforms; checked against the model), or :func:`oakenkv.plus.cached_plus_profile` on ``samples`` x
+    ``window`` calibration tokens (default: the preset's 16 x 2048), made once and then read from the cache."""
+    from oakenkv.thresholds import Thresholds
+
+    if path is not None:
+        thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
+        if thr.transforms is None:
+            raise ValueError("this thresholds file is a paper (oaken) profile, not an oaken-plus one")
+        thr.check_model(loaded.model)
+        return thr
+    from oakenkv.plus import PLUS_CALIBRATION, cached_plus_profile
+    from oakenkv.profile import CalibrationSpec
+
+    spec = CalibrationSpec(samples=samples or PLUS_CALIBRATION.samples, window=window or PLUS_CALIBRATION.window)
+    return cached_plus_profile(loaded.model, loaded.tokenizer, loaded.name, spec, progress=progress)
+
+
 def oaken_demo_side(
     loaded: Any,
     windows: Any,
@@ -277,23 +309,37 @@ def oaken_demo_side(
     *,
     thresholds: Any = None,
     console: Any = None,
+    preset: str = "oaken",
+    plus_samples: int | None = None,
+    plus_window: int | None = None,
 ) -> dict[str, Any]:
-    """The Oaken half of ``oakenkv demo``: profile (or reuse the cached profile), perplexity of the windows
+    """One Oaken side of ``oakenkv demo``: profile (or reuse the cached profile), perplexity of the windows
     through an :class:`~oakenkv.cache.OakenCache`, stored bits and KV bytes, and a greedy generation.
 
     Args:
         windows: int64 ``[N, S]`` WikiText-2 windows (the same the FP side scored).
-        thresholds: a ``Thresholds`` (default: the cached 16-window profile, made on first use).
+        thresholds: a ``Thresholds`` (default: the preset's cached profile, made on first use).
         console: a rich console for progress (None: silent).
+        preset: ``"oaken"`` (the paper's thresholds, 16 x 256 calibration tokens) or ``"oaken-plus"`` (offline
+            transforms folded into a copy of the model, :func:`load_or_profile_plus`; ``plus_samples`` x
+            ``plus_window`` calibration tokens, default 16 x 2048).
     """
     import contextlib
     import math
 
+    if preset not in ("oaken", "oaken-plus"):
+        raise ValueError(f"preset must be 'oaken' or 'oaken-plus', got {preset!r}")
     status = console.status if console is not None else (lambda msg: contextlib.nullcontext())
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"preset": preset}
     t0 = time.perf_counter()
-    with status("Profiling Oaken thresholds (16 calibration windows; cached after the first run)..."):
-        thr = thresholds if thresholds is not None else load_or_profile_thresholds(loaded)
+    if preset == "oaken":
+        with status("Profiling Oaken thresholds (16 calibration windows; cached after the first run)..."):
+            thr = thresholds if thresholds is not None else load_or_profile_thresholds(loaded)
+    else:
+        msg = "Profiling oaken-plus (a per-layer search of transforms, minutes; cached after the first run)..."
+        with status(msg):
+            thr = load_or_profile_plus(loaded, thresholds, samples=plus_samples, window=plus_window)
+        loaded = plus_model(loaded, thr)
     out["profile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     total_nll, total_tokens, kv = 0.0, 0, 0
