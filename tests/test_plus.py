@@ -58,13 +58,15 @@ def folded(default_model, profile):
     return apply_profile(copy.deepcopy(default_model.model), profile)
 
 
-def _random_transforms(model, partners, seed=0, rotate=True) -> Transforms:
+def _random_transforms(model, partners, seed=0, rotate=True, same_for_heads=False) -> Transforms:
     cfg = model.config
-    h, hd, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    h, n = cfg.num_key_value_heads, cfg.num_hidden_layers
     g = torch.Generator().manual_seed(seed)
     layers = []
     for _ in range(n):
-        lam = tie_rope_pairs(torch.rand(h, hd, generator=g) + 0.5, partners)
+        raw = torch.rand(1 if same_for_heads else h, hd, generator=g) + 0.5
+        lam = tie_rope_pairs(raw.expand(h, hd), partners)
         layers.append(LayerTransforms(key_scale=tuple(lam.flatten().tolist()), value_rotation=rotate))
     return Transforms(tuple(layers), h, hd)
 
@@ -116,6 +118,71 @@ def test_folding_preserves_full_precision_logits(default_model):
         assert (bad(ids).logits - want).abs().max() > 1e-2
     with pytest.raises(TransformError, match="already carries"):
         fold_into_model(ok, _random_transforms(model, rope_partners(model)))
+
+
+def _tiny(family: str):
+    """A small random model of another family (no download): Qwen2 has biases on q/k/v; Gemma 3 has q/k norms
+    that store ``1 + w``, sliding-window layers and an attention soft-cap-free GQA with head_dim 64."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        **common, head_dim=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"]
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random, non-trivial norm weights and biases: the fold must handle each
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_folding_preserves_logits_on_other_families(family):
+    model = _tiny(family)
+    if family == "qwen2":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.5)  # Qwen2's key bias: what makes its keys' channels offset
+    ids = torch.randint(0, 97, (1, 40))
+    partners = rope_partners(model)
+    norms = family == "gemma3"  # q/k norms: one weight for every head, so one set of key scales
+    with torch.no_grad():
+        want = model(ids).logits
+        ok = copy.deepcopy(model)
+        fold_into_model(ok, _random_transforms(model, partners, seed=3, same_for_heads=norms))
+        torch.testing.assert_close(ok(ids).logits, want, rtol=1e-4, atol=1e-4)
+        moved = sum(float((a - b).abs().max()) for a, b in zip(ok.parameters(), model.parameters(), strict=True))
+        assert moved > 1e-2  # the weights did change: the test is not vacuous
+        if norms:
+            with pytest.raises(TransformError, match="shared by the heads"):
+                fold_into_model(copy.deepcopy(model), _random_transforms(model, partners, seed=3))
+    # the search itself respects what the model allows: a profile of it folds, and the FP outputs stay
+    windows = torch.randint(0, 97, (2, 48))
+    th = profile_plus(model, windows, PlusSearch(alphas=(0.0, 0.5, 0.75), query_positions=16))
+    folded = apply_profile(copy.deepcopy(model), th)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, want, rtol=1e-4, atol=1e-4)
+    scaled = [lt for lt in th.transforms.layers if lt.key_scale is not None]
+    assert scaled or not norms  # (seeded: the search smooths a layer of the Gemma-like model)
+    for lt in scaled:
+        if norms:
+            lam = torch.tensor(lt.key_scale).reshape(2, 64)
+            assert torch.equal(lam[0], lam[1])
 
 
 def test_profile_round_trip_and_refusals(default_model, profile, folded, tmp_path):

@@ -87,13 +87,17 @@ class PlusSearch:
 @dataclass
 class AttentionRecord:
     """Per layer: queries ``[R_q, Hq, S, hd]`` (of the first ``R_q`` windows), keys and values ``[R, H, S, hd]``
-    (post-RoPE, as the cache receives them), the softmax scale and the sliding window (or None)."""
+    (post-RoPE, as the cache receives them), the softmax scale and the sliding window (or None); and what the
+    model's attention allows a fold to do: key scales shared by all KV heads (a q/k norm, whose weight every head
+    shares, takes them) and no value rotation (a value norm does not commute with it)."""
 
     queries: list[torch.Tensor]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     scaling: list[float]
     sliding_window: list[int | None]
+    key_scale_shared_by_heads: bool = False
+    value_norm: bool = False
 
 
 _ATTN_NAME = "oakenkv_record"
@@ -146,7 +150,13 @@ def record_attention(model: Any, windows: torch.Tensor, query_runs: int, progres
     types = getattr(text, "layer_types", None) or ["full_attention"] * n
     sliding = [int(text.sliding_window) if t == "sliding_attention" else None for t in types]
     return AttentionRecord(
-        [torch.stack(q) for q in qs], [torch.stack(k) for k in ks], [torch.stack(v) for v in vs], scaling, sliding
+        [torch.stack(q) for q in qs],
+        [torch.stack(k) for k in ks],
+        [torch.stack(v) for v in vs],
+        scaling,
+        sliding,
+        key_scale_shared_by_heads=any(hasattr(m, "k_norm") or hasattr(m, "q_norm") for m in mods),
+        value_norm=any(hasattr(m, "v_norm") for m in mods),
     )
 
 
@@ -261,7 +271,10 @@ def choose_transforms(
                     lam = None
                     if alpha:
                         centred = k_all[:, :, 1:] - (shift.reshape(1, h, 1, hd) if use_shift else 0.0)
-                        a = tie_rope_pairs(centred.abs().amax(dim=(0, 2)).clamp_min(1e-6), partners) ** alpha
+                        amax = centred.abs().amax(dim=(0, 2))  # [h, hd]
+                        if record.key_scale_shared_by_heads:  # one norm weight for every head: one set of scales
+                            amax = amax.amax(dim=0, keepdim=True).expand(h, hd)
+                        a = tie_rope_pairs(amax.clamp_min(1e-6), partners) ** alpha
                         lam = (a / a.log().mean().exp()).reshape(-1)  # geometric mean 1: the scores' scale stays
                     frame_shift = shift if lam is None else shift / lam  # the folded model's keys carry 1 / lam
                     lt = LayerTransforms(
@@ -287,7 +300,7 @@ def choose_transforms(
         # values: rotation, then ratios
         val_errs: dict[str, float] = {}
         vbest: _Candidate | None = None
-        for rot in (False, True) if search.value_rotation else (False,):
+        for rot in (False, True) if search.value_rotation and not record.value_norm else (False,):
             for o, inn in search.ratios:
                 cfg = OakenConfig(outer_ratio=o, inner_ratio=inn)
                 x = _rotate(v_all) if rot else v_all
