@@ -3,7 +3,7 @@
 # and its peers on the default model (and Gemma-3-270m), then the report.
 #
 #   benchmarks/eval_peers.sh [part...]    parts: calib baselines oaken chunked ablation windows20 zeroshot textdep
-#                                          full gemma report (windows20: 20 windows whatever WINDOWS says, ~1.5 h;
+#                                          full gemma plus qwen report (windows20: 20 windows whatever WINDOWS says, ~1.5 h;
 #                                          full: every window, FULL_METHODS, ~35 min each; not in the default list)
 #
 # WINDOWS (default 3) windows of 2048 tokens and LIMIT (default 50) documents per task keep this within about
@@ -110,9 +110,29 @@ for part in "${parts[@]}"; do
         [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "$gw" --json "$f"
       done
       MODEL=default ;;
+    plus)  # oaken-plus (docs/plus.md): the whole test set, and each remedy alone on the first 3 windows
+      # (session 12; the profile is made once per search setting, 16 x 2048 Wikipedia tokens, then cached)
+      mkdir -p "$OUT/$MODEL-full"
+      f="$OUT/$MODEL-full/ppl-oaken-plus.json"
+      [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method oaken-plus --resume --json "$f"
+      ppl oaken-plus oaken-plus
+      for spec in "shift-only:shift=1,rot_k=0,rot_v=0,smooth=0,ratios=0" "rotk-only:shift=0,rot_k=1,rot_v=0,smooth=0,ratios=0" \
+                  "rotv-only:shift=0,rot_k=0,rot_v=1,smooth=0,ratios=0" "smooth-only:shift=0,rot_k=0,rot_v=0,smooth=1,ratios=0" \
+                  "ratios-only:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=1" "none:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=0"; do
+        ppl "oaken-plus-${spec%%:*}" "oaken-plus:${spec#*:}"
+      done ;;
+    qwen)  # Qwen2.5-Coder-0.5B (bias on q/k/v; optional embedded model, `oakenkv info` says how to install it):
+      # QWEN_WINDOWS (default 6) windows of 2048 tokens, ~15-25 min per method on one loaded core
+      MODEL=qwen2.5-coder-0.5b; qw="${QWEN_WINDOWS:-6}"; d="$OUT/$MODEL-${qw}w"; mkdir -p "$d"
+      for m in oaken-plus oaken fp kvquant4 kivi4 int4; do
+        f="$d/ppl-$m.json"
+        [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "$m" --max-windows "$qw" --resume --json "$f"
+      done
+      MODEL=default ;;
     report)
       dirs=()
-      for d in "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-zs* "$OUT"/gemma3-270m*; do
+      for d in "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-zs* "$OUT"/gemma3-270m* \
+               "$OUT"/qwen2.5-coder-0.5b*; do
         [[ -d "$d" ]] && dirs+=("$d")
       done
       $OAK eval report "${dirs[@]}" --header benchmarks/results_header.md --out docs/results.md --plot docs/results_pareto.png ;;

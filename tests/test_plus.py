@@ -278,3 +278,32 @@ def test_store_encodes_the_transformed_keys(default_model, profile):
     # and the transform itself is (k - shift) @ H per head, to float32 rounding
     want_rows = (k[0].permute(1, 0, 2).reshape(s, h * hd) - torch.tensor(t.layers[layer].key_shift)).reshape(s, h, hd)
     torch.testing.assert_close(torch.from_numpy(rows).reshape(s, h, hd), want_rows @ hadamard(hd), rtol=0, atol=1e-5)
+
+
+def test_a_shipped_profile_is_used_only_when_it_fits(default_model, tmp_path, monkeypatch):
+    import oakenkv.plus as plus
+    from oakenkv.profile import CalibrationSpec
+
+    monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(plus, "SHIPPED_PROFILES", shipped)
+    spec, search = CalibrationSpec(samples=2, window=96), PlusSearch(alphas=(0.0,), query_positions=16)
+    args = (default_model.model, default_model.tokenizer, "default", spec, search)
+    made = plus.cached_plus_profile(*args)
+    (cached,) = (tmp_path / "cache" / "eval").glob("plus-*.json")
+    cached.rename(shipped / cached.name)  # as the package ships it: the cache's own file name
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although a fitting profile was shipped")
+
+    monkeypatch.setattr(plus, "profile_plus", no_profiling)
+    got = plus.cached_plus_profile(*args)
+    assert got.sha256() == made.sha256() and (tmp_path / "cache" / "eval" / cached.name).is_file()
+    # a shipped file made for other weights is not used (its name would differ; here the content does)
+    (tmp_path / "cache" / "eval" / cached.name).unlink()
+    data = json.loads((shipped / cached.name).read_text())
+    data["model"]["weights"] = "0" * 64
+    (shipped / cached.name).write_text(json.dumps(data))
+    with pytest.raises(AssertionError, match="profiled although"):
+        plus.cached_plus_profile(*args)

@@ -26,6 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -457,6 +458,13 @@ def _search_dict(search: PlusSearch) -> dict[str, Any]:
     return d
 
 
+#: oaken-plus profiles shipped with the package (the embedded default model's, on the default calibration and
+#: search), under the cache's file names, so that ``make demo`` does not spend minutes profiling on first use.
+#: :func:`cached_plus_profile` uses one only when its recorded weights digest, calibration windows and search
+#: are the ones asked for (the same checks as the on-disk cache); otherwise it profiles as usual.
+SHIPPED_PROFILES = Path(__file__).parent / "profiles"
+
+
 def cached_plus_profile(
     model: Any,
     tokenizer: Any,
@@ -481,6 +489,14 @@ def cached_plus_profile(
     wanted = json.loads(json.dumps(_search_dict(search)))  # as the file holds it
     if cached is not None and cached.transforms is not None and cached.transforms.notes.get("search") == wanted:
         return cached
+    shipped = SHIPPED_PROFILES / path.name  # the same name: the same model weights, windows and search
+    if shipped.is_file():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a shipped file that does not fit is simply not used
+            th = load_cached_thresholds(shipped, key, OakenConfig())
+        if th is not None and th.transforms is not None and th.transforms.notes.get("search") == wanted:
+            th.save(path)
+            return th
     meta = {
         "data": spec.text,
         "data_path": spec.text_path,
