@@ -307,3 +307,20 @@ def test_a_shipped_profile_is_used_only_when_it_fits(default_model, tmp_path, mo
     (shipped / cached.name).write_text(json.dumps(data))
     with pytest.raises(AssertionError, match="profiled although"):
         plus.cached_plus_profile(*args)
+
+
+def test_the_default_models_shipped_profile_fits_it(default_model, tmp_path, monkeypatch):
+    """The package ships the embedded default model's oaken-plus profile; it must be the one the preset asks for
+    (same weights digest, calibration windows and search), or `make demo` profiles for minutes on first use."""
+    import oakenkv.plus as plus
+
+    assert list(plus.SHIPPED_PROFILES.glob("plus-default-*.json")), "no shipped profile of the default model"
+    monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
+
+    def no_profiling(*a, **k):
+        raise AssertionError("the shipped profile does not fit the default model: regenerate it")
+
+    monkeypatch.setattr(plus, "profile_plus", no_profiling)
+    th = plus.cached_plus_profile(default_model.model, default_model.tokenizer, "default")
+    assert th.transforms is not None
+    th.check_model(default_model.model)
