@@ -324,3 +324,24 @@ def test_the_default_models_shipped_profile_fits_it(default_model, tmp_path, mon
     th = plus.cached_plus_profile(default_model.model, default_model.tokenizer, "default")
     assert th.transforms is not None
     th.check_model(default_model.model)
+
+
+def test_profiles_made_together_equal_profiles_made_alone(default_model, tmp_path, monkeypatch):
+    import oakenkv.plus as plus
+    from oakenkv.profile import CalibrationSpec
+
+    monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
+    spec = CalibrationSpec(samples=2, window=96)
+    searches = [
+        PlusSearch(alphas=(0.0,), key_rotation=False, value_rotation=False, query_positions=16),
+        PlusSearch(alphas=(0.0, 0.5), key_shift=False, ratios=plus.DEFAULT_RATIOS[:1], query_positions=16),
+    ]
+    args = (default_model.model, default_model.tokenizer, "default")
+    together = plus.cached_plus_profiles(*args, searches, spec)
+    for f in (tmp_path / "cache" / "eval").glob("plus-*.json"):
+        f.unlink()
+    for s, t in zip(searches, together, strict=True):
+        alone = plus.cached_plus_profile(*args, spec, s)
+        assert alone.transforms.digest() == t.transforms.digest()
+        assert alone.keys == t.keys and alone.values == t.values
+    assert together[0].transforms.digest() != together[1].transforms.digest()  # the searches did differ

@@ -73,6 +73,18 @@ class PlusSearch:
     query_runs: int = 2
     query_positions: int = 256
 
+    @classmethod
+    def from_flags(cls, shift: bool, rot_k: bool, rot_v: bool, smooth: bool, ratios: bool) -> PlusSearch:
+        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..`` (each
+        remedy on or off; off ratios means the paper's 4% / 6% split only)."""
+        return cls(
+            alphas=cls().alphas if smooth else (0.0,),
+            key_shift=bool(shift),
+            key_rotation=bool(rot_k),
+            value_rotation=bool(rot_v),
+            ratios=DEFAULT_RATIOS if ratios else DEFAULT_RATIOS[:1],
+        )
+
     def __post_init__(self) -> None:
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError(f"alphas must be a non-empty subset of [0, 1], got {self.alphas}")
@@ -277,9 +289,10 @@ def choose_transforms(
                             amax = amax.amax(dim=0, keepdim=True).expand(h, hd)
                         a = tie_rope_pairs(amax.clamp_min(1e-6), partners) ** alpha
                         lam = (a / a.log().mean().exp()).reshape(-1)  # geometric mean 1: the scores' scale stays
-                    frame_shift = shift if lam is None else shift / lam  # the folded model's keys carry 1 / lam
+                    # the folded model's keys carry 1 / lam, so the shift is taken in that frame
+                    frame_shift = None if not use_shift else shift if lam is None else shift / lam
                     lt = LayerTransforms(
-                        key_shift=tuple(frame_shift.tolist()) if use_shift else None,
+                        key_shift=None if frame_shift is None else tuple(frame_shift.tolist()),
                         key_scale=None if lam is None else tuple(lam.tolist()),
                         key_rotation=rot,
                     )
@@ -478,25 +491,46 @@ def cached_plus_profile(
     and then read from the profile cache (``oakenkv.profile.profile_cache_dir``), keyed by content (the model's
     weights and the windows' tokens: ``oakenkv.profile.CalibrationKey``) and the search settings, and checked
     against them when read."""
+    return cached_plus_profiles(model, tokenizer, model_name, [search or PlusSearch()], spec, progress=progress)[0]
+
+
+def cached_plus_profiles(
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    searches: Sequence[PlusSearch],
+    spec: CalibrationSpec | None = None,
+    *,
+    progress: bool = False,
+) -> list[Thresholds]:
+    """:func:`cached_plus_profile` for several search settings (an ablation): the profiles not cached yet are all
+    chosen from one recording of the calibration attention (the slow part), as :func:`profile_plus` would each."""
     from oakenkv.profile import calibration_key, calibration_windows, load_cached_thresholds, profile_cache_dir
 
     spec = spec or PLUS_CALIBRATION
-    search = search or PlusSearch()
     windows = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, windows)
-    path = profile_cache_dir() / f"plus-{key.stem()}-{key.digest('oaken-plus', _search_dict(search))[:16]}.json"
-    cached = load_cached_thresholds(path, key, OakenConfig())
-    wanted = json.loads(json.dumps(_search_dict(search)))  # as the file holds it
-    if cached is not None and cached.transforms is not None and cached.transforms.notes.get("search") == wanted:
-        return cached
-    shipped = SHIPPED_PROFILES / path.name  # the same name: the same model weights, windows and search
-    if shipped.is_file():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a shipped file that does not fit is simply not used
-            th = load_cached_thresholds(shipped, key, OakenConfig())
-        if th is not None and th.transforms is not None and th.transforms.notes.get("search") == wanted:
-            th.save(path)
-            return th
+    out: list[Thresholds | None] = []
+    missing: list[tuple[int, Path]] = []
+    for j, search in enumerate(searches):
+        path = profile_cache_dir() / f"plus-{key.stem()}-{key.digest('oaken-plus', _search_dict(search))[:16]}.json"
+        wanted = json.loads(json.dumps(_search_dict(search)))  # as the file holds it
+        found = None
+        for candidate, quiet in ((path, False), (SHIPPED_PROFILES / path.name, True)):  # the same name: the same
+            with warnings.catch_warnings():  # model weights, windows and search; a shipped file that does not
+                if quiet:  # fit is simply not used
+                    warnings.simplefilter("ignore")
+                th = load_cached_thresholds(candidate, key, OakenConfig())
+            if th is not None and th.transforms is not None and th.transforms.notes.get("search") == wanted:
+                found = th
+                break
+        if found is not None and candidate != path:
+            found.save(path)
+        out.append(found)
+        if found is None:
+            missing.append((j, path))
+    if not missing:
+        return out  # type: ignore[return-value]
     meta = {
         "data": spec.text,
         "data_path": spec.text_path,
@@ -504,9 +538,35 @@ def cached_plus_profile(
         "window": spec.window,
         "windows_sha256": key.windows_sha256,
     }
-    th = profile_plus(model, windows, search, progress=progress, name=model_name, metadata=meta)
-    th.save(path)
-    return th
+    if len(missing) == 1:
+        j, path = missing[0]
+        th = profile_plus(model, windows, searches[j], progress=progress, name=model_name, metadata=meta)
+        th.save(path)
+        out[j] = th
+        return out  # type: ignore[return-value]
+    runs = {min(searches[j].query_runs, int(windows.shape[0])) for j, _ in missing}
+    if len(runs) != 1:
+        raise ValueError("searches profiled together must record the same query_runs")
+    if is_folded(model) is not None:
+        raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
+    fingerprint = ModelFingerprint.from_model(model, name=model_name)
+    try:
+        partners = rope_partners(model)
+    except TransformError as e:
+        partners = None
+        warnings.warn(f"key smoothing disabled: {e}", stacklevel=2)
+    t0 = time.perf_counter()
+    work = int(windows.shape[0]) + sum(
+        fingerprint.num_layers * candidates_per_layer(searches[j], partners is not None) for j, _ in missing
+    )
+    with ProgressLog(progress, work, "oaken-plus profiles", "steps") as advance:
+        record = record_attention(model, windows, runs.pop(), advance)
+        for j, path in missing:
+            th = profile_from_record(record, fingerprint, searches[j], partners, advance)
+            th.profile.update({"window": int(windows.shape[1]), "seconds": round(time.perf_counter() - t0, 3), **meta})
+            th.save(path)
+            out[j] = th
+    return out  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------- applying
@@ -551,6 +611,7 @@ __all__: Sequence[str] = [
     "apply_profile",
     "attention_output",
     "cached_plus_profile",
+    "cached_plus_profiles",
     "choose_transforms",
     "profile_from_record",
     "profile_plus",

@@ -282,7 +282,7 @@ def _oaken_plus(
     import copy
 
     from oakenkv.eval.cache import FakeQuantCache
-    from oakenkv.plus import DEFAULT_RATIOS, PLUS_CALIBRATION, PlusSearch, apply_profile, cached_plus_profile
+    from oakenkv.plus import PLUS_CALIBRATION, PlusSearch, apply_profile, cached_plus_profile
     from oakenkv.thresholds import Thresholds
 
     extra: dict[str, Any] = {}
@@ -297,12 +297,8 @@ def _oaken_plus(
         for k, v in params.items():
             if v not in (0, 1):
                 raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
-        search = PlusSearch(
-            alphas=PlusSearch().alphas if params["smooth"] else (0.0,),
-            key_shift=bool(params["shift"]),
-            key_rotation=bool(params["rot_k"]),
-            value_rotation=bool(params["rot_v"]),
-            ratios=DEFAULT_RATIOS if params["ratios"] else DEFAULT_RATIOS[:1],
+        search = PlusSearch.from_flags(
+            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"]
         )
         from oakenkv.profile import CalibrationSpec
 
