@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oakenkv.compat import cache_kwargs
+
 
 def load_or_profile_thresholds(
     loaded: Any, path: str | Path | None = None, *, samples: int = 16, window: int = 256, progress: bool = False
@@ -96,7 +98,7 @@ def generate_text(
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            cache=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
@@ -159,7 +161,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
 
     cache = OakenCache(thresholds, model.config)
     with torch.inference_mode():
-        logits = model(input_ids=windows, cache=cache, use_cache=True).logits
+        logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
     return float(nll.sum()), nll.numel(), stored_bits(cache), cache.kv_bytes()
