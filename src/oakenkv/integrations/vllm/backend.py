@@ -368,3 +368,32 @@ def _causal_mask(s: int, length: int) -> torch.Tensor:
     """bool ``[S, length]``: query ``i`` (position ``length - S + i``) sees keys up to its position."""
     pos = torch.arange(length - s, length)[:, None]
     return torch.arange(length)[None, :] <= pos
+
+
+def worker_stats(worker: Any) -> dict[str, Any]:
+    """What the Oaken layers of one vLLM worker hold: block layout, block count and overflow counts.
+
+    Runs in the worker process: ``LLM.collective_rpc(worker_stats)`` (a callable RPC; vLLM then needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Layers that have not run yet are not listed.
+    """
+    model = worker.model_runner.get_model()
+    layers: dict[int, dict[str, int]] = {}
+    out: dict[str, Any] = {"backend": None, "layers": layers}
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if not isinstance(impl, OakenAttentionImpl):
+            continue
+        out["backend"] = BACKEND_NAME
+        st = impl._state
+        if st is None:
+            continue
+        layers[st.layer_index] = st.writer.stats.to_dict()
+        out["layout"] = st.layout.describe()
+        out["num_blocks"] = int(module.kv_cache.shape[0])
+        out["units_per_block"] = st.units_per_block
+    totals: dict[str, int] = {}
+    for s in layers.values():
+        for k, v in s.items():
+            totals[k] = totals.get(k, 0) + v
+    out["totals"] = totals
+    return out

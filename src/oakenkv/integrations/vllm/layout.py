@@ -320,16 +320,10 @@ def clip_outliers(x: np.ndarray, thr: np.ndarray, keep: int) -> tuple[np.ndarray
     excess = np.where(upper, x - to_hi, to_lo - x)[outer]
     ranked = np.concatenate([outer[np.argsort(-excess, kind="stable")], inner])
     moved = ranked[max(keep, 0) :]
-    for i in moved:
-        v = x[i]
-        if v > to_hi:
-            x[i] = to_hi
-        elif v < to_lo:
-            x[i] = to_lo
-        elif v - ti_lo <= ti_hi - v:
-            x[i] = np.nextafter(ti_lo, np.float32(-np.inf))
-        else:
-            x[i] = np.nextafter(ti_hi, np.float32(np.inf))
+    v = x[moved]
+    below, above = np.nextafter(ti_lo, np.float32(-np.inf)), np.nextafter(ti_hi, np.float32(np.inf))
+    inner_to = np.where(v - ti_lo <= ti_hi - v, below, above)
+    x[moved] = np.where(v > to_hi, to_hi, np.where(v < to_lo, to_lo, inner_to))
     return x, int(moved.size)
 
 
