@@ -197,9 +197,10 @@ def test_decode_attention_parallel_split_matches_serial():
     for r in range(3):
         BlockWriter(lay, thr).write(pool, upb, table[r][np.arange(t) // bs] * bs + np.arange(t) % bs, k, v)
     q = np.repeat(rng.standard_normal((1, 9, hd)).astype(np.float32), 3, axis=0)  # three rows, same data
-    both = decode_attention(q, pool, upb, lay, decode_tables(table, np.array([t, t, t]), lay, upb), thr, hkv, 0.125)
+    tables = decode_tables(table, np.array([t, t, t]), lay, upb)
+    both = decode_attention(q, pool, upb, lay, tables, thr, hkv, 0.125, threads=2)
     one = decode_attention(q[:1], pool, upb, lay, decode_tables(table[:1], np.array([t]), lay, upb), thr, hkv, 0.125)
-    for r in range(3):  # 3 x 1500 tokens run split in parallel, 1500 serially
+    for r in range(3):  # 3 x 1500 tokens split over two threads, 1500 serially
         np.testing.assert_allclose(both[r], one[0], rtol=1e-5, atol=1e-6)
 
 

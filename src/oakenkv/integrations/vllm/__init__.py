@@ -23,6 +23,9 @@ Settings (environment variables, read in every vLLM process):
   ``1.35 x D x (outer_ratio + inner_ratio)``.
 - ``OAKENKV_VLLM_OVERFLOW``: ``clip`` (default) or ``error``: what happens to a token whose COO record does not
   fit in its block (``docs/vllm.md``, "Overflow").
+- ``OAKENKV_VLLM_ATTENTION_THREADS``: threads of the decode-attention kernel for long contexts (default 1: the
+  kernel runs on the worker's thread, as vLLM's CPU worker runs torch on one thread per core it was given; on a
+  busy 2-core machine numba's OpenMP threads spinning beside it made decode steps 2-20x slower).
 
 Importing this module imports neither vLLM nor torch.
 """
@@ -42,6 +45,7 @@ BACKEND_PATH = "oakenkv.integrations.vllm.backend.OakenAttentionBackend"
 ENV_PROFILE = "OAKENKV_VLLM_PROFILE"
 ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
 ENV_OVERFLOW = "OAKENKV_VLLM_OVERFLOW"
+ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Settings:
     profile: Path
     sparse_bytes_per_token: float | None = None
     overflow: str = "clip"
+    attention_threads: int = 1
 
     @classmethod
     def from_env(cls) -> Settings | None:
@@ -68,7 +73,10 @@ class Settings:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be a number of bytes, got {sparse!r}") from None
         if sparse_bytes is not None and not sparse_bytes > 0:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse!r}")
-        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow)
+        threads = os.environ.get(ENV_THREADS, "").strip() or "1"
+        if not threads.isdigit() or int(threads) < 1:
+            raise ValueError(f"{ENV_THREADS} must be a positive int, got {threads!r}")
+        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, int(threads))
 
 
 def _check_version() -> None:
@@ -98,9 +106,16 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
 
 
-def enable(profile: str | os.PathLike[str], *, sparse_bytes_per_token: float | None = None, overflow: str = "clip"):
+def enable(
+    profile: str | os.PathLike[str],
+    *,
+    sparse_bytes_per_token: float | None = None,
+    overflow: str = "clip",
+    attention_threads: int = 1,
+) -> None:
     """Turn the plugin on for vLLM engines built afterwards in this process and the processes it starts."""
     os.environ[ENV_PROFILE] = str(Path(profile).expanduser().resolve())
+    os.environ[ENV_THREADS] = str(attention_threads)
     if sparse_bytes_per_token is None:
         os.environ.pop(ENV_SPARSE_BYTES, None)
     else:
@@ -112,7 +127,7 @@ def enable(profile: str | os.PathLike[str], *, sparse_bytes_per_token: float | N
 
 def disable() -> None:
     """Turn the plugin off for engines built afterwards (already built engines keep it)."""
-    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW):
+    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS):
         os.environ.pop(key, None)
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum

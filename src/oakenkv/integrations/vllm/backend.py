@@ -36,15 +36,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, _oaken
-from oakenkv.integrations.vllm.layout import (
-    BlockLayout,
-    BlockWriter,
-    DecodeTables,
-    decode_attention,
-    decode_tables,
-    dequantize,
-    pool_view,
-)
+from oakenkv.integrations.vllm.layout import BlockLayout, BlockWriter, DecodeBatch, dequantize, pool_view
 
 logger = init_logger(__name__)
 
@@ -74,6 +66,15 @@ def load_profile(path: Path) -> _oaken.Thresholds:
                 raise ValueError(f"{path}: the vLLM plugin stores fp16 scales; this profile uses float32 scales")
             _PROFILES[path] = thr
         return thr
+
+
+def _numba_threads(n: int) -> None:
+    """Run this thread's numba kernels on ``n`` threads (the codec's batch decode is a parallel kernel): one by
+    default, beside vLLM's torch thread, instead of numba's OpenMP pool of one thread per core."""
+    import numba
+
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 def layout_for(num_kv_heads: int, head_size: int, block_size: int) -> BlockLayout:
@@ -149,16 +150,23 @@ class OakenMetadata:
     #: Requests with one query token (decode attention kernel) and with more (dequantize + SDPA).
     decode_reqs: np.ndarray
     prefill_reqs: np.ndarray
-    _tables: dict[int, DecodeTables] = field(default_factory=dict)
+    #: The decode requests' query tokens: ``slice(0, n)`` when they lead the batch (vLLM reorders it so), else
+    #: their indices.
+    decode_tokens: slice | torch.Tensor
+    _batch: DecodeBatch | None = field(default=None, repr=False)
 
-    def tables(self, layout: BlockLayout, units_per_block: int) -> DecodeTables:
-        """The decode kernel's page tables for the decode requests (built by the first layer that asks)."""
-        t = self._tables.get(units_per_block)
-        if t is None:
+    def decode_batch(
+        self, layout: BlockLayout, units_per_block: int, num_heads: int, head_size: int, threads: int
+    ) -> DecodeBatch:
+        """The decode kernel's tables and buffers for this step (built by the first layer that asks)."""
+        b = self._batch
+        if b is None or b.units_per_block != units_per_block or b.out.shape[1:] != (num_heads, head_size):
             r = self.decode_reqs
-            t = decode_tables(self.block_table[r], self.seq_lens[r], layout, units_per_block)
-            self._tables[units_per_block] = t
-        return t
+            b = DecodeBatch(
+                self.block_table[r], self.seq_lens[r], layout, units_per_block, num_heads, head_size, threads
+            )
+            self._batch = b
+        return b
 
 
 class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
@@ -170,6 +178,8 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if device.type != "cpu":
             raise NotImplementedError(f"the Oaken vLLM backend runs on the CPU, not on {device}")
+        # Decodes first: their query tokens are then one contiguous slice.
+        self._init_reorder_batch_threshold(1)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -180,13 +190,17 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
         seq_lens = cm.seq_lens[:n].cpu().numpy().astype(np.int64)
         block_table = cm.block_table_tensor[:n].cpu().numpy()
         qlen = np.diff(qsl)
+        decode = np.flatnonzero(qlen == 1)
+        starts = qsl[decode]
+        leading = decode.size == 0 or (decode[-1] == decode.size - 1 and starts[-1] == decode.size - 1)
         return OakenMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_table=np.ascontiguousarray(block_table, dtype=np.int32),
-            decode_reqs=np.flatnonzero(qlen == 1),
+            decode_reqs=decode,
             prefill_reqs=np.flatnonzero(qlen > 1),
+            decode_tokens=slice(0, decode.size) if leading else torch.from_numpy(starts),
         )
 
 
@@ -281,6 +295,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         """Encode the step's new keys and values (``[N, H_kv, hd]``) into their slots."""
         if kv_cache.numel() == 0:
             return
+        _numba_threads(self.settings.attention_threads)
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         before = sum(st.writer.stats.tokens)
@@ -313,23 +328,23 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         md = attn_metadata
+        _numba_threads(self.settings.attention_threads)
         st = self._layer(layer, kv_cache)
         hd = self.head_size
         if md.decode_reqs.size:
-            tokens = md.query_start_loc[md.decode_reqs]
-            q = query[torch.from_numpy(tokens)].detach().to(torch.float32).numpy().reshape(-1, self.num_heads, hd)
-            out = decode_attention(
-                q,
+            batch = md.decode_batch(st.layout, st.units_per_block, self.num_heads, hd, self.settings.attention_threads)
+            q = query[md.decode_tokens].detach()
+            if q.dtype != torch.float32:
+                q = q.to(torch.float32)
+            out = batch.attend(
+                q.numpy().reshape(-1, self.num_heads, hd),
                 st.pool,
-                st.units_per_block,
-                st.layout,
-                md.tables(st.layout, st.units_per_block),
                 st.thresholds,
                 self.num_kv_heads,
                 self.scale,
                 self.softcap,
             )
-            output[torch.from_numpy(tokens)] = torch.from_numpy(out).to(output.dtype)
+            output[md.decode_tokens] = torch.from_numpy(out)
         for r in md.prefill_reqs:
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
             length = int(md.seq_lens[r])

@@ -216,6 +216,42 @@ def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, spars
 
 
 @njit(cache=True, nogil=True)
+def _encode_and_write(
+    pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, thr2, slots, x, thr, records, sparse, counts, info
+):
+    """The decode step's write in one call: encode the ``2 n`` rows of ``x`` (keys of the ``n`` tokens, then their
+    values) with the codec's ``encode_records``, then :func:`_write_records` in slot order.
+
+    Returns 0 (done), 1 (a record overflowed: ``info`` as :func:`_write_records`, with ``info[2]`` = 1 when the
+    tokens were not in slot order: the caller then goes on with ``argsort(slots)``), 2 (the codec refused row
+    ``info[0]``: ``counts`` holds ``-ERR_*``) or 3 (slot of token ``info[0]`` is past the cache).
+    """
+    n = slots.shape[0]
+    for i in range(n):
+        if slots[i] >= num_slots:
+            info[0] = i
+            return 3
+        for k in range(4):
+            thr[i, k] = thr2[0, k]
+            thr[n + i, k] = thr2[1, k]
+    _oaken.encode_records(x, thr, ib, ob, True, records, sparse, counts)
+    for r in range(2 * n):
+        if counts[r] < 0:
+            info[0] = r
+            return 2
+    ordered = True
+    last = np.int64(-1)
+    for i in range(n):
+        if slots[i] >= 0:
+            if slots[i] <= last:
+                ordered = False
+            last = slots[i]
+    info[2] = 0 if ordered else 1
+    order = np.arange(n) if ordered else np.argsort(slots, kind="mergesort")
+    return _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, sparse, counts, 0, info)
+
+
+@njit(cache=True, nogil=True)
 def _gather_rows(pool, unit, upb, bs, cs, hdr, w, maxlen, blocks, length, kind, dense, sparse, offsets):
     """Copy one kind's records of tokens ``0..length-1`` of a request (block ids ``blocks``) into page records:
     ``dense [length, unit]``, ``sparse`` (back to back), ``offsets [length + 1]``. Returns the sparse bytes, or
@@ -386,29 +422,32 @@ class BlockWriter:
         if n == 0:
             return
         num_blocks = (pool.shape[0] - lay.block_bytes) // (units_per_block * lay.unit) + 1
-        if int(slots.max()) >= num_blocks * lay.block_size:
-            raise IndexError(f"slot {int(slots.max())} is past the cache's {num_blocks} blocks")
         x, records, sparse, counts, thr = self._buffers(n)
         x[:n] = _as_rows(keys, n, lay.dim)
         x[n:] = _as_rows(values, n, lay.dim)
-        thr[:n] = self.thr[0]
-        thr[n:] = self.thr[1]
-        _oaken.encode_records(x, thr, lay.inner_bits, lay.outer_bits, True, records, sparse, counts)
-        bad = np.flatnonzero(counts < 0)
-        if bad.size:
-            r = int(bad[0])
+        info = np.zeros(3, np.int64)
+        status = _encode_and_write(
+            pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
+            num_blocks * lay.block_size, lay.inner_bits, lay.outer_bits, self.thr, slots, x, thr, records, sparse,
+            counts, info,
+        )  # fmt: skip
+        if status == 3:
+            raise IndexError(f"slot {int(slots[info[0]])} is past the cache's {num_blocks} blocks")
+        if status == 2:
+            r = int(info[0])
             kind = "keys" if r < n else "values"
             raise ValueError(f"cannot encode the {kind} of token {r % n}: {_oaken.ERROR_MESSAGES[int(-counts[r])]}")
-        order = np.arange(n) if n < 2 or bool(np.all(np.diff(slots) > 0)) else np.argsort(slots, kind="stable")
-        info = np.zeros(2, np.int64)
-        start = 0
-        while _write_records(
-            pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
-            slots, order, records, sparse, counts, start, info,
-        ):  # fmt: skip
-            start = int(info[0])
-            self._overflow(start, int(info[1]), n, slots, order, x, thr, records, sparse, counts)
-        self.stats.written += 2 * int((slots >= 0).sum())
+        if status == 1:
+            order = np.argsort(slots, kind="stable") if info[2] else np.arange(n)
+            while True:
+                start = int(info[0])
+                self._overflow(start, int(info[1]), n, slots, order, x, thr, records, sparse, counts)
+                if not _write_records(
+                    pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit,
+                    lay.len_bytes, slots, order, records, sparse, counts, start, info,
+                ):  # fmt: skip
+                    break
+        self.stats.written += 2 * int(np.count_nonzero(slots >= 0))
 
     def _overflow(self, q: int, used: int, n: int, slots, order, x, thr, records, sparse, counts) -> None:
         lay = self.layout
@@ -542,6 +581,73 @@ PARALLEL_MIN_TOKENS = 4096
 _THREADS_MIN_TOKENS = 256
 
 
+class DecodeBatch:
+    """One step's decode rows: the page tables and the buffers every layer reuses (the tables depend only on
+    vLLM's block tables, the same for all layers; the sparse lengths are gathered per layer)."""
+
+    def __init__(
+        self,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        layout: BlockLayout,
+        units_per_block: int,
+        num_heads: int,
+        head_size: int,
+        threads: int = 1,
+    ) -> None:
+        self.layout = layout
+        self.units_per_block = units_per_block
+        self.tables = t = decode_tables(block_table, seq_lens, layout, units_per_block)
+        rows, _, t_max = t.dense_pages.shape
+        self.lens = np.empty((rows, 2, t_max), np.uint16)
+        self.out = np.empty((rows, num_heads, head_size), np.float32)
+        if threads > 1 and rows * t_max >= PARALLEL_MIN_TOKENS:
+            import numba
+
+            self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+            per_row = max(1, -(-2 * self.threads // rows))
+            self.splits = int(max(1, min(per_row, t_max // _THREADS_MIN_TOKENS)))
+            self.kernel = _oaken.packed_decode_attention
+        else:
+            self.threads, self.splits, self.kernel = 1, 1, _oaken.packed_decode_attention_serial
+        self.status = np.zeros(rows * self.splits, np.int64)
+
+    def attend(
+        self,
+        query: np.ndarray,
+        pool: np.ndarray,
+        thresholds: np.ndarray,
+        num_kv_heads: int,
+        scale: float,
+        softcap: float = 0.0,
+    ) -> np.ndarray:
+        """Attention of the rows' query tokens (float32 ``[rows, Hq, hd]``) over one layer's blocks (``pool``);
+        returns float32 ``[rows, Hq, hd]`` (a buffer the next call overwrites)."""
+        lay, t = self.layout, self.tables
+        bad = _gather_lengths(
+            pool, lay.unit, self.units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
+            lay.max_record, t.block_table, t.seq_lens, self.lens,
+        )  # fmt: skip
+        if bad < 0:
+            raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
+        if self.threads > 1:
+            import numba
+
+            if numba.get_num_threads() != self.threads:
+                numba.set_num_threads(self.threads)
+        self.status[:] = 0
+        self.kernel(
+            np.ascontiguousarray(query, dtype=np.float32), pool, lay.unit, lay.unit, lay.scale_bytes,
+            t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr, self.lens, t.keep, thresholds,
+            lay.inner_bits, lay.outer_bits, num_kv_heads, np.float32(scale), np.float32(softcap), self.splits,
+            self.out, self.status,
+        )  # fmt: skip
+        if self.status.any():
+            code = int(self.status[np.flatnonzero(self.status)[0]])
+            raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[code]}")
+        return self.out
+
+
 def decode_attention(
     query: np.ndarray,
     pool: np.ndarray,
@@ -552,37 +658,15 @@ def decode_attention(
     num_kv_heads: int,
     scale: float,
     softcap: float = 0.0,
+    threads: int = 1,
 ) -> np.ndarray:
     """Attention of one query token per row (``query`` float32 ``[rows, Hq, hd]``) over the rows' stored tokens:
-    ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``."""
-    lay = layout
-    rows, hq, hd = query.shape
-    t_max = tables.dense_pages.shape[2]
-    lens = np.empty((rows, 2, t_max), np.uint16)
-    bad = _gather_lengths(
-        pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
-        lay.max_record, tables.block_table, tables.seq_lens, lens,
-    )  # fmt: skip
-    if bad < 0:
-        raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
-    out = np.empty((rows, hq, hd), np.float32)
-    parallel = rows * t_max >= PARALLEL_MIN_TOKENS
-    if parallel:
-        from numba import get_num_threads
+    ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``.
 
-        per_row = max(1, -(-2 * get_num_threads() // rows))
-        splits = int(max(1, min(per_row, t_max // _THREADS_MIN_TOKENS)))
-        kernel = _oaken.packed_decode_attention
-    else:
-        splits, kernel = 1, _oaken.packed_decode_attention_serial
-    status = np.zeros(rows * splits, np.int64)
-    kernel(
-        np.ascontiguousarray(query, dtype=np.float32), pool, lay.unit, lay.unit, lay.scale_bytes,
-        tables.dense_pages, tables.sparse_pages, tables.sparse_first, tables.sparse_ptr, lens, tables.keep,
-        np.ascontiguousarray(thresholds, dtype=np.float32).reshape(2, 4), lay.inner_bits, lay.outer_bits,
-        num_kv_heads, np.float32(scale), np.float32(softcap), splits, out, status,
-    )  # fmt: skip
-    failed = np.flatnonzero(status)
-    if failed.size:
-        raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[int(status[failed[0]])]}")
-    return out
+    ``threads > 1`` runs numba's parallel kernel (split over rows and token ranges) once there are at least
+    ``PARALLEL_MIN_TOKENS`` (row, token) pairs; the default is the serial kernel on the calling thread.
+    """
+    _, hq, hd = query.shape
+    batch = DecodeBatch(tables.block_table, tables.seq_lens, layout, units_per_block, hq, hd, threads)
+    thr = np.ascontiguousarray(thresholds, dtype=np.float32).reshape(2, 4)
+    return batch.attend(query, pool, thr, num_kv_heads, scale, softcap).copy()
