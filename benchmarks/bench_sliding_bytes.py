@@ -25,8 +25,8 @@ def main() -> None:
 
     from transformers import DynamicCache
 
-    from oakenkv.bench.decode import _tile, kv_bytes, record_source_kv
-    from oakenkv.cache import OakenCache
+    from oakenkv.bench.decode import _tile, record_source_kv
+    from oakenkv.cache import OakenCache, kv_bytes
     from oakenkv.data import load_text, token_windows
     from oakenkv.generation import load_or_profile_thresholds
     from oakenkv.models import load_model

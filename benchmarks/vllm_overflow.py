@@ -98,7 +98,7 @@ def main() -> None:
         row = {
             "block_size": b,
             "sparse_bytes_per_token": c if c is not None else "default",
-            "sparse_capacity_per_token": lay.sparse_capacity / b,
+            "sparse_capacity_per_token": lay.sparse_area_bytes / b,
             "bytes_per_token": lay.bytes_per_token,
             "records": int(a["records"]),
             "overflows": int(a["overflows"]),

@@ -17,6 +17,18 @@ from hypothesis import settings
 # (test modules are imported after this conftest); an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Triton kernels (oakenkv.kernels.triton) run under the interpreter on CPU tensors when no GPU is there. @triton.jit
+# reads TRITON_INTERPRET when a kernel's module is imported, and any test may import those modules first (the numba
+# dispatcher walk in test_attention.py imports every module), so it is set here, before every test module.
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a dependency
+    _has_cuda = False
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Hypothesis: random examples on every local run (new ones find new bugs), the same examples in CI
 # (HYPOTHESIS_PROFILE=ci, set by .ci/run), so that a CI run on main never fails on a draw no commit caused.
 # Loaded here, before the test modules build their settings objects, which inherit the profile.

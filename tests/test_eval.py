@@ -68,7 +68,7 @@ def test_sweep_config_keeps_paper_split():
 def test_rope_round_trip_and_matches_transformers(default_model):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from oakenkv.eval.rope import RopeTable, apply_rope, invert_rope
+    from oakenkv.rope import RopeTable, apply_rope, invert_rope
 
     rope = RopeTable(default_model.model)
     k = torch.randn(1, 3, 40, 64)

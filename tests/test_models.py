@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oakenkv import models
-from oakenkv.models import EmbeddedModel, MissingModelError, load_model, locate_model
+from oakenkv.models import EmbeddedModel, MissingModelError, ModelFileError, load_model, locate_model
 
 
 def test_default_model_is_smollm2_135m(default_model):
@@ -93,7 +93,7 @@ def test_bad_names_give_clear_errors(name, message):
 
 
 def test_directory_without_config_is_rejected(tmp_path):
-    with pytest.raises(MissingModelError, match=r"no config\.json"):
+    with pytest.raises(ModelFileError, match=r"no config\.json"):
         locate_model(str(tmp_path))
 
 
@@ -187,3 +187,34 @@ def test_gemma3_270m_loads():
     lm = load_model("gemma3-270m")
     assert type(lm.model).__name__ == "Gemma3ForCausalLM"
     assert lm.model.config.num_hidden_layers == 18
+
+
+def test_a_path_that_is_no_model_is_named_as_such(tmp_path):
+    """Issue 23: `--model /etc/passwd` said "does not exist", and a GGUF cut anywhere in its header failed inside
+    transformers with a bare struct.error. The whole header is read (no tensor data) before anything loads."""
+    from oakenkv.models import check_gguf_header, find_embedded_gguf
+
+    with pytest.raises(ModelFileError, match="is a file but not a model"):
+        locate_model("/etc/passwd")
+    gguf = find_embedded_gguf("default")
+    check_gguf_header(gguf)  # the real one is complete
+    with gguf.open("rb") as f:
+        head = f.read(3_000_000)
+    for cut, match in (
+        (3, "not a GGUF file"),
+        (20, r"truncated \(20 bytes\)"),
+        (24, "truncated"),
+        (200_000, "truncated"),
+    ):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(head[:cut])
+        with pytest.raises(ModelFileError, match=match):
+            locate_model(str(bad))
+    whole_header = tmp_path / "header.gguf"
+    whole_header.write_bytes(head)
+    with pytest.raises(ModelFileError, match="truncated GGUF file"):
+        locate_model(str(whole_header))
+    renamed = tmp_path / "model.bin"  # a GGUF by content, whatever its name
+    renamed.write_bytes(head[:20])
+    with pytest.raises(ModelFileError, match="header is truncated"):
+        locate_model(str(renamed))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ from oakenkv.profile import (
     record_kv,
     run_thresholds,
 )
-from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds
+from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds, weights_digest
 
 # ---------------------------------------------------------------------------------------------- statistics
 
@@ -142,6 +143,14 @@ def test_profile_real_model(profiled, default_model, calib_ids, tmp_path):
     th = profiled
     th.check_model(default_model.model.config)
     assert th.fingerprint == ModelFingerprint("llama", 30, 3, 64)
+    # the profile records the digest of the weights it was made with, and checking the model compares it
+    t0 = time.perf_counter()
+    digest = weights_digest(default_model.model)
+    seconds = time.perf_counter() - t0
+    assert th.fingerprint.weights == digest
+    th.check_model(default_model.model)
+    # every byte of the 135M fp32 parameters (538 MB) is hashed; ~0.5 s on 2 busy cores (docs/robustness.md)
+    assert seconds < 5.0, f"weights_digest took {seconds:.1f} s"
     assert th.num_layers == 30
     runs, seq = calib_ids.shape
     for kind in ("key", "value"):
@@ -250,11 +259,11 @@ def test_pre_rope_config_is_recorded(default_model, calib_ids):
 
 
 @pytest.mark.model
-def test_cli_profile_and_inspect(default_model, tmp_path):
+def test_cli_profile_and_inspect(default_model, tmp_path, capsys):
     """`oakenkv profile` writes a valid file with distinct layers and warns below 100 samples; `inspect` reads it."""
     from typer.testing import CliRunner
 
-    from oakenkv.cli import app
+    from oakenkv.cli import app, run
 
     out = tmp_path / "t.json"
     runner = CliRunner()
@@ -271,5 +280,7 @@ def test_cli_profile_and_inspect(default_model, tmp_path):
     assert res.exit_code == 0, res.output
     assert "30 layers" in res.output and "value thresholds per decoder layer" in res.output
     (tmp_path / "bad.json").write_text(out.read_text()[:100])
-    res = runner.invoke(app, ["inspect", str(tmp_path / "bad.json")])
-    assert res.exit_code == 1 and "corrupt JSON" in res.output
+    capsys.readouterr()
+    assert run(["inspect", str(tmp_path / "bad.json")]) == 2  # the console script's path: one error line, code 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "corrupt JSON" in err and err.count("\n") == 1

@@ -19,6 +19,8 @@ from oakenkv.thresholds import (
     ModelMismatchError,
     Thresholds,
     ThresholdsFileError,
+    UnverifiedWeightsWarning,
+    weights_digest,
 )
 
 FP = ModelFingerprint("llama", 3, 2, 8, name="tiny")
@@ -148,6 +150,106 @@ def test_check_model_names_both_models():
         model_type="llama", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32
     )
     th.check_model(same)  # no error
+
+
+# ---------------------------------------------------------------------------------------------- weights digest
+
+
+def _tiny_llama(seed: int = 0, tie: bool = False):
+    """A randomly initialised 3-layer Llama of FP's shape (2 KV heads, head_dim 8): no download, ~0.1 s."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_weights_digest_is_the_content_of_every_tensor():
+    import torch
+
+    a, b = _tiny_llama(0), _tiny_llama(0)
+    d = weights_digest(a)
+    assert d.startswith("sha256:") and len(d) == 7 + 64
+    assert weights_digest(b) == d  # same numbers under the same names: same digest (not the object's identity)
+    with torch.no_grad():
+        # any single element of any tensor, however small the change
+        p = b.model.layers[2].mlp.down_proj.weight
+        p[5, 7] = torch.nextafter(p[5, 7], torch.tensor(1.0))
+    assert weights_digest(b) != d
+    assert weights_digest(_tiny_llama(1)) != d  # same shape, other weights (a "fine-tune")
+    assert weights_digest(_tiny_llama(0).to(torch.bfloat16)) != d  # same weights in another dtype
+
+
+def test_weights_digest_hashes_tied_tensors_once_under_both_names():
+    import torch
+
+    tied = _tiny_llama(0, tie=True)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied = _tiny_llama(0, tie=False)
+    with torch.no_grad():
+        untied.load_state_dict(tied.state_dict())
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    assert weights_digest(tied) == weights_digest(untied)  # the content, not the storage layout
+
+
+def test_weights_digest_refuses_meta_tensors():
+    import torch
+
+    with torch.device("meta"):
+        m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta"):
+        weights_digest(m)
+
+
+def test_fingerprint_weights_round_trip_and_validation(tmp_path):
+    digest = weights_digest(_tiny_llama(0))
+    fp = ModelFingerprint("llama", 3, 2, 8, name="tiny", weights=digest)
+    assert fp == FP  # the digest is compared by check_fingerprint, not by ==
+    back = Thresholds.load(make(fp).save(tmp_path / "t.json"))
+    assert back.fingerprint.weights == digest
+    assert json.loads((tmp_path / "t.json").read_text())["model"]["weights"] == digest
+    for bad in ("sha256:xyz", "md5:" + "0" * 32, 3):
+        with pytest.raises(ValueError, match="weights"):
+            ModelFingerprint("llama", 3, 2, 8, weights=bad)
+
+
+def test_check_model_compares_the_weights():
+    model, other = _tiny_llama(0), _tiny_llama(1)
+    th = make(ModelFingerprint.from_model(model, name="tiny"))
+    assert th.fingerprint == FP and th.fingerprint.weights == weights_digest(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        th.check_model(model)  # the same weights: no error, no warning
+        th.check_model(model.config)  # the config alone: the shape only, as asked
+    with pytest.raises(ModelMismatchError, match="other weights of the same shape"):
+        th.check_model(other)
+    with pytest.raises(ModelMismatchError, match="other weights"):
+        th.check_fingerprint(ModelFingerprint.from_model(other))
+
+
+def test_a_file_without_weights_still_loads_and_says_it_is_unverified(tmp_path):
+    """Files written before the digest existed: the shape is checked, and the user is told the weights were not."""
+    d = make().to_dict()
+    del d["model"]["weights"]  # exactly the old layout
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(d))
+    th = Thresholds.load(p)
+    assert th.fingerprint.weights is None
+    with pytest.warns(UnverifiedWeightsWarning, match="only the model's shape was checked"):
+        th.check_model(_tiny_llama(1))
+    with pytest.warns(UnverifiedWeightsWarning):
+        th.check_fingerprint(ModelFingerprint.from_model(_tiny_llama(1)))
+    with pytest.raises(ModelMismatchError, match="3 layers"):
+        th.check_fingerprint(ModelFingerprint("llama", 4, 2, 8))
 
 
 # ---------------------------------------------------------------------------------------------- Thresholds

@@ -68,7 +68,7 @@ def test_default_model_block_layout():
     lay = BlockLayout.make(192, 128, CFG)
     assert (lay.unit, lay.sparse_units, lay.header_units, lay.units, lay.len_bytes) == (108, 31, 3, 321, 1)
     assert lay.block_bytes == 321 * 108 == 34668
-    assert lay.sparse_capacity / 128 == pytest.approx(26.16, abs=0.01)
+    assert lay.sparse_area_bytes / 128 == pytest.approx(26.16, abs=0.01)
     bf16, fp8 = 2 * 192 * 2, 2 * 192  # K and V bytes per token and layer
     assert bf16 / lay.bytes_per_token >= 2.8 and fp8 / lay.bytes_per_token >= 1.4
 
@@ -219,7 +219,7 @@ def test_overflow_error_policy_names_the_block_and_keeps_it_consistent():
     # what was written before the overflowing record reads back as the codec's bytes
     written = 0
     ref = encode(torch.from_numpy(k), tuple(thr[0]), CFG)
-    while written < 8 and int(ref.sparse_offsets[written + 1]) <= lay.sparse_capacity:
+    while written < 8 and int(ref.sparse_offsets[written + 1]) <= lay.sparse_area_bytes:
         written += 1
     got = read_rows(pool, upb, lay, np.array([1]), written, 0)
     assert torch.equal(got.sparse, ref.sparse[: int(ref.sparse_offsets[written])])
@@ -286,6 +286,32 @@ def test_settings_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_SPARSE_BYTES, "lots")
     with pytest.raises(ValueError, match="number of bytes"):
         Settings.from_env()
+
+
+def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_model, tmp_path):
+    """oaken-plus profiles (transforms: an online key transform and a query rotation the plugin does not apply)
+    and profiles of another granularity, key position or scale dtype fail at load, naming why."""
+    import dataclasses
+
+    from kv_helpers import quick_thresholds
+    from oakenkv.integrations.vllm import load_profile
+    from oakenkv.transforms import identity
+
+    thr = quick_thresholds(default_model)
+    good = tmp_path / "paper.json"
+    thr.save(good)
+    assert load_profile(good) is not None
+    fp = thr.fingerprint
+    plus = dataclasses.replace(thr, transforms=identity(fp.num_layers, fp.num_kv_heads, fp.head_dim))
+    cases = {
+        "plus.json": (plus, "oaken-plus transforms"),
+        "head.json": (dataclasses.replace(thr, config=dataclasses.replace(thr.config, granularity="head")), "'token'"),
+        "fp32.json": (dataclasses.replace(thr, config=dataclasses.replace(thr.config, scale_dtype="float32")), "fp16"),
+    }
+    for name, (bad, reason) in cases.items():
+        bad.save(tmp_path / name)
+        with pytest.raises(ValueError, match=reason):
+            load_profile(tmp_path / name)
 
 
 # ================================================================================================ with vLLM
@@ -381,9 +407,11 @@ def _recorder_check(worker):
     Returns (records checked, record mismatches, decode rows checked, decode mismatches, largest difference).
     """
     from oakenkv.attention import packed_decode_attention
-    from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore, to_records
+    from oakenkv.cache import PackedKV
     from oakenkv.codec import encode as enc_fn
+    from oakenkv.format import to_records
     from oakenkv.integrations.vllm.backend import OakenAttentionImpl
+    from oakenkv.store import KEY, VALUE, PagedKVStore
 
     records = bad_records = rows = bad_rows = 0
     worst = 0.0

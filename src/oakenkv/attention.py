@@ -22,16 +22,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV, scale_bytes
+from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV
+from oakenkv.format import ERROR_MESSAGES, CorruptDataError
+from oakenkv.kernels import attention_cpu
 
 #: Smallest split of a row's tokens worth a work item of its own.
 _THREADS_MIN_TOKENS = 256
-#: Below this many (row, token) pairs the kernel runs serially (see ``oakenkv.cache.SERIAL_BELOW_ROWS``).
+#: Below this many (row, token) pairs the kernel runs serially (see ``oakenkv.store.SERIAL_BELOW_ROWS``).
 PARALLEL_MIN_TOKENS = 4096
 
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
-#: layer of an attention type; converting it once instead of 30 times saves ~2 ms a step. The entry holds a
+#: layer of an attention type; converting it once instead of once per layer saves time every step. The entry holds a
 #: reference to the tensor, so the ``is`` test cannot be fooled by a recycled object id, and compares its
 #: ``_version`` so an in-place change is seen (inference-mode tensors have no version counter: for them the
 #: identity alone decides; transformers builds a new mask every forward and never edits one in place).
@@ -93,10 +95,6 @@ def packed_decode_attention(
     Returns:
         ``[B, 1, Hq, hd]`` in ``query``'s dtype (transformers' attention-output layout).
     """
-    from oakenkv.codec import CorruptDataError
-    from oakenkv.kernels.attention_cpu import packed_decode_attention, packed_decode_attention_serial
-    from oakenkv.kernels.cpu import ERROR_MESSAGES
-
     store = key.store
     if key.kind != KEY or value.kind != VALUE or value.store is not store or value.layer != key.layer:
         raise ValueError("packed_decode_attention needs the key and value handles of one layer")
@@ -112,55 +110,21 @@ def packed_decode_attention(
         # The kernel reads fp16 scales; fp32 scales take the reference path (correct, slower).
         return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
     t = key.num_tokens
-    pool = store.pool
-    # The kernel's table arrays, assembled with as few numpy calls as possible: this runs for every layer of every
-    # decode step (each numpy or torch call costs microseconds; ~0.16 ms per layer went here before).
-    tables = [(pool.table(seq, 2 * key.layer + KEY), pool.table(seq, 2 * key.layer + VALUE)) for seq in store.seqs]
-    dense_pages = np.empty((b, 2, tables[0][0].dense_pages.n), dtype=np.int32)
-    sparse_len = np.empty((b, 2, t), dtype=np.uint16)
-    sizes = [0]
-    for i, row in enumerate(tables):
-        for kind, tt in enumerate(row):
-            if tt.sparse_len.n != t:
-                raise RuntimeError(f"page tables hold {tt.sparse_len.n} tokens, the handle says {t}")
-            dense_pages[i, kind] = tt.dense_pages.view
-            sparse_len[i, kind] = tt.sparse_len.view
-            sizes.append(sizes[-1] + tt.sparse_pages.n)
-    sparse_ptr = np.array(sizes, dtype=np.int64)
-    sparse_pages = np.concatenate([tt.sparse_pages.view for row in tables for tt in row])
-    sparse_first = np.concatenate([tt.sparse_first.view for row in tables for tt in row])
+    view = store.layer_view(key.layer)
+    if view.sparse_lengths.shape[2] != t:
+        raise RuntimeError(f"page tables hold {view.sparse_lengths.shape[2]} tokens, the handle says {t}")
     keep = _keep_mask(attention_mask, b, t)
     if query.dtype == torch.float32 and query.is_contiguous():
         q = np.ascontiguousarray(query.detach().numpy().reshape(b, hq, hd))  # no copy when S == 1 is contiguous
     else:
         q = query[:, :, 0, :].detach().to(torch.float32).contiguous().numpy()
+    q = store.rotate_queries(key.layer, q)  # oaken-plus: the keys in the pages are rotated per head
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
     parallel = b * t >= PARALLEL_MIN_TOKENS
-    kernel = packed_decode_attention if parallel else packed_decode_attention_serial
+    kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
     splits = _num_splits(b, t) if parallel else 1
     status = np.zeros(b * splits, dtype=np.int64)
-    kernel(
-        q,
-        pool.data.reshape(-1),
-        pool.config.page_size,
-        store.rec_size,
-        scale_bytes(store.config),
-        dense_pages,
-        sparse_pages,
-        sparse_first,
-        sparse_ptr,
-        sparse_len,
-        keep,
-        store.thr[key.layer],
-        store.config.inner_bits,
-        store.config.outer_bits,
-        store.num_kv_heads,
-        np.float32(scaling),
-        np.float32(softcap or 0.0),
-        splits,
-        out.reshape(b, hq, hd),
-        status,
-    )
+    kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out.reshape(b, hq, hd), status, *view)
     bad = np.flatnonzero(status)
     if bad.size:
         raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")

@@ -1,10 +1,10 @@
 """`OakenCache`: a transformers 5.x ``Cache`` that stores keys and values in the Oaken format, in pages.
 
-Built on transformers' own cache types (``Cache`` / ``CacheLayerMixin``, ``transformers/cache_utils.py``): one
-:class:`OakenLayer` per decoder layer, all sharing one :class:`PagedKVStore` (a :class:`~oakenkv.pages.PagePool`
-plus the codec and the thresholds). Each batch row is one pool sequence with ``2 * num_layers`` streams
-(``stream = 2 * layer + 0`` for keys, ``+ 1`` for values); a token's vector is all KV heads of the layer
-(``D = num_kv_heads * head_dim``, granularity "token", the paper's).
+The adapter between transformers and the paged store. Built on transformers' own cache types (``Cache`` /
+``CacheLayerMixin``, ``transformers/cache_utils.py``): one :class:`OakenLayer` per decoder layer, all sharing one
+:class:`~oakenkv.store.PagedKVStore` (the page pool, the codec and the thresholds; ``oakenkv.store``). Each batch
+row is one pool sequence with ``2 * num_layers`` streams (``stream = 2 * layer + 0`` for keys, ``+ 1`` for
+values); a token's vector is all KV heads of the layer (``D = num_kv_heads * head_dim``, granularity "token").
 
 What ``update`` returns
 -----------------------
@@ -34,323 +34,18 @@ of its source sequence (pages shared, copied on write), never a copy of the KV b
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oakenkv.codec import EncodedBatch, dense_bytes
-from oakenkv.config import OakenConfig
-from oakenkv.pages import PagePool, PoolConfig, PoolStats
+from oakenkv.pages import PoolConfig, PoolStats
+from oakenkv.store import KEY, KINDS, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.thresholds import Thresholds
 
 #: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "oaken"
-
-KEY, VALUE = 0, 1
-_KINDS = ("key", "value")
-
-
-# ------------------------------------------------------------------------------------------------ codec glue
-
-
-def _codec_functions(kind: str):
-    """``(encode, decode)`` of the codec: the fast numba pair, or the plain PyTorch reference pair.
-
-    Both have the signatures of ``oakenkv.codec.encode`` / ``decode`` and give identical bytes and numbers.
-    """
-    if kind not in ("auto", "fast", "reference"):
-        raise ValueError(f"codec must be 'auto', 'fast' or 'reference', got {kind!r}")
-    if kind in ("auto", "fast"):
-        try:
-            import oakenkv.kernels.cpu  # noqa: F401  (fast kernels present?)
-            from oakenkv.codec import decode, encode
-
-            return encode, decode
-        except ImportError:
-            if kind == "fast":
-                raise
-    from oakenkv.codec import pack, unpack
-    from oakenkv.quant import dequantize, quantize
-
-    def encode_ref(x: torch.Tensor, thr: Any, config: OakenConfig) -> EncodedBatch:
-        return pack(quantize(x, thr, config), config)
-
-    def decode_ref(enc: EncodedBatch, thr: Any, config: OakenConfig) -> torch.Tensor:
-        return dequantize(unpack(enc, config), thr, config)
-
-    return encode_ref, decode_ref
-
-
-def scale_bytes(config: OakenConfig) -> int:
-    """Bytes of the six per-token scales."""
-    return 6 * (2 if config.scale_dtype == "float16" else 4)
-
-
-def record_size(dim: int, config: OakenConfig) -> int:
-    """Bytes of one dense page record: the six scales, then the ``ceil(D / 2)`` nibble bytes."""
-    return scale_bytes(config) + dense_bytes(dim)
-
-
-def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, rec]`` (scales then nibbles), sparse uint8
-    ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse table)."""
-    n = enc.num_rows
-    scales = enc.scales.contiguous().numpy().view(np.uint8).reshape(n, -1)
-    dense = np.concatenate([scales, enc.dense.numpy()], axis=1)
-    return dense, enc.sparse.numpy(), enc.sparse_offsets.numpy()
-
-
-def from_records(
-    dense: np.ndarray, sparse: np.ndarray, offsets: np.ndarray, dim: int, config: OakenConfig
-) -> EncodedBatch:
-    """The inverse of :func:`to_records`."""
-    sb = scale_bytes(config)
-    dtype = np.float16 if config.scale_dtype == "float16" else np.float32
-    scales = np.ascontiguousarray(dense[:, :sb]).view(dtype).reshape(-1, 6)
-    return EncodedBatch(
-        dense=torch.from_numpy(np.ascontiguousarray(dense[:, sb:])),
-        scales=torch.from_numpy(scales.copy()),
-        sparse=torch.from_numpy(np.ascontiguousarray(sparse)),
-        sparse_offsets=torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
-        dim=dim,
-    )
-
-
-#: Below this many rows a numba call runs on one thread: waking the thread pool costs more than the work, and on
-#: a loaded machine a parallel launch for one decode token was measured at ~40 ms against 0.03 ms serial.
-SERIAL_BELOW_ROWS = 1024
-
-
-@contextlib.contextmanager
-def serial_numba(active: bool = True) -> Iterator[None]:
-    """Run the numba kernels called inside the block on the calling thread only (when ``active``)."""
-    if not active:
-        yield
-        return
-    import numba
-
-    previous = numba.get_num_threads()
-    if previous == 1:
-        yield
-        return
-    numba.set_num_threads(1)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
-
-
-# ------------------------------------------------------------------------------------------------ shared store
-
-
-class PagedKVStore:
-    """The state all layers of one :class:`OakenCache` share: the page pool, one sequence per batch row, the codec.
-
-    Args:
-        thresholds: the model's profile (per layer and kind).
-        num_layers, num_kv_heads, head_dim: the decoder's KV shape.
-        pool_config: page size and memory budget.
-        codec: "auto" (fast kernels when installed), "fast" or "reference".
-        prefill_chunk: tokens encoded per chunk of a long update.
-    """
-
-    def __init__(
-        self,
-        thresholds: Thresholds,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        pool_config: PoolConfig | None = None,
-        codec: str = "auto",
-        prefill_chunk: int = 256,
-    ) -> None:
-        if thresholds.num_layers != num_layers:
-            raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
-        config = thresholds.config
-        if config.granularity != "token":
-            raise ValueError("OakenCache stores one vector per token and layer: it needs granularity='token'")
-        if config.key_position != "post_rope":
-            raise ValueError(
-                "OakenCache stores keys after RoPE, but these thresholds were profiled before RoPE "
-                "(key_position='pre_rope'); profile with key_position='post_rope'"
-            )
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-        self.thresholds = thresholds
-        self.config = config
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dim = num_kv_heads * head_dim
-        self.rec_size = record_size(self.dim, config)
-        self.pool = PagePool(pool_config)
-        self.encode, self.decode = _codec_functions(codec)
-        from oakenkv.codec import encode as fast_encode
-
-        #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
-        self.fast = self.encode is fast_encode
-        self._token_scratch: tuple[np.ndarray, ...] | None = None
-        self.prefill_chunk = prefill_chunk
-        #: Pool sequence id of each batch row.
-        self.seqs: list[int] = []
-        #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
-        self.thr = np.array(
-            [[thresholds.layer(i, k).as_tuple() for k in _KINDS] for i in range(num_layers)], dtype=np.float32
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seqs)
-
-    def ensure_batch(self, batch_size: int) -> None:
-        if not self.seqs:
-            self.seqs = [self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)]
-        elif batch_size != len(self.seqs):
-            raise ValueError(f"the cache holds {len(self.seqs)} sequences but got a batch of {batch_size}")
-
-    def num_tokens(self, layer: int) -> int:
-        return self.pool.num_tokens(self.seqs[0], 2 * layer) if self.seqs else 0
-
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[EncodedBatch, EncodedBatch]:
-        """Encode and store new tokens of one layer for every row, atomically for the layer.
-
-        Args:
-            keys, values: ``[B, H, S, hd]`` float (any float dtype; quantized in float32).
-
-        Returns:
-            The encoded keys and values, rows ordered ``(b, s)``: ``[B * S]`` rows of ``D`` values.
-        """
-        b, h, s, hd = keys.shape
-        if (h, hd) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
-            raise ValueError(
-                f"expected keys and values [B, {self.num_kv_heads}, S, {self.head_dim}], got "
-                f"{tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        self.ensure_batch(b)
-        encoded = []
-        items = []
-        # One serial section for both kinds: switching numba's thread count costs ~20 us a call.
-        with serial_numba(b * s < SERIAL_BELOW_ROWS):
-            for kind, x in ((KEY, keys), (VALUE, values)):
-                # [B, H, S, hd] -> [B * S, H * hd]: one row per token, all heads of the layer (granularity
-                # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
-                # tensors was measured at ~27 ms per call on a loaded 2-core machine (thread wake-ups).
-                x32 = x.detach().to(torch.float32).numpy()
-                rows = torch.from_numpy(np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim))
-                enc = self.encode(rows, self.thresholds.layer(layer, _KINDS[kind]), self.config)
-                encoded.append(enc)
-                dense, sparse, offs = to_records(enc)
-                for r in range(b):
-                    o = offs[r * s : (r + 1) * s + 1]
-                    items.append(
-                        (self.seqs[r], 2 * layer + kind, dense[r * s : (r + 1) * s], sparse[o[0] : o[-1]], o - o[0])
-                    )
-        self.pool.append_many(items)
-        return encoded[0], encoded[1]
-
-    def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store one new token ``[B, H, 1, hd]`` of one layer for every row (a decode step), atomically.
-
-        Same bytes as :meth:`append`; one serial numba call encodes the ``2 B`` rows straight into page records
-        and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). Needs the fast codec.
-        """
-        from oakenkv.kernels.cpu import ERROR_MESSAGES, encode_records, sparse_capacity
-
-        b, h, s, hd = keys.shape
-        if (h, s, hd) != (self.num_kv_heads, 1, self.head_dim) or values.shape != keys.shape:
-            raise ValueError(
-                f"append_token expects keys and values [B, {self.num_kv_heads}, 1, {self.head_dim}], got "
-                f"{tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        self.ensure_batch(b)
-        scratch = self._token_scratch
-        if scratch is None or scratch[0].shape[0] != 2 * b:
-            m = 2 * b
-            scratch = (
-                np.empty((m, self.dim), np.float32),
-                np.empty((m, self.rec_size), np.uint8),
-                np.empty((m, sparse_capacity(self.dim)), np.uint8),
-                np.empty(m, np.int64),
-                np.empty((m, 4), np.float32),
-            )
-            self._token_scratch = scratch
-        rows, records, sparse, counts, thr = scratch
-        # [B, H, 1, hd] -> [B, H * hd] rows (keys first, then values); numpy copies on this thread (see append).
-        rows[:b] = keys.detach().to(torch.float32).numpy().reshape(b, self.dim)
-        rows[b:] = values.detach().to(torch.float32).numpy().reshape(b, self.dim)
-        thr[:b] = self.thr[layer, KEY]
-        thr[b:] = self.thr[layer, VALUE]
-        cfg = self.config
-        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, cfg.scale_dtype == "float16", records, sparse, counts)
-        bad = np.flatnonzero(counts < 0)
-        if bad.size:
-            r = int(bad[0])
-            kind = "keys" if r < b else "values"
-            raise ValueError(f"cannot encode the {kind} of row {r % b}: {ERROR_MESSAGES[int(-counts[r])]}")
-        targets = [(seq, 2 * layer + KEY) for seq in self.seqs] + [(seq, 2 * layer + VALUE) for seq in self.seqs]
-        self.pool.append_token(targets, records, sparse, counts)
-
-    def read(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``.
-
-        Tokens a sliding window evicted (:meth:`evict_before`) read as zeros; the sliding mask hides them.
-        """
-        out = []
-        for seq in self.seqs:
-            stream = 2 * layer + kind
-            table = self.pool.table(seq, stream)
-            start = table.evicted_before
-            dense = self.pool.read_dense(seq, stream, start)
-            sparse, offs = self.pool.read_sparse(seq, stream, start)
-            enc = from_records(dense, sparse, offs, self.dim, self.config)
-            thr = self.thresholds.layer(layer, _KINDS[kind])
-            with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
-                x = self.decode(enc, thr, self.config) if enc.num_rows else torch.zeros(0, self.dim)
-            if start:
-                x = torch.cat([torch.zeros(start, self.dim, dtype=x.dtype), x])
-            out.append(x.reshape(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2))
-        return torch.stack(out).to(dtype)
-
-    def evict_before(self, layer: int, token: int) -> int:
-        """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
-        returns the table slots released. For sliding-window layers: no query will attend to those tokens."""
-        released = 0
-        for seq in self.seqs:
-            for kind in (KEY, VALUE):
-                released += self.pool.evict_before(seq, 2 * layer + kind, token)
-        return released
-
-    def reorder(self, index: list[int]) -> None:
-        """New row ``i`` = old row ``index[i]`` (beam search, batch selection): forks and frees, no KV copies."""
-        if not self.seqs:
-            return
-        if any(not 0 <= j < len(self.seqs) for j in index):
-            raise IndexError(f"reorder index {index} out of range for {len(self.seqs)} rows")
-        used: set[int] = set()
-        new = []
-        for j in index:
-            if j in used:
-                new.append(self.pool.fork(self.seqs[j]))
-            else:
-                used.add(j)
-                new.append(self.seqs[j])
-        for j, seq in enumerate(self.seqs):
-            if j not in used:
-                self.pool.free(seq)
-        self.seqs = new
-
-    def reset(self) -> None:
-        for seq in self.seqs:
-            self.pool.free(seq)
-        self.seqs = []
-
-    def stats(self) -> PoolStats:
-        return self.pool.stats()
 
 
 @dataclass(frozen=True)
@@ -383,7 +78,12 @@ class OakenLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(
-        self, store: PagedKVStore, layer_idx: int, sliding_window: int | None = None, evict: bool = True
+        self,
+        store: PagedKVStore,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        evict: bool = True,
+        model_config: Any = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -392,8 +92,17 @@ class OakenLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         #: Sliding layers: release the pages of tokens that left the window (module docstring).
         self.evict = evict
-        #: Whether decode steps return :class:`PackedKV` handles (set by the cache from the model's attention).
-        self.packed_decode = False
+        #: The model's config, whose attention implementation decides what a decode step returns.
+        self._model_config = model_config
+
+    @property
+    def packed_decode(self) -> bool:
+        """Whether decode steps return :class:`PackedKV` handles: the model runs the ``"oaken"`` attention.
+
+        Read at each decode step, not fixed once: a model may switch its attention between steps of one cache
+        (``oakenkv.attention.oaken_attention``), and a float step must get float tensors."""
+        cfg = self._model_config
+        return cfg is not None and cfg._attn_implementation == ATTN_IMPLEMENTATION
 
     def __repr__(self) -> str:
         return f"OakenLayer(layer={self.layer_idx}, tokens={self.get_seq_length()}, sliding={self.sliding_window})"
@@ -437,8 +146,9 @@ class OakenLayer(CacheLayerMixin):
                     .view(b, s, store.num_kv_heads, store.head_dim)
                     .permute(0, 2, 1, 3)
                     .to(key_states.dtype)
-                    for enc, name in ((enc_k, "key"), (enc_v, "value"))
+                    for enc, name in zip((enc_k, enc_v), KINDS, strict=True)
                 )
+            result = (store.restore_keys(self.layer_idx, result[0]), result[1])
         else:
             result = (
                 store.read(self.layer_idx, KEY, key_states.dtype),
@@ -477,6 +187,23 @@ class OakenLayer(CacheLayerMixin):
         pass
 
 
+def _check_transforms(thresholds: Thresholds, config: Any) -> None:
+    """Refuse a profile whose offline transforms the model does not carry, and the other way round: either would
+    quantize vectors the thresholds were not profiled for (silently wrong numbers)."""
+    from oakenkv.transforms import FOLD_MARK
+
+    folded = getattr(config, FOLD_MARK, None)
+    t = thresholds.transforms
+    if t is None and folded is not None:
+        raise ValueError("this model carries oaken-plus transforms; use the oaken-plus profile they came from")
+    if t is not None and folded != t.digest():
+        raise ValueError(
+            "this profile has oaken-plus transforms the model does not carry"
+            + (" (it carries other ones)" if folded else "")
+            + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
+        )
+
+
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
 
@@ -485,19 +212,31 @@ class OakenCache(Cache):
         config: the model's config (``model.config``); decides the layers (full or sliding) and whether decode
             steps use the packed-page attention (``config._attn_implementation == "oaken"``).
         pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
-        codec: "auto" (fast kernels when installed), "fast" or "reference".
+        codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk during prefill.
         evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
             them (the sliding mask still hides them).
+
+    A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.plus``) is only valid on a model
+    that carries them: build the cache with :meth:`from_profile`, which folds them in first.
 
     Example::
 
         from oakenkv.attention import enable_oaken_attention
         enable_oaken_attention(model)           # optional: decode reads the packed pages directly
-        cache = OakenCache(thresholds, model.config)
+        cache = OakenCache.from_profile(model, Thresholds.load("profile.json"))
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         print(cache.kv_bytes())
     """
+
+    @classmethod
+    def from_profile(cls, model: Any, thresholds: Thresholds, **kwargs: Any) -> OakenCache:
+        """A cache for ``model`` with ``thresholds``, after folding the profile's transforms into ``model`` (in
+        place, once: ``oakenkv.plus.apply_profile``). Keyword arguments as for the constructor."""
+        from oakenkv.plus import apply_profile
+
+        apply_profile(model, thresholds)
+        return cls(thresholds, model.config, **kwargs)
 
     def __init__(
         self,
@@ -511,28 +250,25 @@ class OakenCache(Cache):
     ) -> None:
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
+        _check_transforms(thresholds, config)
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.store = PagedKVStore(
             thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk
         )
-        self._model_config = config
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(layer_types):
             if kind == "full_attention":
-                layers.append(OakenLayer(self.store, i))
+                layers.append(OakenLayer(self.store, i, model_config=config))
             elif kind == "sliding_attention":
-                layers.append(OakenLayer(self.store, i, sliding_window=text.sliding_window, evict=evict_sliding))
+                window = text.sliding_window
+                layers.append(OakenLayer(self.store, i, window, evict=evict_sliding, model_config=config))
             else:
                 raise ValueError(f"OakenCache supports full and sliding attention layers, layer {i} is {kind!r}")
         super().__init__(layers=layers)
 
     # The layers are views of one store: batch operations act on the store once, not once per layer.
-
-    def update(self, key_states, value_states, layer_idx: int, *args: Any, **kwargs: Any):
-        self.layers[layer_idx].packed_decode = self._model_config._attn_implementation == ATTN_IMPLEMENTATION
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder([int(i) for i in beam_idx.tolist()])
@@ -554,9 +290,37 @@ class OakenCache(Cache):
         """Memory the KV cache holds: pages in use (whole pages) plus management tables."""
         return self.store.stats().total_bytes
 
+    def bits_per_value(self) -> dict[str, float]:
+        """Bits per stored value: the format's bytes, and everything held (:meth:`PagedKVStore.bits_per_value`)."""
+        return self.store.bits_per_value()
+
     def stats(self) -> PoolStats:
         return self.store.stats()
 
     @property
     def batch_size(self) -> int:
         return self.store.batch_size if self.store.seqs else -1
+
+
+def tensor_bytes(t: Any) -> int:
+    """Storage bytes of a tensor, recursing into wrapper tensors (quanto's packed tensors, scales, shifts)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of KV state any transformers cache holds (OakenCache: pages in use + tables; others: the tensors of
+    its layers, quantized ones included)."""
+    if isinstance(cache, OakenCache):
+        return cache.kv_bytes()
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += tensor_bytes(getattr(layer, name, None))
+    return total

@@ -13,6 +13,24 @@ from typing import Any, Literal
 
 #: Version of the serialized config; bump when a field changes meaning.
 CONFIG_VERSION = 1
+#: The keys of a serialized config, in the order files have always had them.
+_V1_KEYS = (
+    "outer_ratio",
+    "inner_ratio",
+    "middle_bits",
+    "inner_bits",
+    "outer_bits",
+    "granularity",
+    "key_position",
+    "scale_dtype",
+    "chunk_size",
+)
+
+#: Two format constants that version-1 files record next to the knobs (``oakenkv.format.MIDDLE_BITS`` and
+#: ``CHUNK_SIZE``; ``oakenkv.format`` asserts they agree). They are not knobs: :meth:`OakenConfig.to_dict` still
+#: writes them, so files and the cache keys derived from them stay as they were, and :meth:`OakenConfig.from_dict`
+#: accepts them with these values only.
+V1_FIXED_FIELDS = {"middle_bits": 4, "chunk_size": 64}
 
 Granularity = Literal["token", "head"]
 KeyPosition = Literal["post_rope", "pre_rope"]
@@ -32,8 +50,6 @@ class OakenConfig:
     outer_ratio: float = 0.04
     #: Fraction of values in the inner (near-zero) group. Paper: 0.06.
     inner_ratio: float = 0.06
-    #: Bits per code of the middle group (stored whole in the 4-bit dense slot). Paper: 4.
-    middle_bits: int = 4
     #: Bits per code of the inner group (4 in the dense slot + 1 in the COO entry). Paper: 5.
     inner_bits: int = 5
     #: Bits per code of the outer group (4 in the dense slot + 1 in the COO entry). Paper: 5.
@@ -44,8 +60,6 @@ class OakenConfig:
     key_position: KeyPosition = "post_rope"
     #: Storage dtype of the six per-token min/max values.
     scale_dtype: ScaleDtype = "float16"
-    #: Values per chunk addressed by the 6-bit COO index.
-    chunk_size: int = 64
 
     def __post_init__(self) -> None:
         for name in ("outer_ratio", "inner_ratio"):
@@ -56,8 +70,6 @@ class OakenConfig:
             raise ValueError(
                 f"outer_ratio + inner_ratio must leave a middle group, got {self.outer_ratio} + {self.inner_ratio}"
             )
-        if self.middle_bits != 4:
-            raise ValueError(f"middle_bits must be 4 (the dense slot is one nibble), got {self.middle_bits}")
         for name in ("inner_bits", "outer_bits"):
             b = getattr(self, name)
             if b not in (4, 5):
@@ -68,8 +80,30 @@ class OakenConfig:
             raise ValueError(f"key_position must be 'post_rope' or 'pre_rope', got {self.key_position!r}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be 'float16' or 'float32', got {self.scale_dtype!r}")
-        if self.chunk_size != 64:
-            raise ValueError(f"chunk_size must be 64 (the COO index has 6 bits), got {self.chunk_size}")
+
+    @property
+    def scale_itemsize(self) -> int:
+        """Bytes per stored scale: 2 (float16) or 4 (float32)."""
+        return 2 if self.scale_dtype == "float16" else 4
+
+    @property
+    def scale_bits(self) -> int:
+        """Bits per stored scale."""
+        return 8 * self.scale_itemsize
+
+    @property
+    def scale_np_dtype(self) -> Any:
+        """The scales' numpy dtype (numpy is imported on first use; the config itself needs neither it nor torch)."""
+        import numpy as np
+
+        return np.dtype(self.scale_dtype)
+
+    @property
+    def scale_torch_dtype(self) -> Any:
+        """The scales' torch dtype (torch is imported on first use)."""
+        import torch
+
+        return getattr(torch, self.scale_dtype)
 
     @property
     def middle_ratio(self) -> float:
@@ -86,7 +120,8 @@ class OakenConfig:
         return OakenConfig(**{**asdict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": CONFIG_VERSION, **asdict(self)}
+        d = {**asdict(self), **V1_FIXED_FIELDS}
+        return {"version": CONFIG_VERSION, **{k: d[k] for k in _V1_KEYS}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OakenConfig:
@@ -94,8 +129,15 @@ class OakenConfig:
         version = d.pop("version", CONFIG_VERSION)
         if version != CONFIG_VERSION:
             raise ValueError(f"unsupported OakenConfig version {version} (this oakenkv reads {CONFIG_VERSION})")
+        for name, fixed in V1_FIXED_FIELDS.items():
+            value = d.pop(name, fixed)
+            if value != fixed:
+                raise ValueError(f"{name} must be {fixed} (a constant of the format, oakenkv.format), got {value!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown OakenConfig fields: {sorted(unknown)}")
         return cls(**d)
+
+
+assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == set(_V1_KEYS)

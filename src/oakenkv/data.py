@@ -27,10 +27,12 @@ import importlib.util
 import json
 import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from oakenkv.paths import atomic_write, cache_root, file_sha256
+from oakenkv.paths import package_dir as _package_dir  # a module global, so that tests can stub it
 
 if TYPE_CHECKING:
     import torch
@@ -78,23 +80,6 @@ TASKS: dict[str, str] = {
 
 class DataNotFoundError(FileNotFoundError):
     """A data source is not installed or not found; the message says where it looked and how to fix it."""
-
-
-def _package_dir(package: str) -> Path | None:
-    """Directory of an installed package, found without importing it (None when not installed)."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _cache_root() -> Path:
-    from oakenkv.models import cache_root  # models imports torch; only pay for it when caching
-
-    return cache_root()
 
 
 def _allow_hub_default() -> bool:
@@ -196,9 +181,7 @@ def _wikitext_from_hub() -> str:
 
 def _wikipedia_text(dump: Path) -> str:
     """Plain text of a MediaWiki XML bz2 dump (articles, no redirects), cached after first use."""
-    from oakenkv.models import file_sha256
-
-    cache = _cache_root() / "data" / f"wikipedia-{file_sha256(dump)[:16]}-v{_WIKI_CACHE_VERSION}.txt"
+    cache = cache_root() / "data" / f"wikipedia-{file_sha256(dump)[:16]}-v{_WIKI_CACHE_VERSION}.txt"
     if cache.is_file():
         return cache.read_text(encoding="utf-8")
     strip = _markup_stripper()
@@ -211,14 +194,7 @@ def _wikipedia_text(dump: Path) -> str:
     if not pages:
         raise DataNotFoundError(f"{dump} holds no article text; it is not a MediaWiki XML dump.")
     text = "\n\n".join(pages) + "\n"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".wikipedia-", suffix=".txt")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, cache)  # atomic: concurrent readers see no half-written cache
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    atomic_write(cache, text)  # concurrent readers see no half-written cache
     return text
 
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oakenkv.paths import atomic_write
+
 __all__ = ["DEMO_PROMPT", "run_demo", "window_nll"]
 
 #: Prompt of the greedy generation (sent through the chat template when the tokenizer has one).
@@ -177,9 +179,7 @@ def run_demo(
         )
 
     if json_out is not None:
-        out = Path(json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        out = atomic_write(json_out, json.dumps(results, indent=2) + "\n")
         console.print(f"Results written to {out}")
     return results
 

@@ -1,36 +1,35 @@
 """Text generation with the Oaken KV cache, and the thresholds it needs (``oakenkv generate``, ``oakenkv demo``).
 
 :func:`load_or_profile_thresholds` reads a thresholds file, or profiles the model once on the calibration text
-and caches the result next to the model cache (``oakenkv.eval.calibration.oaken_thresholds``), so later runs
-start in seconds.
+and caches the result on disk (``oakenkv.profile.cached_thresholds``), so later runs start in seconds.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from oakenkv.compat import cache_kwargs
 
 
 def load_or_profile_thresholds(
-    loaded: Any, path: str | Path | None = None, *, samples: int = 16, window: int = 256, progress: bool = False
+    loaded: Any, path: Any = None, *, samples: int = 16, window: int = 256, progress: bool = False
 ) -> Any:
-    """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (checked against the model), or a
-    profile of ``samples`` calibration windows of ``window`` tokens, cached on disk after the first run."""
-    from oakenkv.thresholds import ModelFingerprint, Thresholds
+    """The model's :class:`~oakenkv.thresholds.Thresholds`: from ``path`` (a file, or thresholds already loaded;
+    checked against the model's shape and weights), or a profile of ``samples`` calibration windows of ``window``
+    tokens, cached on disk after the first run."""
+    from oakenkv.thresholds import Thresholds
 
     if path is not None:
-        thr = Thresholds.load(path)
-        thr.check_fingerprint(ModelFingerprint.from_model_config(loaded.model.config, name=thr.fingerprint.name))
+        thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
+        thr.check_model(loaded.model)  # shape and weights
         return thr
     from oakenkv.config import OakenConfig
-    from oakenkv.eval.calibration import CalibrationSpec, oaken_thresholds
+    from oakenkv.profile import CalibrationSpec, cached_thresholds
 
     spec = CalibrationSpec(samples=samples, window=window)
-    return oaken_thresholds(loaded.model, loaded.tokenizer, loaded.name, OakenConfig(), spec, progress=progress)
+    return cached_thresholds(loaded.model, loaded.tokenizer, loaded.name, OakenConfig(), spec, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -81,8 +80,7 @@ def generate_text(
     from transformers import DynamicCache
 
     from oakenkv.attention import oaken_attention
-    from oakenkv.bench.decode import kv_bytes
-    from oakenkv.cache import OakenCache
+    from oakenkv.cache import OakenCache, kv_bytes
 
     model, tok = loaded.model, loaded.tokenizer
     if chat and getattr(tok, "chat_template", None):
@@ -91,6 +89,8 @@ def generate_text(
         )["input_ids"]
     else:
         ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[-1] == 0:
+        raise ValueError("the prompt is empty (no tokens to continue); give some text")
     cache = OakenCache(thresholds, model.config) if thresholds is not None else DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
     t0 = time.perf_counter()
@@ -119,30 +119,6 @@ def generate_text(
     )
 
 
-def stored_bits(cache: Any) -> dict[str, float]:
-    """Bits per stored value of an :class:`~oakenkv.cache.OakenCache`, from its pages.
-
-    ``format``: what the Oaken format stores (dense nibbles + scales + COO bytes + 16-bit header per token);
-    ``with_pages``: everything the cache holds (whole pages in use + tables) per value.
-    """
-    store = cache.store
-    pool = store.pool
-    tokens = dense = sparse = 0
-    for seq in store.seqs:
-        for stream in range(pool.num_streams(seq)):
-            t = pool.table(seq, stream)
-            tokens += t.num_tokens
-            dense += t.num_tokens * t.rec_size
-            sparse += int(t.sparse_len.view.sum())
-    values = tokens * store.dim
-    if values == 0:
-        return {"format": float("nan"), "with_pages": float("nan")}
-    return {
-        "format": 8.0 * (dense + sparse + 2 * tokens) / values,
-        "with_pages": 8.0 * cache.kv_bytes() / values,
-    }
-
-
 def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, int, dict[str, float], int]:
     """Next-token NLL of token windows scored through an :class:`~oakenkv.cache.OakenCache`.
 
@@ -153,7 +129,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
         windows: int64 ``[N, S]`` token ids; all scored in one batch.
 
     Returns:
-        ``(total_nll, predicted_tokens, stored_bits, kv_bytes)``.
+        ``(total_nll, predicted_tokens, bits per value (OakenCache.bits_per_value), kv_bytes)``.
     """
     import torch
 
@@ -164,7 +140,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
         logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
-    return float(nll.sum()), nll.numel(), stored_bits(cache), cache.kv_bytes()
+    return float(nll.sum()), nll.numel(), cache.bits_per_value(), cache.kv_bytes()
 
 
 def oaken_demo_side(

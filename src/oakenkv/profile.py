@@ -39,28 +39,53 @@ Pearson kurtosis (3 for a Gaussian; per run, averaged over runs) above ``KURTOSI
 0.5 points, and below ``KURTOSIS_LOW`` = 5 lowers the inner ratio by 0.3 points. The quantiles for both the nominal
 and the adjusted ratios are collected in the same pass, so tuning costs no second pass; the ratios used and the
 reason are recorded in the layer's :class:`~oakenkv.thresholds.LayerStats`.
+
+Entry points
+------------
+- :func:`profile_thresholds` (given windows) and :func:`profile_model` (load a model and its calibration text):
+  what ``oakenkv profile`` runs.
+- :func:`cached_thresholds`: a profile over the windows of a :class:`CalibrationSpec`, made once and then read
+  from the disk cache (:func:`thresholds_cache_path`, keyed by content: :class:`CalibrationKey`); what
+  ``oakenkv generate``/``demo`` and the evaluation use.
+- The parts, for a profiler that records K/V its own way (``oakenkv.eval.calibration.calibrate_all`` profiles
+  several configs in one pass): :class:`KVRecorder` / :func:`record_kv`, :func:`run_thresholds` per run,
+  :func:`candidate_ratios` and :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
+from oakenkv.calibspec import (
+    DEFAULT_CALIB_SAMPLES,
+    DEFAULT_CALIB_TEXT,
+    DEFAULT_CALIB_WINDOW,
+    CalibrationSpec,
+)
 from oakenkv.config import OakenConfig
+from oakenkv.paths import cache_root
+from oakenkv.rope import rotate_half
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
 __all__ = [
+    "DEFAULT_CALIB_SAMPLES",
+    "DEFAULT_CALIB_TEXT",
+    "DEFAULT_CALIB_WINDOW",
     "DEFAULT_SAMPLES",
     "DEFAULT_WINDOW",
     "INNER_DELTA",
@@ -68,14 +93,24 @@ __all__ = [
     "KURTOSIS_LOW",
     "OUTER_DELTA",
     "RECOMMENDED_RUNS",
+    "CalibrationKey",
+    "CalibrationSpec",
     "FewRunsWarning",
     "KVRecorder",
+    "RunAccumulator",
+    "cached_thresholds",
+    "calibration_key",
+    "calibration_windows",
+    "candidate_ratios",
     "exact_quantiles",
     "kurtosis",
+    "load_cached_thresholds",
+    "profile_cache_dir",
     "profile_model",
     "profile_thresholds",
     "record_kv",
     "run_thresholds",
+    "thresholds_cache_path",
 ]
 
 #: The paper's (and the seed's troubleshooting advice's) number of profiling runs; fewer triggers FewRunsWarning.
@@ -116,8 +151,8 @@ def _as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 # The statistics run in numpy on purpose: they are single-threaded there, and torch's multi-threaded sort of a
-# 50k-element run costs ~10x more CPU time than numpy's on a busy 2-core machine (OpenMP threads spin while they
-# wait), which made the statistics cost as much as the model's forward pass.
+# 50k-element run costs far more CPU time than numpy's on a busy 2-core machine (OpenMP threads spin while they
+# wait), which made the statistics cost as much as the model's forward pass (docs/perf-notes.md).
 
 
 def exact_quantiles(x: torch.Tensor | np.ndarray, q: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -205,12 +240,6 @@ def run_thresholds(
 # ---------------------------------------------------------------------------------------------- recording
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # Same convention as transformers' Llama rotate_half: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @functools.cache
 def _cache_class() -> type[DynamicCache]:
     from transformers import DynamicCache
@@ -276,7 +305,7 @@ class KVRecorder:
                     "rotary); pre-RoPE recording supports full-width RoPE only"
                 )
             cos, sin = cos.unsqueeze(1).to(k.dtype), sin.unsqueeze(1).to(k.dtype)
-            k = k * cos - _rotate_half(k) * sin
+            k = k * cos - rotate_half(k) * sin
         self._keys[layer_idx] = k.detach()
         self._values[layer_idx] = v.detach()
 
@@ -328,17 +357,9 @@ def record_kv(
 # ---------------------------------------------------------------------------------------------- profiling
 
 
-@dataclass
-class _Accumulator:
-    """Per-run results of one (layer, kind): candidate thresholds and kurtosis."""
-
-    outer: list[torch.Tensor]  # each float64 [num_outer_candidates, 2]
-    inner: list[torch.Tensor]  # each float64 [num_inner_candidates, 2]
-    kurt: list[float]
-    num_samples: int = 0
-
-
-def _candidates(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def candidate_ratios(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The outer and inner ratios whose thresholds a run records: the config's, plus with kurtosis ``tuning`` the
+    raised outer and lowered inner ratio (``OUTER_DELTA``, ``INNER_DELTA``), so tuning costs no second pass."""
     if not tuning:
         return (config.outer_ratio,), (config.inner_ratio,)
     raised = config.outer_ratio + OUTER_DELTA
@@ -348,38 +369,64 @@ def _candidates(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], t
     return (config.outer_ratio, raised), (config.inner_ratio, lowered)
 
 
-def _finish(acc: _Accumulator, config: OakenConfig, tuning: bool, layer: int, kind: str):
-    runs = len(acc.kurt)
-    k = sum(acc.kurt) / runs
-    oi, ii, notes = 0, 0, []
-    if tuning and k > KURTOSIS_HIGH:
-        oi = 1
-        notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
-    if tuning and k < KURTOSIS_LOW:
-        ii = 1
-        notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
-    outer_ratios, inner_ratios = _candidates(config, tuning)
-    per_run = torch.stack(
-        [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(acc.outer, acc.inner, strict=True)]
-    )  # [runs, 4]
-    mean = per_run.mean(dim=0)
-    std = per_run.std(dim=0, correction=0)
-    try:
-        thr = GroupThresholds(*(float(v) for v in mean))
-    except ValueError as e:
-        raise ValueError(
-            f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
-        ) from e
-    stats = LayerStats(
-        kurtosis=k,
-        num_samples=acc.num_samples,
-        num_runs=runs,
-        outer_ratio=outer_ratios[oi],
-        inner_ratio=inner_ratios[ii],
-        run_std=tuple(float(s) for s in std),
-        adjustments=tuple(notes),
-    )
-    return thr, stats
+@dataclass
+class RunAccumulator:
+    """The per-run results of one (layer, kind) over a profile, and the averaged thresholds they give.
+
+    Feed it :func:`run_thresholds`' output for the ratios of :func:`candidate_ratios`, one run at a time
+    (:meth:`add`), then :meth:`finish`. Any profiler that records K/V its own way (the evaluation's one-pass
+    calibration of several configs) uses it to get exactly :func:`profile_thresholds`' numbers.
+    """
+
+    #: Each float64 ``[num_outer_candidates, 2]``: ``(to_lo, to_hi)`` per candidate ratio.
+    outer: list[torch.Tensor] = field(default_factory=list)
+    #: Each float64 ``[num_inner_candidates, 2]``: ``(ti_lo, ti_hi)`` per candidate ratio.
+    inner: list[torch.Tensor] = field(default_factory=list)
+    #: Pearson kurtosis of each run.
+    kurt: list[float] = field(default_factory=list)
+    #: Values recorded over all runs.
+    num_samples: int = 0
+
+    def add(self, outer: torch.Tensor, inner: torch.Tensor, kurt: float, num_values: int) -> None:
+        """One run's candidate thresholds and kurtosis (:func:`run_thresholds`), over ``num_values`` values."""
+        self.outer.append(outer)
+        self.inner.append(inner)
+        self.kurt.append(kurt)
+        self.num_samples += num_values
+
+    def finish(self, config: OakenConfig, tuning: bool, layer: int, kind: str) -> tuple[GroupThresholds, LayerStats]:
+        """The thresholds averaged over runs (for the ratios kurtosis ``tuning`` picks) and their statistics."""
+        runs = len(self.kurt)
+        k = sum(self.kurt) / runs
+        oi, ii, notes = 0, 0, []
+        if tuning and k > KURTOSIS_HIGH:
+            oi = 1
+            notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
+        if tuning and k < KURTOSIS_LOW:
+            ii = 1
+            notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
+        outer_ratios, inner_ratios = candidate_ratios(config, tuning)
+        per_run = torch.stack(
+            [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(self.outer, self.inner, strict=True)]
+        )  # [runs, 4]
+        mean = per_run.mean(dim=0)
+        std = per_run.std(dim=0, correction=0)
+        try:
+            thr = GroupThresholds(*(float(v) for v in mean))
+        except ValueError as e:
+            raise ValueError(
+                f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
+            ) from e
+        stats = LayerStats(
+            kurtosis=k,
+            num_samples=self.num_samples,
+            num_runs=runs,
+            outer_ratio=outer_ratios[oi],
+            inner_ratio=inner_ratios[ii],
+            run_std=tuple(float(s) for s in std),
+            adjustments=tuple(notes),
+        )
+        return thr, stats
 
 
 def profile_thresholds(
@@ -427,14 +474,12 @@ def profile_thresholds(
             FewRunsWarning,
             stacklevel=2,
         )
-    fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
-    outer_ratios, inner_ratios = _candidates(config, kurtosis_tuning)
-    accs = {
-        (layer, kind): _Accumulator([], [], []) for layer in range(fingerprint.num_layers) for kind in ("key", "value")
-    }
+    fingerprint = ModelFingerprint.from_model(model, name=name)
+    outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
+    accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with KVRecorder(model, config.key_position) as rec, _progress(progress, runs) as advance:
+    with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
         for start in range(0, runs, batch_size):
             batch = windows[start : start + batch_size]
             keys, values = rec.record(batch)
@@ -454,17 +499,14 @@ def profile_thresholds(
                             o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
                         except ValueError as e:
                             raise ValueError(f"layer {layer} {kind}s of run {start + b}: {e}") from e
-                        acc.outer.append(o)
-                        acc.inner.append(i)
-                        acc.kurt.append(k)
-                        acc.num_samples += x.numel()
+                        acc.add(o, i, k, x.numel())
             advance(batch.shape[0])
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
 
     keys_t, values_t, kst, vst = [], [], [], []
     for layer in range(fingerprint.num_layers):
         for kind, thr_list, st_list in (("key", keys_t, kst), ("value", values_t, vst)):
-            thr, st = _finish(accs[(layer, kind)], config, kurtosis_tuning, layer, kind)
+            thr, st = accs[(layer, kind)].finish(config, kurtosis_tuning, layer, kind)
             thr_list.append(thr)
             st_list.append(st)
     info = {
@@ -484,12 +526,13 @@ def profile_thresholds(
     return Thresholds(config, fingerprint, tuple(keys_t), tuple(values_t), tuple(kst), tuple(vst), info)
 
 
-class _progress:
+class ProgressLog:
     """Context manager yielding an ``advance(n)`` callable: a rich progress bar on a terminal, a line per ~10% of
-    the runs when stderr is not a terminal (logs of long runs), or a no-op when disabled."""
+    the work when stderr is not a terminal (logs of long runs), or a no-op when disabled. ``label`` names the work
+    and ``unit`` its steps."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, label: str = "profiling", unit: str = "runs") -> None:
+        self.enabled, self.total, self.label, self.unit = enabled, total, label, unit
 
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
@@ -499,10 +542,10 @@ class _progress:
 
         console = Console(stderr=True)
         self._p = Progress(
-            TextColumn("profiling"),
+            TextColumn(self.label),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("runs"),
+            TextColumn(self.unit),
             TimeRemainingColumn(),
             console=console,
         )
@@ -513,7 +556,7 @@ class _progress:
             def log(n: int) -> None:
                 before, done[0] = done[0], done[0] + n
                 if done[0] // every > before // every or done[0] == self.total:
-                    console.print(f"profiling: {done[0]}/{self.total} runs, {time.perf_counter() - t0:.1f} s")
+                    console.print(f"{self.label}: {done[0]}/{self.total} {self.unit}, {time.perf_counter() - t0:.1f} s")
 
             return log
         self._p.start()
@@ -523,6 +566,36 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self.enabled and self._p is not None:
             self._p.stop()
+
+
+def load_calibration(
+    model: str, samples: int, window: int, data: str = "wikipedia", data_path: str | None = None
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
+    its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about."""
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.models import load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if data == "wikitext2":
+        warnings.warn(
+            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
+            UserWarning,
+            stacklevel=3,
+        )
+    loaded = load_model(model)
+    text = load_text(data, data_path)
+    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
+            UserWarning,
+            stacklevel=3,
+        )
+    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    return loaded, ids, meta
 
 
 def profile_model(
@@ -538,32 +611,8 @@ def profile_model(
     batch_size: int = 1,
     progress: bool = False,
 ) -> Thresholds:
-    """Load a model and its calibration text, cut ``samples`` windows of ``window`` tokens, and profile.
-
-    The windows are consecutive and non-overlapping from the start of the text. ``data`` defaults to the
-    calibration text ("wikipedia"); profiling on "wikitext2" (the evaluation text) is allowed but warned about.
-    """
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if data == "wikitext2":
-        warnings.warn(
-            "profiling on wikitext2, the evaluation text: perplexity measured on it afterwards is not held-out",
-            UserWarning,
-            stacklevel=2,
-        )
-    loaded = load_model(model)
-    text = load_text(data, data_path)
-    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
-    if ids.shape[0] < samples:
-        warnings.warn(
-            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
-            UserWarning,
-            stacklevel=2,
-        )
-    meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
+    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds."""
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
     return profile_thresholds(
         loaded.model,
         ids,
@@ -575,3 +624,161 @@ def profile_model(
         name=model,
         metadata=meta,
     )
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
+    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
+    from oakenkv.data import load_text, token_windows
+
+    if spec.text == "wikitext2":
+        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
+    if spec.text == "file":  # any plain UTF-8 text file
+        if spec.text_path is None:
+            raise ValueError("calibration text 'file' needs a path (--calib-path)")
+        text = Path(spec.text_path).read_text(encoding="utf-8")
+    else:
+        text = load_text(spec.text, spec.text_path)
+    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+
+
+def profile_cache_dir() -> Path:
+    """Where profiles made on demand are kept: ``oakenkv.paths.cache_root() / "eval"`` (named after the evaluation,
+    which kept them there first; the name stays so that existing caches stay valid)."""
+    d = cache_root() / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a cached calibration result depends on, by content: the model's shape and weights
+    (:class:`~oakenkv.thresholds.ModelFingerprint` with :func:`~oakenkv.thresholds.weights_digest`) and the token
+    ids of the calibration windows (which carry the text's content, the tokenizer, BOS, the window count and
+    length). ``model_name`` and ``spec`` only make the cache's file names readable: two models loaded by one name,
+    or one text file edited in place, get different keys.
+    """
+
+    model_name: str
+    fingerprint: ModelFingerprint
+    spec: CalibrationSpec
+    #: sha256 of the windows' int64 token ids.
+    windows_sha256: str
+
+    def digest(self, *extra: Any) -> str:
+        """sha256 (hex) of the key's content and ``extra`` (JSON-able: the config, tuning, ...)."""
+        fp = {k: v for k, v in self.fingerprint.to_dict().items() if k != "name"}
+        payload = json.dumps([fp, self.windows_sha256, *extra], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def stem(self) -> str:
+        """The readable part of a cache file's name: ``<model>-<spec tag>``."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model_name)[-60:]
+        return f"{safe}-{self.spec.tag()}"
+
+
+def calibration_key(model: Any, model_name: str, spec: CalibrationSpec, windows: torch.Tensor) -> CalibrationKey:
+    """The :class:`CalibrationKey` of ``model`` (shape and :func:`~oakenkv.thresholds.weights_digest`) over the
+    calibration ``windows`` (:func:`calibration_windows` of ``spec``)."""
+    ids = windows.detach().to(torch.int64).contiguous()
+    return CalibrationKey(
+        model_name,
+        ModelFingerprint.from_model(model, name=model_name),
+        spec,
+        hashlib.sha256(ids.numpy().tobytes() + repr(tuple(ids.shape)).encode()).hexdigest(),
+    )
+
+
+def thresholds_cache_path(
+    key: CalibrationKey,
+    config: OakenConfig,
+    kurtosis_tuning: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """The file :func:`cached_thresholds` keeps a profile in: named by the model, the calibration, and a digest of
+    the :class:`CalibrationKey`'s content, the config and the tuning."""
+    digest = key.digest(config.to_dict(), bool(kurtosis_tuning))[:16]
+    directory = profile_cache_dir() if cache_dir is None else cache_dir
+    return directory / f"thr-{key.stem()}-{digest}.json"
+
+
+def load_cached_thresholds(
+    path: Path, key: CalibrationKey, config: OakenConfig, kurtosis_tuning: bool = False
+) -> Thresholds | None:
+    """The profile cached at ``path`` if it is the one ``key``, ``config`` and ``kurtosis_tuning`` ask for, else
+    None (no file, an unreadable one, or one whose recorded model, weights, windows, config or tuning differ: a
+    warning says which, and the caller profiles again and overwrites it)."""
+    if not path.is_file():
+        return None
+    try:
+        thr = Thresholds.load(path)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the unreadable cached profile {path} ({e}); profiling again", stacklevel=3)
+        return None
+    recorded = {
+        "model": (thr.fingerprint, thr.fingerprint.weights),
+        "calibration windows": thr.profile.get("windows_sha256"),
+        "config": thr.config,
+        "kurtosis tuning": bool(thr.profile.get("kurtosis_tuning")),
+    }
+    wanted = {
+        "model": (key.fingerprint, key.fingerprint.weights),
+        "calibration windows": key.windows_sha256,
+        "config": config,
+        "kurtosis tuning": bool(kurtosis_tuning),
+    }
+    differ = [k for k in wanted if recorded[k] != wanted[k]]
+    if differ:
+        warnings.warn(
+            f"the cached profile {path} was made for another {', '.join(differ)}; profiling again", stacklevel=3
+        )
+        return None
+    return thr
+
+
+def cached_thresholds(
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    config: OakenConfig,
+    spec: CalibrationSpec | None = None,
+    *,
+    kurtosis_tuning: bool = False,
+    progress: bool = False,
+    cache_dir: Path | None = None,
+) -> Thresholds:
+    """The :class:`~oakenkv.thresholds.Thresholds` of :func:`profile_thresholds` over the calibration windows of
+    ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the disk cache
+    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`).
+
+    The cache is keyed by content (:class:`CalibrationKey`: the model's weights and the windows' tokens, with the
+    config and tuning) and a cached file is checked against that key when read: a model changed at the same
+    name or path, or an edited calibration text, is profiled again, never served another model's profile."""
+    spec = spec or CalibrationSpec()
+    ids = calibration_windows(tokenizer, spec)
+    key = calibration_key(model, model_name, spec, ids)
+    path = thresholds_cache_path(key, config, kurtosis_tuning, cache_dir)
+    cached = load_cached_thresholds(path, key, config, kurtosis_tuning)
+    if cached is not None:
+        return cached
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FewRunsWarning)
+        thr = profile_thresholds(
+            model,
+            ids,
+            config,
+            kurtosis_tuning=kurtosis_tuning,
+            progress=progress,
+            name=model_name,
+            metadata={
+                "data": spec.text,
+                "data_path": spec.text_path,
+                "samples": spec.samples,
+                "window": spec.window,
+                "windows_sha256": key.windows_sha256,
+            },
+        )
+    thr.save(path)
+    return thr

@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.format import ERR_SCALE_RANGE, ERROR_MESSAGES, MIDDLE_BITS
 
 #: Group ids, stored in ``QuantizedVectors.groups`` and used to index ``mins``/``maxs``.
 GROUP_MIDDLE = 0
@@ -95,8 +96,12 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
         raise ValueError(f"thresholds must be 4 values (to_lo, ti_lo, ti_hi, to_hi), got {len(t)}")
     if not all(math.isfinite(v) for v in t):
         raise ValueError(f"thresholds must be finite, got {t}")
-    # Every fast path compares and shifts in float32: round once here so all paths use the same numbers.
-    t = tuple(float(torch.tensor(v, dtype=torch.float32)) for v in t)
+    # Every fast path compares and shifts in float32: round once here so all paths use the same numbers, and
+    # validate the rounded values (1e39 is finite in float64 and infinite in float32).
+    t32 = tuple(float(torch.tensor(v, dtype=torch.float32)) for v in t)
+    if not all(math.isfinite(v) for v in t32):
+        raise ValueError(f"thresholds must be finite in float32 (|x| <= 3.4028235e38), got {t}")
+    t = t32
     to_lo, ti_lo, ti_hi, to_hi = t
     if not (to_lo < ti_lo <= ti_hi < to_hi):
         raise ValueError(f"thresholds must satisfy to_lo < ti_lo <= ti_hi < to_hi (in float32), got {t}")
@@ -104,12 +109,8 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
 
 
 def group_bits(config: OakenConfig) -> tuple[int, int, int]:
-    """Bits per code, indexed by group id."""
-    return (config.middle_bits, config.inner_bits, config.outer_bits)
-
-
-def _scale_dtype(config: OakenConfig) -> torch.dtype:
-    return torch.float16 if config.scale_dtype == "float16" else torch.float32
+    """Bits per code, indexed by group id (the middle group's code fills the format's dense slot)."""
+    return (MIDDLE_BITS, config.inner_bits, config.outer_bits)
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +226,7 @@ def _round_scales(v: torch.Tensor, config: OakenConfig) -> torch.Tensor:
         raise ValueError(
             "a group's range exceeds the fp16 maximum (65504); use OakenConfig(scale_dtype='float32') for this data"
         )
-    return v.to(_scale_dtype(config))
+    return v.to(config.scale_torch_dtype)
 
 
 def _grid_step(gmin: torch.Tensor, gmax: torch.Tensor, bits: int) -> torch.Tensor:
@@ -253,14 +254,14 @@ def quantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = 
     bits = group_bits(config)
     n_rows = x32.shape[0]
     codes = torch.zeros(x32.shape, dtype=torch.uint8)
-    mins = torch.zeros((n_rows, NUM_GROUPS), dtype=_scale_dtype(config))
+    mins = torch.zeros((n_rows, NUM_GROUPS), dtype=config.scale_torch_dtype)
     maxs = torch.zeros_like(mins)
     f32 = torch.float32
     half = torch.tensor(0.5, dtype=f32)
     for g in (GROUP_MIDDLE, GROUP_INNER, GROUP_OUTER):
         member = groups == g
         signed = g != GROUP_INNER
-        gmin, gmax = _signed_grid(s, member, bits[g], _scale_dtype(config)) if signed else _plain_grid(s, member)
+        gmin, gmax = _signed_grid(s, member, bits[g], config.scale_torch_dtype) if signed else _plain_grid(s, member)
         gmin_q, gmax_q = _round_scales(gmin, config), _round_scales(gmax, config)
         mins[:, g], maxs[:, g] = gmin_q, gmax_q
         lo, step = gmin_q.to(f32)[:, None], _grid_step(gmin_q, gmax_q, bits[g])[:, None]
@@ -276,7 +277,32 @@ def quantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = 
             q = torch.where((s < 0) & (v >= 0), q - 1.0, q)
             q = torch.where(step > 0, q, torch.zeros_like(q)).clamp(0, 2 ** bits[g] - 1)
         codes[member] = q[member].to(torch.uint8)
+    bad = torch.nonzero(~decodes_finite(mins, maxs, thr, config))
+    if bad.numel():
+        raise ValueError(f"cannot encode row {int(bad[0, 0])}: {ERROR_MESSAGES[ERR_SCALE_RANGE]}")
     return QuantizedVectors(codes=codes, groups=groups, mins=mins, maxs=maxs)
+
+
+def decodes_finite(
+    mins: torch.Tensor, maxs: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None
+) -> torch.Tensor:
+    """bool ``[N]``: whether every code of each row's three groups dequantizes to a finite value (the format's rule
+    on scales, ``oakenkv.format``): the lowest and highest code of each group, threshold shift included, in
+    :func:`dequantize`'s float32 operations; every other code's value lies between those two. :func:`quantize`
+    refuses a row that breaks it and the decoders refuse such bytes."""
+    config = config or OakenConfig()
+    to_lo, ti_lo, ti_hi, to_hi = thresholds_tuple(thr)
+    f32 = torch.float32
+    bits = group_bits(config)
+    ok = torch.ones(mins.shape[0], dtype=torch.bool)
+    for g, (s_lo, s_hi) in ((GROUP_MIDDLE, (ti_lo, ti_hi)), (GROUP_INNER, (0.0, 0.0)), (GROUP_OUTER, (to_lo, to_hi))):
+        lo = mins[:, g].to(f32)
+        step = _grid_step(mins[:, g], maxs[:, g], bits[g])
+        for code in (0.0, 2.0 ** bits[g] - 1.0):
+            v = lo + torch.tensor(code, dtype=f32) * step
+            w = v + torch.where(v > 0, torch.tensor(s_hi, dtype=f32), torch.tensor(s_lo, dtype=f32))
+            ok &= torch.isfinite(w)
+    return ok
 
 
 def dequantize(q: QuantizedVectors, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:

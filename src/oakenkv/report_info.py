@@ -68,7 +68,7 @@ def collect_info() -> dict[str, Any]:
         try:
             parts = models.embedded_parts(name)
         except models.MissingModelError as e:
-            info["models"][name] = _missing(e)
+            info["models"][name] = {**_missing(e), "optional": models.EMBEDDED_MODELS[name].optional}
             continue
         if len(parts) == 1:
             cached = models.locate_model(name).cached
@@ -110,7 +110,10 @@ def print_info() -> dict[str, Any]:
         table.add_column("status")
         table.add_column("where / how to install", overflow="fold")
         for name, entry in section.items():
-            status = "[green]found[/green]" if entry["found"] else "[red]MISSING[/red]"
+            if entry["found"]:
+                status = "[green]found[/green]"
+            else:
+                status = "[yellow]not installed (optional)[/yellow]" if entry.get("optional") else "[red]MISSING[/red]"
             detail = (
                 entry["where"] + (f"\n{entry['note']}" if entry["note"] else "") if entry["found"] else entry["note"]
             )

@@ -16,7 +16,7 @@ File format (one JSON object, ``SCHEMA_VERSION`` 1)::
       "schema_version": 1,
       "config": {...OakenConfig.to_dict()...},
       "model": {"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
-                "name": "default"},
+                "name": "default", "weights": "sha256:..." or null},
       "layers": [
         {"index": 0,
          "key":   {"thresholds": [to_lo, ti_lo, ti_hi, to_hi], "stats": {...LayerStats...} or null},
@@ -30,14 +30,22 @@ Floats are written with Python's shortest round-trip repr, so save -> load gives
 The loader rejects truncated or corrupt JSON, another format or schema version, missing keys, unordered or
 non-finite thresholds and a layer count that contradicts the model fingerprint, always with a
 :class:`ThresholdsFileError` naming the file; loading for another model raises :class:`ModelMismatchError`.
+
+The model's identity is its shape (:class:`ModelFingerprint`) and, since the profiler records it, the digest of
+its weights (:func:`weights_digest`, the ``"weights"`` entry of ``"model"``): thresholds profiled for a base model
+are refused for its fine-tune. Files written before the digest existed have ``"weights"`` absent (or null); they
+still load, and checking them against a model compares the shape only and says so
+(:class:`UnverifiedWeightsWarning`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import tempfile
+import re
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,9 +53,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 
 __all__ = [
+    "FLOAT32_MAX",
     "FORMAT_NAME",
+    "MAX_FILE_BYTES",
     "SCHEMA_VERSION",
     "DuplicateThresholdsWarning",
     "GroupThresholds",
@@ -56,13 +67,21 @@ __all__ = [
     "ModelMismatchError",
     "Thresholds",
     "ThresholdsFileError",
+    "UnverifiedWeightsWarning",
+    "as_float32",
     "print_thresholds",
+    "weights_digest",
 ]
 
 #: Value of the file's "format" field (tells a thresholds file from any other JSON).
 FORMAT_NAME = "oakenkv-thresholds"
 #: Version of the file layout; bump when a field changes meaning. Loading another version is an error.
 SCHEMA_VERSION = 1
+#: Largest file :meth:`Thresholds.load` reads: a profile of 1000 layers with statistics is about 1 MB.
+MAX_FILE_BYTES = 64 * 2**20
+#: The layout of a profile that carries offline transforms (``oaken-plus``): version 1 plus a "transforms" object.
+#: A reader that knows only version 1 refuses such a file instead of using its thresholds on an untransformed model.
+SCHEMA_VERSION_TRANSFORMS = 2
 
 Kind = Literal["key", "value"]
 _KINDS: tuple[Kind, Kind] = ("key", "value")
@@ -76,6 +95,11 @@ class ModelMismatchError(ValueError):
     """Thresholds profiled for one model were used with another (different fingerprint)."""
 
 
+class UnverifiedWeightsWarning(UserWarning):
+    """A thresholds file without a weights digest (written before oakenkv recorded one) was checked against a
+    model: only its shape could be compared, so a fine-tune of the profiled model would go unnoticed."""
+
+
 class DuplicateThresholdsWarning(UserWarning):
     """Two decoder layers have bit-identical thresholds: almost surely a broken profile (e.g. one layer
     recorded twice, or the same tensor captured for every layer)."""
@@ -85,10 +109,28 @@ def _finite_float(name: str, v: Any) -> float:
     # bool is an int subclass; a True threshold is a bug, not 1.0.
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name} must be a number, got {v!r}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError as e:  # an int beyond the float range (JSON allows 1e400 written as digits)
+        raise ValueError(f"{name} must be finite, got an integer too large for a float") from e
     if not math.isfinite(f):
         raise ValueError(f"{name} must be finite, got {f!r}")
     return f
+
+
+#: Largest finite float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def as_float32(name: str, v: float) -> float:
+    """``v`` rounded to float32 (to nearest, as the codec's ``torch.tensor(v, dtype=float32)`` and numpy do), as a
+    Python float; ValueError when it rounds to infinity: the codec computes in float32, where it is no number."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError as e:
+        raise ValueError(
+            f"{name}={v!r} is beyond the float32 range (|x| <= {FLOAT32_MAX:.8g}) in which the codec computes"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -111,12 +153,22 @@ class GroupThresholds:
     to_hi: float
 
     def __post_init__(self) -> None:
-        for name in ("to_lo", "ti_lo", "ti_hi", "to_hi"):
+        names = ("to_lo", "ti_lo", "ti_hi", "to_hi")
+        for name in names:
             object.__setattr__(self, name, _finite_float(name, getattr(self, name)))
         if not (self.to_lo < self.ti_lo <= self.ti_hi < self.to_hi):
             raise ValueError(
                 "thresholds must satisfy to_lo < ti_lo <= ti_hi < to_hi, got "
                 f"to_lo={self.to_lo!r}, ti_lo={self.ti_lo!r}, ti_hi={self.ti_hi!r}, to_hi={self.to_hi!r}"
+            )
+        # The codec compares and shifts in float32: the order must hold there too (two thresholds 1e-9 apart
+        # near 1.0 are one float32), and every threshold must be a float32 number (1e39 is not).
+        f32 = [as_float32(n, getattr(self, n)) for n in names]
+        if not (f32[0] < f32[1] <= f32[2] < f32[3]):
+            raise ValueError(
+                "thresholds are ordered in float64 but not in float32, the arithmetic the codec uses: "
+                + ", ".join(f"{n}={getattr(self, n)!r} -> {v!r}" for n, v in zip(names, f32, strict=True))
+                + "; the outer thresholds must stay strictly outside the inner ones after rounding to float32"
             )
 
     def as_tuple(self) -> tuple[float, float, float, float]:
@@ -133,13 +185,87 @@ class GroupThresholds:
         return cls(*seq)
 
 
+#: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
+WEIGHTS_DIGEST_PREFIX = "sha256:"
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def weights_digest(model: Any) -> str:
+    """The identity of a model's weights by content: ``"sha256:<64 hex digits>"``, cheap enough to take per run.
+
+    Over every entry of ``model.state_dict()`` (parameters and persistent buffers) in name order, one line
+    ``name, dtype, shape, sha256 of the tensor's bytes`` (native byte order, row-major); the digest is the sha256
+    of those lines. Tied tensors (one storage under two names, e.g. ``lm_head.weight``) are hashed once and listed
+    under both names. Two models have the same digest iff they hold the same numbers under the same names (up to
+    sha256 collisions): a fine-tune, another checkpoint of one family, or the same weights loaded in another
+    dtype all differ. The config is not part of it (its shape is in :class:`ModelFingerprint`).
+
+    Every byte is hashed, no sampling: the tensors are hashed in parallel threads (hashlib releases the GIL), about
+    0.4-0.7 s for the 135M fp32 parameters (538 MB) of the default model on 2 busy cores, and linear in the bytes
+    beyond (docs/robustness.md).
+
+    Args:
+        model: a ``torch.nn.Module`` (anything with ``state_dict()`` returning tensors); tensors on another
+            device are copied to the CPU one at a time.
+
+    Raises:
+        ValueError: a tensor without data (the ``meta`` device).
+    """
+    import torch
+
+    state = model.state_dict()
+    names = sorted(state)
+    # one digest per distinct tensor view (tied weights share it)
+    views: dict[tuple[Any, ...], list[str]] = {}
+    for name in names:
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        views.setdefault(key, []).append(name)
+
+    def digest_of(name: str) -> str:
+        t = state[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+        return hashlib.sha256(data).hexdigest()
+
+    firsts = [group[0] for group in views.values()]
+    workers = max(1, min(4, os.cpu_count() or 1, len(firsts)))
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        # the largest tensors first, so that the threads finish together
+        order = sorted(firsts, key=lambda n: -state[n].numel() * state[n].element_size())
+        with ThreadPoolExecutor(workers) as pool:
+            per_first = dict(zip(order, pool.map(digest_of, order), strict=True))
+    else:
+        per_first = {n: digest_of(n) for n in firsts}
+    per_name = {n: per_first[group[0]] for group in views.values() for n in group}
+    h = hashlib.sha256()
+    for name in names:
+        t = state[name]
+        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{per_name[name]}\n".encode())
+    return WEIGHTS_DIGEST_PREFIX + h.hexdigest()
+
+
+def _short(digest: str) -> str:
+    return digest[: len(WEIGHTS_DIGEST_PREFIX) + 12]
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What identifies the model a profile belongs to: thresholds of another shape or architecture are wrong.
+    """What identifies the model a profile belongs to: thresholds of another shape, architecture or weights are
+    wrong.
 
-    Two checkpoints of the same architecture and shape (e.g. a base model and its instruct fine-tune) have the
-    same fingerprint; telling them apart would need a weight hash, which a user may legitimately want to skip
-    (the paper profiles once per model family). ``name`` is informational and not compared.
+    The shape fields are always compared. ``weights`` (:func:`weights_digest`) tells apart two checkpoints of
+    one shape (a base model and its fine-tune); it is compared when both sides have one (:meth:`Thresholds.
+    check_fingerprint`), and a profile without it (an older file) is checked on its shape only, with a warning.
+    ``name`` is informational and not compared.
     """
 
     #: ``config.model_type`` of the decoder ("llama", "gemma3_text"): always set, unlike ``architectures``.
@@ -152,6 +278,8 @@ class ModelFingerprint:
     head_dim: int
     #: The name the model was loaded by (not compared).
     name: str | None = field(default=None, compare=False)
+    #: :func:`weights_digest` of the model, or None when unknown (compared by ``Thresholds.check_fingerprint``).
+    weights: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -162,10 +290,13 @@ class ModelFingerprint:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"name must be a string or None, got {self.name!r}")
+        if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):
+            raise ValueError(f"weights must be 'sha256:' and 64 lowercase hex digits, or None, got {self.weights!r}")
 
     @classmethod
-    def from_model_config(cls, hf_config: Any, name: str | None = None) -> ModelFingerprint:
-        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config)."""
+    def from_model_config(cls, hf_config: Any, name: str | None = None, weights: str | None = None) -> ModelFingerprint:
+        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config); the shape
+        only unless the ``weights`` digest is given."""
         cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         try:
             num_layers = int(cfg.num_hidden_layers)
@@ -175,13 +306,19 @@ class ModelFingerprint:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         arch = getattr(cfg, "model_type", None) or type(cfg).__name__
-        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name)
+        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights)
+
+    @classmethod
+    def from_model(cls, model: Any, name: str | None = None) -> ModelFingerprint:
+        """From a transformers model: its config's shape and :func:`weights_digest` of its weights."""
+        return cls.from_model_config(model.config, name, weights_digest(model))
 
     def describe(self) -> str:
         who = f"{self.name!r}: " if self.name else ""
+        weights = f", weights {_short(self.weights)}..." if self.weights else ""
         return (
             f"{who}{self.architecture}, {self.num_layers} layers, {self.num_kv_heads} KV heads, "
-            f"head_dim {self.head_dim}"
+            f"head_dim {self.head_dim}{weights}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,11 +328,14 @@ class ModelFingerprint:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "name": self.name,
+            "weights": self.weights,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
-        return cls(d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"))
+        return cls(
+            d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"), d.get("weights")
+        )
 
 
 @dataclass(frozen=True)
@@ -284,6 +424,9 @@ class Thresholds:
     value_stats: tuple[LayerStats, ...] | None = None
     #: Free-form metadata about how the profile was made (JSON-able).
     profile: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: Offline transforms the thresholds were profiled after (``oakenkv.transforms``; the ``oaken-plus`` preset),
+    #: or None for the paper's method. A profile with transforms is only valid for a model they are applied to.
+    transforms: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, OakenConfig):
@@ -304,6 +447,13 @@ class Thresholds:
             object.__setattr__(self, kind, seq)
             if len(seq) != n or not all(isinstance(s, LayerStats) for s in seq):
                 raise ValueError(f"{kind} must hold {n} LayerStats (one per layer), got {len(seq)} entries")
+        if self.transforms is not None:
+            from oakenkv.transforms import Transforms, check_transforms_shape
+
+            if not isinstance(self.transforms, Transforms):
+                raise TypeError(f"transforms must be a Transforms, got {type(self.transforms).__name__}")
+            fp = self.fingerprint
+            check_transforms_shape(self.transforms, fp.num_layers, fp.num_kv_heads, fp.head_dim)
         for kind, seq in (("key", self.keys), ("value", self.values)):
             seen: dict[tuple[float, ...], int] = {}
             for i, g in enumerate(seq):
@@ -340,16 +490,59 @@ class Thresholds:
     # ------------------------------------------------------------------------------------------- model check
 
     def check_fingerprint(self, other: ModelFingerprint) -> None:
-        """Raise :class:`ModelMismatchError` naming both models when ``other`` differs from this profile's."""
+        """Raise :class:`ModelMismatchError` naming both models when ``other`` is not this profile's model.
+
+        The shapes must be equal; the weights digests too when both are known. When ``other`` has a digest and
+        this profile has none (a file written before oakenkv recorded it), warns
+        :class:`UnverifiedWeightsWarning`: only the shape was checked.
+        """
         if other != self.fingerprint:
             raise ModelMismatchError(
                 f"these thresholds were profiled for ({self.fingerprint.describe()}) but the model is "
                 f"({other.describe()}); profile this model with `oakenkv profile --model ...`"
             )
+        mine, theirs = self.fingerprint.weights, other.weights
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ModelMismatchError(
+                f"these thresholds were profiled for other weights of the same shape ({self.fingerprint.describe()}):"
+                f" weights {_short(mine)}... in the profile, {_short(theirs)}... in the model (another checkpoint, a "
+                "fine-tune, or another dtype); profile this model with `oakenkv profile --model ...`"
+            )
+        if mine is None and theirs is not None:
+            self._warn_unverified()
 
-    def check_model(self, hf_config: Any) -> None:
-        """Raise :class:`ModelMismatchError` (a ValueError) when ``hf_config`` is not the profiled model."""
-        self.check_fingerprint(ModelFingerprint.from_model_config(hf_config))
+    def _warn_unverified(self) -> None:
+        warnings.warn(
+            "these thresholds carry no weights digest (profiled before oakenkv recorded one): only the model's "
+            "shape was checked, so thresholds of another checkpoint of this shape would not be noticed; "
+            "re-profile to record it",
+            UnverifiedWeightsWarning,
+            stacklevel=4,
+        )
+
+    def check_model(self, model: Any) -> None:
+        """Raise :class:`ModelMismatchError` (a ValueError) when ``model`` is not the profiled model.
+
+        ``model``: a transformers model (its shape and, when this profile records one, the digest of its weights
+        are compared: :func:`weights_digest`; a profile without one warns :class:`UnverifiedWeightsWarning`) or
+        only its ``PretrainedConfig`` (the shape only, silently: the caller chose not to give the weights).
+        """
+        if not (hasattr(model, "state_dict") and hasattr(model, "config")):
+            self.check_fingerprint(ModelFingerprint.from_model_config(getattr(model, "config", model)))
+            return
+        if self.fingerprint.weights is None:  # nothing to compare a digest with: do not compute one
+            self.check_fingerprint(ModelFingerprint.from_model_config(model.config))
+            self._warn_unverified()
+            return
+        self.check_fingerprint(ModelFingerprint.from_model(model))
+
+    def sha256(self) -> str:
+        """Digest (hex) of everything the profile decides: config, model (shape and weights digest), every layer's
+        thresholds and statistics; not the free-form ``profile`` metadata (timing) or the model's name. A result or
+        a checkpoint that used these thresholds records it, so that another profile is never mixed in."""
+        d = self.to_dict()
+        del d["profile"], d["model"]["name"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     # ------------------------------------------------------------------------------------------- JSON
 
@@ -364,14 +557,17 @@ class Thresholds:
                     "stats": None if st is None else st.to_dict(),
                 }
             layers.append(entry)
-        return {
+        d = {
             "format": FORMAT_NAME,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if self.transforms is None else SCHEMA_VERSION_TRANSFORMS,
             "config": self.config.to_dict(),
             "model": self.fingerprint.to_dict(),
             "layers": layers,
             "profile": self.profile,
         }
+        if self.transforms is not None:
+            d["transforms"] = self.transforms.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "<dict>") -> Thresholds:
@@ -385,8 +581,13 @@ class Thresholds:
         if d.get("format") != FORMAT_NAME:
             raise fail(f"not a thresholds file (format is {d.get('format')!r}, expected {FORMAT_NAME!r})")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise fail(f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION}); re-profile")
+        if version not in (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS):
+            raise fail(
+                f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION} and "
+                f"{SCHEMA_VERSION_TRANSFORMS}); re-profile"
+            )
+        if (version == SCHEMA_VERSION_TRANSFORMS) != ("transforms" in d):
+            raise fail(f"schema_version {version} {'needs' if version == 2 else 'cannot hold'} a 'transforms' object")
         try:
             config = OakenConfig.from_dict(d["config"])
             fingerprint = ModelFingerprint.from_dict(d["model"])
@@ -417,6 +618,14 @@ class Thresholds:
                     raise fail(f"{kind} stats are present for some layers only")
                 return tuple(seq)  # type: ignore[arg-type]
 
+            transforms = None
+            if "transforms" in d:
+                from oakenkv.transforms import TransformError, Transforms
+
+                try:
+                    transforms = Transforms.from_dict(d["transforms"])
+                except (TransformError, KeyError, TypeError) as e:
+                    raise fail(f"invalid transforms: {e}") from e
             return cls(
                 config=config,
                 fingerprint=fingerprint,
@@ -425,6 +634,7 @@ class Thresholds:
                 key_stats=all_or_none(kstats, "key"),
                 value_stats=all_or_none(vstats, "value"),
                 profile=profile,
+                transforms=transforms,
             )
         except ThresholdsFileError:
             raise
@@ -434,19 +644,11 @@ class Thresholds:
             raise fail(f"invalid content: {e}") from e
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the JSON file atomically (temp file + rename: no reader sees half a file)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        """Write the JSON file atomically (``oakenkv.paths.atomic_write``: temp file + rename, no reader sees half a
+        file; the umask's permissions, so a shared cache stays readable)."""
         # allow_nan=False: a NaN can only come from a bug upstream, and "NaN" is not JSON.
         text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, p)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return p
+        return atomic_write(path, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], expect: ModelFingerprint | None = None) -> Thresholds:
@@ -454,10 +656,23 @@ class Thresholds:
 
         Raises:
             FileNotFoundError: no such file.
-            ThresholdsFileError: truncated/corrupt JSON, wrong format/schema, missing fields, invalid values.
+            ThresholdsFileError: not a regular file (a directory, a device), larger than ``MAX_FILE_BYTES``,
+                truncated/corrupt JSON or JSON nested too deeply, wrong format/schema, missing fields, invalid
+                values (thresholds not ordered or not finite in float32 included).
             ModelMismatchError: ``expect`` is given and differs from the file's fingerprint.
         """
         p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"thresholds file {p} does not exist")
+        if p.is_dir():
+            raise ThresholdsFileError(f"{p}: is a directory, not a thresholds file")
+        if not p.is_file():
+            raise ThresholdsFileError(f"{p}: not a regular file (a device or a pipe?), so not a thresholds file")
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ThresholdsFileError(
+                f"{p}: {size:,} bytes, more than any thresholds file holds ({MAX_FILE_BYTES:,} at most)"
+            )
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -471,6 +686,10 @@ class Thresholds:
         except json.JSONDecodeError as e:
             hint = " (the file looks truncated)" if e.pos >= len(text.rstrip()) - 1 else ""
             raise ThresholdsFileError(f"{p}: corrupt JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from e
+        except RecursionError as e:
+            raise ThresholdsFileError(f"{p}: JSON nested too deeply to be a thresholds file") from e
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            raise ThresholdsFileError(f"{p}: corrupt JSON ({e})") from e
         th = cls.from_dict(d, source=str(p))
         if expect is not None:
             th.check_fingerprint(expect)
@@ -490,7 +709,7 @@ def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -
     console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
     console.print(
         f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
-        f"bits middle {c.middle_bits}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
+        f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
         f"granularity {c.granularity}, scales {c.scale_dtype}"
     )
     if th.profile:

@@ -62,7 +62,7 @@ class KVFakeQuantizer(ABC):
     """Quantize-dequantize the keys and values of a model's cache, layer by layer, counting stored bits."""
 
     #: Where keys are quantized: "post_rope" (what a KV cache stores) or "pre_rope" (KVQuant; the cache
-    #: un-rotates, quantizes and re-rotates; see :mod:`oakenkv.eval.rope`).
+    #: un-rotates, quantizes and re-rotates; see :mod:`oakenkv.rope`).
     key_position: KeyPosition = "post_rope"
 
     @abstractmethod

@@ -24,12 +24,13 @@ import torch
 
 from oakenkv.baselines.base import FP16_BITS, Kind, KVFakeQuantizer, check_kv
 from oakenkv.baselines.uniform import GROUP_SCALE_BITS
+from oakenkv.format import HEADER_BITS
 
 #: Bits of one sparse outlier entry: fp16 value + 16-bit index (KVQuant's CSR/CSC stores 16-bit values
 #: with integer indices; we charge 16 bits, enough for any token vector up to 65536 values).
 OUTLIER_ENTRY_BITS = 2 * FP16_BITS
-#: Per-token-vector header: number of outliers (same charge as Oaken's per-token sparse count).
-HEADER_BITS = 16
+#: Per-token-vector header: number of outliers, charged as Oaken's per-token sparse count (oakenkv.format).
+KVQUANT_HEADER_BITS = HEADER_BITS
 
 
 def _uniform_codes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
@@ -125,5 +126,5 @@ class KVQuantQuantizer(KVFakeQuantizer):
         else:
             x_hat, n_out = kvquant_values(x, self.outlier_ratio, self.bits)
             scale_bits = tokens * GROUP_SCALE_BITS
-        bits = x.numel() * self.bits + n_out * OUTLIER_ENTRY_BITS + tokens * HEADER_BITS + scale_bits
+        bits = x.numel() * self.bits + n_out * OUTLIER_ENTRY_BITS + tokens * KVQUANT_HEADER_BITS + scale_bits
         return x_hat, bits

@@ -24,10 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
-
-#: Bits of one COO entry of Oaken's fused format (1 sign/high bit + 6-bit index + 1 group bit).
-COO_ENTRY_BITS = 8
-HEADER_BITS = 16
+from oakenkv.format import format_bits
 
 
 def _grid(s: torch.Tensor, lo: float, hi: float, bits: int) -> torch.Tensor:
@@ -108,5 +105,6 @@ class OakenOfficialQuantizer(KVFakeQuantizer):
         thr = thr.as_tuple() if hasattr(thr, "as_tuple") else tuple(thr)
         xmin, xmax = self.extremes[kind][layer_idx]
         x_hat, n_out = official_fake_quant(x, thr, xmin, xmax, inner_bits=self.inner_bits, outer_bits=self.outer_bits)
-        tokens = x.shape[0] * x.shape[2]
-        return x_hat, 4 * x.numel() + COO_ENTRY_BITS * n_out + HEADER_BITS * tokens
+        b, h, s, d = x.shape
+        # Oaken's fused format with one global grid per layer: no per-token scales
+        return x_hat, format_bits(b * s, h * d, n_out, scale_bits=0)

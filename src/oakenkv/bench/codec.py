@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
 
 #: (name, tokens, values per token vector): Llama2-7B's K (or V) width and the default model's (3 KV heads x 64),
 #: the latter with 16x the tokens so that both buffers are of similar size (24-32 MB, beyond the caches: a 1.5 MB
@@ -312,6 +313,9 @@ def run_codec_bench(
 
     from oakenkv import codec
 
+    for name, v in (("threads", threads), ("reps", reps), ("real_tokens", real_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")  # reps=0 divided by zero after the work
     config = config or OakenConfig()
     # idle OpenMP workers sleep instead of spinning: on a shared machine spinning steals the cores being measured
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -379,8 +383,7 @@ def run_codec_bench(
             **storage_comparison(keys, values, kthr, vthr, config, 3, progress),
         }
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2))
+        atomic_write(json_out, json.dumps(result, indent=2))
     return result
 
 

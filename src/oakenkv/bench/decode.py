@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from oakenkv.cache import OakenCache, kv_bytes
 from oakenkv.compat import cache_kwargs
 
 METHODS = ("oaken", "dynamic", "quanto")
@@ -59,31 +60,6 @@ class DecodeResult:
         }
 
 
-def tensor_bytes(t: Any) -> int:
-    """Storage bytes of a tensor, recursing into wrapper tensors (quanto's packed tensors, scales, shifts)."""
-    if t is None:
-        return 0
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    return 0
-
-
-def kv_bytes(cache: Any) -> int:
-    """Bytes of KV state a cache holds (OakenCache: pages in use + tables)."""
-    from oakenkv.cache import OakenCache
-
-    if isinstance(cache, OakenCache):
-        return cache.kv_bytes()
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            total += tensor_bytes(getattr(layer, name, None))
-    return total
-
-
 def record_source_kv(model: Any, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys (post-RoPE) and values ``[1, H, S, hd]`` of every layer after one real prefill."""
     from transformers import DynamicCache
@@ -101,8 +77,6 @@ def _tile(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def make_cache(method: str, model: Any, thresholds: Any) -> Any:
     if method == "oaken":
-        from oakenkv.cache import OakenCache
-
         return OakenCache(thresholds, model.config)
     if method == "dynamic":
         from transformers import DynamicCache

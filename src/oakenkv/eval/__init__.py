@@ -1,6 +1,5 @@
 """Accuracy evaluation of KV-cache methods: perplexity, zero-shot tasks, reports.
 
-- :mod:`~oakenkv.eval.rope`: un-rotate / re-rotate keys for methods that quantize before RoPE.
 - :mod:`~oakenkv.eval.cache`: the fake-quant transformers cache the evaluation runs every method through.
 - :mod:`~oakenkv.eval.calibration`: statistics of the cache tensors on calibration text (never WikiText-2 by
   default) from which thresholds and baseline ranges are derived.

@@ -6,7 +6,7 @@ only changes what they store: ``update`` quantize-dequantizes the incoming ``key
 attention uses what ``update`` returns, so the prefill attention too reads quantized keys and values (as the
 paper's harness does), and so does every later decode step. Keys are quantized post-RoPE (what ``update``
 receives) or, for ``key_position == "pre_rope"``, un-rotated, quantized and re-rotated
-(:mod:`oakenkv.eval.rope`).
+(:mod:`oakenkv.rope`).
 
 Every cache reports the bits the method would store for what it holds (:func:`stored_bits`).
 """
@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from oakenkv.baselines.base import FP16_BITS, BitCounter, KVFakeQuantizer
 from oakenkv.baselines.kivi import KiviLayer
-from oakenkv.eval.rope import RopeTable, apply_rope, invert_rope
+from oakenkv.rope import RopeTable, apply_rope, invert_rope
 
 
 class _FakeQuantLayerMixin:

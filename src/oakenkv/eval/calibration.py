@@ -2,13 +2,15 @@
 
 Nothing here reads the evaluation text unless asked: the default calibration text is the Wikipedia excerpt
 (``oakenkv.data.load_text("wikipedia")``), not WikiText-2. Results are cached on disk under
-``oakenkv.models.cache_root() / "eval"`` keyed by model, text, window count and length, and the config, so a
-report run profiles each model once.
+``oakenkv.profile.profile_cache_dir()`` keyed by content (``oakenkv.profile.CalibrationKey``: the model's weights
+and the calibration windows' tokens) and the config, so a report run profiles each model once, and a model
+changed at the same path is calibrated again.
 
-- :func:`oaken_thresholds`: a :class:`~oakenkv.thresholds.Thresholds` profiled by :mod:`oakenkv.profile`
-  for an :class:`~oakenkv.config.OakenConfig` (post- or pre-RoPE keys, any ratios, optional kurtosis tuning).
+- :func:`oaken_thresholds`: ``oakenkv.profile.cached_thresholds`` in this module's cache directory (the
+  calibration spec, windows and profile cache are ``oakenkv.profile``'s, re-exported here).
 - :func:`kv_ranges`: per layer, the global min/max of the pre-RoPE keys and of the values (the official
   Oaken harness's grids) and the per-channel quantiles of the pre-RoPE keys (KVQuant's key ranges).
+- :func:`calibrate_all`: several Oaken configurations and the ranges in one pass over the windows.
 """
 
 from __future__ import annotations
@@ -23,64 +25,42 @@ from typing import Any
 import torch
 
 from oakenkv.config import OakenConfig
+from oakenkv.paths import atomic_write
+from oakenkv.profile import (
+    DEFAULT_CALIB_SAMPLES,
+    DEFAULT_CALIB_TEXT,
+    DEFAULT_CALIB_WINDOW,
+    CalibrationKey,
+    CalibrationSpec,
+    RunAccumulator,
+    cached_thresholds,
+    calibration_key,
+    calibration_windows,
+    candidate_ratios,
+    load_cached_thresholds,
+    profile_cache_dir,
+    record_kv,
+    run_thresholds,
+    thresholds_cache_path,
+)
+from oakenkv.thresholds import Thresholds
 
-#: Default calibration: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages ~100 runs; 16 keeps
-#: calibration to minutes on 2 shared CPU cores (pass --thresholds for a 100-run profile, or --calib-samples).
-DEFAULT_CALIB_TEXT = "wikipedia"
-DEFAULT_CALIB_SAMPLES = 16
-DEFAULT_CALIB_WINDOW = 256
-
-
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """Which text and how much of it calibration uses.
-
-    ``text`` is an ``oakenkv.data.load_text`` name ("wikipedia", the default; "wikitext2" is the evaluation
-    text and warns) or "file" for the plain text file at ``text_path``.
-    """
-
-    text: str = DEFAULT_CALIB_TEXT
-    samples: int = DEFAULT_CALIB_SAMPLES
-    window: int = DEFAULT_CALIB_WINDOW
-    text_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.samples < 1 or self.window < 2:
-            raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {self.samples}, {self.window}")
-
-    def tag(self) -> str:
-        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
-        return f"{self.text}{path}-{self.samples}x{self.window}"
+__all__ = [
+    "DEFAULT_CALIB_SAMPLES",
+    "DEFAULT_CALIB_TEXT",
+    "DEFAULT_CALIB_WINDOW",
+    "CalibrationSpec",
+    "KVRanges",
+    "calibrate_all",
+    "calibration_windows",
+    "kv_ranges",
+    "oaken_thresholds",
+]
 
 
 def _cache_dir() -> Path:
-    from oakenkv.models import cache_root
-
-    d = cache_root() / "eval"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _tag(spec: CalibrationSpec, tokenizer: Any) -> str:
-    """Cache-file tag of the calibration windows: the spec's, plus ``-bos`` when the windows start with BOS."""
-    from oakenkv.data import adds_bos
-
-    return spec.tag() + ("-bos" if adds_bos(tokenizer) else "")
-
-
-def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
-    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
-    from oakenkv.data import load_text, token_windows
-
-    if spec.text == "wikitext2":
-        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
-    if spec.text == "file":  # any plain UTF-8 text file
-        if spec.text_path is None:
-            raise ValueError("calibration text 'file' needs a path (--calib-path)")
-        text = Path(spec.text_path).read_text(encoding="utf-8")
-    else:
-        text = load_text(spec.text, spec.text_path)
-    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+    """The disk cache of this module (a function, so that tests can point it elsewhere)."""
+    return profile_cache_dir()
 
 
 def oaken_thresholds(
@@ -92,31 +72,18 @@ def oaken_thresholds(
     *,
     kurtosis_tuning: bool = False,
     progress: bool = False,
-) -> Any:
-    """Profiled :class:`~oakenkv.thresholds.Thresholds` for ``config`` (cached on disk)."""
-    from oakenkv.profile import FewRunsWarning, profile_thresholds
-    from oakenkv.thresholds import Thresholds
-
-    spec = spec or CalibrationSpec()
-    key = json.dumps([config.to_dict(), kurtosis_tuning], sort_keys=True)
-    h = hashlib.sha1(key.encode()).hexdigest()[:10]
-    path = _cache_dir() / f"thr-{_safe(model_name)}-{_tag(spec, tokenizer)}-{h}.json"
-    if path.is_file():
-        return Thresholds.load(path)
-    ids = calibration_windows(tokenizer, spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FewRunsWarning)
-        thr = profile_thresholds(
-            model,
-            ids,
-            config,
-            kurtosis_tuning=kurtosis_tuning,
-            progress=progress,
-            name=model_name,
-            metadata={"data": spec.text, "data_path": spec.text_path, "samples": spec.samples, "window": spec.window},
-        )
-    thr.save(path)
-    return thr
+) -> Thresholds:
+    """Profiled :class:`~oakenkv.thresholds.Thresholds` for ``config`` (``oakenkv.profile.cached_thresholds``)."""
+    return cached_thresholds(
+        model,
+        tokenizer,
+        model_name,
+        config,
+        spec,
+        kurtosis_tuning=kurtosis_tuning,
+        progress=progress,
+        cache_dir=_cache_dir(),
+    )
 
 
 @dataclass
@@ -134,19 +101,27 @@ class KVRanges:
     key_channel_hi: list[torch.Tensor]
     q: float
 
+    def sha256(self) -> str:
+        """Digest of every number held (what a result or a checkpoint that used these ranges depends on)."""
+        h = hashlib.sha256(json.dumps([self.key_extremes, self.value_extremes, self.q]).encode())
+        for t in (*self.key_channel_lo, *self.key_channel_hi):
+            t = t.detach().to(torch.float32).contiguous()
+            h.update(repr(tuple(t.shape)).encode())
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()
+
 
 def kv_ranges(
     model: Any, tokenizer: Any, model_name: str, spec: CalibrationSpec | None = None, q: float = 0.005
 ) -> KVRanges:
     """Compute (or load from the disk cache) :class:`KVRanges` on the calibration windows."""
-    from oakenkv.profile import record_kv
-
     spec = spec or CalibrationSpec()
-    path = _cache_dir() / f"ranges-{_safe(model_name)}-{_tag(spec, tokenizer)}-q{q:g}.pt"
-    if path.is_file():
-        d = torch.load(path)
-        return KVRanges(**d)
     ids = calibration_windows(tokenizer, spec)
+    key = calibration_key(model, model_name, spec, ids)
+    path, ident = _ranges_path(key, q), _ranges_identity(key, q)
+    cached = _load_ranges(path, ident)
+    if cached is not None:
+        return cached
     kmin = kmax = vmin = vmax = None
     lo_sum: list[torch.Tensor] = []
     hi_sum: list[torch.Tensor] = []
@@ -180,16 +155,47 @@ def kv_ranges(
         key_channel_hi=[x / n for x in hi_sum],
         q=q,
     )
-    torch.save(out.__dict__, path)
+    _save_ranges(out, path, ident)
     return out
+
+
+def _save_ranges(ranges: KVRanges, path: Path, identity: str) -> None:
+    """Write the ranges cache atomically (a torn file would break every later run), with the identity (a digest of
+    the :class:`~oakenkv.profile.CalibrationKey` and ``q``) it was computed for."""
+    atomic_write(path, lambda f: torch.save({"identity": identity, **ranges.__dict__}, f))
+
+
+def _load_ranges(path: Path, identity: str) -> KVRanges | None:
+    """The cached ranges at ``path`` if they were computed for ``identity``, else None: no file, another model or
+    calibration (warned), or an unreadable file (warned; then recomputed and overwritten). ``weights_only=True``:
+    tensors and plain containers only, never code (torch < 2.6 defaults to unpickling anything)."""
+    if not path.is_file():
+        return None
+    try:
+        d = torch.load(path, weights_only=True)
+        if d.pop("identity", None) != identity:
+            warnings.warn(
+                f"the cached ranges {path} were computed for another model or calibration; recomputing", stacklevel=3
+            )
+            return None
+        return KVRanges(**d)
+    except Exception as e:  # any unreadable file: recompute rather than fail every later run
+        warnings.warn(
+            f"ignoring the unreadable calibration cache {path} ({type(e).__name__}: {e}); recomputing", stacklevel=3
+        )
+        return None
 
 
 def _pos(config: OakenConfig) -> str:
     return "pre" if config.key_position == "pre_rope" else "post"
 
 
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-60:]
+def _ranges_identity(key: CalibrationKey, q: float) -> str:
+    return key.digest("kv_ranges", float(q))
+
+
+def _ranges_path(key: CalibrationKey, q: float) -> Path:
+    return _cache_dir() / f"ranges-{key.stem()}-q{q:g}-{_ranges_identity(key, q)[:16]}.pt"
 
 
 def calibrate_all(
@@ -212,26 +218,23 @@ def calibrate_all(
     Args:
         configs: ``(config, kurtosis_tuning)`` pairs.
     """
-    from oakenkv.eval.rope import RopeTable, invert_rope
-    from oakenkv.profile import _Accumulator, _candidates, _finish, record_kv, run_thresholds
-    from oakenkv.thresholds import ModelFingerprint, Thresholds
+    from oakenkv.rope import RopeTable, invert_rope
 
     spec = spec or CalibrationSpec()
     ids = calibration_windows(tokenizer, spec)
-    fp = ModelFingerprint.from_model_config(model.config, name=model_name)
+    key = calibration_key(model, model_name, spec, ids)
+    fp = key.fingerprint
     n_layers = fp.num_layers
     todo = []
     for config, tuning in configs:
-        key = json.dumps([config.to_dict(), tuning], sort_keys=True)
-        digest = hashlib.sha1(key.encode()).hexdigest()[:10]
-        path = _cache_dir() / f"thr-{_safe(model_name)}-{_tag(spec, tokenizer)}-{digest}.json"
-        if not path.is_file():
-            cand = _candidates(config, tuning)
-            accs = {(i, k): _Accumulator([], [], []) for i in range(n_layers) for k in ("key", "value")}
+        path = thresholds_cache_path(key, config, tuning, _cache_dir())
+        if load_cached_thresholds(path, key, config, tuning) is None:
+            cand = candidate_ratios(config, tuning)
+            accs = {(i, k): RunAccumulator() for i in range(n_layers) for k in ("key", "value")}
             todo.append((config, tuning, path, cand, accs))
     q = 0.005
-    ranges_path = _cache_dir() / f"ranges-{_safe(model_name)}-{_tag(spec, tokenizer)}-q{q:g}.pt"
-    need_ranges = not ranges_path.is_file()
+    ranges_path, ranges_ident = _ranges_path(key, q), _ranges_identity(key, q)
+    need_ranges = _load_ranges(ranges_path, ranges_ident) is None
     if not todo and not need_ranges:
         return
     union_outer = tuple(sorted({r for *_, (oc, _ic), _a in todo for r in oc}))
@@ -272,16 +275,17 @@ def calibrate_all(
                 for config, _tuning, _path, (outer_c, inner_c), accs in todo:
                     for kind, name in (("key", _pos(config)), ("value", "value")):
                         o_all, i_all, kurt = done[name]
-                        acc = accs[(i, kind)]
-                        acc.outer.append(o_all[[union_outer.index(r) for r in outer_c]])
-                        acc.inner.append(i_all[[union_inner.index(r) for r in inner_c]])
-                        acc.kurt.append(kurt)
-                        acc.num_samples += tensors[name].numel()
+                        accs[(i, kind)].add(
+                            o_all[[union_outer.index(r) for r in outer_c]],
+                            i_all[[union_inner.index(r) for r in inner_c]],
+                            kurt,
+                            tensors[name].numel(),
+                        )
     for config, tuning, path, _cand, accs in todo:
         kt, vt, ks, vs = [], [], [], []
         for i in range(n_layers):
             for kind, tl, sl in (("key", kt, ks), ("value", vt, vs)):
-                thr, st = _finish(accs[(i, kind)], config, tuning, i, kind)
+                thr, st = accs[(i, kind)].finish(config, tuning, i, kind)
                 tl.append(thr)
                 sl.append(st)
         Thresholds(
@@ -297,18 +301,20 @@ def calibrate_all(
                 "runs": spec.samples,
                 "window": spec.window,
                 "kurtosis_tuning": tuning,
+                "windows_sha256": key.windows_sha256,
                 "profiler": "oakenkv.eval.calibration.calibrate_all (oakenkv.profile quantiles, one pass)",
             },
         ).save(path)
     if need_ranges:
         n = ids.shape[0]
-        torch.save(
+        _save_ranges(
             KVRanges(
                 key_extremes=list(zip(kmin, kmax, strict=True)),
                 value_extremes=list(zip(vmin, vmax, strict=True)),
                 key_channel_lo=[x / n for x in lo_sum],
                 key_channel_hi=[x / n for x in hi_sum],
                 q=q,
-            ).__dict__,
+            ),
             ranges_path,
+            ranges_ident,
         )

@@ -33,77 +33,41 @@ import torch
 from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
 from oakenkv.config import OakenConfig
 
-ALIASES = {
-    "int4": "int:bits=4",
-    "int5": "int:bits=5",
-    "kivi4": "kivi:bits=4",
-    "kvquant4": "kvquant:bits=4",
-    "quanto4": "quanto:bits=4",
-    "oaken-kurtosis": "oaken:kurtosis=1",
-}
+# The method specs (parsed without torch, for the CLI's checks) live in oakenkv.eval.spec; re-exported here.
+from oakenkv.eval.spec import (
+    ALIASES,
+    FAMILIES,
+    SIMPLIFIED,
+    canonical,
+    check_spec_with_thresholds,
+    given_params,
+    parse_spec,
+    sweep_config,
+)
 
-#: Each family's parameters and defaults (also the set of accepted keys).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "fp": {},
-    "oaken": {
-        "outer": 0.04,
-        "inner": 0.06,
-        "granularity": "token",
-        "key_position": "post",
-        "kurtosis": 0,
-        "only": "kv",
-    },
-    "oaken-official": {"outer": 0.04, "inner": 0.06},
-    "int": {"bits": 4, "group": 0},
-    "kivi": {"bits": 4, "group": 32, "residual": 128},
-    "kvquant": {"bits": 4, "outliers": 0.01},
-    "fp8": {"scale": 1.0},
-    "quanto": {"bits": 4, "group": 64, "residual": 128},
-}
-
-#: What each family simplifies relative to the method it stands for (printed in reports).
-SIMPLIFIED = {
-    "kvquant": "uniform 4-bit grid instead of KVQuant's non-uniform nuq4; no attention-sink token; ranges from "
-    "calibration quantiles",
-    "int": "KV format only (no SmoothAttention / weight quantization of QServe, no reordering of Atom)",
-    "fp8": "per-tensor scale 1.0 (vLLM's uncalibrated default)",
-    "quanto": "transformers' QuantizedCache: the first update (the whole prefill) is returned unquantized",
-    "kivi": "",
-}
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"family:k=v,..."`` -> ``(family, params)`` with defaults filled in and types checked."""
-    spec = ALIASES.get(spec.strip(), spec.strip())
-    family, _, rest = spec.partition(":")
-    if family not in FAMILIES:
-        raise ValueError(f"unknown method {family!r}; known: {', '.join([*FAMILIES, *ALIASES])}")
-    params = dict(FAMILIES[family])
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        k, eq, v = item.partition("=")
-        if not eq or k not in params:
-            raise ValueError(f"method {family!r}: bad parameter {item!r}; accepted: {', '.join(params) or 'none'}")
-        default = params[k]
-        try:
-            params[k] = type(default)(v) if not isinstance(default, str) else v
-        except ValueError as e:
-            raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
-    return family, params
-
-
-def canonical(family: str, params: dict[str, Any]) -> str:
-    """The spec string with only non-default parameters (used as the method's name in results)."""
-    diff = [f"{k}={v}" for k, v in params.items() if v != FAMILIES[family][k]]
-    return family + (":" + ",".join(diff) if diff else "")
+__all__ = [
+    "ALIASES",
+    "FAMILIES",
+    "SIMPLIFIED",
+    "Method",
+    "OakenQuantizer",
+    "build_method",
+    "canonical",
+    "check_spec_with_thresholds",
+    "given_params",
+    "parse_spec",
+    "sweep_config",
+]
 
 
 class OakenQuantizer(KVFakeQuantizer):
     """Oaken's quantize-dequantize (:mod:`oakenkv.quant`, run through the codec's kernels), one vector per token.
 
     Token granularity: ``[B, H, S, D] -> [B*S, H*D]`` (one token's keys of all KV heads of a layer, the paper's
-    vector); head granularity: ``[B*S*H, D]``. Stored bits per vector of n values with m inner/outer values:
-    ``4 n + 8 m + 6 * scale_bits + 16`` (dense nibbles, COO entries, six per-token scales, 16-bit sparse count),
-    the fused format's layout (``oakenkv.codec``).
+    vector); head granularity: ``[B*S*H, D]``. Stored bits are the bytes the codec produced for those rows
+    (dense nibbles, COO entries, six per-token scales, 16-bit header; ``oakenkv.format``), less the rare escape
+    bytes: the evaluation has always reported the format's cost without escapes (its committed results), and
+    ``codec.effective_bits`` gives the figure with them (+0.004 bits per value on the default model).
     """
 
     def __init__(self, thresholds: Any, config: OakenConfig, kinds: tuple[str, ...] = ("key", "value")) -> None:
@@ -114,11 +78,9 @@ class OakenQuantizer(KVFakeQuantizer):
         self.key_position = config.key_position
         #: The kinds that are quantized; the other one (an ablation) stays unquantized, counted at 16 bits.
         self.kinds = tuple(kinds)
-        self._scale_bits = 16 if config.scale_dtype == "float16" else 32
 
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from oakenkv.kernels.cpu import decode_batch, encode_batch
-        from oakenkv.quant import GROUP_MIDDLE, assign_groups
+        from oakenkv.kernels.cpu import decode_batch, encode_batch, sparse_stream_stats
 
         check_kv(x, kind)
         if kind not in self.kinds:
@@ -129,11 +91,28 @@ class OakenQuantizer(KVFakeQuantizer):
             rows = rows.reshape(b * s * h, d)
         thr = self.thresholds.layer(layer_idx, kind)
         # The numba codec's round trip: bit-identical to quant.quantize_dequantize (tests/test_eval.py checks it)
-        # and ~40x faster, which took a third off an Oaken perplexity run.
-        y = decode_batch(encode_batch(rows, thr, self.config), thr, self.config)
-        n_out = int((assign_groups(rows, thr) != GROUP_MIDDLE).sum())
-        bits = 4 * rows.numel() + 8 * n_out + rows.shape[0] * (6 * self._scale_bits + 16)
+        # and much faster than the reference.
+        enc = encode_batch(rows, thr, self.config)
+        y = decode_batch(enc, thr, self.config)
+        _, escape_bytes = sparse_stream_stats(enc)
+        bits = 8 * (enc.nbytes() - escape_bytes)
         return y.reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous(), bits
+
+
+class PlusQuantizer(OakenQuantizer):
+    """``oaken-plus``: Oaken's quantizer after the profile's online key transform (a shift, a rotation), on a
+    model that carries the profile's folded transforms (``oakenkv.transforms``). Returns keys in the model's frame
+    up to the shift, which softmax ignores, exactly as ``OakenCache`` hands them to attention."""
+
+    def __init__(self, thresholds: Any) -> None:
+        super().__init__(thresholds, thresholds.config)
+        self.transforms = thresholds.transforms
+
+    def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if kind != "key":
+            return super().quantize(layer_idx, kind, x)
+        y, bits = super().quantize(layer_idx, kind, self.transforms.keys_forward(layer_idx, x))
+        return self.transforms.keys_restore(layer_idx, y).to(x.dtype), bits
 
 
 @dataclass
@@ -147,6 +126,8 @@ class Method:
     key_position: str
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The model to run instead of the one passed in (``oaken-plus``: a copy with its transforms folded in).
+    model: Any = None
 
 
 def build_method(
@@ -165,15 +146,16 @@ def build_method(
         spec: method spec string (module doc).
         model, tokenizer: the transformers model and tokenizer.
         model_name: name used for the calibration cache and the results.
-        thresholds: a :class:`~oakenkv.thresholds.Thresholds` (or a path to one) for ``oaken`` (its config
-            then overrides the spec's ratios); default: profiled on the calibration text.
+        thresholds: a :class:`~oakenkv.thresholds.Thresholds` (or a path to one) for ``oaken``: the file decides
+            the ratios, granularity, key position and tuning, and a spec that sets them otherwise, or another
+            family, is refused (:func:`check_spec_with_thresholds`); default: profiled on the calibration text.
         calibration: a :class:`~oakenkv.eval.calibration.CalibrationSpec` (default: Wikipedia, 32 x 256).
     """
     from transformers import DynamicCache
 
     from oakenkv.eval import calibration as cal
     from oakenkv.eval.cache import FakeQuantCache, KiviCache
-    from oakenkv.eval.rope import RopeTable
+    from oakenkv.rope import RopeTable
 
     family, params = parse_spec(spec)
     # Aliases are the familiar names (int4, kivi4, ...): keep them in results.
@@ -190,6 +172,13 @@ def build_method(
 
     if family == "fp":
         return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
+    if thresholds is not None and family not in ("oaken", "oaken-plus"):
+        check_spec_with_thresholds(spec, thresholds)  # raises: a thresholds file is for oaken only
+    if family == "oaken-plus" and thresholds is not None:
+        from oakenkv.thresholds import Thresholds
+
+        loaded = thresholds if hasattr(thresholds, "layer") else Thresholds.load(thresholds)
+        check_spec_with_thresholds(spec, loaded, "the thresholds" if loaded is thresholds else str(thresholds))
     if family == "oaken":
         if thresholds is not None:
             if not hasattr(thresholds, "layer"):
@@ -197,9 +186,13 @@ def build_method(
 
                 extra["thresholds_file"] = str(thresholds)
                 thresholds = Thresholds.load(thresholds)
-            thresholds.check_model(model.config)
+            # record what runs: the file's settings, refusing a spec that says otherwise
+            params = check_spec_with_thresholds(spec, thresholds, extra.get("thresholds_file", "the thresholds"))
+            thresholds.check_model(model)  # shape and weights
             config = thresholds.config
             name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
+            if params["only"] != "kv":
+                name += f":only={params['only']}"
         else:
             config = OakenConfig(
                 outer_ratio=params["outer"],
@@ -218,6 +211,7 @@ def build_method(
             )
             extra["calibration"] = spec_obj.tag()
         extra["config"] = config.to_dict()
+        extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
         only = {"kv": ("key", "value"), "k": ("key",), "v": ("value",)}.get(params["only"])
         if only is None:
             raise ValueError(f"method 'oaken': only={params['only']!r}; use kv (default), k or v")
@@ -225,6 +219,8 @@ def build_method(
             note = f"ablation: only the {only[0]}s are quantized, the other kind stays at 16 bits"
         q = OakenQuantizer(thresholds, config, only)
         return Method(name, family, params, fq(q), config.key_position, note, extra)
+    if family == "oaken-plus":
+        return _oaken_plus(name, params, model, tokenizer, model_name, thresholds, calibration, progress)
     if family == "oaken-official":
         from oakenkv.baselines.oaken_official import OakenOfficialQuantizer
 
@@ -237,6 +233,7 @@ def build_method(
             {"key": rng.key_extremes, "value": rng.value_extremes},
         )
         extra["calibration"] = spec_obj.tag()
+        extra["thresholds_sha256"], extra["ranges_sha256"] = thr.sha256(), rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "int":
         from oakenkv.baselines.uniform import PerTokenIntQuantizer
@@ -254,6 +251,7 @@ def build_method(
             list(zip(rng.key_channel_lo, rng.key_channel_hi, strict=True)), params["bits"], params["outliers"]
         )
         extra["calibration"] = spec_obj.tag()
+        extra["ranges_sha256"] = rng.sha256()
         return Method(name, family, params, fq(q), "pre_rope", note, extra)
     if family == "fp8":
         from oakenkv.baselines.fp8 import Fp8Quantizer
@@ -271,9 +269,52 @@ def build_method(
     raise AssertionError(family)  # parse_spec only returns known families
 
 
-def sweep_config(outlier_share: float) -> OakenConfig:
-    """The paper's configuration with the outlier share (outer + inner) scaled, keeping outer:inner = 4:6.
+def _oaken_plus(
+    name: str,
+    params: dict[str, Any],
+    model: Any,
+    tokenizer: Any,
+    model_name: str,
+    thresholds: Any,
+    calibration: Any,
+    progress: bool,
+) -> Method:
+    import copy
 
-    Figure 12(a) of the paper varies the share of values that go to the sparse (inner + outer) groups.
-    """
-    return OakenConfig(outer_ratio=round(0.4 * outlier_share, 6), inner_ratio=round(0.6 * outlier_share, 6))
+    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.plus import DEFAULT_RATIOS, PLUS_CALIBRATION, PlusSearch, apply_profile, cached_plus_profile
+    from oakenkv.thresholds import Thresholds
+
+    extra: dict[str, Any] = {}
+    if thresholds is not None:
+        if not hasattr(thresholds, "layer"):
+            extra["thresholds_file"] = str(thresholds)
+            thresholds = Thresholds.load(thresholds)
+        if thresholds.transforms is None:
+            raise ValueError("oaken-plus needs a profile with transforms (`oakenkv profile --preset oaken-plus`)")
+        name = f"oaken-plus[{extra.get('thresholds_file', 'thresholds')}]"
+    else:
+        for k, v in params.items():
+            if v not in (0, 1):
+                raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
+        search = PlusSearch(
+            alphas=PlusSearch().alphas if params["smooth"] else (0.0,),
+            key_shift=bool(params["shift"]),
+            key_rotation=bool(params["rot_k"]),
+            value_rotation=bool(params["rot_v"]),
+            ratios=DEFAULT_RATIOS if params["ratios"] else DEFAULT_RATIOS[:1],
+        )
+        from oakenkv.profile import CalibrationSpec
+
+        # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
+        # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on 16 x 2048 unless told otherwise.
+        spec = PLUS_CALIBRATION if calibration in (None, CalibrationSpec()) else calibration
+        thresholds = cached_plus_profile(model, tokenizer, model_name, spec, search, progress=progress)
+        extra["calibration"] = spec.tag()
+        if spec != PLUS_CALIBRATION:
+            name += f"@{spec.tag()}"
+    folded = apply_profile(copy.deepcopy(model), thresholds)
+    extra["transforms"] = thresholds.transforms.digest()[:16]
+    extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
+    q = PlusQuantizer(thresholds)
+    return Method(name, "oaken-plus", params, lambda: FakeQuantCache(folded, q), "post_rope", "", extra, folded)

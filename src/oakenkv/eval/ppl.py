@@ -24,6 +24,9 @@ import torch
 
 from oakenkv.baselines.base import BitCounter
 from oakenkv.eval.cache import stored_bits
+from oakenkv.eval.spec import check_run_args
+from oakenkv.paths import atomic_write
+from oakenkv.thresholds import weights_digest
 
 
 @dataclass
@@ -99,18 +102,26 @@ def perplexity(
         method: an :class:`~oakenkv.eval.methods.Method`.
         chunk: tokens per forward call (module doc).
         checkpoint: a JSON file rewritten after every window (per-window NLLs, stored bits, time). If it exists
-            when the run starts and belongs to the same method, model, chunking and windows, the run resumes
-            after its last window (the result is the same as an uninterrupted run's: windows are independent);
-            if it belongs to another run, ``ValueError``. Removed when the run completes.
+            when the run starts and belongs to the same run, the run resumes after its last window (the result is
+            the same as an uninterrupted run's: windows are independent); if it belongs to another run,
+            ``ValueError``. Removed when the run completes. A run is identified by content: the model's weights
+            (:func:`oakenkv.thresholds.weights_digest`), the windows' tokens, the method's settings and what it
+            was calibrated with (its thresholds' and ranges' digests in ``method.extra``), and the chunking; the
+            names of the method and model only label it. Re-profiling the thresholds or changing the model at the
+            same path between an interrupt and the rerun refuses the checkpoint instead of mixing two runs.
     """
     if windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be int64 [N, S], got {windows.dtype} {tuple(windows.shape)}")
+    if getattr(method, "model", None) is not None:
+        model = method.model  # oaken-plus: the copy with its transforms folded in
     per_window: list[float] = []
     bits = BitCounter()
     spent = 0.0
+    weights = weights_digest(model)
     ident = {
         "method": method.name,
         "model": model_name,
+        "model_weights": weights,
         "chunk": chunk,
         "settings_sha256": hashlib.sha256(
             json.dumps([method.params, method.extra], sort_keys=True, default=str).encode()
@@ -121,13 +132,17 @@ def perplexity(
     if ckpt is not None and ckpt.exists():
         try:
             state = json.loads(ckpt.read_text())
-            same = state.get("kind") == "ppl_checkpoint" and all(state.get(k) == v for k, v in ident.items())
-        except (json.JSONDecodeError, AttributeError):
-            same = False
+        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+            state = None
+        same = isinstance(state, dict) and state.get("kind") == "ppl_checkpoint"
+        same = same and all(state.get(k) == v for k, v in ident.items())
         if not same:
+            differ = [k for k, v in ident.items() if isinstance(state, dict) and state.get(k) != v]
             raise ValueError(
                 f"{ckpt} is not a checkpoint of this run (method {method.name!r}, model {model_name!r}, "
-                f"{windows.shape[0]} windows of {windows.shape[1]} tokens, chunk {chunk}); delete it to start over"
+                f"{windows.shape[0]} windows of {windows.shape[1]} tokens, chunk {chunk}"
+                + (f"; it differs in {', '.join(differ)}" if differ else "")
+                + "); delete it to start over"
             )
         per_window = [float(x) for x in state["window_nll"]][: windows.shape[0]]
         bits.add(state["bits"], state["values"])
@@ -154,9 +169,7 @@ def perplexity(
         if ckpt is not None:
             state = {"kind": "ppl_checkpoint", **ident, "window_nll": per_window, "bits": bits.bits}
             state |= {"values": bits.values, "seconds": spent + time.perf_counter() - t0}
-            tmp = ckpt.with_name(ckpt.name + ".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(ckpt)  # atomic: an interrupted write never leaves a torn checkpoint
+            atomic_write(ckpt, json.dumps(state))  # an interrupted write never leaves a torn checkpoint
         if bar is not None:
             bar.set_postfix(ppl=f"{math.exp(sum(per_window) / (len(per_window) * per_tok)):.4f}")
     total_nll, total_tok = sum(per_window), len(per_window) * per_tok
@@ -178,6 +191,7 @@ def perplexity(
             "key_position": method.key_position,
             "note": method.note,
             **method.extra,
+            "model_weights": weights,
         },
     )
     if ckpt is not None:
@@ -201,11 +215,18 @@ def run_ppl(
 ) -> PplResult:
     """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body).
 
-    ``checkpoint``: see :func:`perplexity` (resume an interrupted run)."""
+    ``checkpoint``: see :func:`perplexity` (resume an interrupted run).
+
+    Every argument is validated before the model loads (:func:`check_run_args`)."""
     from oakenkv.data import adds_bos, load_text, token_windows
     from oakenkv.eval.methods import build_method
     from oakenkv.models import load_model
 
+    check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)):
+        raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     loaded = load_model(model)
     ids = token_windows(loaded.tokenizer, load_text(dataset), window, stride, max_windows)
     m = build_method(

@@ -15,6 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from oakenkv.paths import atomic_write
+
 
 def load_results(paths: list[Path]) -> list[dict[str, Any]]:
     """Every JSON result in ``paths`` (files, or directories searched recursively), sorted by file name."""
@@ -30,9 +32,11 @@ def load_results(paths: list[Path]) -> list[dict[str, Any]]:
     out = []
     for f in files:
         try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{f} is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise ValueError(f"{f}: JSON nested too deeply to be a result") from e
         if isinstance(d, dict) and d.get("kind") in ("ppl", "zeroshot", "thresholds_diff"):
             d["_file"] = str(f)
             out.append(d)
@@ -361,8 +365,7 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.tight_layout()
     for ax, pts, labels in to_label:
         _place_labels(fig, ax, pts, labels)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -423,6 +426,5 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         "prefill is unquantized, see above), nor the keys-only / values-only ablations.\n"
     )
     text = "\n".join(parts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    atomic_write(out, text)
     return text

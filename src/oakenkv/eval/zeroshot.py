@@ -25,9 +25,10 @@ import torch
 
 from oakenkv.baselines.base import BitCounter
 from oakenkv.eval.cache import stored_bits
+from oakenkv.eval.spec import ZEROSHOT_TASKS
 
 #: lm-eval task name -> (oakenkv.data task name, the metric the paper reports).
-TASKS = {"piqa": ("piqa", "acc_norm"), "winogrande": ("winogrande", "acc"), "hellaswag": ("hellaswag", "acc_norm")}
+TASKS = ZEROSHOT_TASKS
 
 
 @dataclass
@@ -147,6 +148,8 @@ def zeroshot(
         task_objs[t] = task
     if batch_size is None:
         batch_size = 1 if method.family in ("kivi", "quanto", "oaken-official") else 8
+    if getattr(method, "model", None) is not None:
+        model = method.model  # oaken-plus: the copy with its transforms folded in
     lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu")
     t0 = time.perf_counter()
     out = evaluator.evaluate(
@@ -193,10 +196,20 @@ def run_zeroshot(
     calibration: Any = None,
     progress: bool = True,
 ) -> ZeroShotResult:
-    """Load ``model``, build ``method`` and evaluate it on ``tasks`` (the CLI's body)."""
+    """Load ``model``, build ``method`` and evaluate it on ``tasks`` (the CLI's body); every argument is validated
+    before the model loads."""
     from oakenkv.eval.methods import build_method
+    from oakenkv.eval.spec import check_run_args
     from oakenkv.models import load_model
 
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; supported: {', '.join(TASKS)}")
+    if not tasks:
+        raise ValueError(f"no task given; supported: {', '.join(TASKS)}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be None or an int >= 1, got {limit!r}")
+    check_run_args(model, method, thresholds)
     loaded = load_model(model)
     m = build_method(
         method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress

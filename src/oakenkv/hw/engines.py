@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oakenkv.format import COO_GROUP_BIT, COO_INDEX_MASK
 from oakenkv.hw.arith import (
     DEQ_SHIFT,
     DIV_SHIFT,
@@ -40,9 +41,6 @@ from oakenkv.hw.arith import (
 from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER
 
 LANES = 64
-COO_INDEX_MASK = 0x3F
-COO_GROUP_BIT = 0x40
-COO_CODE_BIT4 = 0x80
 
 
 # --------------------------------------------------------------------------------------------------------------

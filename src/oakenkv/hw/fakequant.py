@@ -13,6 +13,7 @@ import torch
 
 from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
 from oakenkv.config import OakenConfig
+from oakenkv.format import format_bits
 
 #: "hw": quantization engine + dequantization engine arithmetic; "hw_quant": quantization engine arithmetic,
 #: decoded by the float reference decoder (what a software reader of hardware-written pages computes).
@@ -43,6 +44,6 @@ class HwOakenQuantizer(KVFakeQuantizer):
         q = quantize_hw(rows, thr, self.config)
         y = dequantize_hw(q, thr, self.config) if self.mode == "hw" else dequantize(q, thr, self.config)
         n_out = int((q.groups != GROUP_MIDDLE).sum())
-        bits = 4 * rows.numel() + 8 * n_out + rows.shape[0] * (6 * 16 + 16)
+        bits = format_bits(rows.shape[0], rows.shape[1], n_out)  # fp16 scales, as the engines write
         y = y.to(x.dtype).reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous()
         return y, bits

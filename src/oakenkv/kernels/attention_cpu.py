@@ -12,9 +12,9 @@ flash-decoding); each (row, split) work item keeps its own running max, sum and 
 final pass combines them. Within a work item, tokens are processed in blocks of ``_BLOCK`` so that the
 accumulator is rescaled once per block, not once per token.
 
-Table layout (see ``oakenkv.pages``): token ``t`` of a stream has its dense record at
-``pool[dense_pages[t // rpp] * page_size + (t % rpp) * rec :][:rec]``; its sparse record is the next
-``sparse_len[t]`` bytes of the sparse page that holds it, found by walking the stream in token order.
+What the kernels read is one layer's :class:`~oakenkv.format.LayerView` (built by
+``oakenkv.store.PagedKVStore.layer_view``; its docstring has the table layout), passed as the kernels' trailing
+arguments (``*view``: numba dispatches plain arrays and integers fastest) and rebuilt as the named tuple inside.
 Page ids of -1 (``pages.EVICTED``: a sliding window released them) are never dereferenced: masked tokens are
 skipped without reading their pages, and an unmasked token on a released page stops the row with ``ERR_EVICTED``.
 """
@@ -24,8 +24,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from oakenkv.codec import ADVANCE_CONTINUE, CHUNK_SIZE, COO_GROUP_BIT, COO_INDEX_MASK
-from oakenkv.kernels.cpu import ERR_ESCAPE_TRUNCATED, ERR_EVICTED, ERR_OK, ERR_POSITION_RANGE, _f16_value
+from oakenkv.format import (
+    ADVANCE_CONTINUE,
+    CHUNK_SIZE,
+    COO_GROUP_BIT,
+    COO_INDEX_MASK,
+    ERR_ESCAPE_TRUNCATED,
+    ERR_EVICTED,
+    ERR_OK,
+    ERR_POSITION_RANGE,
+    NUM_SCALES,
+    LayerView,
+)
+from oakenkv.kernels.numba_helpers import f16_widen_int
 
 #: Tokens per softmax block inside a work item.
 _BLOCK = 32
@@ -76,8 +87,8 @@ def _decode_token(
     ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference ``quant.dequantize``):
     ``v = lo + code * step`` in float32, then the threshold of the value's side. It is laid out for the attention
     loop, where one row is ~200 values and the per-row work dominates: the nibbles are first unpacked into
-    ``codes`` and the values then computed from them (two simple loops that LLVM vectorizes, ~3x faster than a
-    16-entry table look-up per nibble), and each COO entry's value is computed for both outlier groups and
+    ``codes`` and the values then computed from them (two simple loops that LLVM vectorizes, faster than a
+    table look-up per nibble: docs/perf-notes.md), and each COO entry's value is computed for both outlier groups and
     selected without a branch (the group of consecutive entries is random, a branch mispredicts). This function
     is compiled without fastmath (no FMA contraction), so the numbers stay bit-exact even when inlined into the
     fastmath attention kernel.
@@ -86,9 +97,9 @@ def _decode_token(
     if page < 0:  # released by a sliding window (pages.EVICTED): the mask should have hidden this token
         return ERR_EVICTED, sp, off
     base = page * page_size + (t % rpp) * rec
-    for i in range(6):
+    for i in range(NUM_SCALES):  # fp16 scales, little-endian (the page-record layout of oakenkv.format)
         bits = np.int64(pool[base + 2 * i]) | (np.int64(pool[base + 2 * i + 1]) << 8)
-        sc[i] = _f16_value(bits)
+        sc[i] = f16_widen_int(bits)
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     lo = sc[0]
     step = (sc[1] - lo) / _F32(15.0)
@@ -125,8 +136,8 @@ def _decode_token(
     out_lo = sc[4]
     out_step = (sc[5] - out_lo) / _F32((1 << ob) - 1)
     # The COO walk of oakenkv.codec (module docstring there): implicit chunks, escapes for the rare jumps.
-    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path (measured
-    # ~70 -> ~47 ns per 192-value row).
+    # Indexing a slice with unsigned integers spares numba's negative-index checks on this serial path
+    # (docs/perf-notes.md).
     coo = pool[s0 : s0 + n]
     c, p, prev = 0, -1, 0
     j = 0
@@ -176,35 +187,16 @@ def _skip_token(sc_first, lens, t, sp, off):
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _work_item(
-    q,
-    pool,
-    page_size,
-    rec,
-    sb,
-    dense_pages,
-    sparse_pages,
-    sparse_first,
-    sparse_ptr,
-    sparse_len,
-    keep,
-    thr,
-    ib,
-    ob,
-    num_kv_heads,
-    scaling,
-    softcap,
-    num_splits,
-    w,
-    part_m,
-    part_l,
-    part_acc,
-):
+def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, view):
     """Work item ``w`` of :func:`packed_decode_attention`: row ``b = w // num_splits``, token range
-    ``s = w % num_splits``. Writes its running max, sum and accumulator per query head to ``part_*[b, s]``;
-    returns ``ERR_OK`` or the first codec error code met."""
+    ``s = w % num_splits``, over the layer's ``view`` (a :class:`LayerView`). Writes its running max, sum and
+    accumulator per query head to ``part_*[b, s]``; returns ``ERR_OK`` or the first codec error code met."""
+    pool, page_size, rec, sb = view.pool, view.page_size, view.record_size, view.scale_bytes
+    thr, ib, ob, num_kv_heads = view.thresholds, view.inner_bits, view.outer_bits, view.num_kv_heads
+    dense_pages, sparse_lengths = view.dense_pages, view.sparse_lengths
+    sparse_pages, sparse_first, sparse_starts = view.sparse_pages, view.sparse_first, view.sparse_starts
     hq_n, hd = q.shape[1], q.shape[2]
-    t_n = sparse_len.shape[2]
+    t_n = sparse_lengths.shape[2]
     d = num_kv_heads * hd
     group = hq_n // num_kv_heads
     rpp = page_size // rec
@@ -212,7 +204,7 @@ def _work_item(
     s = w % num_splits
     t0 = s * t_n // num_splits
     t1 = (s + 1) * t_n // num_splits
-    sc = np.empty(6, np.float32)
+    sc = np.empty(NUM_SCALES, np.float32)
     codes = np.empty(d, np.uint8)
     krow = np.empty(d, np.float32)
     vrow = np.empty(d, np.float32)
@@ -220,11 +212,11 @@ def _work_item(
     m = np.full(hq_n, -np.inf, dtype=np.float32)
     ell = np.zeros(hq_n, dtype=np.float32)
     acc = np.zeros((hq_n, hd), dtype=np.float32)
-    kp0, kp1 = sparse_ptr[2 * b], sparse_ptr[2 * b + 1]
-    vp0, vp1 = sparse_ptr[2 * b + 1], sparse_ptr[2 * b + 2]
+    kp0, kp1 = sparse_starts[2 * b], sparse_starts[2 * b + 1]
+    vp0, vp1 = sparse_starts[2 * b + 1], sparse_starts[2 * b + 2]
     k_pages, k_first = sparse_pages[kp0:kp1], sparse_first[kp0:kp1]
     v_pages, v_first = sparse_pages[vp0:vp1], sparse_first[vp0:vp1]
-    k_len, v_len = sparse_len[b, 0], sparse_len[b, 1]
+    k_len, v_len = sparse_lengths[b, 0], sparse_lengths[b, 1]
     k_dense, v_dense = dense_pages[b, 0], dense_pages[b, 1]
     ksp, koff = _sparse_start(k_first, k_len, t0)
     vsp, voff = _sparse_start(v_first, v_len, t0)
@@ -264,7 +256,7 @@ def _work_item(
             for h in range(hq_n):
                 kb = (h // group) * hd
                 # 1-D views keep the inner loops unit-stride and alias-free, so LLVM vectorises them
-                # (measured: ~1.6x faster than indexing the 3-D arrays directly).
+                # (faster than indexing the 3-D arrays directly: docs/perf-notes.md).
                 dot = _F32(0.0)
                 qv = q[b, h]
                 kv = krow[kb : kb + hd]
@@ -358,101 +350,30 @@ def _combine(part_m, part_l, part_acc, out):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def packed_decode_attention(
-    q,
-    pool,
-    page_size,
-    rec,
-    sb,
-    dense_pages,
-    sparse_pages,
-    sparse_first,
-    sparse_ptr,
-    sparse_len,
-    keep,
-    thr,
-    ib,
-    ob,
-    num_kv_heads,
-    scaling,
-    softcap,
-    num_splits,
-    out,
-    status,
-):
+def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, *view):
     """Attention of one query token per row over ``T`` packed tokens, multi-threaded over (row, split) work
     items: for long contexts.
 
     Args:
-        q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``num_kv_heads`` (GQA).
-        pool: uint8 ``[P * page_size]`` the page pool's storage, flat.
-        page_size, rec, sb: bytes per page, per dense record, and of the scales at the record's start.
-        dense_pages: int32 ``[B, 2, ceil(T / rpp)]``: dense page ids per row and kind (0 keys, 1 values).
-        sparse_pages, sparse_first: int32 ``[S]``: all rows' and kinds' sparse page ids and first tokens,
-            concatenated; ``sparse_ptr``: int64 ``[2 * B + 1]``, entry ``2 * b + kind`` starts its slice.
-        sparse_len: uint16 ``[B, 2, T]``: per-token sparse record lengths.
+        q: float32 ``[B, Hq, hd]`` query (post-RoPE), ``Hq`` a multiple of ``view.num_kv_heads`` (GQA).
         keep: uint8 ``[B, T]``: 1 where the query may attend to the token (mask), 0 to skip it.
-        thr: float32 ``[2, 4]``: the layer's key and value thresholds.
-        ib, ob: bits of the inner and outer groups.
         scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
         num_splits: token ranges per row processed in parallel.
         out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
+        view: the fields of the layer's :class:`~oakenkv.format.LayerView`, in order (call with ``*view``).
     """
+    lv = LayerView(*view)
     b_n, hq_n, hd = q.shape
     part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
     part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
     part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
     for w in prange(b_n * num_splits):
-        status[w] = _work_item(
-            q,
-            pool,
-            page_size,
-            rec,
-            sb,
-            dense_pages,
-            sparse_pages,
-            sparse_first,
-            sparse_ptr,
-            sparse_len,
-            keep,
-            thr,
-            ib,
-            ob,
-            num_kv_heads,
-            scaling,
-            softcap,
-            num_splits,
-            w,
-            part_m,
-            part_l,
-            part_acc,
-        )
+        status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
     _combine(part_m, part_l, part_acc, out)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def packed_decode_attention_serial(
-    q,
-    pool,
-    page_size,
-    rec,
-    sb,
-    dense_pages,
-    sparse_pages,
-    sparse_first,
-    sparse_ptr,
-    sparse_len,
-    keep,
-    thr,
-    ib,
-    ob,
-    num_kv_heads,
-    scaling,
-    softcap,
-    num_splits,
-    out,
-    status,
-):
+def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, status, *view):
     """:func:`packed_decode_attention` on the calling thread: for short contexts, where waking threads costs
     more than the work.
 
@@ -461,33 +382,11 @@ def packed_decode_attention_serial(
     one function share one cache entry, and whichever compiled first is what both run (the parallel kernel
     ran serially whenever the serial one had been cached first).
     """
+    lv = LayerView(*view)
     b_n, hq_n, hd = q.shape
     part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
     part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
     part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
     for w in range(b_n * num_splits):
-        status[w] = _work_item(
-            q,
-            pool,
-            page_size,
-            rec,
-            sb,
-            dense_pages,
-            sparse_pages,
-            sparse_first,
-            sparse_ptr,
-            sparse_len,
-            keep,
-            thr,
-            ib,
-            ob,
-            num_kv_heads,
-            scaling,
-            softcap,
-            num_splits,
-            w,
-            part_m,
-            part_l,
-            part_acc,
-        )
+        status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
     _combine(part_m, part_l, part_acc, out)

@@ -1,6 +1,6 @@
 """Fast CPU kernels (numba) for the fused dense-and-sparse format: quantize+pack and unpack+dequantize.
 
-Bit-exact with the reference (``oakenkv.quant`` + ``oakenkv.codec``): every step repeats the reference's float32
+Bit-exact with the reference (``oakenkv.quant`` + ``oakenkv.reference``): every step repeats the reference's float32
 operations in the same order (``np.float32`` constants, no fastmath, no FMA contraction, true divisions, never a
 multiplication by a reciprocal). Rows are independent and processed in parallel (``prange`` over blocks of rows);
 each block allocates its scratch once so that narrow rows (D = 64..256) do not pay an allocation per row.
@@ -15,58 +15,58 @@ For other numba kernels (the decode-attention kernel) the single-row helpers :fu
 
 from __future__ import annotations
 
-import platform
-
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from oakenkv.codec import (
+from oakenkv.config import OakenConfig
+from oakenkv.format import (
     ADVANCE_CONTINUE,
     CHUNK_SIZE,
     COO_CODE_BIT4,
     COO_GROUP_BIT,
     COO_INDEX_MASK,
+    ERR_ESCAPE_NO_ENTRY,
+    ERR_ESCAPE_TRUNCATED,
+    ERR_FIFTH_BIT,
+    ERR_NONFINITE,
+    ERR_OK,
+    ERR_PADDING,
+    ERR_POSITION_RANGE,
+    ERR_SCALE_NONFINITE,
+    ERR_SCALE_OVERFLOW,
+    ERR_SCALE_RANGE,
+    ERR_SHAPE,
+    ERR_THRESHOLDS,
+    ERR_ZERO_ADVANCE,
+    ERROR_MESSAGES,
+    MAX_DIM,
     NUM_SCALES,
     CorruptDataError,
     EncodedBatch,
     check_encoded,
     dense_bytes,
-    num_chunks,
+    sparse_capacity,
 )
-from oakenkv.config import OakenConfig
+from oakenkv.kernels.numba_helpers import (
+    HW_COMPRESS,
+    all_view,
+    compress_chunk,
+    f16_bits,
+    f16_widen,
+    f32_at,
+    f32_to_f16_bits,
+    keep_alive,
+    out_elem,
+    popcount64,
+    round_to_f16,
+    row_view,
+    span_view,
+)
 from oakenkv.quant import STEP_FLOOR, ThresholdsLike, thresholds_tuple
-
-# Row status codes returned by the kernels (0 = fine).
-ERR_OK = 0
-ERR_NONFINITE = 1
-ERR_SCALE_OVERFLOW = 2
-ERR_ESCAPE_TRUNCATED = 3
-ERR_ZERO_ADVANCE = 4
-ERR_ESCAPE_NO_ENTRY = 5
-ERR_POSITION_RANGE = 6
-ERR_FIFTH_BIT = 7
-ERR_SHAPE = 8
-ERR_EVICTED = 9
-ERR_SCALE_NONFINITE = 10
-
-ERROR_MESSAGES = {
-    ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
-    ERR_SCALE_OVERFLOW: "a group's range exceeds the fp16 maximum (65504); use OakenConfig(scale_dtype='float32')",
-    ERR_ESCAPE_TRUNCATED: "an escape is cut off before its chunk advance (truncated sparse stream)",
-    ERR_ZERO_ADVANCE: "an escape with a zero chunk advance after an entry (positions must increase)",
-    ERR_ESCAPE_NO_ENTRY: "an escape is not followed by an entry (truncated sparse stream)",
-    ERR_POSITION_RANGE: "a COO entry points past the end of the row",
-    ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
-    ERR_SHAPE: "row buffers have inconsistent sizes",
-    ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
-    ERR_SCALE_NONFINITE: "scales contain NaN or infinite values",
-}
 
 #: float32 scratch per row for the decode look-up tables: 16 middle + 32 inner + 32 outer codes.
 LUT_SIZE = 80
@@ -82,275 +82,81 @@ _STEP_FLOOR = np.float32(STEP_FLOOR)
 _INF32 = np.float32(np.inf)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# fp16 rounding (numba has no float16 type on CPU): exact round-half-to-even, computed in float64
-# --------------------------------------------------------------------------------------------------------------
+def _is_u8_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
+    """Whether ``a`` is a 1-D uint8 array: a constant of the compiled specialisation (a row decoder called with
+    int64 "bytes" must refuse them, not index tables with them)."""
+    raise NotImplementedError
 
 
-@njit(cache=True, nogil=True)
-def _f16_bits(v):
-    """int32 fp16 bit pattern of finite float32 ``v``: round to nearest even, overflow to +-inf; integer-only.
-
-    Normal results drop 13 mantissa bits with round-half-even (add ``0xFFF`` + the lowest kept bit) and rebias the
-    exponent; subnormal results (``|v| < 2**-14``) are ``rint(|v| * 2**24)``, an exact scaling.
-    """
-    b = np.float32(v).view(np.int32)
-    sign = (b >> np.int32(16)) & np.int32(0x8000)
-    x = b & np.int32(0x7FFFFFFF)
-    if x >= np.int32((127 + 16) << 23):  # >= 65536 (65520..65535 round up to inf too, via the normal path)
-        return sign | np.int32(0x7C00)
-    if x < np.int32(113 << 23):
-        return sign | np.int32(np.rint(abs(np.float32(v)) * _F32(2.0**24)))
-    return sign | ((x + np.int32(((15 - 127) << 23) + 0xFFF) + ((x >> np.int32(13)) & np.int32(1))) >> np.int32(13))
+@overload(_is_u8_vector)
+def _is_u8_vector_impl(a):
+    ok = isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8
+    return lambda a: ok
 
 
-@njit(cache=True, nogil=True)
-def _f16_value(h):
-    """float32 value of an fp16 bit pattern ``h`` (int): ``(h & 0x7FFF) << 13`` read as float32 is the magnitude
-    times 2**-112 for normals and subnormals alike; inf stays inf."""
-    em = np.int32(h) & np.int32(0x7FFF)
-    sign = (np.int32(h) & np.int32(0x8000)) << np.int32(16)
-    if em >= np.int32(0x7C00):
-        return np.int32(sign | np.int32(0x7F800000)).view(np.float32)
-    return np.int32(sign | (em << np.int32(13))).view(np.float32) * _F32(2.0**112)
+def _is_f32_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
+    """Whether ``a`` is a 1-D float32 array (see _is_u8_vector)."""
+    raise NotImplementedError
 
 
-@njit(cache=True, nogil=True)
-def round_to_f16(v):
-    """float32 ``v`` (finite) rounded to the nearest fp16, ties to even, as float32 (torch's
-    ``.to(float16).float()``: beyond 65504 it gives 65504 up to 65520, then inf)."""
-    return f16_widen(f16_bits(np.float32(v)))
-
-
-@njit(cache=True, nogil=True)
-def f32_to_f16_bits(v):
-    """The IEEE fp16 bit pattern (uint16) of finite float32 ``v`` rounded to nearest even; overflow gives +-inf."""
-    return f16_bits(np.float32(v))
+@overload(_is_f32_vector)
+def _is_f32_vector_impl(a):
+    ok = isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+    return lambda a: ok
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def f32_to_f16_bits_array(src, dst):
-    """fp16 bit patterns (uint16 ``dst``) of the first ``len(dst)`` finite float32 values of ``src``, round to
-    nearest even, overflow to +-inf (vectorizes where the CPU converts fp16); equal to :func:`f32_to_f16_bits`."""
-    for j in range(dst.shape[0]):
-        dst[j] = f16_bits(np.float32(src[j]))
+def _group_ends_zero(lo, step, n_codes, shift_lo, shift_hi):
+    """0.0 if a group's lowest and highest code decode to finite values, else NaN: the decoder's float32
+    operations (``v = lo + code * step``, then ``+ shift_hi`` if ``v > 0`` else ``+ shift_lo``; 0, 0 for the
+    unshifted inner group), and ``w - w`` (0 for a finite ``w``, NaN for an infinite or NaN one). Every other code's
+    value lies between the two ends (rounding is monotonic), so all are finite. Branch-free: it runs per row."""
+    zero = _F32(0.0)
+    v0 = lo + _F32(0.0) * step
+    v1 = lo + _F32(n_codes - 1) * step
+    w0 = v0 + (shift_hi if v0 > zero else shift_lo)
+    w1 = v1 + (shift_hi if v1 > zero else shift_lo)
+    return (w0 - w0) + (w1 - w1)
 
 
-def _host_converts_f16() -> bool:
-    """Whether LLVM lowers float <-> half conversions to instructions on this host (x86 F16C, any aarch64).
-
-    Elsewhere LLVM would call compiler-rt helpers that numba's JIT may not link, so the integer versions are used.
-    """
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return True
-    if machine not in ("x86_64", "amd64"):
-        return False
-    try:
-        import llvmlite.binding as llvm
-
-        return bool(llvm.get_host_cpu_features().get("f16c", False))
-    except Exception:  # pragma: no cover - llvmlite without host feature queries
-        return False
+@njit(cache=True, nogil=True, error_model="numpy")
+def steps_decode_finite(m_lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_in, n_out):
+    """The format's rule on one row's scales, given each group's code-0 value and step (float32, as the decoders
+    compute them) and ``thr`` (float32 ``[4]``): every code of each group decodes to a finite value. The decoders
+    refuse a row that breaks it (``ERR_SCALE_NONFINITE``) and the encoder never writes one (``ERR_SCALE_RANGE``);
+    NaN or infinite scales break it."""
+    zero = _F32(0.0)
+    z = (
+        _group_ends_zero(m_lo, m_step, 16, thr[1], thr[2])
+        + _group_ends_zero(i_lo, i_step, n_in, zero, zero)
+        + _group_ends_zero(o_lo, o_step, n_out, thr[0], thr[3])
+    )
+    return z == zero
 
 
-#: True where ``f16_bits`` / ``f16_widen`` compile to one conversion instruction (vectorizable: vcvtps2ph /
-#: vcvtph2ps); False: the integer versions above (same results, tested against each other and torch).
-HW_F16 = _host_converts_f16()
-
-
-@intrinsic
-def _f16_bits_hw(typingctx, v):
-    """LLVM ``fptrunc float -> half`` (IEEE round to nearest even, overflow to inf), as its uint16 bit pattern."""
-    if v != types.float32:
-        return None
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-@intrinsic
-def _f16_widen_hw(typingctx, h):
-    """LLVM ``fpext half -> float`` of a uint16 bit pattern (exact)."""
-    if h != types.uint16:
-        return None
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
+@njit(cache=True, nogil=True, error_model="numpy")
+def scales_decode_finite(mid_lo, mid_hi, in_lo, in_hi, out_lo, out_hi, thr, inner_bits, outer_bits):
+    """:func:`steps_decode_finite` from the six scales (float32) and the outlier groups' bits."""
+    n_in, n_out = 1 << inner_bits, 1 << outer_bits
+    return steps_decode_finite(
+        mid_lo,
+        (mid_hi - mid_lo) / _F32(15.0),
+        in_lo,
+        (in_hi - in_lo) / _F32(n_in - 1),
+        out_lo,
+        (out_hi - out_lo) / _F32(n_out - 1),
+        thr,
+        n_in,
+        n_out,
+    )
 
 
 @njit(cache=True, nogil=True)
-def _f16_bits_int(v):
-    return np.uint16(_f16_bits(v))
-
-
-@njit(cache=True, nogil=True)
-def _f16_widen_int(h):
-    return _f16_value(h)
-
-
-# f16_bits(v): uint16 fp16 bit pattern of float32 ``v`` (round to nearest even, overflow to +-inf);
-# f16_widen(h): float32 value of the uint16 fp16 bit pattern ``h`` (exact). Both callable from @njit code only.
-if HW_F16:
-    f16_bits, f16_widen = _f16_bits_hw, _f16_widen_hw
-else:  # pragma: no cover - every x86-64 CPU with AVX has F16C
-    f16_bits, f16_widen = _f16_bits_int, _f16_widen_int
-
-
-def _host_compresses_bytes() -> bool:
-    """Whether this host packs selected bytes of a 64-byte vector in one instruction (AVX-512 VBMI2
-    ``vpcompressb``: Intel Ice Lake and later, AMD Zen 4 and later)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+def thresholds_valid(thr):
+    """Whether ``thr`` holds 4 finite values with ``to_lo < ti_lo <= ti_hi < to_hi`` (NaN fails every test)."""
+    if thr.shape[0] < 4:
         return False
-    try:
-        import llvmlite.binding as llvm
-
-        f = llvm.get_host_cpu_features()
-        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vbmi2"))
-    except Exception:  # pragma: no cover - llvmlite without host feature queries
-        return False
-
-
-#: True where encode emits each chunk's COO entries with one ``vpcompressb`` (see _coo_compress); elsewhere a
-#: loop over the set bits of the chunk's outlier mask (_coo_bits). Both write the same bytes (tested).
-HW_COMPRESS = _host_compresses_bytes()
-
-
-@intrinsic
-def _compress_chunk(typingctx, src, start, mask, dst, at):
-    """``dst[at:at + 64] = `` the bytes of ``src[start:start + 64]`` whose bit is set in uint64 ``mask``, packed
-    to the front (the rest of the 64 bytes is zero). uint8 C arrays; the caller checks both bounds. AVX-512 VBMI2
-    only (``vpcompressb``; a plain 64-byte load and store around it)."""
-    u8c = types.Array(types.uint8, 1, "C")
-    if src != u8c or dst != u8c or mask != types.uint64:
-        return None
-    if not isinstance(start, types.Integer) or not isinstance(at, types.Integer):
-        return None
-    sig = types.void(src, start, mask, dst, at)
-
-    def codegen(context, builder, signature, args):
-        vec = ir.VectorType(ir.IntType(8), 64)
-        bits = ir.VectorType(ir.IntType(1), 64)
-        a_src = context.make_array(signature.args[0])(context, builder, args[0])
-        a_dst = context.make_array(signature.args[3])(context, builder, args[3])
-        i0 = context.cast(builder, args[1], signature.args[1], types.intp)
-        i1 = context.cast(builder, args[4], signature.args[4], types.intp)
-        v = builder.load(builder.bitcast(builder.gep(a_src.data, [i0]), vec.as_pointer()), align=1)
-        m = builder.bitcast(args[2], bits)
-        fnty = ir.FunctionType(vec, [vec, vec, bits])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.compress.v64i8")
-        packed = builder.call(fn, [v, ir.Constant(vec, None), m])
-        builder.store(packed, builder.bitcast(builder.gep(a_dst.data, [i1]), vec.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _popcount64(typingctx, a):
-    """Number of set bits of uint64 ``a`` (LLVM ``ctpop``)."""
-    if a != types.uint64:
-        return None
-    sig = types.int64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.ctpop(args[0])
-
-    return sig, codegen
-
-
-def _borrowed_1d(context, builder, retty, data, n, stride, itemsize):
-    """A 1-D array value of type ``retty`` over ``data`` with a null meminfo: it holds no reference."""
-    from numba.np.arrayobj import populate_array
-
-    view = context.make_array(retty)(context, builder)
-    populate_array(view, data=data, shape=[n], strides=[stride], itemsize=itemsize, meminfo=None)
-    return view._getvalue()
-
-
-@intrinsic
-def _row(typingctx, a, r):
-    """Row ``r`` of the 2-D C-contiguous array ``a`` as a 1-D view that holds no reference to ``a``.
-
-    A view ``a[r]`` costs an atomic reference-count increment and decrement per row (a tenth of a 192-value row's
-    decode); this one costs nothing, for loops over the rows of an array the caller keeps alive. No bounds check.
-    """
-    if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and isinstance(r, types.Integer)):
-        return None
-    retty = a.copy(ndim=1, layout="C")
-
-    def codegen(context, builder, signature, args):
-        src = context.make_array(signature.args[0])(context, builder, args[0])
-        shape = cgutils.unpack_tuple(builder, src.shape, 2)
-        stride = cgutils.unpack_tuple(builder, src.strides, 2)[1]
-        ri = context.cast(builder, args[1], signature.args[1], types.intp)
-        data = builder.gep(src.data, [builder.mul(ri, shape[1])])
-        return _borrowed_1d(context, builder, signature.return_type, data, shape[1], stride, src.itemsize)
-
-    return retty(a, r), codegen
-
-
-@intrinsic
-def _span(typingctx, a, start, stop):
-    """``a[start:stop]`` of the 1-D C-contiguous array ``a`` as a view that holds no reference (see _row); the
-    caller guarantees ``0 <= start <= stop <= len(a)``."""
-    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
-        return None
-    if not (isinstance(start, types.Integer) and isinstance(stop, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        src = context.make_array(signature.args[0])(context, builder, args[0])
-        i0 = context.cast(builder, args[1], signature.args[1], types.intp)
-        i1 = context.cast(builder, args[2], signature.args[2], types.intp)
-        stride = cgutils.unpack_tuple(builder, src.strides, 1)[0]
-        data = builder.gep(src.data, [i0])
-        return _borrowed_1d(context, builder, signature.args[0], data, builder.sub(i1, i0), stride, src.itemsize)
-
-    return a(a, start, stop), codegen
-
-
-@njit(cache=True, nogil=True)
-def _all(a):
-    """All of the 1-D array ``a`` as a view that holds no reference (see _row)."""
-    return _span(a, 0, a.shape[0])
-
-
-@njit(cache=True, nogil=True)
-def _keep(*arrays):
-    """Use ``arrays`` here, so that numba keeps them alive (it releases a variable after its last use) as long as
-    borrowed views of them are in use before this call."""
-    return len(arrays)
-
-
-def _f32_at(a, i):  # pragma: no cover - only its overload runs, inside @njit code
-    """Element ``i`` of ``a`` as float32: ``a`` float32, or fp16 bit patterns (uint16), widened exactly."""
-    raise NotImplementedError
-
-
-@overload(_f32_at)
-def _f32_at_impl(a, i):
-    if a.dtype == types.uint16:
-        return lambda a, i: f16_widen(a[i])
-    return lambda a, i: _F32(a[i])
-
-
-def _out_elem(v, out):  # pragma: no cover - only its overload runs, inside @njit code
-    """float32 ``v`` as an element of ``out``: itself, or its fp16 bit pattern for a uint16 ``out``."""
-    raise NotImplementedError
-
-
-@overload(_out_elem)
-def _out_elem_impl(v, out):
-    if out.dtype == types.uint16:
-        return lambda v, out: f16_bits(v)
-    return lambda v, out: v
+    return np.isfinite(thr[0]) and np.isfinite(thr[3]) and thr[0] < thr[1] <= thr[2] < thr[3]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -390,7 +196,7 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
     # then rises: the first minimum is floor(kc) or floor(kc) + 1 (only U: k = -1, only L: k = n - 1, each the
     # first or second of its two candidates), unless it is FLOOR, which can hold over a range of k: a scan
     # leftwards then finds its first k. Two evaluations and no data-dependent branch in the common case: the local
-    # search this replaced (session 7) mispredicted about once per grid and took twice as long.
+    # search this replaced mispredicted about once per grid (docs/perf-notes.md).
     nm1 = _F32(n - 1)
     if not has_lo:
         a = -1
@@ -471,7 +277,7 @@ def _row_key_stats(x, k_to_lo, k_ti_lo, k_ti_hi, k_to_hi):
     kmax, k_le_tohi, k_le_tihi = _KMIN, _KMIN, _KMIN
     kmin, k_ge_tolo, k_ge_tilo = _KMAX, _KMAX, _KMAX
     for j in range(x.shape[0]):
-        b = np.float32(_f32_at(x, j)).view(np.int32)
+        b = np.float32(f32_at(x, j)).view(np.int32)
         k = _key(b)
         kmax = max(kmax, k)
         kmin = min(kmin, k)
@@ -577,11 +383,11 @@ def _min_above(x, lo, hi):
     """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero.
 
     ``fl(v - lo)`` does not decrease as ``v`` grows, so it is ``fl(min v - lo)``; the smallest ``v`` is found by
-    its int32 key (see _key: integer reductions vectorize, numba's float min() does not: 5-10x faster)."""
+    its int32 key (see _key: integer reductions vectorize, numba's float min() does not; docs/perf-notes.md)."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMAX
     for j in range(x.shape[0]):
-        k = _key(np.float32(_f32_at(x, j)).view(np.int32))
+        k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = min(best, k if (k > k_lo) & (k <= k_hi) else _KMAX)
     return _INF32 if best == _KMAX else _key_value(best) - lo
 
@@ -592,7 +398,7 @@ def _min_below(x, lo, hi):
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMIN
     for j in range(x.shape[0]):
-        k = _key(np.float32(_f32_at(x, j)).view(np.int32))
+        k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = max(best, k if (k >= k_lo) & (k < k_hi) else _KMIN)
     return _INF32 if best == _KMIN else hi - _key_value(best)
 
@@ -615,7 +421,7 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
     safe_i = i_step if i_step > zero else one
     safe_o = o_step if o_step > zero else one
     for j in range(x.shape[0]):
-        v = _f32_at(x, j)
+        v = f32_at(x, j)
         up_o = v > to_hi
         dn_o = v < to_lo
         up = v > ti_hi
@@ -712,8 +518,8 @@ def _coo_compress(ent, cmask, sparse_row):
         if _needs_escape(ch, i, np.int64(ent[base + i]), c, p, prev):
             nb = _write_escape(sparse_row, nb, prev, ch - c)
         if nb + CHUNK_SIZE <= cap:
-            _compress_chunk(ent, base, m, sparse_row, nb)
-            nb += _popcount64(m)
+            compress_chunk(ent, base, m, sparse_row, nb)
+            nb += popcount64(m)
         else:
             while m != np.uint64(0):
                 j = np.int64(trailing_zeros(m))
@@ -799,6 +605,10 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     m_step = (mg1 - mg0) / _F32(n_mid - 1)
     i_step = (ig1 - ig0) / _F32(n_in - 1)
     o_step = (og1 - og0) / _F32(n_out - 1)
+    # never write a row the decoder refuses: infinite fp32 scales (a range beyond float32), or values that the
+    # threshold shift takes beyond it
+    if not steps_decode_finite(mg0, m_step, ig0, i_step, og0, o_step, thr, n_in, n_out):
+        return -ERR_SCALE_RANGE
     # pass 2: codes and groups
     _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out)
     # pass 3: dense nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
@@ -837,37 +647,35 @@ def comb_scratch(d):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def encode_records(x, thr, inner_bits, outer_bits, fp16, records, sparse, counts):
+def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts):
     """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
 
     Args:
         x: float32 ``[n, D]``; thr: float32 ``[n, 4]``, each row's thresholds (a step mixes keys and values).
-        records: uint8 ``[n, sb + ceil(D/2)]`` (out): the six scales as little-endian fp16 (``sb = 12``) or
-            fp32 (``sb = 24``) bytes, then the nibbles: ``oakenkv.cache.to_records`` of the same rows.
+        fp16, scale_bytes: the scales' dtype (fp16, else fp32) and the bytes they take in a record
+            (``oakenkv.format.scale_bytes``).
+        records: uint8 ``[n, record_size]`` (out): the page-record layout of ``oakenkv.format`` (the six scales as
+            little-endian values of ``scale_bytes // 6`` bytes, then the nibbles): ``format.to_records`` of the
+            same rows.
         sparse: uint8 ``[n, >= sparse_capacity(D)]`` (out): row ``r`` starts with its sparse record.
         counts: int64 ``[n]`` (out): sparse bytes of each row, or ``-ERR_*``.
     """
     n, d = x.shape
-    sb = 12 if fp16 else 24
+    itemsize = scale_bytes // NUM_SCALES
     scr = comb_scratch(d)
     no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
         cnt = encode_row(
-            x[r], thr[r], inner_bits, outer_bits, fp16, records[r, sb:], sc, sparse[r], scr, no_h16, no_h16
+            x[r], thr[r], inner_bits, outer_bits, fp16, records[r, scale_bytes:], sc, sparse[r], scr, no_h16, no_h16
         )
         counts[r] = cnt
         if cnt < 0:
             continue
         for i in range(NUM_SCALES):
-            if fp16:
-                bits = np.int64(f32_to_f16_bits(sc[i]))
-                records[r, 2 * i] = np.uint8(bits & 0xFF)
-                records[r, 2 * i + 1] = np.uint8(bits >> 8)
-            else:
-                bits = np.int64(np.float32(sc[i]).view(np.uint32))
-                for k in range(4):
-                    records[r, 4 * i + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+            bits = np.int64(f32_to_f16_bits(sc[i])) if fp16 else np.int64(np.float32(sc[i]).view(np.uint32))
+            for k in range(itemsize):
+                records[r, itemsize * i + k] = np.uint8((bits >> (8 * k)) & 0xFF)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -887,28 +695,34 @@ def _encode_block(
 ):
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
-    helpers that take arrays): a numba call costs ~8 ns per array argument and encode_row takes fourteen
-    (inlining made a 192-value row's encode 1.22-1.25x faster; inlining into the parallel _encode_rows instead
-    compiled 4x slower)."""
+    helpers that take arrays): a numba call costs time per array argument and encode_row takes fourteen;
+    inlining into the parallel _encode_rows instead compiles much slower (docs/perf-notes.md)."""
     d = xs.shape[1]
     sc = np.empty(NUM_SCALES, np.float32)
     scr = comb_scratch(d)
     # borrowed views of the block's scratch (and the shared arrays) for the rows (no reference counting)
-    scr_b = (_all(scr[0]), _all(scr[1]), _all(scr[2]), _all(scr[3]), _all(scr[4]), _all(scr[5]), _all(scr[6]))
-    sc_b, thr_b, k16_b = _all(sc), _all(thr), _all(k16)
+    scr_b = (
+        all_view(scr[0]),
+        all_view(scr[1]),
+        all_view(scr[2]),
+        all_view(scr[3]),
+        all_view(scr[4]),
+        all_view(scr[5]),
+        all_view(scr[6]),
+    )
+    sc_b, thr_b, k16_b = all_view(sc), all_view(thr), all_view(k16)
     cursor = r0 * cap
     for r in range(r0, r1):
         # borrowed views (the arrays outlive the loop; cursor + cap <= len(scratch))
-        sp, dense_r = _span(scratch, cursor, cursor + cap), _row(dense, r)
-        cnt = encode_row(
-            _row(xs, r - rows), thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, _row(hs, r - rows), k16_b
-        )
+        sp, dense_r = span_view(scratch, cursor, cursor + cap), row_view(dense, r)
+        x_r, h_r = row_view(xs, r - rows), row_view(hs, r - rows)
+        cnt = encode_row(x_r, thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b)
         for i in range(NUM_SCALES):
-            scales[r, i] = _out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
+            scales[r, i] = out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
         counts[r] = cnt
         starts[r] = cursor
         cursor += max(cnt, 0)
-    _keep(scr, sc)  # the borrowed views' arrays stay alive until here
+    keep_alive(scr, sc)  # the borrowed views' arrays stay alive until here
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -957,12 +771,6 @@ def _gather_sparse(scratch, starts, offsets, sparse):
         sparse[o0:o1] = scratch[starts[r0] : starts[r0] + o1 - o0]
 
 
-def sparse_capacity(dim: int) -> int:
-    """Upper bound on one row's sparse bytes (all values outliers, one escape per chunk)."""
-    ch = num_chunks(dim)
-    return dim + 2 * ch + ch // 255 + 1
-
-
 def _thr_array(thr: ThresholdsLike) -> np.ndarray:
     return np.asarray(thresholds_tuple(thr), dtype=np.float32)
 
@@ -974,17 +782,14 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     if x.dim() != 2:
         raise ValueError(f"encode expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
     n, d = x.shape
-    from oakenkv.codec import MAX_DIM
-
     if not 1 <= d <= MAX_DIM:
         raise ValueError(f"row width D must be in [1, {MAX_DIM}], got {d}")
     thr_a = _thr_array(thr)
     fp16 = config.scale_dtype == "float16"
     dense = np.empty((n, dense_bytes(d)), np.uint8)
     scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
-    # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only ~10% of
-    # it is ever touched (fresh pages cost a fault each: ~1 us, ~10% of the encode time at 4096 x 4096 when every
-    # row had a page of its own).
+    # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only the
+    # bytes really written are touched (fresh pages cost a fault each; docs/perf-notes.md).
     scratch = np.empty(n * sparse_capacity(d), np.uint8)
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
@@ -1026,8 +831,18 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
 def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
     """The dequantized value of every code of the row's three groups (float32, exactly quant.dequantize).
 
-    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48...
+    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48... Returns ``ERR_OK``, or
+    ``ERR_SHAPE`` (nothing written) when an array is too short or a group's bits are not 4 or 5 (the table's
+    layout holds 32 codes per outlier group).
     """
+    if (
+        lut.shape[0] < LUT_SIZE
+        or scales_row.shape[0] < NUM_SCALES
+        or thr.shape[0] < 4
+        or not 4 <= inner_bits <= 5
+        or not 4 <= outer_bits <= 5
+    ):
+        return ERR_SHAPE
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     lo = scales_row[0]
     step = (scales_row[1] - lo) / _F32(15.0)
@@ -1045,6 +860,7 @@ def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
     for c in range(n_out):
         v = lo + _F32(c) * step
         lut[_LUT_OUTER + c] = v + (to_hi if v > _F32(0.0) else to_lo)
+    return ERR_OK
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -1062,7 +878,7 @@ def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, 
     i_lo, i_step, o_lo, o_step, to_lo, to_hi = grid[0], grid[1], grid[2], grid[3], grid[4], grid[5]
     zero = _F32(0.0)
     # Indices are cast to unsigned: they are >= 0 by construction and bounds-checked against ns / d, and numba
-    # then skips its negative-index wrap-around checks (~18% faster decode at 4096 values per row).
+    # then skips its negative-index wrap-around checks (docs/perf-notes.md).
     # entry bits that must be 0 for each group: a 4-bit group has no fifth code bit
     f_in = np.int64(0x80 if inner_bits < 5 else 0)
     f_out = np.int64(0x80 if outer_bits < 5 else 0)
@@ -1105,7 +921,7 @@ def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, 
             # branch-free: the group of consecutive outliers is random, a branch on it would mispredict
             v = (o_lo if outer else i_lo) + _F32(code) * (o_step if outer else i_step)
             w = v + (to_hi if v > zero else to_lo)
-            out[upos] = _out_elem(w if outer else v, out)
+            out[upos] = out_elem(w if outer else v, out)
         else:
             # lut index: inner codes at 16.., outer at 48..
             out[upos] = lut[_LUT_INNER + ((e & COO_GROUP_BIT) >> 1) + code]
@@ -1128,14 +944,36 @@ def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits,
         dense_row: uint8 ``[ceil(D/2)]``; sparse_row: uint8 ``[S]`` (this row's COO stream only);
         scales_row: float32 ``[6]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; out: float32 ``[D]``.
 
+    Every input is checked before it is used, so untrusted bytes never make it read or write out of bounds:
+    ``ERR_SHAPE`` for arrays of other dtypes or sizes (``1 <= D <= MAX_DIM``) or bits other than 4 and 5,
+    ``ERR_THRESHOLDS`` for thresholds that are not finite and ordered, ``ERR_SCALE_NONFINITE`` for scales that
+    do not decode to finite values, ``ERR_PADDING`` for a non-zero padding nibble, and the stream's codes.
+
     Returns:
         ``ERR_OK`` (0) or an ``ERR_*`` code; ``out`` is then partly written and must not be used.
     """
-    d = out.shape[0]
-    if dense_row.shape[0] != (d + 1) // 2 or scales_row.shape[0] < 6 or lut.shape[0] < LUT_SIZE:
+    if not (_is_u8_vector(dense_row) and _is_u8_vector(sparse_row) and _is_f32_vector(out) and _is_f32_vector(lut)):
         return ERR_SHAPE
-    fill_lut(scales_row, thr, inner_bits, outer_bits, lut)
+    d = out.shape[0]
+    if (
+        not 1 <= d <= MAX_DIM
+        or dense_row.shape[0] != (d + 1) // 2
+        or scales_row.ndim != 1
+        or thr.ndim != 1
+        or fill_lut(scales_row, thr, inner_bits, outer_bits, lut) != ERR_OK
+    ):
+        return ERR_SHAPE
+    if not thresholds_valid(thr):
+        return ERR_THRESHOLDS
+    # the decoded values of each group's end codes, as in _decode_rows (lut holds them: fill_lut's arithmetic)
+    n_in, n_out = 1 << inner_bits, 1 << outer_bits
+    ends = (lut[0], lut[15], lut[_LUT_INNER], lut[_LUT_INNER + n_in - 1], lut[_LUT_OUTER], lut[_LUT_OUTER + n_out - 1])
+    for v in ends:
+        if not np.isfinite(v):
+            return ERR_SCALE_NONFINITE
     half = d >> 1
+    if d & 1 and dense_row[half] >> 4:
+        return ERR_PADDING
     for j in range(half):
         b = dense_row[j]
         out[2 * j] = lut[b & 0xF]
@@ -1154,17 +992,9 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
 
 # --------------------------------------------------------------------------------------------------------------
 # Batch decode, generic over the output (float32, or fp16 bit patterns as uint16) and the stored scales (float32,
-# or fp16 bit patterns as uint16): the overloads _out_elem / _f32_at pick the conversions when numba compiles each
+# or fp16 bit patterns as uint16): the overloads out_elem / f32_at pick the conversions when numba compiles each
 # combination.
 # --------------------------------------------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _scales_finite(sr):
-    ok = True
-    for i in range(NUM_SCALES):
-        ok &= np.isfinite(_f32_at(sr, i))
-    return ok
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -1178,11 +1008,11 @@ def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
         # int32 casts: numba types int32 & int32 as int64, and 64-bit lanes would narrow the vectorization
         v0 = lo + _F32(np.int32(b & np.int32(0xF))) * step
         v1 = lo + _F32(np.int32(b >> np.int32(4))) * step
-        out[2 * j] = _out_elem(v0 + (ti_hi if v0 > zero else ti_lo), out)
-        out[2 * j + 1] = _out_elem(v1 + (ti_hi if v1 > zero else ti_lo), out)
+        out[2 * j] = out_elem(v0 + (ti_hi if v0 > zero else ti_lo), out)
+        out[2 * j + 1] = out_elem(v1 + (ti_hi if v1 > zero else ti_lo), out)
     if d & 1:
         v = lo + _F32(dense_row[d >> 1] & 0xF) * step
-        out[d - 1] = _out_elem(v + (ti_hi if v > zero else ti_lo), out)
+        out[d - 1] = out_elem(v + (ti_hi if v > zero else ti_lo), out)
 
 
 #: Rows at least this wide take their outliers' values from a per-row table (~40 outliers or more), narrower rows
@@ -1210,23 +1040,25 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
         grid[4], grid[5] = to_lo, to_hi
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             # borrowed row views (no reference counting; the arrays outlive the loop)
-            sr, dense_r, out_r = _row(scales, r), _row(dense, r), _row(out, r)
-            if not _scales_finite(sr):
+            sr, dense_r, out_r = row_view(scales, r), row_view(dense, r), row_view(out, r)
+            lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
+            m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
+            i_step = (f32_at(sr, 3) - i_lo) / n_in
+            o_step = (f32_at(sr, 5) - o_lo) / n_out
+            if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
                 status[r] = ERR_SCALE_NONFINITE
                 continue
-            lo = _f32_at(sr, 0)
-            _dense_middle(dense_r, lo, (_f32_at(sr, 1) - lo) / _F32(15.0), ti_lo, ti_hi, out_r)
+            _dense_middle(dense_r, lo, m_step, ti_lo, ti_hi, out_r)
             if use_lut:
                 for i in range(NUM_SCALES):
-                    sc32[i] = _f32_at(sr, i)
+                    sc32[i] = f32_at(sr, i)
                 fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
                 for i in range(LUT_SIZE):
-                    lut[i] = _out_elem(lut32[i], lut)
+                    lut[i] = out_elem(lut32[i], lut)
             else:
-                i_lo, o_lo = _f32_at(sr, 2), _f32_at(sr, 4)
-                grid[0], grid[1] = i_lo, (_f32_at(sr, 3) - i_lo) / n_in
-                grid[2], grid[3] = o_lo, (_f32_at(sr, 5) - o_lo) / n_out
-            sp = _span(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
+                grid[0], grid[1] = i_lo, i_step
+                grid[2], grid[3] = o_lo, o_step
+            sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
             status[r] = _walk_outliers(dense_r, sp, d, inner_bits, outer_bits, lut, grid, out_r)
 
 
@@ -1245,7 +1077,7 @@ def decode_batch(
 
     Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
     """
-    # the kernel checks that each row's scales are finite (numpy's isfinite over fp16 cost 4% of a decode)
+    # the kernel checks that each row's scales are finite (cheaper than numpy's isfinite over fp16 scales)
     check_encoded(enc, config, check_scales=False)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from oakenkv.codec import CHUNK_SIZE, HEADER_BITS, NUM_SCALES
 from oakenkv.config import OakenConfig
-from oakenkv.kernels.cpu import LUT_SIZE, f32_to_f16_bits_array, fill_lut
+from oakenkv.format import CHUNK_SIZE, HEADER_BITS, NUM_SCALES
+from oakenkv.kernels.cpu import LUT_SIZE, fill_lut
+from oakenkv.kernels.numba_helpers import f32_to_f16_bits_array
 from oakenkv.quant import GROUP_MIDDLE, GROUP_OUTER, QuantizedVectors, ThresholdsLike, thresholds_tuple
 
 _BLOCK_ROWS = 64

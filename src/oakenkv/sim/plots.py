@@ -38,9 +38,10 @@ def _plot(results: Sequence[RunResult], x_of, xlabel: str, title: str, path: Pat
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    from oakenkv.paths import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=120, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
     return path
 

@@ -61,10 +61,9 @@ def payload(results: Sequence[RunResult]) -> dict:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False))
-    return path
+    from oakenkv.paths import atomic_write
+
+    return atomic_write(path, json.dumps(data, indent=2, sort_keys=False))
 
 
 def print_results(results: Sequence[RunResult], title: str) -> None:

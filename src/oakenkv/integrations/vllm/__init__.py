@@ -33,8 +33,10 @@ Importing this module imports neither vLLM nor torch.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The vLLM version this plugin was written against; others are refused by :func:`register`.
 SUPPORTED_VLLM = "0.32.0"
@@ -46,6 +48,9 @@ ENV_PROFILE = "OAKENKV_VLLM_PROFILE"
 ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
 ENV_OVERFLOW = "OAKENKV_VLLM_OVERFLOW"
 ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
+
+_PROFILES: dict[Path, Any] = {}
+_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,41 @@ def _check_version() -> None:
         )
 
 
+def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
+    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``)."""
+    cfg = thr.config
+    if thr.transforms is not None:
+        raise ValueError(
+            f"{path}: this profile carries oaken-plus transforms (schema_version 2); the vLLM plugin does not "
+            "apply them yet (the online key transform and the query rotation), so its KV cache would be wrong. "
+            "Use a profile of the paper's method (`oakenkv profile` without --preset oaken-plus)"
+        )
+    if cfg.granularity != "token":
+        raise ValueError(f"{path}: the vLLM plugin quantizes one row per token (granularity 'token')")
+    if cfg.key_position != "post_rope":
+        raise ValueError(f"{path}: vLLM caches keys after RoPE; profile with key_position='post_rope'")
+    if cfg.scale_dtype != "float16":
+        raise ValueError(f"{path}: the vLLM plugin stores fp16 scales; this profile uses float32 scales")
+
+
+def load_profile(path: os.PathLike[str] | str) -> Any:
+    """The thresholds file as a ``Thresholds``, loaded once per process and checked by :func:`check_profile`."""
+    # oakenkv.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
+    # imports numba. With llvmlite loaded before vLLM 0.32's CPU worker starts, the worker's Triton kernel-override
+    # scan (vllm/triton_utils/dispatcher.py, _rebind_kernels: vars() of every module attribute) trips on llvmlite's
+    # lazy library object and the worker fails to start. Loading a profile needs neither numba nor torch.
+    from oakenkv.thresholds import Thresholds
+
+    path = Path(path)
+    with _LOCK:
+        thr = _PROFILES.get(path)
+        if thr is None:
+            thr = Thresholds.load(path)
+            check_profile(thr, path)
+            _PROFILES[path] = thr
+        return thr
+
+
 def register() -> None:
     """vLLM's general-plugin hook: register the Oaken backend when ``OAKENKV_VLLM_PROFILE`` is set (idempotent)."""
     settings = Settings.from_env()
@@ -97,6 +137,7 @@ def register() -> None:
     if not settings.profile.is_file():
         raise FileNotFoundError(f"{ENV_PROFILE}={settings.profile}: no such thresholds file (`oakenkv profile`)")
     _check_version()
+    load_profile(settings.profile)  # a profile the plugin cannot serve fails here, at start-up, with its reason
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
@@ -136,4 +177,13 @@ def disable() -> None:
     AttentionBackendEnum.CPU_ATTN.clear_override()
 
 
-__all__ = ["BACKEND_NAME", "SUPPORTED_VLLM", "Settings", "disable", "enable", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "SUPPORTED_VLLM",
+    "Settings",
+    "check_profile",
+    "disable",
+    "enable",
+    "load_profile",
+    "register",
+]

@@ -14,9 +14,7 @@ Everything runs on the CPU, in the worker process; ``docs/vllm.md`` has the desi
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,13 +33,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
-from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, _oaken
+from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, load_profile
 from oakenkv.integrations.vllm.layout import BlockLayout, BlockWriter, DecodeBatch, dequantize, pool_view
 
 logger = init_logger(__name__)
-
-_PROFILES: dict[Path, _oaken.Thresholds] = {}
-_LOCK = threading.Lock()
 
 
 def _settings() -> Settings:
@@ -49,23 +44,6 @@ def _settings() -> Settings:
     if settings is None:
         raise RuntimeError(f"the Oaken attention backend needs {ENV_PROFILE} (a profile from `oakenkv profile`)")
     return settings
-
-
-def load_profile(path: Path) -> _oaken.Thresholds:
-    """The thresholds file, loaded once per process and checked to be usable by the plugin."""
-    with _LOCK:
-        thr = _PROFILES.get(path)
-        if thr is None:
-            thr = _oaken.Thresholds.load(path)
-            cfg = thr.config
-            if cfg.granularity != "token":
-                raise ValueError(f"{path}: the vLLM plugin quantizes one row per token (granularity 'token')")
-            if cfg.key_position != "post_rope":
-                raise ValueError(f"{path}: vLLM caches keys after RoPE; profile with key_position='post_rope'")
-            if cfg.scale_dtype != "float16":
-                raise ValueError(f"{path}: the vLLM plugin stores fp16 scales; this profile uses float32 scales")
-            _PROFILES[path] = thr
-        return thr
 
 
 def _numba_threads(n: int) -> None:

@@ -57,7 +57,7 @@ class BlockLayout:
     #: Longest COO record one row can have (all values outliers, one escape per chunk).
     max_record: int
     #: Bytes of the six fp16 scales at the start of a dense record.
-    scale_bytes: int = 12
+    scale_bytes: int
     inner_bits: int = 5
     outer_bits: int = 5
 
@@ -118,7 +118,7 @@ class BlockLayout:
         return self.units * self.unit
 
     @property
-    def sparse_capacity(self) -> int:
+    def sparse_area_bytes(self) -> int:
         """Bytes of one kind's sparse area in a block."""
         return self.sparse_units * self.unit
 
@@ -136,7 +136,7 @@ class BlockLayout:
             "block_bytes": self.block_bytes,
             "bytes_per_token": self.bytes_per_token,
             "dense_bytes_per_token": 2 * self.unit,
-            "sparse_capacity_per_token_and_kind": self.sparse_capacity / self.block_size,
+            "sparse_capacity_per_token_and_kind": self.sparse_area_bytes / self.block_size,
             "len_bytes": self.len_bytes,
         }
 
@@ -217,7 +217,7 @@ def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, spars
 
 @njit(cache=True, nogil=True)
 def _encode_and_write(
-    pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, thr2, slots, x, thr, records, sparse, counts, info
+    pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, sb, thr2, slots, x, thr, records, sparse, counts, info
 ):
     """The decode step's write in one call: encode the ``2 n`` rows of ``x`` (keys of the ``n`` tokens, then their
     values) with the codec's ``encode_records``, then :func:`_write_records` in slot order.
@@ -234,7 +234,7 @@ def _encode_and_write(
         for k in range(4):
             thr[i, k] = thr2[0, k]
             thr[n + i, k] = thr2[1, k]
-    _oaken.encode_records(x, thr, ib, ob, True, records, sparse, counts)
+    _oaken.encode_records(x, thr, ib, ob, True, sb, records, sparse, counts)
     for r in range(2 * n):
         if counts[r] < 0:
             info[0] = r
@@ -428,8 +428,8 @@ class BlockWriter:
         info = np.zeros(3, np.int64)
         status = _encode_and_write(
             pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
-            num_blocks * lay.block_size, lay.inner_bits, lay.outer_bits, self.thr, slots, x, thr, records, sparse,
-            counts, info,
+            num_blocks * lay.block_size, lay.inner_bits, lay.outer_bits, lay.scale_bytes, self.thr, slots, x, thr,
+            records, sparse, counts, info,
         )  # fmt: skip
         if status == 3:
             raise IndexError(f"slot {int(slots[info[0]])} is past the cache's {num_blocks} blocks")
@@ -454,13 +454,13 @@ class BlockWriter:
         kind = q & 1
         i = int(order[q >> 1])
         r = kind * n + i
-        room = lay.sparse_capacity - used
+        room = lay.sparse_area_bytes - used
         slot = int(slots[i])
         self.stats.tokens[kind] += 1
         what = f"the {('key', 'value')[kind]} record of slot {slot} (block {slot // lay.block_size})"
         if self.overflow == "error":
             raise BlockOverflowError(
-                f"{what} needs {int(counts[r])} sparse bytes, its block has {room} left of {lay.sparse_capacity} "
+                f"{what} needs {int(counts[r])} sparse bytes, its block has {room} left of {lay.sparse_area_bytes} "
                 "(overflow policy 'error'; raise OAKENKV_VLLM_SPARSE_BYTES or use 'clip')"
             )
         # Worst case a row of k outliers needs k entry bytes plus two escape bytes per chunk and one: keep k so
@@ -470,8 +470,8 @@ class BlockWriter:
         while True:
             row, moved = clip_outliers(x[r], thr[r], keep)
             _oaken.encode_records(
-                row[None], thr[r : r + 1], lay.inner_bits, lay.outer_bits, True, records[r : r + 1],
-                sparse[r : r + 1], counts[r : r + 1],
+                row[None], thr[r : r + 1], lay.inner_bits, lay.outer_bits, True, lay.scale_bytes,
+                records[r : r + 1], sparse[r : r + 1], counts[r : r + 1],
             )  # fmt: skip
             if 0 <= counts[r] <= room:
                 break
@@ -506,7 +506,7 @@ def read_rows(
     nblk = -(-length // lay.block_size)
     blocks = np.ascontiguousarray(blocks[:nblk], dtype=np.int64)
     dense = np.empty((length, lay.unit), np.uint8)
-    sparse = np.empty(nblk * lay.sparse_capacity, np.uint8)
+    sparse = np.empty(nblk * lay.sparse_area_bytes, np.uint8)
     offsets = np.empty(length + 1, np.int64)
     total = _gather_rows(
         pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
@@ -636,11 +636,13 @@ class DecodeBatch:
             if numba.get_num_threads() != self.threads:
                 numba.set_num_threads(self.threads)
         self.status[:] = 0
+        view = _oaken.LayerView(
+            pool, lay.unit, lay.unit, lay.scale_bytes, t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr,
+            self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
+        )  # fmt: skip
         self.kernel(
-            np.ascontiguousarray(query, dtype=np.float32), pool, lay.unit, lay.unit, lay.scale_bytes,
-            t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr, self.lens, t.keep, thresholds,
-            lay.inner_bits, lay.outer_bits, num_kv_heads, np.float32(scale), np.float32(softcap), self.splits,
-            self.out, self.status,
+            np.ascontiguousarray(query, dtype=np.float32), t.keep, np.float32(scale), np.float32(softcap),
+            self.splits, self.out, self.status, *view,
         )  # fmt: skip
         if self.status.any():
             code = int(self.status[np.flatnonzero(self.status)[0]])

@@ -1,4 +1,5 @@
-"""Rotary position embedding, undone and redone, for methods that quantize keys before RoPE.
+"""Rotary position embedding, undone and redone: for pre-RoPE key recording (``oakenkv.profile``) and the
+evaluated methods that quantize keys before RoPE (``oakenkv.eval``).
 
 transformers (5.x) calls ``cache.update`` with keys that are already rotated and no longer passes ``cos`` /
 ``sin`` along, so the cache recomputes them from the model's own rotary module for the positions it is

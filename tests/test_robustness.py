@@ -1,0 +1,929 @@
+"""Issue 23's rules as properties: bad input never gives a silently wrong number.
+
+1. A cached or resumed result is identified by the content of every input, never by a name or a path.
+2. Validation happens in the arithmetic used (float32).
+3. Untrusted bytes are checked completely by every public decoder (fuzzed, bounded).
+4. Every file write is atomic and readable by the group (tests/test_paths.py).
+5. Every user error at the CLI is one ``error:`` line, exit code 2, no traceback, before any expensive work.
+6. What is recorded is what ran.
+7. Resource limits are checked up front.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from oakenkv.config import OakenConfig
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 49152):
+    """A randomly initialised Llama (2 KV heads x 8) that reads the default tokenizer's ids: no download, ~0.2 s.
+    Two seeds are "the same model path after a fine-tune": same shape, other weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- rule 1
+
+
+@pytest.fixture
+def calib(tmp_path):
+    """A calibration spec over a text file of our own, and an empty cache directory."""
+    from oakenkv.data import load_text
+    from oakenkv.profile import CalibrationSpec
+
+    text = tmp_path / "calib.txt"
+    text.write_text(load_text("wikipedia")[:20000])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    return CalibrationSpec("file", samples=2, window=24, text_path=str(text)), cache
+
+
+def test_a_cached_profile_follows_the_model_not_its_name(default_tokenizer, calib, monkeypatch):
+    """The issue's example: a model changed at the same path reused the old profile (7.22 instead of 5.39 bits)
+    or crashed (`layer index 20 out of range`). Every variation of the model at one name gets its own profile."""
+    import oakenkv.profile as prof
+    from oakenkv.thresholds import weights_digest
+
+    spec, cache = calib
+    runs = []
+    real = prof.profile_thresholds
+    monkeypatch.setattr(prof, "profile_thresholds", lambda *a, **k: runs.append(1) or real(*a, **k))
+    cfg = OakenConfig()
+    models = {"a": tiny_llama(0), "b (fine-tuned a)": tiny_llama(1), "c (3 layers)": tiny_llama(0, layers=3)}
+    got = {}
+    for label, m in models.items():
+        thr = prof.cached_thresholds(m, default_tokenizer, "same/path", cfg, spec, cache_dir=cache)
+        assert thr.fingerprint.weights == weights_digest(m), label
+        assert thr.num_layers == m.config.num_hidden_layers
+        thr.check_model(m)
+        got[label] = thr
+    assert len(runs) == 3
+    assert got["a"].keys != got["b (fine-tuned a)"].keys
+    # each is read back from the cache, not profiled again, and is the same profile
+    for label, m in models.items():
+        again = prof.cached_thresholds(m, default_tokenizer, "same/path", cfg, spec, cache_dir=cache)
+        assert again == got[label] and again.fingerprint.weights == got[label].fingerprint.weights
+    assert len(runs) == 3
+
+
+def test_a_cached_file_is_checked_against_the_key_when_read(default_tokenizer, calib):
+    """A cache file whose content is not what its name promises (copied, renamed, or an old oakenkv's) is not
+    served: the model, windows, config and tuning recorded inside are compared."""
+    from oakenkv.profile import cached_thresholds, calibration_key, calibration_windows, thresholds_cache_path
+
+    spec, cache = calib
+    a, b = tiny_llama(0), tiny_llama(1)
+    cfg = OakenConfig()
+    thr_a = _quiet(cached_thresholds, a, default_tokenizer, "m", cfg, spec, cache_dir=cache)
+    ids = calibration_windows(default_tokenizer, spec)
+    path_a = thresholds_cache_path(calibration_key(a, "m", spec, ids), cfg, cache_dir=cache)
+    path_b = thresholds_cache_path(calibration_key(b, "m", spec, ids), cfg, cache_dir=cache)
+    assert path_a.is_file() and path_a != path_b
+    path_b.write_bytes(path_a.read_bytes())  # a's profile under b's name
+    with pytest.warns(UserWarning, match="made for another model"):
+        thr_b = cached_thresholds(b, default_tokenizer, "m", cfg, spec, cache_dir=cache)
+    assert thr_b.keys != thr_a.keys
+    path_b.write_text("{")  # torn: profiled again, not a crash
+    with pytest.warns(UserWarning, match="unreadable cached profile"):
+        assert cached_thresholds(b, default_tokenizer, "m", cfg, spec, cache_dir=cache) == thr_b
+
+
+def test_a_cached_profile_follows_the_calibration_text(default_tokenizer, calib):
+    """Editing the calibration text in place (same path, same spec) gives a new profile."""
+    from pathlib import Path
+
+    from oakenkv.profile import cached_thresholds
+
+    spec, cache = calib
+    m = tiny_llama(0)
+    before = _quiet(cached_thresholds, m, default_tokenizer, "m", OakenConfig(), spec, cache_dir=cache)
+    text = Path(spec.text_path)
+    text.write_text(text.read_text()[5000:])
+    after = _quiet(cached_thresholds, m, default_tokenizer, "m", OakenConfig(), spec, cache_dir=cache)
+    assert after.profile["windows_sha256"] != before.profile["windows_sha256"] and after.keys != before.keys
+
+
+def test_cached_ranges_follow_the_model(default_tokenizer, calib, monkeypatch):
+    from oakenkv.eval import calibration as cal
+
+    spec, cache = calib
+    monkeypatch.setattr(cal, "_cache_dir", lambda: cache)
+    a, b = tiny_llama(0), tiny_llama(1)
+    ra = cal.kv_ranges(a, default_tokenizer, "m", spec)
+    rb = cal.kv_ranges(b, default_tokenizer, "m", spec)
+    assert ra.key_extremes != rb.key_extremes
+    assert cal.kv_ranges(a, default_tokenizer, "m", spec).sha256() == ra.sha256()
+    assert len(list(cache.glob("ranges-*.pt"))) == 2
+
+
+def test_a_resumed_ppl_run_refuses_another_profile_or_model(default_tokenizer, calib, tmp_path, monkeypatch):
+    """The issue's example: a resumed `eval ppl` mixed two threshold profiles when the file was re-profiled
+    between the interrupt and the rerun. The checkpoint holds the digests of what the run depends on."""
+    import oakenkv.eval.ppl as ppl_mod
+    from oakenkv.data import load_text, token_windows
+    from oakenkv.eval.methods import build_method
+    from oakenkv.eval.ppl import perplexity
+    from oakenkv.profile import CalibrationSpec, cached_thresholds
+
+    spec, cache = calib
+    a = tiny_llama(0)
+    ids = token_windows(default_tokenizer, load_text("wikitext2"), 16, max_windows=3)
+    thr1 = _quiet(cached_thresholds, a, default_tokenizer, "m", OakenConfig(), spec, cache_dir=cache)
+    spec2 = CalibrationSpec("file", samples=3, window=24, text_path=spec.text_path)
+    thr2 = _quiet(cached_thresholds, a, default_tokenizer, "m", OakenConfig(), spec2, cache_dir=cache)
+    f = tmp_path / "thr.json"
+    thr1.save(f)
+    m1 = build_method("oaken", a, default_tokenizer, "m", thresholds=str(f))
+    ckpt = tmp_path / "run.partial.json"
+    real, calls = ppl_mod.window_nll, []
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppl_mod, "window_nll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        perplexity(a, ids, m1, model_name="m", checkpoint=ckpt)
+    monkeypatch.setattr(ppl_mod, "window_nll", real)
+    thr2.save(f)  # re-profiled at the same path
+    m2 = build_method("oaken", a, default_tokenizer, "m", thresholds=str(f))
+    assert m2.name == m1.name and m2.params == m1.params  # the names alone cannot tell the runs apart
+    with pytest.raises(ValueError, match="differs in settings_sha256"):
+        perplexity(a, ids, m2, model_name="m", checkpoint=ckpt)
+    b = tiny_llama(1)  # the model changed at the same path (b's own profile, same method spec)
+    thr1b = _quiet(cached_thresholds, b, default_tokenizer, "m", OakenConfig(), spec, cache_dir=cache)
+    mb = build_method("oaken", b, default_tokenizer, "m", thresholds=thr1b)
+    with pytest.raises(ValueError, match="model_weights"):
+        perplexity(b, ids, mb, model_name="m", checkpoint=ckpt)
+    thr1.save(f)  # the original profile again: the run resumes and records what ran
+    m1 = build_method("oaken", a, default_tokenizer, "m", thresholds=str(f))
+    res = perplexity(a, ids, m1, model_name="m", checkpoint=ckpt)
+    assert res.extra["thresholds_sha256"] == thr1.sha256() and not ckpt.exists()
+    whole = perplexity(a, ids, m1, model_name="m")
+    assert res.window_nll == whole.window_nll
+    assert json.loads(json.dumps(res.to_dict()))["extra"]["model_weights"].startswith("sha256:")
+
+
+# ---------------------------------------------------------------------------------------------- rule 2
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+#: Bounded fuzzing: a fixed number of examples per property (derandomized in CI by tests/conftest.py's profile).
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: The records and pages decoders go through the batch decoder fuzzed above: fewer examples.
+FUZZ_LESS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _f32(v: float) -> float:
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+finite64 = st.floats(allow_nan=False, allow_infinity=False, width=64)
+near_one = st.floats(1.0, 1.0 + 1e-6)  # many float64 values, few float32 ones
+threshold_values = st.one_of(finite64, near_one, st.sampled_from([1e39, -1e39, 3.4028235e38, 3.4028236e38, 0.0]))
+
+
+@FUZZ
+@given(st.lists(threshold_values, min_size=4, max_size=4))
+def test_thresholds_are_validated_in_float32(vals):
+    """GroupThresholds (what files hold), quant.thresholds_tuple (what the codec takes) and Thresholds.load accept
+    exactly the values that are finite and ordered both in float64 and after rounding to float32."""
+    import math
+
+    from oakenkv.quant import thresholds_tuple
+    from oakenkv.thresholds import GroupThresholds
+
+    vals = sorted(vals) if vals[0] != vals[1] else vals  # mostly ordered in float64, to reach the float32 rule
+    f32 = [_f32(v) for v in vals]
+    ok64 = vals[0] < vals[1] <= vals[2] < vals[3]
+    ok32 = all(math.isfinite(v) for v in f32) and f32[0] < f32[1] <= f32[2] < f32[3]
+    try:
+        GroupThresholds(*vals)
+        accepted = True
+    except ValueError as e:
+        accepted = False
+        if ok64:  # refused only for the float32 reason, and the message says so
+            assert "float32" in str(e)
+    assert accepted == (ok64 and ok32), (vals, f32)
+    try:
+        thresholds_tuple(vals)
+        codec_ok = True
+    except ValueError:
+        codec_ok = False
+    assert codec_ok == ok32  # the codec needs only float32 order
+    if accepted:
+        assert thresholds_tuple(GroupThresholds(*vals)) == tuple(f32)
+
+
+def _thresholds_file(tmp_path, key0):
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    th = Thresholds(
+        OakenConfig(),
+        ModelFingerprint("llama", 2, 1, 4),
+        (GroupThresholds(-2, -0.1, 0.1, 2), GroupThresholds(-3, -0.2, 0.2, 3)),
+        (GroupThresholds(-1, -0.1, 0.1, 1), GroupThresholds(-1.5, -0.1, 0.1, 1.5)),
+    )
+    d = th.to_dict()
+    d["layers"][1]["key"]["thresholds"] = key0
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize(
+    ("key0", "match"),
+    [
+        # ordered in float64, equal in float32: loaded, passed `inspect`, and crashed mid-forward before
+        ([1.0, 1.0 + 1e-9, 2.0, 3.0], "ordered in float64 but not in float32"),
+        ([-3.0, -1.0, 2.0, 2.0 + 1e-8], "ordered in float64 but not in float32"),
+        # +-1e39 is finite in float64 and became +-inf in the codec
+        ([-1e39, -0.1, 0.1, 1.0], "beyond the float32 range"),
+        ([-1.0, -0.1, 0.1, 1e39], "beyond the float32 range"),
+    ],
+)
+def test_a_file_valid_only_in_float64_is_refused_at_load(tmp_path, key0, match):
+    from oakenkv.thresholds import Thresholds, ThresholdsFileError
+
+    p = _thresholds_file(tmp_path, key0)
+    with pytest.raises(ThresholdsFileError, match=rf"layer 1 key: .*{match}"):
+        Thresholds.load(p)
+
+
+def _rows(seed: int, n: int, d: int):
+    """Rows of every magnitude up to float32's largest, with some values at the extremes."""
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, d)) * 10.0 ** g.uniform(-3, 38.5, (n, 1))
+    x[g.random((n, d)) < 0.05] = g.choice([3.4e38, -3.4e38, 1e38, -1e38, 65504.0, -70000.0])
+    return torch.from_numpy(np.clip(x, -3.4028235e38, 3.4028235e38).astype(np.float32))
+
+
+@FUZZ
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 4),
+    st.sampled_from([1, 7, 64, 130]),
+    st.sampled_from(["float16", "float32"]),
+    st.sampled_from([(-1.0, -0.1, 0.1, 1.0), (-3e38, -1.0, 1.0, 3e38), (1e37, 2e37, 3e37, 3.3e38)]),
+)
+def test_encode_never_writes_a_row_its_decoder_refuses(seed, n, d, scale_dtype, thr):
+    """The issue's example: with scale_dtype float32, encode wrote an infinite scale it then refused to decode.
+    For rows of any finite magnitude: either both encoders refuse (ValueError), or both write the same bytes and
+    those decode to finite values."""
+    from oakenkv import codec, reference
+
+    cfg = OakenConfig(scale_dtype=scale_dtype)
+    x = _rows(seed, n, d)
+    try:
+        ref = reference.encode(x, thr, cfg)
+    except ValueError:
+        ref = None
+    try:
+        enc = codec.encode(x, thr, cfg)
+    except ValueError:
+        enc = None
+    assert (ref is None) == (enc is None)
+    if enc is None:
+        return
+    for name in ("dense", "sparse", "sparse_offsets"):
+        assert torch.equal(getattr(enc, name), getattr(ref, name))
+    assert torch.equal(enc.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    y = codec.decode(enc, thr, cfg)
+    assert torch.isfinite(y).all() and torch.equal(y, reference.decode(enc, thr, cfg))
+
+
+def test_float32_scales_of_huge_rows_are_refused_at_encode():
+    from oakenkv import codec, reference
+    from oakenkv.format import ERR_SCALE_RANGE, ERROR_MESSAGES
+
+    cfg = OakenConfig(scale_dtype="float32")
+    x = torch.tensor([[3.4e38, -3.4e38, 0.5, -0.5, 0.0, 2.0, -2.0, 0.05]])
+    for enc in (codec.encode, reference.encode):
+        with pytest.raises(ValueError, match="exceeds the float32 range"):
+            enc(x, (-1.0, -0.1, 0.1, 1.0), cfg)
+    assert "float32" in ERROR_MESSAGES[ERR_SCALE_RANGE]
+
+
+# ---------------------------------------------------------------------------------------------- rule 3
+
+import numpy as np  # noqa: E402
+
+THR = (-1.5, -0.05, 0.05, 1.5)
+
+
+def _random_encoded(seed: int):
+    """An EncodedBatch from untrusted bytes: a valid encoding mutated, or bytes drawn at random; its config."""
+    from oakenkv import codec
+    from oakenkv.format import EncodedBatch, dense_bytes
+
+    g = np.random.default_rng(seed)
+    cfg = OakenConfig(
+        inner_bits=int(g.choice([4, 5])),
+        outer_bits=int(g.choice([4, 5])),
+        scale_dtype=str(g.choice(["float16", "float32"])),
+    )
+    sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
+    sbits = np.uint16 if cfg.scale_dtype == "float16" else np.uint32
+    n = int(g.integers(0, 5))
+    d = int(g.choice([1, 2, 63, 64, 65, 127, 130]))
+    if g.random() < 0.5:  # random bytes, biased towards the format's special values
+        counts = g.integers(0, 2 * d + 3, n)
+        pool = np.array([0, 1, 2, 0x3F, 0x40, 0x7F, 0x80, 0xBF, 0xC0, 0xFF, *g.integers(0, 256, 4)], np.uint8)
+        sparse = g.choice(pool, int(counts.sum())).astype(np.uint8)
+        dense = g.integers(0, 256, (n, dense_bytes(d)), dtype=np.uint8)
+        if g.random() < 0.7 and d % 2 and n:
+            dense[:, -1] &= 0x0F  # mostly a clean padding nibble, to reach the rest
+        scales = (g.standard_normal((n, 6)) * 10.0 ** g.uniform(-2, 4)).astype(sdt)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    else:  # a valid encoding, then mutated
+        x = torch.from_numpy((g.standard_normal((max(n, 1), d)) * 2).astype(np.float32))
+        enc = codec.encode(x, THR, cfg)
+        dense, scales = enc.dense.numpy().copy(), enc.scales.numpy().copy()
+        sparse, offsets = enc.sparse.numpy().copy(), enc.sparse_offsets.numpy().copy()
+        n = dense.shape[0]
+        for _ in range(int(g.integers(1, 4))):
+            how = g.choice(["sparse", "dense", "scales", "cut", "offsets", "dim", "none"])
+            if how == "sparse" and sparse.size:
+                sparse[g.integers(sparse.size)] ^= np.uint8(1 << g.integers(8))
+            elif how == "dense":
+                dense[g.integers(n), g.integers(dense.shape[1])] ^= np.uint8(1 << g.integers(8))
+            elif how == "scales":
+                s = scales.view(sbits)
+                s[g.integers(n), g.integers(6)] ^= sbits(1) << sbits(g.integers(8 * s.itemsize))
+            elif how == "cut" and sparse.size:
+                cut = int(g.integers(sparse.size))
+                sparse = sparse[:cut]
+                offsets = np.minimum(offsets, cut)
+            elif how == "offsets":
+                offsets[int(g.integers(n + 1))] += int(g.integers(-3, 4))
+            elif how == "dim":  # bytes of width D read as D - 1 or D + 1 (the issue's 192 read as 191)
+                d = max(1, d + int(g.choice([-1, 1])))
+    return (
+        EncodedBatch(
+            dense=torch.from_numpy(dense),
+            scales=torch.from_numpy(scales),
+            sparse=torch.from_numpy(sparse),
+            sparse_offsets=torch.from_numpy(offsets),
+            dim=d,
+        ),
+        cfg,
+    )
+
+
+def _outcome(fn, *args):
+    """The result of ``fn``, or ``"corrupt"`` for a CorruptDataError (any other exception fails the test)."""
+    from oakenkv.format import CorruptDataError
+
+    try:
+        return fn(*args)
+    except CorruptDataError:
+        return "corrupt"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _embedded(a: np.ndarray, g) -> np.ndarray:
+    """``a`` as a view into a larger buffer of random bytes: a decoder that reads past the end of its inputs
+    would give a result that depends on them."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    pad = 64 // flat.itemsize + 1
+    big = np.empty(flat.size + 2 * pad, flat.dtype)
+    big.view(np.uint8)[:] = g.integers(0, 256, big.nbytes, dtype=np.uint8)
+    big[pad : pad + flat.size] = flat
+    return big[pad : pad + flat.size].reshape(a.shape)
+
+
+def _embedded_batch(enc, g):
+    from oakenkv.format import EncodedBatch
+
+    return EncodedBatch(
+        **{
+            k: torch.from_numpy(_embedded(getattr(enc, k).numpy(), g))
+            for k in ("dense", "scales", "sparse", "sparse_offsets")
+        },
+        dim=enc.dim,
+    )
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_batch_decoders_check_untrusted_bytes_completely(seed):
+    """codec.decode (the numba kernels, float32 and float16 out), reference.decode and codec.unpack over random and
+    mutated bytes: each refuses with CorruptDataError exactly when the reference does, otherwise they agree bit for
+    bit, every value is finite, and nothing outside the inputs is read (the result does not change when the
+    inputs lie in buffers of other random bytes)."""
+    from oakenkv import codec, reference
+    from oakenkv.kernels.cpu import decode_batch
+
+    enc, cfg = _random_encoded(seed)
+    want = _outcome(reference.decode, enc, THR, cfg)
+    got = _outcome(codec.decode, enc, THR, cfg)
+    assert _same(got, want), (enc.dim, want if isinstance(want, str) else "values")
+    if not isinstance(got, str):
+        assert torch.isfinite(got).all()
+        half = decode_batch(enc, THR, cfg, torch.float16)
+        assert torch.equal(half, got.to(torch.float16))
+        assert not isinstance(_outcome(codec.unpack, enc, cfg), str)
+    g = np.random.default_rng(seed + 1)
+    for _ in range(2):
+        assert _same(_outcome(codec.decode, _embedded_batch(enc, g), THR, cfg), got)
+
+
+@FUZZ
+@given(st.integers(0, 2**31 - 1))
+def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
+    """kernels.cpu.decode_row_into, the single-row decoder other kernels call: on each row of random or mutated
+    bytes it returns an error code exactly when the reference refuses that row, else the reference's values;
+    inputs embedded in larger buffers give the same result."""
+    from oakenkv import reference
+    from oakenkv.format import ERR_OK, EncodedBatch, dense_bytes
+    from oakenkv.kernels.cpu import decode_row_into
+
+    enc, cfg = _random_encoded(seed)
+    if enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
+        return  # a width that does not fit the dense bytes: the batch decoders refuse it (above)
+    off = enc.sparse_offsets.numpy()
+    thr = np.array(THR, np.float32)
+    g = np.random.default_rng(seed + 2)
+    for r in range(enc.num_rows):
+        a, b = int(off[r]), int(off[r + 1])
+        if not 0 <= a <= b <= enc.sparse.numel():
+            continue  # offsets are the batch's structure (check_encoded), not a row's bytes
+        row = EncodedBatch(
+            enc.dense[r : r + 1], enc.scales[r : r + 1], enc.sparse[a:b], torch.tensor([0, b - a]), enc.dim
+        )
+        want = _outcome(reference.decode, row, THR, cfg)
+        results = []
+        for embed in (False, True, True):
+            args = [enc.dense.numpy()[r], enc.sparse.numpy()[a:b], enc.scales.numpy()[r].astype(np.float32), thr]
+            if embed:
+                args = [_embedded(x, g) for x in args]
+            out = np.full(enc.dim, np.nan, np.float32)
+            err = decode_row_into(*args, out, cfg.inner_bits, cfg.outer_bits)
+            results.append((err, out.view(np.int32).copy() if err == ERR_OK else None))
+        err, out = results[0]
+        assert all(r_[0] == err for r_ in results)
+        assert (err != ERR_OK) == isinstance(want, str), (err, want)
+        if err == ERR_OK:
+            assert all(np.array_equal(r_[1], out) for r_ in results)
+            assert np.array_equal(out, want[0].numpy().view(np.int32))
+
+
+def test_the_row_decoder_refuses_malformed_arguments():
+    """The issue's example: decode_row_into with a too-short thresholds array read past it and returned success.
+    Every argument is checked before use: sizes, dtypes, bits, thresholds."""
+    from oakenkv import codec
+    from oakenkv.format import ERR_OK, ERR_PADDING, ERR_SCALE_NONFINITE, ERR_SHAPE, ERR_THRESHOLDS
+    from oakenkv.kernels.cpu import decode_row_into
+
+    enc = codec.encode(torch.randn(1, 65, generator=torch.Generator().manual_seed(0)), THR)
+    dense, sparse = enc.dense.numpy()[0], enc.sparse.numpy()
+    scales = enc.scales.numpy()[0].astype(np.float32)
+    thr = np.array(THR, np.float32)
+    out = np.empty(65, np.float32)
+    assert decode_row_into(dense, sparse, scales, thr, out) == ERR_OK
+    backing = np.array([*THR, 7.0], np.float32)
+    for k in range(4):  # the first k thresholds of a longer buffer: never read beyond them
+        assert decode_row_into(dense, sparse, scales, backing[:k], out) == ERR_SHAPE
+    for bad in ([np.nan, -0.05, 0.05, 1.5], [-1.5, 0.05, -0.05, 1.5], [-np.inf, -0.05, 0.05, 1.5]):
+        assert decode_row_into(dense, sparse, scales, np.array(bad, np.float32), out) == ERR_THRESHOLDS
+    assert decode_row_into(dense, sparse, scales[:5], thr, out) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(64, np.float32)) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(67, np.float32)) == ERR_SHAPE
+    assert decode_row_into(dense, sparse, scales, thr, np.empty(65, np.float64)) == ERR_SHAPE
+    assert decode_row_into(dense.astype(np.int64) + 256, sparse, scales, thr, out) == ERR_SHAPE
+    assert decode_row_into(dense, sparse.astype(np.int64) - 256, scales, thr, out) == ERR_SHAPE
+    for bits in ((3, 5), (5, 6), (8, 8)):
+        assert decode_row_into(dense, sparse, scales, thr, out, *bits) == ERR_SHAPE
+    padded = dense.copy()
+    padded[-1] |= 0x10  # the padding nibble of D = 65
+    assert decode_row_into(padded, sparse, scales, thr, out) == ERR_PADDING
+    huge = scales.copy()
+    huge[5] = 3.0e38  # finite, but the outer group's top code + to_hi is not
+    assert decode_row_into(dense, sparse, huge, np.array([-1.5, -0.05, 0.05, 1e38], np.float32), out) == (
+        ERR_SCALE_NONFINITE
+    )
+
+
+def test_a_row_read_with_the_wrong_width_is_refused_by_its_padding():
+    """The issue's example: a D=192 encoding decoded as D=191 (the padding nibble was never checked)."""
+    from oakenkv import codec, reference
+    from oakenkv.format import CorruptDataError, EncodedBatch
+
+    x = torch.randn(4, 192, generator=torch.Generator().manual_seed(1))
+    x[:, 191] = 0.7  # the last value's code is not 0, so its nibble is not a valid padding nibble
+    enc = codec.encode(x, THR)
+    as191 = EncodedBatch(enc.dense, enc.scales, enc.sparse, enc.sparse_offsets, 191)
+    for decode in (codec.decode, reference.decode):
+        with pytest.raises(CorruptDataError, match="padding nibble"):
+            decode(as191, THR)
+
+
+@FUZZ_LESS
+@given(st.integers(0, 2**31 - 1))
+def test_the_records_decoder_checks_untrusted_bytes_completely(seed):
+    """format.from_records (page records -> EncodedBatch) over random arrays of random sizes and dtypes: a
+    CorruptDataError, or a batch that decodes exactly as the reference decodes it."""
+    from oakenkv import codec, reference
+    from oakenkv.format import from_records, record_size, to_records
+
+    enc, cfg = _random_encoded(seed)
+    g = np.random.default_rng(seed + 3)
+    try:
+        dense, sparse, offsets = to_records(enc)
+    except (ValueError, RuntimeError):  # a mutated batch whose arrays do not even form records
+        dense = g.integers(0, 256, (enc.num_rows, record_size(max(enc.dim, 1), cfg)), dtype=np.uint8)
+        sparse, offsets = enc.sparse.numpy(), enc.sparse_offsets.numpy()
+    how = g.choice(["as is", "columns", "dtype", "offsets", "dim"])
+    dim = enc.dim
+    if how == "columns":
+        dense = dense[:, : max(0, dense.shape[1] - int(g.integers(1, 3)))]
+    elif how == "dtype":
+        dense = dense.astype(g.choice([np.int16, np.float32]))
+    elif how == "offsets":
+        offsets = offsets[:-1]
+    elif how == "dim":
+        dim = int(g.choice([0, -3, dim + 2, 10**6]))
+    batch = _outcome(from_records, dense, sparse, offsets, dim, cfg)
+    if isinstance(batch, str):
+        return
+    assert _same(_outcome(codec.decode, batch, THR, cfg), _outcome(reference.decode, batch, THR, cfg))
+
+
+@FUZZ_LESS
+@given(st.integers(0, 2**31 - 1))
+def test_the_pages_reader_checks_corrupted_pool_bytes(seed):
+    """PagedKVStore.read (the page pool's records through the fast decoder): pool bytes corrupted at random give a
+    CorruptDataError or exactly what the reference decoder makes of the same records."""
+    from oakenkv import reference
+    from oakenkv.format import from_records
+    from oakenkv.pages import PoolConfig
+    from oakenkv.store import PagedKVStore
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    g = np.random.default_rng(seed)
+    gt = GroupThresholds(*THR)
+    th = Thresholds(OakenConfig(), ModelFingerprint("llama", 1, 2, 8), (gt,), (gt,))
+    store = PagedKVStore(th, 1, 2, 8, PoolConfig(page_size=256))
+    kv = torch.from_numpy((g.standard_normal((2, 2, int(g.integers(1, 30)), 8)) * 2).astype(np.float32))
+    store.append(0, kv, kv * 0.5)
+    used = store.pool.data.reshape(-1)
+    for _ in range(int(g.integers(1, 6))):
+        used[g.integers(used.size)] ^= np.uint8(1 << g.integers(8))
+    for kind in (0, 1):
+        got = _outcome(store.read, 0, kind)
+        want = []
+        for seq in store.seqs:
+            dense = store.pool.read_dense(seq, kind)
+            sparse, offs = store.pool.read_sparse(seq, kind)
+            want.append(_outcome(reference.decode, from_records(dense, sparse, offs, 16, th.config), THR))
+        if any(isinstance(w, str) for w in want):
+            assert got == "corrupt"
+        else:
+            ref = torch.stack([w.reshape(-1, 2, 8).permute(1, 0, 2) for w in want])
+            assert _same(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- rules 5, 6, 7
+
+import time  # noqa: E402
+
+
+class ModelLoaded(BaseException):
+    """Raised instead of loading a model: not an Exception, so that no error handler can turn it into a line."""
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load or convert a model (or profile one) fails the test."""
+    import oakenkv.models as models
+
+    def refuse(*args, **kwargs):
+        raise ModelLoaded("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "_convert_gguf", refuse)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad inputs on disk: a directory, deeply nested JSON, truncated GGUFs, a thresholds file, a text."""
+    from oakenkv.models import find_embedded_gguf
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    d = tmp_path_factory.mktemp("bad")
+    (d / "adir").mkdir()
+    (d / "deep.json").write_text("[" * 100_000)
+    (d / "empty.json").write_text("")
+    with find_embedded_gguf("default").open("rb") as f:
+        head = f.read(3_000_000)
+    (d / "trunc20.gguf").write_bytes(head[:20])
+    (d / "trunc.gguf").write_bytes(head[:5000])
+    (d / "cut.gguf").write_bytes(head)  # a whole header, tensor data cut off
+    (d / "text.txt").write_text("some text\n")
+    gt = [GroupThresholds(-2 - i / 10, -0.1, 0.1, 2 + i / 10) for i in range(30)]
+    Thresholds(OakenConfig(), ModelFingerprint("llama", 30, 3, 64), tuple(gt), tuple(gt[::-1])).save(d / "thr.json")
+    ro = d / "readonly"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return d
+
+
+#: (command line with {d} for the bad files' directory, text the error line must hold). Every command, and each
+#: example of the issue: a directory or deeply nested JSON as --thresholds, a truncated GGUF header, an empty
+#: prompt, a non-model path, contradictions between --method and --thresholds, absurd resource requests.
+BAD = [
+    ("info --bogus", "No such option: --bogus"),
+    ("demo --windows 0", "'--windows'"),
+    ("demo --window 1", "'--window'"),
+    ("demo --model {d}/adir", "holds no config.json"),
+    ("demo --json {d}/adir", "is a directory"),
+    ("generate --prompt ''", "the prompt is empty"),
+    ("generate", "Missing option '--prompt'"),
+    ("generate --prompt hi --model /etc/passwd", "/etc/passwd is a file but not a model"),
+    ("generate --prompt hi --model {d}/trunc20.gguf", "the GGUF header is truncated (20 bytes)"),
+    ("generate --prompt hi --model {d}/trunc.gguf", "the GGUF header is truncated"),
+    ("generate --prompt hi --model {d}/cut.gguf", "truncated GGUF file"),
+    ("generate --prompt hi --model {d}/missing.gguf", "does not exist"),
+    ("generate --prompt hi --model ./nowhere", "does not exist"),
+    ("generate --prompt hi --thresholds {d}/adir", "is a directory, not a thresholds file"),
+    ("generate --prompt hi --thresholds {d}/deep.json", "nested too deeply"),
+    ("generate --prompt hi --thresholds {d}/empty.json", "corrupt JSON"),
+    ("generate --prompt hi --thresholds /dev/zero", "not a regular file"),
+    ("generate --prompt hi --max-new-tokens 0", "'--max-new-tokens'"),
+    ("simulate --systems nope", "unknown system 'nope'"),
+    ("simulate --model nope", "unknown model 'nope'"),
+    ("simulate --kv-format nope", "unknown KV format 'nope'"),
+    ("simulate --batch 16,abc", "comma-separated positive integers"),
+    ("simulate --input 0", "'--input'"),
+    ("simulate --plot-seq {d}/x.png", "--plot-seq needs --seq-lens"),
+    ("simulate --trace nope", "'conversation' or 'bursty'"),
+    ("simulate --rate -1", "'--rate'"),
+    ("simulate --requests 1000000000", "'--requests'"),
+    ("simulate --json {d}/readonly/x.json", "no permission to write"),
+    ("advise --model nope", "unknown model"),
+    ("advise --batch 0", "'--batch'"),
+    ("profile --samples 0", "'--samples'"),
+    ("profile --window 1", "'--window'"),
+    ("profile --data nope", "unknown text 'nope'"),
+    ("profile --data-path {d}/nothere.txt", "does not exist"),
+    ("profile --outer-ratio 2", "outer_ratio"),
+    ("profile --outer-ratio 0.6 --inner-ratio 0.5", "leave a middle group"),
+    ("profile --inner-center middle", "'median' or 'zero'"),
+    ("profile --preset nope", "'oaken' or 'oaken-plus'"),
+    ("profile --preset oaken-plus --outer-ratio 0.1", "oaken-plus chooses its own group ratios"),
+    ("profile --out {d}/adir", "is a directory"),
+    ("profile --out {d}/text.txt/x.json", "is not a directory"),
+    ("profile --model /etc/passwd", "not a model"),
+    ("inspect {d}/adir", "is a directory, not a thresholds file"),
+    ("inspect {d}/deep.json", "nested too deeply"),
+    ("inspect {d}/missing.json", "does not exist"),
+    ("inspect {d}/trunc.gguf", "not a text file"),
+    ("bench codec --reps 0", "'--reps'"),
+    ("bench codec --threads 0", "'--threads'"),
+    ("bench codec --real-tokens 1000000000", "--real-tokens 1000000000 needs about"),
+    ("bench codec --json {d}/adir", "is a directory"),
+    ("bench decode --context 10,x", "comma-separated positive integers"),
+    ("bench decode --context 1000000000", "--context 1000000000 needs about"),
+    ("bench decode --methods oaken,foo", "give distinct methods"),
+    ("bench decode --methods dynamic --thresholds {d}/thr.json", "does not include"),
+    ("bench decode --thresholds {d}/deep.json", "nested too deeply"),
+    ("bench decode --steps 0", "'--steps'"),
+    ("eval ppl --method bogus", "unknown method 'bogus'"),
+    ("eval ppl --method oaken:outer=x", "is not a float"),
+    ("eval ppl --window 1", "'--window'"),
+    ("eval ppl --stride 0", "'--stride'"),
+    ("eval ppl --chunk 0", "'--chunk'"),
+    ("eval ppl --max-windows 0", "'--max-windows'"),
+    ("eval ppl --dataset nope", "unknown dataset 'nope'"),
+    ("eval ppl --calib-samples 0", "'--calib-samples'"),
+    ("eval ppl --calib-text nope", "unknown calibration text"),
+    ("eval ppl --model /etc/passwd", "not a model"),
+    ("eval ppl --thresholds {d}/adir", "is a directory, not a thresholds file"),
+    ("eval ppl --thresholds {d}/deep.json", "nested too deeply"),
+    ("eval ppl --method oaken:outer=0.1 --thresholds {d}/thr.json", "sets outer=0.1 but"),
+    ("eval ppl --method oaken:granularity=head --thresholds {d}/thr.json", "granularity"),
+    ("eval ppl --method oaken-kurtosis --thresholds {d}/thr.json", "kurtosis"),
+    ("eval ppl --method int4 --thresholds {d}/thr.json", "applies to the 'oaken' and 'oaken-plus' methods only"),
+    ("eval ppl --thresholds {d}/thr.json --calib-samples 8", "calibration options do not apply"),
+    ("eval ppl --method oaken-plus --thresholds {d}/thr.json", "holds no oaken-plus transforms"),
+    ("eval ppl --method oaken-plus:shift=2", "shift must be 0 or 1"),
+    ("eval ppl --json {d}/adir", "is a directory"),
+    ("eval zeroshot --tasks piqa,nope", "give tasks among"),
+    ("eval zeroshot --limit 0", "'--limit'"),
+    ("eval zeroshot --method kivi4 --thresholds {d}/thr.json", "applies to the 'oaken' and 'oaken-plus' methods only"),
+    ("eval zeroshot --method bogus", "unknown method"),
+    ("eval calibrate --sweep 0.1,abc", "'--sweep'"),
+    ("eval calibrate --sweep 1.5", "'--sweep'"),
+    ("eval calibrate --calib-path {d}/nothere.txt", "is not a file"),
+    ("eval calibrate --model /etc/passwd", "not a model"),
+    ("eval report {d}/nothere", "does not exist"),
+    ("eval report {d}/deep.json --out {d}/r.md --plot {d}/r.png", "nested too deeply"),
+    ("eval report {d}/trunc.gguf --out {d}/r.md --plot {d}/r.png", "not valid JSON"),
+    ("eval report {d}/adir --out {d}/adir", "is a directory"),
+    ("hw report --vectors 0", "'--vectors'"),
+    ("hw report --json {d}/adir", "is a directory"),
+    ("hw verilog foo --out {d}/x.v", "'quant' or 'dequant'"),
+    ("hw verilog quant --out {d}/adir", "is a directory"),
+    ("hw verilog quant --out {d}/x.v --lanes 0", "'--lanes'"),
+]
+
+
+def _run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
+    from oakenkv.cli import run
+
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    code = run(argv)
+    seconds = time.perf_counter() - t0
+    out, err = capsys.readouterr()
+    return code, out, err, seconds
+
+
+def _assert_one_error_line(code: int, out: str, err: str, seconds: float, expect: str = "") -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expect in lines[0], (expect, lines[0])
+    assert "Traceback" not in out + err
+    assert seconds < 2.0, f"{seconds:.1f} s"
+
+
+@pytest.mark.parametrize(("line", "expect"), BAD, ids=[b[0] for b in BAD])
+def test_every_command_refuses_bad_arguments_in_one_line(line, expect, files, capsys, no_model_load):
+    """`oakenkv <command> <bad argument>`: exit code 2, one `error:` line naming the problem, no traceback, no
+    model loaded, in under 2 s."""
+    import os
+    import shlex
+
+    if "readonly" in line and os.geteuid() == 0:
+        pytest.skip("root may write in a read-only directory")
+    argv = shlex.split(line.format(d=files))
+    _assert_one_error_line(*_run_cli(argv, capsys), expect)
+
+
+def _commands():
+    import typer
+
+    from oakenkv.cli import app
+
+    def walk(c, path):
+        if hasattr(c, "commands"):
+            for name, sub in c.commands.items():
+                yield from walk(sub, [*path, name])
+        else:
+            yield path, c
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+#: What a command needs besides the option under test, to get past its required arguments.
+_REQUIRED = {("generate",): ["--prompt", "hi"], ("hw", "verilog"): ["quant", "--out", "x.v"]}
+
+
+def test_every_bounded_number_option_refuses_values_out_of_range(capsys, no_model_load):
+    """A property over the command tree: every numeric option with a range, given one below its minimum or one
+    above its maximum, is refused in one line naming the option (and a word instead of a number, tried on the
+    first such option of each command)."""
+    cases = 0
+    for path, cmd in _commands():
+        worded = False
+        for p in cmd.params:
+            opts = [o for o in getattr(p, "opts", []) if o.startswith("--")]
+            if not opts or getattr(p, "is_flag", False):
+                continue
+            lo, hi = getattr(p, "min", None), getattr(p, "max", None)
+            values = ([str(lo - 1)] if lo is not None else []) + ([str(hi + 1)] if hi is not None else [])
+            if values and not worded:
+                values.append("many")
+                worded = True
+            for v in values:
+                argv = [*path, *_REQUIRED.get(tuple(path), []), opts[0], v]
+                _assert_one_error_line(*_run_cli(argv, capsys), f"'{opts[0]}'")
+                cases += 1
+    assert cases >= 35
+
+
+def test_every_output_option_refuses_an_unwritable_path_before_work(tmp_path, capsys, no_model_load):
+    """A property over the command tree: every --json / --out / --plot option, given a directory or a path under
+    a file, is refused before any work."""
+    (tmp_path / "file").write_text("x")
+    cases = 0
+    for path, cmd in _commands():
+        for p in cmd.params:
+            opts = [o for o in getattr(p, "opts", []) if o in ("--json", "--out", "--plot", "--plot-seq")]
+            if not opts:
+                continue
+            extra = ["--seq-lens", "64"] if opts[0] == "--plot-seq" else []
+            req = [a for a in _REQUIRED.get(tuple(path), []) if a not in ("--out", "x.v")]
+            for bad in (tmp_path, tmp_path / "file" / "x.json"):
+                argv = [*path, *req, *extra, opts[0], str(bad)]
+                if path == ["eval", "report"]:
+                    argv.insert(2, str(tmp_path))
+                _assert_one_error_line(*_run_cli(argv, capsys), f"'{opts[0]}'")
+                cases += 1
+    assert cases >= 20
+
+
+def test_debug_shows_the_traceback(files, capsys):
+    code, _out, err, _ = _run_cli(["--debug", "inspect", str(files / "adir")], capsys)
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_the_console_script_exits_2_in_one_line_without_traceback(files):
+    """The real entry point in a fresh process: no traceback, exit code 2, one line; no torch imported for an
+    argument error (importing torch alone takes seconds on a busy machine)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, oakenkv.cli as c; code = c.run(sys.argv[1:]); "
+        "print('torch' in sys.modules, file=sys.stdout); sys.exit(code)"
+    )
+    for argv in (
+        ["bench", "codec", "--reps", "0"],  # a usage error
+        ["eval", "ppl", "--method", "int4", "--thresholds", str(files / "thr.json")],  # the library's check
+    ):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+        assert r.stdout.strip() == "False"  # checked before torch
+    r = subprocess.run(
+        [sys.executable, "-m", "oakenkv.cli", "inspect", str(files / "deep.json")], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and r.stderr == f"error: {files / 'deep.json'}: JSON nested too deeply to be a " + (
+        "thresholds file\n"
+    )
+
+
+def test_what_is_recorded_is_what_ran(files, default_model):
+    """Rule 6: with --thresholds the result records the file's settings (the spec's defaults said otherwise before:
+    `--method oaken:outer=0.1 --thresholds F` ran with F's ratios and recorded 0.1)."""
+    from oakenkv.eval.methods import build_method
+    from oakenkv.thresholds import Thresholds
+
+    m, tok = default_model.model, default_model.tokenizer
+    th = Thresholds.load(files / "thr.json")
+    th2 = Thresholds(OakenConfig(outer_ratio=0.06, inner_ratio=0.09), th.fingerprint, th.keys, th.values, profile={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no weights digest in this hand-made profile
+        method = build_method("oaken", m, tok, thresholds=th2)
+        assert method.params["outer"] == 0.06 and method.params["inner"] == 0.09
+        assert method.extra["config"]["outer_ratio"] == 0.06
+        same = build_method("oaken:outer=0.06", m, tok, thresholds=th2)  # agreeing with the file is fine
+        assert same.params == method.params
+        with pytest.raises(ValueError, match=r"sets outer=0\.1 but"):
+            build_method("oaken:outer=0.1", m, tok, thresholds=th2)
+        with pytest.raises(ValueError, match="'oaken' and 'oaken-plus' methods only"):
+            build_method("int4", m, tok, thresholds=th2)
+
+
+def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
+    """Rule 6 for oaken-plus profiles: plain Oaken would use their thresholds on untransformed keys, and a switch
+    in an oaken-plus spec would be recorded but not run (the file's transforms decide)."""
+    from types import SimpleNamespace
+
+    from oakenkv.eval.spec import check_spec_with_thresholds
+
+    plus_profile = SimpleNamespace(transforms=object(), config=OakenConfig(), profile={})
+    with pytest.raises(ValueError, match="use --method oaken-plus"):
+        check_spec_with_thresholds("oaken", plus_profile)
+    with pytest.raises(ValueError, match="transforms decide them"):
+        check_spec_with_thresholds("oaken-plus:shift=0", plus_profile)
+    assert check_spec_with_thresholds("oaken-plus", plus_profile)["shift"] == 1
