@@ -186,6 +186,40 @@ def test_decode_attention_on_blocks_is_attention_over_the_stored_values(lengths,
         np.testing.assert_allclose(out[r], ref.numpy(), rtol=2e-5, atol=2e-6)
 
 
+def test_triton_attention_reads_the_plugins_blocks_like_the_numba_kernel():
+    """The blocks' LayerView is what the GPU backend's Triton kernels read too: ``from_layer_view`` of the plugin's
+    view and ``paged_decode_attention`` (under the Triton interpreter without a GPU) give the numba kernel's output."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'oakenkv[triton]')")
+    from oakenkv.integrations.vllm.layout import DecodeBatch
+    from oakenkv.kernels.triton import attention as tattn
+    from oakenkv.kernels.triton.view import from_layer_view
+
+    rng = np.random.default_rng(11)
+    hq, hkv, hd, bs, lengths = 9, 3, 64, 16, (37, 5, 20)
+    dim = hkv * hd
+    lay = BlockLayout.make(dim, bs, CFG, sparse_bytes_per_token=60)
+    nblocks = sum(-(-t // bs) for t in lengths) + 2
+    _, pool, upb = _pool(lay, nblocks, stride_blocks=2)  # another layer's blocks interleaved
+    order = rng.permutation(nblocks)
+    table = np.zeros((len(lengths), max(-(-t // bs) for t in lengths)), np.int32)
+    k0, v0, thr = _kv(rng, sum(lengths), dim)
+    used = start = 0
+    for r, t in enumerate(lengths):
+        nb = -(-t // bs)
+        table[r, :nb] = order[used : used + nb]
+        used += nb
+        slots = table[r][np.arange(t) // bs].astype(np.int64) * bs + np.arange(t) % bs
+        BlockWriter(lay, thr, "error").write(pool, upb, slots, k0[start : start + t], v0[start : start + t])
+        start += t
+    q = rng.standard_normal((len(lengths), hq, hd)).astype(np.float32)
+    batch = DecodeBatch(table, np.array(lengths), lay, upb, hq, hd)
+    want = batch.attend(q, pool, thr, hkv, 0.125, 0.0).copy()
+    view = from_layer_view(batch.layer_view(pool, thr, hkv), hd, "cpu")
+    keep = torch.from_numpy(batch.tables.keep.copy())
+    got = tattn.paged_decode_attention(torch.from_numpy(q), view, keep, 0.125)
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
 def test_decode_attention_parallel_split_matches_serial():
     rng = np.random.default_rng(7)
     hkv, hd, bs, t = 3, 64, 128, 1500

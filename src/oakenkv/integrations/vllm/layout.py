@@ -612,6 +612,22 @@ class DecodeBatch:
             self.threads, self.splits, self.kernel = 1, 1, _oaken.packed_decode_attention_serial
         self.status = np.zeros(rows * self.splits, np.int64)
 
+    def layer_view(self, pool: np.ndarray, thresholds: np.ndarray, num_kv_heads: int) -> _oaken.LayerView:
+        """The rows' tokens in one layer's blocks (``pool``) as the format's ``LayerView``: what the decode kernels
+        read (numba's ``packed_decode_attention``; the Triton kernels through ``from_layer_view``). Dense pages are
+        single records (``page_size = record_size``); each block adds one sparse page per kind."""
+        lay, t = self.layout, self.tables
+        bad = _gather_lengths(
+            pool, lay.unit, self.units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
+            lay.max_record, t.block_table, t.seq_lens, self.lens,
+        )  # fmt: skip
+        if bad < 0:
+            raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
+        return _oaken.LayerView(
+            pool, lay.unit, lay.unit, lay.scale_bytes, t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr,
+            self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
+        )  # fmt: skip
+
     def attend(
         self,
         query: np.ndarray,
@@ -623,25 +639,15 @@ class DecodeBatch:
     ) -> np.ndarray:
         """Attention of the rows' query tokens (float32 ``[rows, Hq, hd]``) over one layer's blocks (``pool``);
         returns float32 ``[rows, Hq, hd]`` (a buffer the next call overwrites)."""
-        lay, t = self.layout, self.tables
-        bad = _gather_lengths(
-            pool, lay.unit, self.units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
-            lay.max_record, t.block_table, t.seq_lens, self.lens,
-        )  # fmt: skip
-        if bad < 0:
-            raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
+        view = self.layer_view(pool, thresholds, num_kv_heads)
         if self.threads > 1:
             import numba
 
             if numba.get_num_threads() != self.threads:
                 numba.set_num_threads(self.threads)
         self.status[:] = 0
-        view = _oaken.LayerView(
-            pool, lay.unit, lay.unit, lay.scale_bytes, t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr,
-            self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
-        )  # fmt: skip
         self.kernel(
-            np.ascontiguousarray(query, dtype=np.float32), t.keep, np.float32(scale), np.float32(softcap),
+            np.ascontiguousarray(query, dtype=np.float32), self.tables.keep, np.float32(scale), np.float32(softcap),
             self.splits, self.out, self.status, *view,
         )  # fmt: skip
         if self.status.any():
