@@ -320,6 +320,7 @@ def main() -> None:
     default = {"serve-load": "bf16,fp8,oaken", "ppl": "fp32,fp8,oaken", "greedy": "fp32,oaken"}[args.mode]
     kinds = (args.kinds or default).split(",")
     t0 = time.time()
+    load_start = os.getloadavg()  # before the runs
     runs = []
     rounds = args.rounds if args.mode == "serve-load" else 1
     for rnd in range(rounds):
@@ -331,7 +332,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "kind": f"bench_vllm_{args.mode}",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "rest"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": load_start},
         "runs": runs,
     }
     if args.mode == "serve-load":
