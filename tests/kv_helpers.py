@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from oakenkv.compat import cache_kwargs
 from oakenkv.config import OakenConfig
 from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 
@@ -25,7 +26,7 @@ def quick_thresholds(loaded, text: str = "", config: OakenConfig | None = None) 
     ids = tok(text, return_tensors="pt").input_ids
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
     o, i = config.outer_ratio / 2, config.inner_ratio / 2
     qs = torch.tensor([o, 0.5 - i, 0.5 + i, 1 - o], dtype=torch.float64)
     keys, values = [], []

@@ -21,6 +21,7 @@ PRODUCT = (
     "oakenkv.cache",
     "oakenkv.calibspec",
     "oakenkv.codec",
+    "oakenkv.compat",
     "oakenkv.config",
     "oakenkv.data",
     "oakenkv.demo",
@@ -50,6 +51,11 @@ PRODUCT = (
     "oakenkv.kernels.triton.decode",
     "oakenkv.kernels.triton.encode",
     "oakenkv.kernels.triton.view",
+    "oakenkv.integrations",
+    "oakenkv.integrations.vllm",
+    "oakenkv.integrations.vllm._oaken",
+    "oakenkv.integrations.vllm.backend",
+    "oakenkv.integrations.vllm.layout",
 )
 BESIDE = ("oakenkv.eval", "oakenkv.bench", "oakenkv.sim", "oakenkv.hw")
 
@@ -140,6 +146,17 @@ def test_kernels_and_the_format_import_nothing_above_them(graph):
         assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}"
         if name != "oakenkv.kernels.triton._format":
             assert graph[name] <= triton, f"{name} imports {sorted(graph[name] - triton)}, not through _format"
+
+
+def test_the_vllm_plugin_reaches_oakenkv_through_one_module(graph):
+    """oakenkv.integrations.vllm imports oakenkv's internals only in its _oaken module (docs/vllm.md): a change of
+    oakenkv's layout is a change of that one file."""
+    plugin = {m for m in graph if m.startswith("oakenkv.integrations")}
+    assert {"oakenkv.integrations.vllm", "oakenkv.integrations.vllm._oaken"} <= plugin
+    for name in sorted(plugin - {"oakenkv.integrations.vllm._oaken"}):
+        # The one exception: the package loads profiles at registration without numba (its load_profile says why).
+        allowed = plugin | ({"oakenkv.thresholds"} if name == "oakenkv.integrations.vllm" else set())
+        assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}, not through _oaken"
 
 
 #: Names of the format's facts: each is defined (assigned, or a def / class) in oakenkv/format.py only.

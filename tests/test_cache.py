@@ -16,6 +16,7 @@ from kv_helpers import quick_thresholds
 from oakenkv.attention import oaken_attention
 from oakenkv.cache import KEY, OakenCache, PackedKV, serial_numba
 from oakenkv.codec import decode, encode
+from oakenkv.compat import cache_kwargs
 from oakenkv.pages import PoolConfig, PoolExhaustedError
 from oakenkv.quant import quantize_dequantize
 
@@ -75,7 +76,7 @@ def batch(default_tokenizer):
 def _generate(model, inputs, cache, **kw):
     kw = {"max_new_tokens": 8, "do_sample": False, **kw}
     with torch.no_grad():
-        return model.generate(**inputs, cache=cache, pad_token_id=model.config.eos_token_id, **kw)
+        return model.generate(**inputs, **cache_kwargs(model, cache), pad_token_id=model.config.eos_token_id, **kw)
 
 
 def test_prefill_stores_exactly_the_quantized_kv(default_model, thresholds, default_tokenizer):
@@ -87,8 +88,8 @@ def test_prefill_stores_exactly_the_quantized_kv(default_model, thresholds, defa
     ref = DynamicCache(config=model.config)
     cache = OakenCache(thresholds, model.config, prefill_chunk=5)  # several chunks
     with torch.no_grad():
-        model(input_ids=ids, cache=ref)
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kwargs(model, ref))
+        model(input_ids=ids, **cache_kwargs(model, cache))
     for kind, name, x in ((0, "key", ref.layers[0].keys), (1, "value", ref.layers[0].values)):
         b, h, s, d = x.shape
         rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)
@@ -146,7 +147,7 @@ def test_reorder_is_a_table_operation(default_model, thresholds, batch):
     model = default_model.model
     cache = OakenCache(thresholds, model.config)
     with torch.no_grad():
-        model(**batch, cache=cache)
+        model(**batch, **cache_kwargs(model, cache))
     before = [cache.store.read(3, KEY)[i] for i in range(2)]
     pages = cache.stats().pages_in_use
     cache.reorder_cache(torch.tensor([1, 1, 0]))
@@ -166,7 +167,7 @@ def test_kv_bytes_are_small(default_model, thresholds):
     cache = OakenCache(thresholds, cfg)
     ids = torch.randint(100, 5000, (1, 400), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kwargs(model, cache))
     fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * ids.shape[1]
     stats = cache.stats()
     print(
@@ -181,7 +182,7 @@ def test_budget_exhaustion_is_a_clear_error(default_model, thresholds, batch):
     model = default_model.model
     cache = OakenCache(thresholds, model.config, pool_config=PoolConfig(budget_bytes=64 * 4096))
     with pytest.raises(PoolExhaustedError, match="page pool exhausted"), torch.no_grad():
-        model(**batch, cache=cache)
+        model(**batch, **cache_kwargs(model, cache))
     cache.store.pool.check_invariants()
 
 
@@ -190,7 +191,7 @@ def test_decode_returns_handles_only_with_oaken_attention(default_model, thresho
     ids = default_tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     cache = OakenCache(thresholds, model.config)
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kwargs(model, cache))
         k = torch.zeros(1, 3, 1, 64)
         out = cache.update(k, k, 0)
         assert isinstance(out[0], torch.Tensor) and out[0].shape == (1, 3, ids.shape[1] + 1, 64)

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from oakenkv.compat import cache_kwargs
 from oakenkv.config import OakenConfig
 from oakenkv.profile import (
     FewRunsWarning,
@@ -111,7 +112,7 @@ def test_post_rope_recording_is_what_the_cache_stores(default_model, calib_ids):
     keys, values = record_kv(default_model.model, ids)
     cache = DynamicCache(config=default_model.model.config)
     with torch.inference_mode():
-        default_model.model(ids, cache=cache, use_cache=True)
+        default_model.model(ids, **cache_kwargs(default_model.model, cache), use_cache=True)
     assert len(keys) == len(cache.layers) == 30
     for i in (0, 17, 29):
         assert keys[i].shape == (1, 3, 32, 64)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from oakenkv.compat import cache_kwargs
+
 
 def load_or_profile_thresholds(
     loaded: Any, path: Any = None, *, samples: int = 16, window: int = 256, progress: bool = False
@@ -132,7 +134,7 @@ def timed_generate(
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            cache=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=max_new_tokens,
             streamer=clock,
             **generate_kwargs,
@@ -263,7 +265,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
 
     cache = OakenCache(thresholds, model.config)
     with torch.inference_mode():
-        logits = model(input_ids=windows, cache=cache, use_cache=True).logits
+        logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
     return float(nll.sum()), nll.numel(), cache.bits_per_value(), cache.kv_bytes()

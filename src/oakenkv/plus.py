@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from oakenkv.compat import cache_kwargs
 from oakenkv.config import OakenConfig
 from oakenkv.profile import CalibrationSpec, ProgressLog, RunAccumulator, run_thresholds
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
@@ -155,7 +156,8 @@ def record_attention(model: Any, windows: torch.Tensor, query_runs: int, progres
         with torch.inference_mode():
             for r in range(windows.shape[0]):
                 run[0] = r
-                model(input_ids=windows[r : r + 1].to(device), cache=DynamicCache(config=model.config), use_cache=True)
+                cache = DynamicCache(config=model.config)
+                model(input_ids=windows[r : r + 1].to(device), use_cache=True, **cache_kwargs(model, cache))
                 if progress is not None:
                     progress(1)
     finally:

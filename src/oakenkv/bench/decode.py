@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from oakenkv.cache import OakenCache, kv_bytes
+from oakenkv.compat import cache_kwargs
 
 METHODS = ("oaken", "dynamic", "quanto")
 
@@ -65,7 +66,7 @@ def record_source_kv(model: Any, input_ids: torch.Tensor) -> list[tuple[torch.Te
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=input_ids, cache=cache, use_cache=True)
+        model(input_ids=input_ids, use_cache=True, **cache_kwargs(model, cache))
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
@@ -122,13 +123,14 @@ def time_steps(
     names = list(caches)
     times: dict[str, list[float]] = {m: [] for m in names}
     tokens = {m: torch.full((batch, 1), 1000) for m in names}
+    kw = {m: cache_kwargs(model, caches[m]) for m in names}  # built outside the timed region
     ctx = oaken_attention(model) if "oaken" in names else contextlib.nullcontext()
     with ctx, torch.inference_mode():
         for r in range(warmup + steps):
             for k in range(len(names)):
                 m = names[(r + k) % len(names)]
                 t = time.perf_counter()
-                logits = model(input_ids=tokens[m], cache=caches[m], use_cache=True).logits
+                logits = model(input_ids=tokens[m], use_cache=True, **kw[m]).logits
                 dt = time.perf_counter() - t
                 tokens[m] = logits[:, -1:].argmax(-1)
                 if r >= warmup:

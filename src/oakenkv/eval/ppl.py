@@ -70,13 +70,16 @@ def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = No
     step = s if chunk is None else chunk
     if step < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    from oakenkv.compat import cache_kwargs
+
     nll = 0.0
+    kw = cache_kwargs(model, cache)
     with torch.no_grad():
         for a in range(0, s - 1, step):
             b = min(a + step, s - 1)  # the last token is only a target
             inp = ids[a:b][None]
             pos = torch.arange(a, b)[None]
-            out = model(input_ids=inp, cache=cache, use_cache=True, position_ids=pos)
+            out = model(input_ids=inp, use_cache=True, position_ids=pos, **kw)
             logits = out.logits[0].float()  # [b - a, V]
             nll += float(torch.nn.functional.cross_entropy(logits, ids[a + 1 : b + 1], reduction="sum"))
     return nll, s - 1

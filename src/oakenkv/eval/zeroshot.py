@@ -105,10 +105,12 @@ def _cache_lm_class():
             self.bits = BitCounter()
 
         def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
+            from oakenkv.compat import cache_kwargs
+
             # inps: [B, S] token ids
             with torch.no_grad():
                 cache = self.method.make_cache()
-                logits = self.model(input_ids=inps, cache=cache, use_cache=True).logits
+                logits = self.model(input_ids=inps, use_cache=True, **cache_kwargs(self.model, cache)).logits
                 self.bits.merge(stored_bits(cache))
                 return logits
 

@@ -100,6 +100,7 @@ def _test_rows(vectors: int, seed: int = 0) -> list[tuple[str, torch.Tensor, tup
     try:
         from transformers import DynamicCache
 
+        from oakenkv.compat import cache_kwargs
         from oakenkv.models import load_model
 
         loaded = load_model("default")
@@ -108,7 +109,7 @@ def _test_rows(vectors: int, seed: int = 0) -> list[tuple[str, torch.Tensor, tup
         ids = loaded.tokenizer(load_text("wikitext2")[:4000], return_tensors="pt").input_ids[:, :256]
         cache = DynamicCache(config=loaded.model.config)
         with torch.no_grad():
-            loaded.model(input_ids=ids, cache=cache, use_cache=True)
+            loaded.model(input_ids=ids, use_cache=True, **cache_kwargs(loaded.model, cache))
         per = max(1, (vectors - half) // 6)
         for li in (0, 14, 29):
             for kind, t in (("key", cache.layers[li].keys), ("value", cache.layers[li].values)):
