@@ -599,6 +599,18 @@ class DecodeBatch:
         self.units_per_block = units_per_block
         self.tables = t = decode_tables(block_table, seq_lens, layout, units_per_block)
         rows, _, t_max = t.dense_pages.shape
+        self.num_tokens = t_max
+        # the format's LayerView takes each stream's sparse pages padded to [rows, 2, max count] with counts
+        counts = np.diff(t.sparse_ptr).reshape(rows, 2) if rows else np.zeros((0, 2), np.int64)
+        width = max(1, int(counts.max())) if rows else 1
+        self.sparse_counts = np.ascontiguousarray(counts, dtype=np.int64)
+        self.sparse_pages = np.zeros((rows, 2, width), np.int32)
+        self.sparse_first = np.zeros((rows, 2, width), np.int32)
+        if rows:
+            stream = np.repeat(np.arange(2 * rows), counts.reshape(-1))
+            slot = np.arange(t.sparse_ptr[-1]) - t.sparse_ptr[stream]
+            self.sparse_pages.reshape(2 * rows, width)[stream, slot] = t.sparse_pages[: t.sparse_ptr[-1]]
+            self.sparse_first.reshape(2 * rows, width)[stream, slot] = t.sparse_first[: t.sparse_ptr[-1]]
         self.lens = np.empty((rows, 2, t_max), np.uint16)
         self.out = np.empty((rows, num_heads, head_size), np.float32)
         if threads > 1 and rows * t_max >= PARALLEL_MIN_TOKENS:
@@ -624,8 +636,8 @@ class DecodeBatch:
         if bad < 0:
             raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
         return _oaken.LayerView(
-            pool, lay.unit, lay.unit, lay.scale_bytes, t.dense_pages, t.sparse_pages, t.sparse_first, t.sparse_ptr,
-            self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
+            pool, lay.unit, lay.unit, lay.scale_bytes, self.num_tokens, t.dense_pages, self.sparse_pages,
+            self.sparse_first, self.sparse_counts, self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
         )  # fmt: skip
 
     def attend(
