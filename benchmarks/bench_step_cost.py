@@ -87,8 +87,11 @@ def measure(batches: list[int], tokens: int) -> dict[str, float]:
 
         out[f"dynamic_update_us@B{b}"] = _median_cpu_us(dyn_update, 300)
         kk, vv = torch.cat([k, k1], 2), torch.cat([v, v1], 2)
+        module = torch.nn.Module()
+        module.num_key_value_groups = HQ // H  # as a model's attention layer carries it (GQA)
+        module.is_causal = True
         out[f"dynamic_sdpa_us@B{b}"] = _median_cpu_us(
-            lambda q=q, kk=kk, vv=vv: sdpa_attention_forward(torch.nn.Module(), q, kk, vv, None, scaling=HD**-0.5),
+            lambda q=q, kk=kk, vv=vv, m=module: sdpa_attention_forward(m, q, kk, vv, None, scaling=HD**-0.5),
             300,
         )
         out[f"oaken_step_us@B{b}"] = out[f"oaken_append_token_us@B{b}"] + out[f"oaken_attention_us@B{b}"]

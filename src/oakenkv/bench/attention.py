@@ -17,6 +17,7 @@ reads packed KV at >= 0.5x the memcpy bandwidth (16K tokens, batch 8).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,7 @@ def run_attention_bench(
         raise ValueError("the attention benchmark needs the model's thresholds")
     if not contexts or not batches or not threads or min([*contexts, *batches, *threads]) < 1 or rounds < 1:
         raise ValueError("contexts, batches, threads and rounds must be positive and not empty")
+    load_start = os.getloadavg()  # a shared machine: the load is part of the result
     loaded = load_model(model)
     cfg = loaded.model.config
     layer = cfg.num_hidden_layers // 2 if layer is None else layer
@@ -159,6 +161,8 @@ def run_attention_bench(
         "rounds": rounds,
         "source_tokens": source_tokens,
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "loadavg_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
+        "cpus": os.cpu_count(),
         "note": "best wall time over interleaved rounds; packed_gbps = packed K/V bytes (dense + sparse records) "
         "read per second by the kernel; memcpy with as many threads as the kernel; SDPA over fp32 K/V for "
         "reference",

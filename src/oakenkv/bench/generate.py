@@ -20,6 +20,7 @@ storage for the others). The greedy tokens are compared with ``dynamic``'s (the 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -121,6 +122,7 @@ def run_generate_bench(
         raise ValueError(f"prompt lengths and batch sizes must be positive, got {grid}")
     if new_tokens < 2 or rounds < 1:
         raise ValueError(f"need new_tokens >= 2 and rounds >= 1, got {new_tokens} and {rounds}")
+    load_start = os.getloadavg()  # a shared machine: the load is part of the result
     loaded = load_model(model)
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -181,6 +183,8 @@ def run_generate_bench(
         "rounds": rounds,
         "points": [f"{p}x{b}" for p, b in grid],
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "loadavg_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
+        "cpus": os.cpu_count(),
         "note": "prompt = WikiText-2 windows; greedy, exactly new_tokens tokens; tokens_per_s = decode tokens "
         "(all rows) per second after the first new token; prefill_s = call to first new token; medians over "
         "interleaved rounds; paired ratios > 1 mean oaken is faster",
