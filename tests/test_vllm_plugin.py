@@ -435,8 +435,10 @@ def _recorder_check(worker):
 
     - every written token's stored records, read with the test's own reading of the layout, are exactly
       ``codec.encode``'s page records of the keys and values vLLM computed;
-    - every decode attention output equals, bit for bit, oakenkv's own ``OakenCache`` path (a ``PagedKVStore``
-      holding the same keys and values, and ``oakenkv.attention.packed_decode_attention``).
+    - every decode attention output equals oakenkv's own ``OakenCache`` path (a ``PagedKVStore`` holding the same
+      keys and values, and ``oakenkv.attention.packed_decode_attention``) to float rounding: the kernel sums with
+      fast-math reassociation, and a row shorter than the batch's longest has its last block of tokens padded
+      with masked ones in vLLM, not in the reference, so the sums associate differently (~1e-7).
 
     Returns (records checked, record mismatches, decode rows checked, decode mismatches, largest difference).
     """
@@ -495,7 +497,9 @@ def _recorder_check(worker):
                 impl.scale,
             ).reshape(impl.num_heads, impl.head_size)
             rows += 1
-            bad_rows += not torch.equal(want, out[r].view_as(want))
+            # equal up to float reassociation: the kernel's fast-math sums (issue 22) group a row's last block
+            # differently when vLLM pads the batch to its longest row
+            bad_rows += not torch.allclose(want, out[r].view_as(want), rtol=1e-5, atol=1e-6)
             worst = max(worst, float((want - out[r].view_as(want)).abs().max()))
     OakenAttentionImpl._test_log.clear()
     return records, bad_records, rows, bad_rows, worst
@@ -536,7 +540,8 @@ def test_vllm_runs_the_oaken_backend_with_oaken_blocks(engine):
 
 def test_vllm_stores_the_codec_bytes_and_attends_like_oaken_cache(engine):
     """Inside the running engine: the bytes in vLLM's blocks are the codec's for the keys and values vLLM
-    computed, and every decode attention output is OakenCache's, bit for bit, given those keys and values."""
+    computed (bit for bit), and every decode attention output is OakenCache's given those keys and values (to
+    float rounding: see _recorder_check)."""
     from vllm import SamplingParams
 
     engine.collective_rpc(_recorder_install)
