@@ -91,6 +91,16 @@ def test_demo_runs_oaken_plus_beside_oaken_without_touching_the_model(default_mo
     assert is_folded(default_model.model) is None  # the transforms went into a copy
 
 
+def test_generate_runs_oaken_plus_with_the_papers_oaken_beside_it(default_model):
+    args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "3", "--no-chat"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "--- oaken-plus (" in result.output and "--- oaken (" in result.output
+    assert result.output.count("KV cache:") == 2  # the shipped profile of the default model: no profiling here
+    only = runner.invoke(app, [*args, "--preset", "oaken"], env={"COLUMNS": "200"})
+    assert only.exit_code == 0 and "oaken-plus" not in only.output and only.output.count("KV cache:") == 1
+
+
 def test_window_nll_matches_transformers_loss(default_model):
     import torch
 
