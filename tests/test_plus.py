@@ -297,7 +297,7 @@ def test_a_shipped_profile_is_used_only_when_it_fits(default_model, tmp_path, mo
     def no_profiling(*a, **k):
         raise AssertionError("profiled although a fitting profile was shipped")
 
-    monkeypatch.setattr(plus, "profile_plus", no_profiling)
+    monkeypatch.setattr(plus, "profile_plus_many", no_profiling)
     got = plus.cached_plus_profile(*args)
     assert got.sha256() == made.sha256() and (tmp_path / "cache" / "eval" / cached.name).is_file()
     # a shipped file made for other weights is not used (its name would differ; here the content does)
@@ -320,7 +320,7 @@ def test_the_default_models_shipped_profile_fits_it(default_model, tmp_path, mon
     def no_profiling(*a, **k):
         raise AssertionError("the shipped profile does not fit the default model: regenerate it")
 
-    monkeypatch.setattr(plus, "profile_plus", no_profiling)
+    monkeypatch.setattr(plus, "profile_plus_many", no_profiling)
     th = plus.cached_plus_profile(default_model.model, default_model.tokenizer, "default")
     assert th.transforms is not None
     th.check_model(default_model.model)

@@ -708,17 +708,18 @@ def _check_real_tokens(real_tokens: int) -> None:
     check_memory(need, f"--real-tokens {real_tokens}", "record fewer tokens (4096 is the default)")
 
 
+#: The caches `bench decode` and `bench generate` compare.
+_BENCH_CACHES_HELP = (
+    "Comma-separated caches to compare: oaken (OakenCache + packed attention), dynamic (fp32 DynamicCache), "
+    "quanto (QuantizedCache, quanto int4)."
+)
+
+
 @bench_app.command("decode")
 def bench_decode(
     context: Annotated[str, typer.Option(help="Comma-separated context lengths in tokens.")] = "1024,4096,16384",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
-    methods: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated caches to compare: oaken (OakenCache + packed attention), dynamic (fp32 "
-            "DynamicCache), quanto (QuantizedCache, quanto int4)."
-        ),
-    ] = "oaken,dynamic,quanto",
+    methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
     batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
     threads: Annotated[
@@ -858,13 +859,7 @@ def bench_generate(
         str | None,
         typer.Option(help="Comma-separated PROMPTxBATCH points to run instead of the grid, e.g. '128x1,4096x8'."),
     ] = None,
-    methods: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated caches to compare: oaken (OakenCache + packed attention), dynamic (fp32 "
-            "DynamicCache), quanto (QuantizedCache, quanto int4)."
-        ),
-    ] = "oaken,dynamic,quanto",
+    methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     new_tokens: Annotated[
         int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=2)
     ] = 64,

@@ -386,11 +386,30 @@ def profile_plus(
     Returns:
         Thresholds with ``transforms`` set; the fingerprint is the unfolded model's.
     """
-    search = search or PlusSearch()
+    return profile_plus_many(model, windows, [search or PlusSearch()], progress=progress, name=name, metadata=metadata)[
+        0
+    ]
+
+
+def profile_plus_many(
+    model: Any,
+    windows: torch.Tensor,
+    searches: Sequence[PlusSearch],
+    *,
+    progress: bool = False,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> list[Thresholds]:
+    """:func:`profile_plus` for several searches (an ablation) from one recording of the calibration attention,
+    the slow part; each profile equals the one :func:`profile_plus` makes alone."""
     if is_folded(model) is not None:
         raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
         raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
+    runs = int(windows.shape[0])
+    query_runs = {min(s.query_runs, runs) for s in searches}
+    if len(query_runs) != 1:
+        raise ValueError("searches profiled together must record the same query_runs")
     fingerprint = ModelFingerprint.from_model(model, name=name)  # shape and weights digest of the unfolded model
     try:
         partners = rope_partners(model)
@@ -398,20 +417,22 @@ def profile_plus(
         partners = None
         warnings.warn(f"key smoothing disabled: {e}", stacklevel=2)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    runs = int(windows.shape[0])
-    work = runs + fingerprint.num_layers * candidates_per_layer(search, partners is not None)
+    work = runs + sum(fingerprint.num_layers * candidates_per_layer(s, partners is not None) for s in searches)
+    out = []
     with ProgressLog(progress, work, "oaken-plus profile", "steps") as advance:
-        record = record_attention(model, windows, min(search.query_runs, runs), advance)
-        th = profile_from_record(record, fingerprint, search, partners, advance)
-    th.profile.update(
-        {
-            "window": int(windows.shape[1]),
-            "seconds": round(time.perf_counter() - t0, 3),
-            "cpu_seconds": round(time.process_time() - cpu0, 3),
-            **(metadata or {}),
-        }
-    )
-    return th
+        record = record_attention(model, windows, query_runs.pop(), advance)
+        for search in searches:
+            th = profile_from_record(record, fingerprint, search, partners, advance)
+            th.profile.update(
+                {
+                    "window": int(windows.shape[1]),
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "cpu_seconds": round(time.process_time() - cpu0, 3),
+                    **(metadata or {}),
+                }
+            )
+            out.append(th)
+    return out
 
 
 def profile_plus_model(
@@ -540,34 +561,12 @@ def cached_plus_profiles(
         "window": spec.window,
         "windows_sha256": key.windows_sha256,
     }
-    if len(missing) == 1:
-        j, path = missing[0]
-        th = profile_plus(model, windows, searches[j], progress=progress, name=model_name, metadata=meta)
+    made = profile_plus_many(
+        model, windows, [searches[j] for j, _ in missing], progress=progress, name=model_name, metadata=meta
+    )
+    for (j, path), th in zip(missing, made, strict=True):
         th.save(path)
         out[j] = th
-        return out  # type: ignore[return-value]
-    runs = {min(searches[j].query_runs, int(windows.shape[0])) for j, _ in missing}
-    if len(runs) != 1:
-        raise ValueError("searches profiled together must record the same query_runs")
-    if is_folded(model) is not None:
-        raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
-    fingerprint = ModelFingerprint.from_model(model, name=model_name)
-    try:
-        partners = rope_partners(model)
-    except TransformError as e:
-        partners = None
-        warnings.warn(f"key smoothing disabled: {e}", stacklevel=2)
-    t0 = time.perf_counter()
-    work = int(windows.shape[0]) + sum(
-        fingerprint.num_layers * candidates_per_layer(searches[j], partners is not None) for j, _ in missing
-    )
-    with ProgressLog(progress, work, "oaken-plus profiles", "steps") as advance:
-        record = record_attention(model, windows, runs.pop(), advance)
-        for j, path in missing:
-            th = profile_from_record(record, fingerprint, searches[j], partners, advance)
-            th.profile.update({"window": int(windows.shape[1]), "seconds": round(time.perf_counter() - t0, 3), **meta})
-            th.save(path)
-            out[j] = th
     return out  # type: ignore[return-value]
 
 
@@ -617,6 +616,7 @@ __all__: Sequence[str] = [
     "choose_transforms",
     "profile_from_record",
     "profile_plus",
+    "profile_plus_many",
     "profile_plus_model",
     "record_attention",
 ]
