@@ -84,6 +84,15 @@ def test_hadamard_and_fwht():
         hadamard(96)
 
 
+def test_fwht_of_a_strided_array_rotates_it():
+    """Regression: ``fwht`` copied a strided input keeping its layout, rotated a temporary and returned the input
+    unrotated: OakenCache's prefill handed attention still-rotated keys under a key rotation, and the profiler
+    scored every rotation candidate of a model with several KV heads with unrotated keys or values (so it never
+    chose one)."""
+    x = torch.randn(2, 30, 3, 64).permute(0, 2, 1, 3)  # [B, H, S, hd] view of [B, S, H, hd], as the prefill has
+    torch.testing.assert_close(torch.from_numpy(fwht(x.numpy())), x @ hadamard(64), rtol=0, atol=1e-5)
+
+
 def test_rope_partners_are_read_off_the_models_rotary_code(default_model):
     model = default_model.model
     hd = model.config.head_dim

@@ -24,6 +24,12 @@ transform              what it does                                             
                        same, so ``q . k`` is unchanged. Spreads outlier channels.   per key row and per query head.
 =====================  ==========================================================  ===============================
 
+and one policy of the cache, ``sink_tokens``: the first ``n`` tokens of every sequence (the attention sink, whose
+key is far from the others and which most queries attend to) are kept at 16 bits beside their Oaken codes, and
+every attention reads them from there (``oakenkv.store``). Not a transform (it changes what is stored, by
+``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
+part of the profile, because the thresholds and the per-layer choices were made with it.
+
 Order on a key (post-RoPE, as the cache receives it): ``H ((k - mu))`` where ``k`` already carries the folded
 ``1 / lam``; the shift is subtracted before the rotation. Values carry their rotation from the weights.
 
@@ -47,8 +53,13 @@ from typing import Any
 import numpy as np
 import torch
 
-#: Version of the serialized transforms; bump when a field changes meaning.
-TRANSFORMS_VERSION = 1
+#: Version of the serialized transforms; bump when a field changes meaning. Version 2 adds ``sink_tokens``; a
+#: record without sink tokens is still written as version 1 (same bytes and digest as before), so that an older
+#: oakenkv refuses only the profiles it would misread.
+TRANSFORMS_VERSION = 2
+_READS_VERSIONS = (1, 2)
+#: The most tokens ``sink_tokens`` may keep at 16 bits (a sink is a few tokens, not a window).
+MAX_SINK_TOKENS = 64
 #: Name of the attribute on the model's config that records the folded transforms (their digest).
 FOLD_MARK = "oakenkv_transforms"
 
@@ -79,7 +90,9 @@ def fwht(x: np.ndarray) -> np.ndarray:
     the evaluation, the profiler) gets the same bits whatever the batch shape, unlike a BLAS matrix product."""
     from oakenkv.kernels.rotate import shift_rotate_rows
 
-    x = np.array(x, dtype=np.float32)  # a copy
+    # a C-ordered copy: numpy's default copy keeps a strided input's layout, and the reshape below would then be a
+    # temporary copy whose rotation is lost (a permuted [B, H, S, hd] view came back unrotated)
+    x = np.array(x, dtype=np.float32, order="C")
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise TransformError(f"a Hadamard rotation needs a power-of-two size, got {n}")
@@ -136,9 +149,14 @@ class Transforms:
     head_dim: int
     #: Free-form JSON-able notes (how each layer's transforms were chosen).
     notes: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: The first tokens of every sequence kept at 16 bits beside their codes (module doc); 0: none.
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         d = self.num_kv_heads * self.head_dim
+        n = self.sink_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_SINK_TOKENS:
+            raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {n!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
         for i, lt in enumerate(self.layers):
             if not isinstance(lt, LayerTransforms):
@@ -169,21 +187,28 @@ class Transforms:
         return any(lt.key_shift is not None or lt.key_rotation for lt in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": TRANSFORMS_VERSION,
+        d: dict[str, Any] = {
+            "version": TRANSFORMS_VERSION if self.sink_tokens else 1,
             "rotation": "hadamard-sylvester",
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "layers": [{"index": i, **lt.to_dict()} for i, lt in enumerate(self.layers)],
             "notes": self.notes,
         }
+        if self.sink_tokens:
+            d["sink_tokens"] = self.sink_tokens
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Transforms:
         if not isinstance(d, dict):
             raise TransformError(f"transforms must be an object, got {type(d).__name__}")
-        if d.get("version") != TRANSFORMS_VERSION:
-            raise TransformError(f"unsupported transforms version {d.get('version')!r} (this oakenkv reads 1)")
+        version = d.get("version")
+        if version not in _READS_VERSIONS:
+            known = ", ".join(map(str, _READS_VERSIONS))
+            raise TransformError(f"unsupported transforms version {version!r} (this oakenkv reads {known})")
+        if version == 1 and "sink_tokens" in d:
+            raise TransformError("transforms version 1 cannot hold sink_tokens")
         if d.get("rotation") != "hadamard-sylvester":
             raise TransformError(f"unknown rotation {d.get('rotation')!r}")
         layers = []
@@ -201,7 +226,13 @@ class Transforms:
                     value_rotation=e["value_rotation"],
                 )
             )
-        return cls(tuple(layers), int(d["num_kv_heads"]), int(d["head_dim"]), dict(d.get("notes") or {}))
+        return cls(
+            tuple(layers),
+            int(d["num_kv_heads"]),
+            int(d["head_dim"]),
+            dict(d.get("notes") or {}),
+            d.get("sink_tokens", 0),
+        )
 
     def digest(self) -> str:
         """sha256 of the transforms (notes excluded): what a folded model is marked with."""
