@@ -352,6 +352,12 @@ def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_
 
 PROMPTS = ("The capital of France is",)
 GREEDY_TOKENS = 32
+#: vLLM's greedy tokens may leave OakenCache's only where its two best logits are this close (a near tie that a
+#: one-step difference of a quantized cache flips; test_vllm_greedy_tokens_equal_oaken_cache's docstring), and
+#: never within the first tokens. On the machine of session 13 (no AVX-512 VBMI2) the test prompt flipped at
+#: token 14.
+NEAR_TIE = 0.5
+GREEDY_EQUAL_AT_LEAST = 8
 
 
 def _skip_without_vllm():
@@ -518,8 +524,18 @@ def _hf_greedy(default_model, thr_path, prompts, n):
         for p in prompts:
             ids = tok(p, return_tensors="pt").input_ids
             cache = OakenCache(thr, model.config)
-            gen = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, **cache_kwargs(model, cache))
-            out.append((ids[0].tolist(), gen[0, ids.shape[1] :].tolist()))
+            gen = model.generate(
+                ids,
+                max_new_tokens=n,
+                do_sample=False,
+                min_new_tokens=n,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **cache_kwargs(model, cache),
+            )
+            top2 = torch.stack(gen.scores)[:, 0].topk(2, dim=-1).values  # [n, 2]: each step's two best logits
+            margins = (top2[:, 0] - top2[:, 1]).tolist()
+            out.append((ids[0].tolist(), gen.sequences[0, ids.shape[1] :].tolist(), margins))
     return out
 
 
@@ -554,7 +570,8 @@ def test_vllm_stores_the_codec_bytes_and_attends_like_oaken_cache(engine):
 
 
 def test_vllm_greedy_tokens_equal_oaken_cache(engine, default_model, profile_path):
-    """End to end: vLLM with the plugin generates OakenCache's greedy tokens (transformers, the same profile).
+    """End to end: vLLM with the plugin generates OakenCache's greedy tokens (transformers, the same profile), up
+    to a near tie of OakenCache's logits after the first GREEDY_EQUAL_AT_LEAST tokens.
 
     Exact only as far as vLLM's float32 model matches transformers': their keys and values differ by ~1e-6,
     which now and then moves a group's min or max across an fp16 rounding boundary of its scale; the quantized
@@ -567,11 +584,16 @@ def test_vllm_greedy_tokens_equal_oaken_cache(engine, default_model, profile_pat
 
     ref = _hf_greedy(default_model, profile_path, PROMPTS, GREEDY_TOKENS)
     outs = engine.generate(
-        [TokensPrompt(prompt_token_ids=ids) for ids, _ in ref],
+        [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in ref],
         SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True),
     )
-    for (_, want), o in zip(ref, outs, strict=True):
-        assert list(o.outputs[0].token_ids) == want
+    for (_, want, margins), o in zip(ref, outs, strict=True):
+        got = list(o.outputs[0].token_ids)
+        assert len(got) == len(want)
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if first is not None:
+            # allowed only at a near tie of OakenCache's own logits, after the first tokens agree
+            assert first >= GREEDY_EQUAL_AT_LEAST and margins[first] < NEAR_TIE, (first, margins[first], got, want)
 
 
 def test_vllm_prefix_cache_hit_gives_the_same_tokens(engine):
