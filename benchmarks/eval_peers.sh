@@ -111,14 +111,16 @@ for part in "${parts[@]}"; do
       done
       MODEL=default ;;
     plus)  # oaken-plus (docs/plus.md): the whole test set, and each remedy alone on the first 3 windows
-      # (session 12; the profile is made once per search setting, 16 x 2048 Wikipedia tokens, then cached)
+      # (session 12; session 13 re-ran every file after the fwht fix and with the sink token: the profile is made
+      # once per search setting, 16 x 2048 Wikipedia tokens, then cached)
       mkdir -p "$OUT/$MODEL-full"
       f="$OUT/$MODEL-full/ppl-oaken-plus.json"
       [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method oaken-plus --resume --json "$f"
       ppl oaken-plus oaken-plus
-      for spec in "shift-only:shift=1,rot_k=0,rot_v=0,smooth=0,ratios=0" "rotk-only:shift=0,rot_k=1,rot_v=0,smooth=0,ratios=0" \
-                  "rotv-only:shift=0,rot_k=0,rot_v=1,smooth=0,ratios=0" "smooth-only:shift=0,rot_k=0,rot_v=0,smooth=1,ratios=0" \
-                  "ratios-only:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=1" "none:shift=0,rot_k=0,rot_v=0,smooth=0,ratios=0"; do
+      for spec in "none:shift=0,smooth=0,ratios=0,sink=0" "shift-only:smooth=0,ratios=0,sink=0" \
+                  "smooth-only:shift=0,ratios=0,sink=0" "ratios-only:shift=0,smooth=0,sink=0" \
+                  "sink-only:shift=0,smooth=0,ratios=0" "rotk-only:shift=0,rot_k=1,smooth=0,ratios=0,sink=0" \
+                  "rotv-only:shift=0,rot_v=1,smooth=0,ratios=0,sink=0" "no-sink:sink=0" "with-rotations:rot_k=1,rot_v=1"; do
         ppl "oaken-plus-${spec%%:*}" "oaken-plus:${spec#*:}"
       done ;;
     qwen)  # Qwen2.5-Coder-0.5B (bias on q/k/v; optional embedded model, `oakenkv info` says how to install it):

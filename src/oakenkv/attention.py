@@ -119,17 +119,59 @@ def packed_decode_attention(
     else:
         q = query[:, :, 0, :].detach().to(torch.float32).contiguous().numpy()
     q = store.rotate_queries(key.layer, q)  # oaken-plus: the keys in the pages are rotated per head
+    n_sink = min(store.sink_tokens, t)
+    if n_sink:  # the sink tokens are read at 16 bits (store module doc), not from the pages
+        sink_keep = keep[:, :n_sink].copy()
+        keep = keep.copy()  # (the mask's array is cached for the next layers: never written)
+        keep[:, :n_sink] = 0
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
+    lse = np.empty((b, hq), dtype=np.float32)
     parallel = b * t >= PARALLEL_MIN_TOKENS
     kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
     splits = _num_splits(b, t) if parallel else 1
     status = np.zeros(b * splits, dtype=np.int64)
-    kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out.reshape(b, hq, hd), status, *view)
+    out3 = out.reshape(b, hq, hd)
+    kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out3, status, lse, *view)
     bad = np.flatnonzero(status)
     if bad.size:
         raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
+    if n_sink:
+        _merge_sinks(store, key.layer, q, sink_keep, float(scaling), float(softcap or 0.0), out3, lse)
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
+
+
+def _merge_sinks(
+    store: Any,
+    layer: int,
+    q: np.ndarray,
+    keep: np.ndarray,
+    scaling: float,
+    softcap: float,
+    out: np.ndarray,
+    lse: np.ndarray,
+) -> None:
+    """Add the layer's sink tokens (16-bit, ``store.sinks``) to the kernel's attention over the other tokens, in
+    place: ``out = (out e^lse + sum_j e^s_j v_j) / (e^lse + sum_j e^s_j)`` per row and query head, the softmax
+    over both parts. q ``[B, Hq, hd]`` (in the pages' key frame), keep uint8 ``[B, n]``, out ``[B, Hq, hd]``,
+    lse ``[B, Hq]``."""
+    b, hq, hd = q.shape
+    n = keep.shape[1]
+    h = store.num_kv_heads
+    sink = store.sinks[layer][:, :, :n].astype(np.float32).reshape(b, 2, n, h, hd)
+    k = np.repeat(sink[:, 0].transpose(0, 2, 1, 3), hq // h, axis=1)  # [B, Hq, n, hd]
+    v = np.repeat(sink[:, 1].transpose(0, 2, 1, 3), hq // h, axis=1)
+    s = np.einsum("bhd,bhnd->bhn", q, k) * np.float32(scaling)
+    if softcap:
+        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
+    s = np.where(keep[:, None, :] != 0, s, -np.inf)
+    m = np.maximum(lse, s.max(axis=2))  # [B, Hq]; -inf only where every token is masked
+    safe = np.where(np.isfinite(m), m, 0.0)[..., None]
+    w_pages = np.exp(lse[..., None] - safe)  # [B, Hq, 1]
+    w_sink = np.exp(s - safe)  # [B, Hq, n]
+    total = w_pages + w_sink.sum(axis=2, keepdims=True)
+    merged = out * w_pages + np.einsum("bhn,bhnd->bhd", w_sink, v)
+    out[:] = np.where(total > 0, merged / np.where(total > 0, total, 1.0), 0.0)
 
 
 def load_kernels() -> float:
@@ -153,7 +195,8 @@ def load_kernels() -> float:
     keep = np.ones((1, 2), np.uint8)
     for kernel in (attention_cpu.packed_decode_attention, attention_cpu.packed_decode_attention_serial):
         out = np.empty((1, 1, 4), np.float32)
-        kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), *store.layer_view(0))
+        lse = np.empty((1, 1), np.float32)
+        kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), lse, *store.layer_view(0))
     return time.perf_counter() - t0
 
 

@@ -155,6 +155,7 @@ class OakenLayer(CacheLayerMixin):
                     .to(key_states.dtype)
                     for enc, name in zip((enc_k, enc_v), KINDS, strict=True)
                 )
+            result = tuple(store.apply_sinks(self.layer_idx, kind, x) for kind, x in enumerate(result))
             result = (store.restore_keys(self.layer_idx, result[0]), result[1])
         else:
             result = (

@@ -209,6 +209,8 @@ class PoolStats:
     table_bytes: int
     #: Live sequences.
     num_sequences: int
+    #: Bytes kept beside the pages: an oaken-plus profile's sink tokens at 16 bits (``oakenkv.store``).
+    sink_bytes: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -217,8 +219,8 @@ class PoolStats:
 
     @property
     def total_bytes(self) -> int:
-        """What the cache costs in memory: reserved pages plus tables."""
-        return self.bytes_reserved + self.table_bytes
+        """What the cache costs in memory: reserved pages plus tables (plus sink tokens, where a store keeps them)."""
+        return self.bytes_reserved + self.table_bytes + self.sink_bytes
 
 
 class TokenTargets:

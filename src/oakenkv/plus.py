@@ -37,6 +37,7 @@ from oakenkv.config import OakenConfig
 from oakenkv.profile import CalibrationSpec, ProgressLog, RunAccumulator, run_thresholds
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
 from oakenkv.transforms import (
+    MAX_SINK_TOKENS,
     LayerTransforms,
     TransformError,
     Transforms,
@@ -63,27 +64,35 @@ class PlusSearch:
 
     #: Key smoothing exponents (0: none): ``lam = absmax(k - shift) ** alpha`` per channel, RoPE-pair tied.
     alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
-    #: Whether the key shift and each rotation may be used (the search still chooses per layer).
+    #: Whether the key shift and each rotation may be used (the search still chooses per layer). The rotations are
+    #: off by default: on the default model the search picks them in half the layers (they lower its per-layer
+    #: attention-output error) and perplexity gets worse (docs/plus.md, "Rotations"); ``oaken-plus:rot_k=1,rot_v=1``
+    #: tries them.
     key_shift: bool = True
-    key_rotation: bool = True
-    value_rotation: bool = True
+    key_rotation: bool = False
+    value_rotation: bool = False
     #: Group ratios (outer, inner) to choose from, for keys and values separately.
     ratios: tuple[tuple[float, float], ...] = DEFAULT_RATIOS
     #: Calibration windows whose queries score the candidates, and the query positions per window (the last ones:
     #: they attend over the longest context).
     query_runs: int = 2
     query_positions: int = 256
+    #: The first tokens of every sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``); the
+    #: candidates are scored with them exact, as the cache reads them.
+    sink_tokens: int = 1
 
     @classmethod
-    def from_flags(cls, shift: bool, rot_k: bool, rot_v: bool, smooth: bool, ratios: bool) -> PlusSearch:
-        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..`` (each
-        remedy on or off; off ratios means the paper's 4% / 6% split only)."""
+    def from_flags(cls, shift: bool, rot_k: bool, rot_v: bool, smooth: bool, ratios: bool, sink: int = 1) -> PlusSearch:
+        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..``
+        (each remedy on or off; off ratios means the paper's 4% / 6% split only; ``sink``: tokens kept at 16
+        bits)."""
         return cls(
             alphas=cls().alphas if smooth else (0.0,),
             key_shift=bool(shift),
             key_rotation=bool(rot_k),
             value_rotation=bool(rot_v),
             ratios=DEFAULT_RATIOS if ratios else DEFAULT_RATIOS[:1],
+            sink_tokens=int(sink),
         )
 
     def __post_init__(self) -> None:
@@ -93,6 +102,9 @@ class PlusSearch:
             OakenConfig(outer_ratio=o, inner_ratio=i)  # validates
         if self.query_runs < 1 or self.query_positions < 1:
             raise ValueError("query_runs and query_positions must be positive")
+        n = self.sink_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_SINK_TOKENS:
+            raise ValueError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {n!r}")
 
 
 # ----------------------------------------------------------------------------------------------- recording
@@ -197,14 +209,18 @@ def attention_output(
     return torch.softmax(scores.masked_fill(hide, float("-inf")), dim=-1) @ vv
 
 
-def _fake_quant(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig) -> torch.Tensor:
-    """Oaken's round trip (the codec's kernels) of ``x [R, H, S, hd]``, one row per token."""
+def _fake_quant(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig, sink_tokens: int = 0) -> torch.Tensor:
+    """Oaken's round trip (the codec's kernels) of ``x [R, H, S, hd]``, one row per token; the first
+    ``sink_tokens`` of each run come back at 16 bits, as the cache reads them (``oakenkv.store``)."""
     from oakenkv.codec import decode, encode
 
     r, h, s, hd = x.shape
     rows = x.permute(0, 2, 1, 3).reshape(r * s, h * hd).contiguous()
     y = decode(encode(rows, thr, config), thr, config)
-    return y.reshape(r, s, h, hd).permute(0, 2, 1, 3)
+    y = y.reshape(r, s, h, hd).permute(0, 2, 1, 3)
+    if sink_tokens:
+        y[:, :, :sink_tokens] = x[:, :, :sink_tokens].to(torch.float16).to(y.dtype)
+    return y
 
 
 def _thresholds(x: torch.Tensor, config: OakenConfig, layer: int, kind: str) -> tuple[GroupThresholds, LayerStats]:
@@ -299,7 +315,7 @@ def choose_transforms(
                         key_rotation=rot,
                     )
                     name = f"shift={int(use_shift)},rot={int(rot)},alpha={alpha:g}"
-                    key_errs[name] = _score_keys(k_all, k_q, v_q, lt, base_cfg, i, err)
+                    key_errs[name] = _score_keys(k_all, k_q, v_q, lt, base_cfg, i, err, search.sink_tokens)
                     if best is None or key_errs[name] < key_errs[best.name]:
                         best = _Candidate(name, lt, base_cfg)
                     if progress:
@@ -308,7 +324,7 @@ def choose_transforms(
         for o, inn in search.ratios[:-1]:
             cfg = OakenConfig(outer_ratio=o, inner_ratio=inn)
             name = best.name + f",outer={o:g},inner={inn:g}"
-            key_errs[name] = _score_keys(k_all, k_q, v_q, best.lt, cfg, i, err)
+            key_errs[name] = _score_keys(k_all, k_q, v_q, best.lt, cfg, i, err, search.sink_tokens)
             if key_errs[name] < key_errs[best.name]:
                 best = _Candidate(name, best.lt, cfg)
             if progress:
@@ -321,7 +337,7 @@ def choose_transforms(
                 cfg = OakenConfig(outer_ratio=o, inner_ratio=inn)
                 x = _rotate(v_all) if rot else v_all
                 thr, _ = _thresholds(x, cfg, i, "value")
-                vq = _fake_quant(x[: q.shape[0]], thr, cfg)
+                vq = _fake_quant(x[: q.shape[0]], thr, cfg, search.sink_tokens)
                 vh = _rotate(vq) if rot else vq
                 name = f"rot={int(rot)},outer={o:g},inner={inn:g}"
                 val_errs[name] = err(k_q, vh)
@@ -350,11 +366,11 @@ def choose_transforms(
     return chosen, configs, notes
 
 
-def _score_keys(k_all, k_q, v_q, lt, cfg, layer, err) -> float:
+def _score_keys(k_all, k_q, v_q, lt, cfg, layer, err, sink_tokens=0) -> float:
     h, hd = k_all.shape[1], k_all.shape[3]
     x = _key_transform(k_all, lt, h, hd)
     thr, _ = _thresholds(x, cfg, layer, "key")
-    kq = _fake_quant(x[: k_q.shape[0]], thr, cfg)
+    kq = _fake_quant(x[: k_q.shape[0]], thr, cfg, sink_tokens)
     return err(_key_restore(kq, lt, h, hd), v_q)
 
 
@@ -463,7 +479,11 @@ def profile_from_record(
     profile the thresholds on the transformed keys and values."""
     chosen, configs, notes = choose_transforms(record, search, partners, progress)
     transforms = Transforms(
-        tuple(chosen), fingerprint.num_kv_heads, fingerprint.head_dim, {"search": _search_dict(search)}
+        tuple(chosen),
+        fingerprint.num_kv_heads,
+        fingerprint.head_dim,
+        {"search": _search_dict(search)},
+        search.sink_tokens,
     )
     keys, values, kst, vst = [], [], [], []
     h, hd = fingerprint.num_kv_heads, fingerprint.head_dim

@@ -9,11 +9,17 @@ head_dim``, granularity "token", the paper's); its bytes are the page records of
 
 Writes are atomic per layer: an append that the pool's budget cannot hold raises
 :class:`~oakenkv.pages.PoolExhaustedError` and changes nothing.
+
+Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` tokens of every row are
+encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
+transform, as the pages hold them) beside the pool; every read (:meth:`PagedKVStore.read`, the prefill's direct
+decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention) takes them from there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -212,6 +218,10 @@ class PagedKVStore:
             t = self.transforms
             self._key_online = [lt.key_shift is not None or lt.key_rotation for lt in t.layers]
             self._key_shifts = t.key_shifts()
+        #: Tokens at the start of every row also kept at 16 bits (module doc); 0 without an oaken-plus profile.
+        self.sink_tokens = thresholds.transforms.sink_tokens if thresholds.transforms is not None else 0
+        #: Per layer: float16 ``[B, 2, sink_tokens, D]``, the sink tokens' key rows (transformed) and value rows.
+        self.sinks: list[np.ndarray] = []
 
     def _transform_keys(self, layer: int, rows: np.ndarray) -> None:
         """The profile's online key transform (``Transforms.key_rows``), in place, on float32 key rows ``[N, D]``.
@@ -237,6 +247,8 @@ class PagedKVStore:
 
     def ensure_batch(self, batch_size: int) -> None:
         if not self.seqs:
+            n = self.sink_tokens
+            self.sinks = [np.zeros((batch_size, 2, n, self.dim), np.float16) for _ in range(self.num_layers)]
             self._set_rows([self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)])
         elif batch_size != len(self.seqs):
             raise ValueError(f"the cache holds {len(self.seqs)} sequences but got a batch of {batch_size}")
@@ -289,8 +301,10 @@ class PagedKVStore:
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
         self.ensure_batch(b)
+        past = self.tables[layer].num_tokens
         encoded = []
         items = []
+        sink_rows = []
         # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
             for kind, x in ((KEY, keys), (VALUE, values)):
@@ -302,6 +316,8 @@ class PagedKVStore:
                 rows_np = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
                 if kind == KEY:
                     self._transform_keys(layer, rows_np)
+                if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
+                    sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
                 rows = torch.from_numpy(rows_np)
                 enc = self.encode(rows, self.thresholds.layer(layer, KINDS[kind]), self.config)
                 encoded.append(enc)
@@ -313,6 +329,8 @@ class PagedKVStore:
                     )
         self.pool.append_many(items)
         self._sync_layer(layer)
+        for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
+            self.sinks[layer][:, kind, past : past + x.shape[1]] = x
         return encoded[0], encoded[1]
 
     def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -342,14 +360,18 @@ class PagedKVStore:
         rows[:b] = (k if k.dtype == torch.float32 else k.float()).numpy().reshape(b, self.dim)
         rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
         self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
+        t = self.tables[layer].num_tokens
+        sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
         encode_records(rows, thr[layer], *constants, records, sparse, counts)
         if min(counts.tolist()) < 0:  # (a list's min: faster than numpy's on a few values)
             r = int(np.flatnonzero(counts < 0)[0])
             kind = "keys" if r < b else "values"
             raise ValueError(f"cannot encode the {kind} of row {r % b}: {ERROR_MESSAGES[int(-counts[r])]}")
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
+        if sink is not None:
+            self.sinks[layer][:, KEY, t] = sink[:b]
+            self.sinks[layer][:, VALUE, t] = sink[b:]
         lt = self.tables[layer]
-        t = lt.num_tokens
         if t >= lt.sparse_lengths.shape[2]:
             lt.sparse_lengths = _grown(lt.sparse_lengths, t + 1)
         _set_lengths(lt.sparse_lengths, t, counts)
@@ -421,8 +443,8 @@ class PagedKVStore:
 
     def bits_per_value(self) -> dict[str, float]:
         """Bits per stored value, from the pages: ``format``: what the Oaken format stores (dense records,
-        sparse records and the 16-bit header per token); ``with_pages``: everything the store holds (whole pages
-        in use + tables)."""
+        sparse records and the 16-bit header per token; plus the sink tokens' 16 bits per value); ``with_pages``:
+        everything the store holds (whole pages in use + tables + sink tokens)."""
         pool = self.pool
         tokens = dense = sparse = 0
         for seq in self.seqs:
@@ -435,7 +457,7 @@ class PagedKVStore:
         if values == 0:
             return {"format": float("nan"), "with_pages": float("nan")}
         return {
-            "format": 8.0 * (dense + sparse + HEADER_BITS // 8 * tokens) / values,
+            "format": 8.0 * (dense + sparse + HEADER_BITS // 8 * tokens + self.sink_bytes()) / values,
             "with_pages": 8.0 * self.stats().total_bytes / values,
         }
 
@@ -459,8 +481,28 @@ class PagedKVStore:
             if start:
                 x = torch.cat([torch.zeros(start, self.dim, dtype=x.dtype), x])
             out.append(x.reshape(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2))
-        x = torch.stack(out)
+        x = self.apply_sinks(layer, kind, torch.stack(out))
         return (self.restore_keys(layer, x) if kind == KEY else x).to(dtype)
+
+    def apply_sinks(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """Put the layer's sink tokens (module doc) into ``x``, its dequantized keys (in the pages' frame, before
+        :meth:`restore_keys`) or values ``[B, H, T, hd]`` of the whole history, in place; returns ``x``. Positions
+        a sliding window evicted stay as they read. No-op without sink tokens."""
+        n = min(self.sink_tokens, x.shape[2])
+        if n == 0 or not self.seqs:
+            return x
+        start = self.pool.table(self.seqs[0], 2 * layer + kind).evicted_before
+        if start >= n:
+            return x
+        sink = torch.from_numpy(self.sinks[layer][:, kind, start:n])  # [B, n', D]
+        x[:, :, start:n] = sink.reshape(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return x
+
+    def sink_bytes(self) -> int:
+        """Bytes of the sink tokens held (16 bits per value of the tokens stored so far)."""
+        if not self.sink_tokens or not self.seqs:
+            return 0
+        return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
 
     def evict_before(self, layer: int, token: int) -> int:
         """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
@@ -493,6 +535,7 @@ class PagedKVStore:
         for j, seq in enumerate(self.seqs):
             if j not in used:
                 self.pool.free(seq)
+        self.sinks = [sink[index] for sink in self.sinks]
         self._set_rows(new)
 
     def reset(self) -> None:
@@ -501,6 +544,8 @@ class PagedKVStore:
         self.seqs = []
         self.tables = []
         self._targets = []
+        self.sinks = []
 
     def stats(self) -> PoolStats:
-        return self.pool.stats()
+        stats = self.pool.stats()
+        return dataclasses.replace(stats, sink_bytes=self.sink_bytes()) if self.sink_tokens else stats

@@ -114,6 +114,19 @@ class PlusQuantizer(OakenQuantizer):
         y, bits = super().quantize(layer_idx, kind, self.transforms.keys_forward(layer_idx, x))
         return self.transforms.keys_restore(layer_idx, y).to(x.dtype), bits
 
+    @property
+    def sink_tokens(self) -> int:
+        """The first tokens of a sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``)."""
+        return self.transforms.sink_tokens
+
+    def sink(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
+        """Sink tokens ``[B, H, n, hd]`` as ``OakenCache`` hands them to attention: float16 (keys after the online
+        transform, then restored like the dequantized ones). The cache's bits count them (``FakeQuantCache``)."""
+        if kind != "key":
+            return x.to(torch.float16).to(x.dtype)
+        k = self.transforms.keys_forward(layer_idx, x).to(torch.float16).to(torch.float32)
+        return self.transforms.keys_restore(layer_idx, k).to(x.dtype)
+
 
 @dataclass
 class Method:
@@ -294,12 +307,9 @@ def _oaken_plus(
             raise ValueError("oaken-plus needs a profile with transforms (`oakenkv profile --preset oaken-plus`)")
         name = f"oaken-plus[{extra.get('thresholds_file', 'thresholds')}]"
     else:
-        for k, v in params.items():
-            if v not in (0, 1):
-                raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
         search = PlusSearch.from_flags(
-            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"]
-        )
+            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"]
+        )  # (parse_spec checked the values)
         from oakenkv.profile import CalibrationSpec
 
         # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of

@@ -12,6 +12,9 @@ from typing import Any
 
 from oakenkv.config import OakenConfig
 
+#: The most sink tokens a spec may ask for (``oakenkv.transforms.MAX_SINK_TOKENS``; this module imports no torch).
+MAX_SINK_TOKENS = 64
+
 #: Zero-shot tasks and the metric each reports (``oakenkv.eval.zeroshot``).
 ZEROSHOT_TASKS = {
     "piqa": ("piqa", "acc_norm"),
@@ -39,8 +42,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "kurtosis": 0,
         "only": "kv",
     },
-    # oaken-plus: each remedy can be switched off for the ablation table (all on: the preset).
-    "oaken-plus": {"shift": 1, "rot_k": 1, "rot_v": 1, "smooth": 1, "ratios": 1},
+    # oaken-plus: each remedy can be switched on or off for the ablation table (the defaults: the preset; the
+    # Hadamard rotations are off in it, see oakenkv.plus.PlusSearch).
+    # sink: the first tokens of a sequence kept at 16 bits (a count, not a switch).
+    "oaken-plus": {"shift": 1, "rot_k": 0, "rot_v": 0, "smooth": 1, "ratios": 1, "sink": 1},
     "oaken-official": {"outer": 0.04, "inner": 0.06},
     "int": {"bits": 4, "group": 0},
     "kivi": {"bits": 4, "group": 32, "residual": 128},
@@ -76,9 +81,12 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             params[k] = type(default)(v) if not isinstance(default, str) else v
         except ValueError as e:
             raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
-    if family == "oaken-plus":  # switches: checked here, before a model loads
+    if family == "oaken-plus":  # switches (and the sink's token count): checked here, before a model loads
         for k, v in params.items():
-            if v not in (0, 1):
+            if k == "sink":
+                if not 0 <= v <= MAX_SINK_TOKENS:
+                    raise ValueError(f"method 'oaken-plus': sink must be 0 to {MAX_SINK_TOKENS} tokens, got {v}")
+            elif v not in (0, 1):
                 raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
     return family, params
 

@@ -340,8 +340,10 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _combine(part_m, part_l, part_acc, out):
-    """Combine the splits of each row: ``out[b, h] = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m)``."""
+def _combine(part_m, part_l, part_acc, out, lse):
+    """Combine the splits of each row: ``out[b, h] = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m)``, and
+    ``lse[b, h] = m + log(sum_s l_s e^(m_s - m))``, the log of the softmax's denominator (-inf when every token
+    is masked): what a caller needs to merge the result with attention over tokens outside the pages."""
     b_n, num_splits, hq_n = part_m.shape
     hd = out.shape[2]
     for b in range(b_n):
@@ -353,6 +355,7 @@ def _combine(part_m, part_l, part_acc, out):
             total = _F32(0.0)
             for i in range(hd):
                 out[b, h, i] = 0.0
+            lse[b, h] = -np.inf
             if mm == -np.inf:
                 continue  # every token masked: output zeros (as a fully masked row carries no information)
             for s in range(num_splits):
@@ -363,12 +366,13 @@ def _combine(part_m, part_l, part_acc, out):
                 for i in range(hd):
                     out[b, h, i] += part_acc[b, s, h, i] * c
             if total > 0:  # not when a failed work item left nothing (the caller raises on its status)
+                lse[b, h] = mm + np.log(total)
                 for i in range(hd):
                     out[b, h, i] /= total
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
-def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, *view):
+def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, lse, *view):
     """Attention of one query token per row over ``T`` packed tokens, multi-threaded over (row, split) work
     items: for long contexts.
 
@@ -378,6 +382,7 @@ def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, 
         scaling: softmax scale (``hd ** -0.5`` or the model's); softcap: logit soft cap, 0 for none.
         num_splits: token ranges per row processed in parallel.
         out: float32 ``[B, Hq, hd]``, written. status: int64 ``[B * num_splits]``, 0 or a codec error code.
+        lse: float32 ``[B, Hq]``, written: the log-sum-exp of each head's kept scores (see :func:`_combine`).
         view: the fields of the layer's :class:`~oakenkv.format.LayerView`, in order (call with ``*view``).
     """
     lv = LayerView(*view)
@@ -387,11 +392,11 @@ def packed_decode_attention(q, keep, scaling, softcap, num_splits, out, status, 
     part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
     for w in prange(b_n * num_splits):
         status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
-    _combine(part_m, part_l, part_acc, out)
+    _combine(part_m, part_l, part_acc, out, lse)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, status, *view):
+def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, status, lse, *view):
     """:func:`packed_decode_attention` on the calling thread: for short contexts, where waking threads costs
     more than the work.
 
@@ -407,4 +412,4 @@ def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, s
     part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
     for w in range(b_n * num_splits):
         status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
-    _combine(part_m, part_l, part_acc, out)
+    _combine(part_m, part_l, part_acc, out, lse)

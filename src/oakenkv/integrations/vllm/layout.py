@@ -613,6 +613,8 @@ class DecodeBatch:
             self.sparse_first.reshape(2 * rows, width)[stream, slot] = t.sparse_first[: t.sparse_ptr[-1]]
         self.lens = np.empty((rows, 2, t_max), np.uint16)
         self.out = np.empty((rows, num_heads, head_size), np.float32)
+        #: the kernel's log-sum-exp per row and head (written, not read: the plugin stores no sink tokens)
+        self.lse = np.empty((rows, num_heads), np.float32)
         if threads > 1 and rows * t_max >= PARALLEL_MIN_TOKENS:
             import numba
 
@@ -660,7 +662,7 @@ class DecodeBatch:
         self.status[:] = 0
         self.kernel(
             np.ascontiguousarray(query, dtype=np.float32), self.tables.keep, np.float32(scale), np.float32(softcap),
-            self.splits, self.out, self.status, *view,
+            self.splits, self.out, self.status, self.lse, *view,
         )  # fmt: skip
         if self.status.any():
             code = int(self.status[np.flatnonzero(self.status)[0]])

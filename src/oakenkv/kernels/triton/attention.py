@@ -343,6 +343,11 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     b, s = query.shape[0], query.shape[2]
     if s != 1:
         raise ValueError(f"packed decode attention takes one query token per row, got {s}")
+    if getattr(store, "sink_tokens", 0):
+        raise NotImplementedError(
+            "the Triton decode attention does not read an oaken-plus profile's sink tokens yet; use the CPU kernel "
+            "(oakenkv.attention.packed_decode_attention) or a profile without sink tokens"
+        )
     view = view_from_store(store, key.layer, query.device)
     if view.num_tokens != key.num_tokens:
         raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {key.num_tokens}")

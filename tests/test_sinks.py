@@ -1,0 +1,198 @@
+"""Sink tokens of an ``oaken-plus`` profile (``Transforms.sink_tokens``; src/oakenkv/store.py, attention.py).
+
+The first ``n`` tokens of every row are stored in the pages like any other and also at 16 bits beside them; every
+read path takes them from there: the reference read, the prefill's direct decode and the packed decode attention
+(the kernel over the other tokens, merged with the sink part through the kernel's log-sum-exp). The bits count
+them. A profile without sink tokens keeps its old serialized form and digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from oakenkv.attention import float_attention, packed_decode_attention, reference_packed_attention
+from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
+from oakenkv.config import OakenConfig
+from oakenkv.pages import PoolConfig
+from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.transforms import LayerTransforms, TransformError, Transforms
+
+H, HD, HQ = 3, 64, 9
+
+
+def _profile(sink: int, shift: bool = True, rotate: bool = True) -> Thresholds:
+    fp = ModelFingerprint("llama", 2, H, HD)
+    keys = tuple(GroupThresholds(-2.0, -0.15, 0.15, 2.0) for _ in range(2))
+    values = tuple(GroupThresholds(-1.5, -0.1, 0.1, 1.5) for _ in range(2))
+    g = torch.Generator().manual_seed(7)
+    layers = tuple(
+        LayerTransforms(
+            key_shift=tuple(torch.randn(H * HD, generator=g).mul(0.5).tolist()) if shift else None,
+            key_rotation=rotate,
+        )
+        for _ in range(2)
+    )
+    return Thresholds(OakenConfig(), fp, keys, values, transforms=Transforms(layers, H, HD, sink_tokens=sink))
+
+
+def _kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, H, t, HD, generator=g)
+    k[:, :, 0] *= 8.0  # an atypical first token, as an attention sink's key is
+    v = torch.randn(b, H, t, HD, generator=g) * 0.8
+    return k, v
+
+
+def _stores(sink: int, b: int, t: int, prefill: int, seed: int = 0):
+    """A store with ``sink`` sink tokens and one without, both fed the same tokens (a prefill, then one token at
+    a time through the decode path)."""
+    k, v = _kv(b, t, seed)
+    stores = []
+    for n in (sink, 0):
+        store = PagedKVStore(_profile(n), 2, H, HD, PoolConfig(page_size=1024))
+        store.append(1, k[:, :, :prefill], v[:, :, :prefill])
+        for i in range(prefill, t):
+            store.append_token(1, k[:, :, i : i + 1], v[:, :, i : i + 1])
+        stores.append(store)
+    return stores, k, v
+
+
+@pytest.mark.parametrize(("sink", "prefill"), [(1, 40), (3, 1), (4, 2)])
+def test_reads_take_the_sink_tokens_at_16_bits(sink, prefill):
+    (with_sink, without), k, v = _stores(sink, 2, 50, prefill)
+    tr = with_sink.transforms
+    for kind, x in ((KEY, k), (VALUE, v)):
+        got, plain = with_sink.read(1, kind), without.read(1, kind)
+        # every other token reads exactly as without sink tokens
+        torch.testing.assert_close(got[:, :, sink:], plain[:, :, sink:], rtol=0, atol=0)
+        # keys: the pages' frame, rounded to float16, then the rotation undone (the shift stays)
+        want = (
+            x[:, :, :sink].half().float()
+            if kind == VALUE
+            else tr.keys_restore(1, tr.keys_forward(1, x[:, :, :sink]).half().float())
+        )
+        torch.testing.assert_close(got[:, :, :sink], want, rtol=0, atol=0)
+        assert not torch.equal(plain[:, :, :sink], got[:, :, :sink])  # the pages alone would read them quantized
+    # the bits: the format's bytes plus 16 bits per sink value
+    stats = with_sink.stats()
+    assert stats.sink_bytes == 2 * sink * H * HD * 2 * 2  # 2 kinds x sink tokens x D values x 2 bytes x 2 rows
+    assert stats.total_bytes == without.stats().total_bytes + stats.sink_bytes
+    extra = with_sink.bits_per_value()["format"] - without.bits_per_value()["format"]
+    assert extra == pytest.approx(16 * sink / 50)
+
+
+def test_the_prefills_direct_decode_takes_the_sink_tokens():
+    """OakenCache's first update returns the decoded prefill itself (not a read of the pages): with the sinks."""
+    from oakenkv.cache import OakenLayer
+
+    store = PagedKVStore(_profile(2), 2, H, HD, PoolConfig(page_size=1024))
+    layer = OakenLayer(store, 1)
+    k, v = _kv(1, 30, 3)
+    got_k, got_v = layer.update(k, v)
+    torch.testing.assert_close(got_k, store.read(1, KEY), rtol=0, atol=0)
+    torch.testing.assert_close(got_v, store.read(1, VALUE), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("sink", "pad", "softcap"), [(1, [0, 0], None), (2, [0, 1], None), (3, [0, 40], 30.0)])
+def test_packed_attention_merges_the_sink_tokens(sink, pad, softcap):
+    """The kernel over the other tokens, merged with the 16-bit sink tokens, equals float attention over the
+    store's reads (which hold the sinks); a row whose sinks are masked (left padding) ignores them."""
+    t = 300
+    (store, _), k, v = _stores(sink, 2, t, 100)
+    kh, vh = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
+    q = torch.randn(2, HQ, 1, HD, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 1, 1, t, dtype=torch.bool)
+    for r, p in enumerate(pad):
+        mask[r, ..., :p] = False
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5, softcap)
+    want = reference_packed_attention(q, kh, vh, mask, HD**-0.5, softcap)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    # closer to the unquantized attention than the same store's pages alone
+    exact = float_attention(q, k, v, mask, HD**-0.5, softcap)
+    store.sink_tokens = 0
+    pages_only = packed_decode_attention(q, kh, vh, mask, HD**-0.5, softcap)
+    assert (got - exact).norm() < (pages_only - exact).norm()
+
+
+def test_only_sink_tokens_left_to_attend():
+    """A row whose only visible tokens are sink tokens: the kernel part is empty (log-sum-exp -inf)."""
+    (store, _), _, _ = _stores(2, 1, 6, 6)
+    kh, vh = PackedKV(store, 1, KEY, 6), PackedKV(store, 1, VALUE, 6)
+    q = torch.randn(1, HQ, 1, HD, generator=torch.Generator().manual_seed(4))
+    mask = torch.zeros(1, 1, 1, 6, dtype=torch.bool)
+    mask[..., :2] = True
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
+    torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5), rtol=2e-5, atol=2e-6)
+
+
+def test_reorder_moves_the_sink_tokens_with_their_rows():
+    (store, _), _, _ = _stores(2, 3, 20, 20)
+    before = store.read(1, VALUE)
+    store.reorder([2, 0, 0])
+    torch.testing.assert_close(store.read(1, VALUE), before[[2, 0, 0]], rtol=0, atol=0)
+
+
+def test_transforms_without_sink_tokens_keep_their_old_form():
+    th = _profile(0)
+    d = th.transforms.to_dict()
+    assert d["version"] == 1 and "sink_tokens" not in d  # as written before sink tokens existed: same digest
+    with_sink = dataclasses.replace(th.transforms, sink_tokens=2)
+    d2 = with_sink.to_dict()
+    assert d2["version"] == 2 and d2["sink_tokens"] == 2
+    assert Transforms.from_dict(json.loads(json.dumps(d2))) == with_sink
+    assert with_sink.digest() != th.transforms.digest()
+    bad = dict(d, sink_tokens=2)  # version 1 cannot say it: an older reader would ignore it
+    with pytest.raises(TransformError, match="version 1"):
+        Transforms.from_dict(bad)
+    for n in (-1, 65, 1.5, True):
+        with pytest.raises(TransformError, match="sink_tokens"):
+            dataclasses.replace(th.transforms, sink_tokens=n)
+
+
+def test_the_method_spec_takes_a_sink_count():
+    from oakenkv.eval.spec import parse_spec
+
+    assert parse_spec("oaken-plus")[1]["sink"] == 1
+    assert parse_spec("oaken-plus:sink=4")[1]["sink"] == 4
+    with pytest.raises(ValueError, match="sink must be 0 to 64"):
+        parse_spec("oaken-plus:sink=65")
+
+
+def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
+    """FakeQuantCache with oaken-plus's quantizer: the first tokens as OakenCache reads them, and 16 bits each
+    on top of the codes."""
+    from oakenkv.eval.methods import PlusQuantizer
+
+    th = _profile(2)
+    q = PlusQuantizer(th)
+    k, v = _kv(1, 30, 5)
+    store = PagedKVStore(th, 2, H, HD, PoolConfig(page_size=1024))
+    store.append(1, k, v)
+
+    class _Cache:  # FakeQuantCache.quantize_kv's body needs only these
+        quantizer, rope = q, None
+
+        def __init__(self):
+            from oakenkv.baselines.base import BitCounter
+
+            self.counter = BitCounter()
+
+    from oakenkv.eval.cache import FakeQuantCache
+
+    c = _Cache()
+    kq, vq = FakeQuantCache.quantize_kv(c, 1, k, v, 0)
+    torch.testing.assert_close(kq, store.read(1, KEY), rtol=0, atol=1e-6)  # (the rotation's float rounding)
+    torch.testing.assert_close(vq, store.read(1, VALUE), rtol=0, atol=0)
+    c2 = _Cache()
+    c2.quantizer = PlusQuantizer(dataclasses.replace(th, transforms=dataclasses.replace(th.transforms, sink_tokens=0)))
+    FakeQuantCache.quantize_kv(c2, 1, k, v, 0)
+    assert c.counter.bits - c2.counter.bits == 16 * 2 * 2 * H * HD
+    # a later chunk (start past the sinks) is quantized as before
+    k2, _ = FakeQuantCache.quantize_kv(_Cache(), 1, k, v, 5)
+    assert not torch.equal(k2[:, :, :2], kq[:, :, :2])
+    assert np.isfinite(k2.numpy()).all()
