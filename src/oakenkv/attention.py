@@ -135,50 +135,19 @@ def packed_decode_attention(
     bad = np.flatnonzero(status)
     if bad.size:
         raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
-    if n_sink:
-        _merge_sinks(store, key.layer, q, sink_keep, float(scaling), float(softcap or 0.0), out3, lse)
+    if n_sink:  # the sink tokens' part of the softmax, merged through the kernel's log-sum-exp
+        sinks = store.sinks[key.layer].view(np.uint16)
+        attention_cpu.merge_sinks(q, sink_keep, sinks, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
 
 
-def _merge_sinks(
-    store: Any,
-    layer: int,
-    q: np.ndarray,
-    keep: np.ndarray,
-    scaling: float,
-    softcap: float,
-    out: np.ndarray,
-    lse: np.ndarray,
-) -> None:
-    """Add the layer's sink tokens (16-bit, ``store.sinks``) to the kernel's attention over the other tokens, in
-    place: ``out = (out e^lse + sum_j e^s_j v_j) / (e^lse + sum_j e^s_j)`` per row and query head, the softmax
-    over both parts. q ``[B, Hq, hd]`` (in the pages' key frame), keep uint8 ``[B, n]``, out ``[B, Hq, hd]``,
-    lse ``[B, Hq]``."""
-    b, hq, hd = q.shape
-    n = keep.shape[1]
-    h = store.num_kv_heads
-    sink = store.sinks[layer][:, :, :n].astype(np.float32).reshape(b, 2, n, h, hd)
-    k = np.repeat(sink[:, 0].transpose(0, 2, 1, 3), hq // h, axis=1)  # [B, Hq, n, hd]
-    v = np.repeat(sink[:, 1].transpose(0, 2, 1, 3), hq // h, axis=1)
-    s = np.einsum("bhd,bhnd->bhn", q, k) * np.float32(scaling)
-    if softcap:
-        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
-    s = np.where(keep[:, None, :] != 0, s, -np.inf)
-    m = np.maximum(lse, s.max(axis=2))  # [B, Hq]; -inf only where every token is masked
-    safe = np.where(np.isfinite(m), m, 0.0)[..., None]
-    w_pages = np.exp(lse[..., None] - safe)  # [B, Hq, 1]
-    w_sink = np.exp(s - safe)  # [B, Hq, n]
-    total = w_pages + w_sink.sum(axis=2, keepdims=True)
-    merged = out * w_pages + np.einsum("bhn,bhnd->bhd", w_sink, v)
-    out[:] = np.where(total > 0, merged / np.where(total > 0, total, 1.0), 0.0)
-
-
 def load_kernels() -> float:
-    """Load every decode-step kernel (the single-token append and both attention kernels) from numba's on-disk
-    cache now, by running them on a tiny store, so that the first decode step of a generation does not pay it;
-    returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call loads
-    the code a model's will run.)"""
+    """Load every decode-step kernel (the single-token append, both attention kernels, the sink merge) from
+    numba's on-disk cache now, by running them on a tiny store, so that the first decode step of a generation does
+    not pay it; returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call
+    loads the code a model's will run.)"""
+
     import time
 
     from oakenkv.config import OakenConfig
@@ -197,6 +166,8 @@ def load_kernels() -> float:
         out = np.empty((1, 1, 4), np.float32)
         lse = np.empty((1, 1), np.float32)
         kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), lse, *store.layer_view(0))
+    sinks = np.zeros((1, 2, 1, 4), np.float16).view(np.uint16)
+    attention_cpu.merge_sinks(q, np.ones((1, 1), np.uint8), sinks, np.float32(1.0), np.float32(0.0), out, lse)
     return time.perf_counter() - t0
 
 

@@ -932,7 +932,8 @@ eval_app = typer.Typer(
     help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. "
     "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], "
     "oaken-plus[:shift=0,rot_k=1,rot_v=1,smooth=0,ratios=0,sink=N] (offline transforms chosen per layer; each "
-    "switch turns one remedy on or off; sink: first tokens kept at 16 bits, default 1), oaken-official, int4, int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
+    "switch turns one remedy on or off; sink: first tokens kept at 16 bits, default 1), oaken-official, int4, "
+    "int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")

@@ -413,3 +413,55 @@ def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, s
     for w in range(b_n * num_splits):
         status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
     _combine(part_m, part_l, part_acc, out, lse)
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def merge_sinks(q, keep, sinks, scaling, softcap, out, lse):
+    """Add tokens kept at 16 bits outside the pages (an oaken-plus profile's sink tokens, ``oakenkv.store``) to
+    the result of :func:`packed_decode_attention` over the other tokens, in place: per row and query head,
+    ``out = (out e^lse + sum_j e^s_j v_j) / (e^lse + sum_j e^s_j)``, the softmax over both parts, and ``lse``
+    updated to match.
+
+    Args:
+        q: float32 ``[B, Hq, hd]``, the kernel's queries (in the pages' key frame). keep: uint8 ``[B, n]``, 1
+            where the query may attend to sink token ``j``.
+        sinks: uint16 ``[B, 2, >= n, D]``: the float16 bits of the sink tokens' key rows (index 0, in the pages'
+            frame) and value rows (index 1).
+        scaling, softcap: as for the kernel. out: float32 ``[B, Hq, hd]``; lse: float32 ``[B, Hq]`` (both
+            written).
+    """
+    b_n, hq_n, hd = q.shape
+    n = keep.shape[1]
+    group = hq_n // (sinks.shape[3] // hd)
+    s = np.empty(n, np.float32)
+    for b in range(b_n):
+        for h in range(hq_n):
+            ko = (h // group) * hd
+            mm = lse[b, h]
+            for j in range(n):
+                if keep[b, j]:
+                    dot = _F32(0.0)
+                    for i in range(hd):
+                        dot += q[b, h, i] * f16_widen(sinks[b, 0, j, ko + i])
+                    dot *= scaling
+                    if softcap > 0:
+                        dot = np.tanh(dot / softcap) * softcap
+                    s[j] = dot
+                    mm = max(mm, dot)
+                else:
+                    s[j] = -np.inf
+            if mm == -np.inf:
+                continue  # nothing to attend to at all: the kernel's zeros stay
+            w_pages = np.exp(lse[b, h] - mm)  # 0 when the kernel had no token
+            total = w_pages
+            for i in range(hd):
+                out[b, h, i] *= w_pages
+            for j in range(n):
+                if s[j] > -np.inf:
+                    w = np.exp(s[j] - mm)
+                    total += w
+                    for i in range(hd):
+                        out[b, h, i] += w * f16_widen(sinks[b, 1, j, ko + i])
+            for i in range(hd):
+                out[b, h, i] /= total
+            lse[b, h] = mm + np.log(total)
