@@ -27,8 +27,8 @@ H, HD, HQ = 3, 64, 9
 
 def _profile(sink: int, shift: bool = True, rotate: bool = True) -> Thresholds:
     fp = ModelFingerprint("llama", 2, H, HD)
-    keys = tuple(GroupThresholds(-2.0, -0.15, 0.15, 2.0) for _ in range(2))
-    values = tuple(GroupThresholds(-1.5, -0.1, 0.1, 1.5) for _ in range(2))
+    keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(2))
+    values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(2))
     g = torch.Generator().manual_seed(7)
     layers = tuple(
         LayerTransforms(
