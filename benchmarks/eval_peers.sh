@@ -116,6 +116,8 @@ for part in "${parts[@]}"; do
       mkdir -p "$OUT/$MODEL-full"
       f="$OUT/$MODEL-full/ppl-oaken-plus.json"
       [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method oaken-plus --resume --json "$f"
+      f="$OUT/$MODEL-full/ppl-oaken-plus-with-rotations.json"
+      [[ -f "$f" ]] || $OAK eval ppl --model "$MODEL" --method "oaken-plus:rot_k=1,rot_v=1" --resume --json "$f"
       ppl oaken-plus oaken-plus
       for spec in "none:shift=0,smooth=0,ratios=0,sink=0" "shift-only:smooth=0,ratios=0,sink=0" \
                   "smooth-only:shift=0,ratios=0,sink=0" "ratios-only:shift=0,smooth=0,sink=0" \
