@@ -13,6 +13,16 @@ from typing import Any, Literal
 
 #: Version of the serialized config; bump when a field changes meaning.
 CONFIG_VERSION = 1
+#: The most tokens an oaken-plus profile may keep at 16 bits beside their codes (``Transforms.sink_tokens``; a
+#: sink is a few tokens, not a window).
+MAX_SINK_TOKENS = 64
+
+
+def valid_sink_tokens(n: Any) -> bool:
+    """Whether ``n`` is a sink-token count: an int (not a bool) in ``[0, MAX_SINK_TOKENS]``."""
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_SINK_TOKENS
+
+
 #: The keys of a serialized config, in the order files have always had them.
 _V1_KEYS = (
     "outer_ratio",

@@ -33,11 +33,10 @@ import numpy as np
 import torch
 
 from oakenkv.compat import cache_kwargs
-from oakenkv.config import OakenConfig
+from oakenkv.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_tokens
 from oakenkv.profile import CalibrationSpec, ProgressLog, RunAccumulator, run_thresholds
 from oakenkv.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
 from oakenkv.transforms import (
-    MAX_SINK_TOKENS,
     LayerTransforms,
     TransformError,
     Transforms,
@@ -102,9 +101,8 @@ class PlusSearch:
             OakenConfig(outer_ratio=o, inner_ratio=i)  # validates
         if self.query_runs < 1 or self.query_positions < 1:
             raise ValueError("query_runs and query_positions must be positive")
-        n = self.sink_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_SINK_TOKENS:
-            raise ValueError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {n!r}")
+        if not valid_sink_tokens(self.sink_tokens):  # (checked before minutes of profiling, not after)
+            raise ValueError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {self.sink_tokens!r}")
 
 
 # ----------------------------------------------------------------------------------------------- recording

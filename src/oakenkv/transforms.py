@@ -53,13 +53,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from oakenkv.config import MAX_SINK_TOKENS, valid_sink_tokens
+
 #: Version of the serialized transforms; bump when a field changes meaning. Version 2 adds ``sink_tokens``; a
 #: record without sink tokens is still written as version 1 (same bytes and digest as before), so that an older
 #: oakenkv refuses only the profiles it would misread.
 TRANSFORMS_VERSION = 2
 _READS_VERSIONS = (1, 2)
-#: The most tokens ``sink_tokens`` may keep at 16 bits (a sink is a few tokens, not a window).
-MAX_SINK_TOKENS = 64
 #: Name of the attribute on the model's config that records the folded transforms (their digest).
 FOLD_MARK = "oakenkv_transforms"
 
@@ -154,9 +154,8 @@ class Transforms:
 
     def __post_init__(self) -> None:
         d = self.num_kv_heads * self.head_dim
-        n = self.sink_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_SINK_TOKENS:
-            raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {n!r}")
+        if not valid_sink_tokens(self.sink_tokens):
+            raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {self.sink_tokens!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
         for i, lt in enumerate(self.layers):
             if not isinstance(lt, LayerTransforms):

@@ -64,6 +64,13 @@ class KVFakeQuantizer(ABC):
     #: Where keys are quantized: "post_rope" (what a KV cache stores) or "pre_rope" (KVQuant; the cache
     #: un-rotates, quantizes and re-rotates; see :mod:`oakenkv.rope`).
     key_position: KeyPosition = "post_rope"
+    #: The first tokens of a sequence the method keeps at 16 bits beside its codes (oaken-plus), read back
+    #: through :meth:`sink`; 0 for every other method.
+    sink_tokens: int = 0
+
+    def sink(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
+        """The first ``sink_tokens`` tokens ``x`` as the attention reads them (only where ``sink_tokens > 0``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no sink tokens")
 
     @abstractmethod
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:

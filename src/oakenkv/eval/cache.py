@@ -97,7 +97,7 @@ class FakeQuantCache(DynamicCache):
         else:
             k_hat, kbits = q.quantize(layer_idx, "key", k)
         v_hat, vbits = q.quantize(layer_idx, "value", v)
-        n = min(getattr(q, "sink_tokens", 0) - start, k.shape[-2])
+        n = min(q.sink_tokens - start, k.shape[-2])
         if n > 0:  # oaken-plus: the first tokens also kept at 16 bits and read from there, as OakenCache does
             k_hat, v_hat = k_hat.clone(), v_hat.clone()
             k_hat[:, :, :n] = q.sink(layer_idx, "key", k[:, :, :n])

@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from oakenkv.config import OakenConfig
-
-#: The most sink tokens a spec may ask for (``oakenkv.transforms.MAX_SINK_TOKENS``; this module imports no torch).
-MAX_SINK_TOKENS = 64
+from oakenkv.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_tokens
 
 #: Zero-shot tasks and the metric each reports (``oakenkv.eval.zeroshot``).
 ZEROSHOT_TASKS = {
@@ -84,7 +81,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if family == "oaken-plus":  # switches (and the sink's token count): checked here, before a model loads
         for k, v in params.items():
             if k == "sink":
-                if not 0 <= v <= MAX_SINK_TOKENS:
+                if not valid_sink_tokens(v):
                     raise ValueError(f"method 'oaken-plus': sink must be 0 to {MAX_SINK_TOKENS} tokens, got {v}")
             elif v not in (0, 1):
                 raise ValueError(f"method 'oaken-plus': {k} must be 0 or 1, got {v}")
