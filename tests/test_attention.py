@@ -196,3 +196,63 @@ def test_mask_conversion_is_cached_per_tensor_and_sees_in_place_changes():
     with torch.inference_mode():
         inf = _mask(1, 5, [2])
         assert _keep_mask(inf, 1, 5).tolist() == [[0, 0, 1, 1, 1]]
+
+
+def _sparse_outlier_kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V whose rows hold only 0-5 outliers each (inner and outer, both signs) at random positions: most rows need
+    COO escapes (an entry two chunks ahead, or the same index and group one chunk ahead), which real rows rarely
+    do, and runs of one, two and more entries exercise every branch of the kernel's walk."""
+    g = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        x = g.uniform(0.4, 1.6, size=(b, t, H * HD)) * g.choice([-1.0, 1.0], size=(b, t, H * HD))
+        for r in range(b):
+            for s in range(t):
+                n = g.integers(0, 6)
+                pos = g.choice(H * HD, size=n, replace=False)
+                if n >= 2 and g.random() < 0.3:  # the same index one chunk apart: equal COO bytes
+                    pos[1] = (pos[0] + 64) % (H * HD)
+                x[r, s, pos] = g.choice([-4.0, -3.0, -0.02, 0.01, 0.03, 3.5, 5.0], size=n)
+        out.append(torch.from_numpy(x.astype(np.float32)).reshape(b, t, H, HD).transpose(1, 2).contiguous())
+    return out[0], out[1]
+
+
+def test_kernel_walks_escapes_like_the_reference():
+    b, t = 2, 200
+    store = PagedKVStore(_thresholds(), 2, H, HD, PoolConfig(page_size=512))
+    k, v = _sparse_outlier_kv(b, t, seed=11)
+    store.append(1, k, v)
+    lens = store.layer_view(1).sparse_lengths[:, :, :t]
+    assert (lens == 0).any() and (lens > 8).any()  # rows without outliers and rows with escapes
+    kh, vh = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(3))
+    mask = _mask(b, t, [0, 3])
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
+    torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        (lambda n: [0x00, 0x03, 0x05] + [0] * (n - 3), "past the end"),  # an escape three chunks ahead
+        (lambda n: [0x05, 0x04, 0x03, 0x02] + [0] * (n - 4), "past the end"),  # natural advances, in pairs
+        (lambda n: [0x00, 0x03, 0x01, 0x01] + [0] * (n - 4), "past the end"),  # a single entry before an escape
+        (lambda n: [*range(1, n), n - 1], "cut off"),  # the last byte is an escape with no advance after it
+    ],
+)
+def test_kernel_reports_a_corrupt_sparse_record(record, message):
+    """A COO record that would place a value outside its row stops the kernel with the codec's error, whichever
+    branch of the walk meets it (single entries, pairs, escapes); nothing outside the row's buffer is written."""
+    from oakenkv.format import CorruptDataError
+
+    store, _, _, (kh, vh) = _store(1, 40, seed=7, chunk=40)
+    view = store.layer_view(1)
+    assert view.sparse_counts[0, KEY] == 1  # one sparse page: token t's record starts at the sum of those before
+    lens = view.sparse_lengths[0, KEY, :40].astype(np.int64)
+    token = int(np.flatnonzero((lens >= 4) & (lens < 60))[0])
+    at = int(view.sparse_pages[0, KEY, 0]) * view.page_size + int(lens[:token].sum())
+    n = int(lens[token])
+    view.pool[at : at + n] = np.array(record(n), np.uint8)
+    q = torch.randn(1, HQ, 1, HD, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(CorruptDataError, match=message):
+        packed_decode_attention(q, kh, vh, None, HD**-0.5)

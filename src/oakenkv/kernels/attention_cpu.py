@@ -9,7 +9,8 @@ row and its per-head accumulators.
 Blocks: a work item takes its tokens ``_BLOCK`` at a time. It decodes the block's key rows into a small float
 buffer, then computes all the block's scores (unit-stride dot products that LLVM vectorizes), the block's maximum
 and the probabilities (a polynomial ``exp`` that vectorizes, where a libm call per score would not), rescales the
-accumulators once, and finally decodes each value row and adds it into every query head's accumulator. Loops
+accumulators once, and finally decodes the block's value rows and adds them into every query head's
+accumulator, four rows per pass (the accumulator is loaded and stored once for four rows). Loops
 over the buffers use borrowed views (``numba_helpers.row_view`` / ``span_view``): a numba slice costs an atomic
 reference-count increment and decrement, which per token and head was most of the old kernel's time
 (docs/perf-notes.md).
@@ -57,8 +58,11 @@ _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 _F32 = np.float32
 
-#: Codes of a 5-bit outlier group: the entries of each group's half of the outlier look-up table.
-_CODES = 32
+#: An outlier's entry in the look-up table of :func:`_coo_walk`: ``16 * (e >> _CLASS_SHIFT) + nibble`` for COO
+#: byte ``e``; ``e >> _CLASS_SHIFT`` is its (fifth code bit, group bit) pair.
+_CLASS_SHIFT = 6
+assert COO_GROUP_BIT == 1 << _CLASS_SHIFT and COO_CODE_BIT4 == 1 << (_CLASS_SHIFT + 1)
+_LUT_SIZE = 64
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -113,11 +117,12 @@ def _decode_rows(
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
-    middle values are computed from the nibbles in one loop that LLVM vectorizes (no table look-up, no codes
-    buffer; the int32 casts keep it at 16 lanes, numba would widen the nibbles to int64); each COO entry then
-    overwrites its value (:func:`_coo_walk`). Compiled without fastmath (no FMA contraction), so the numbers
-    stay bit-exact inside the fast-math attention kernel. A block per call, not a row: the call and the page
-    arithmetic cost as much as a row's nibbles (docs/perf-notes.md).
+    nibbles are first split into an int32 code row (``codes``, which the COO walk reads too), then the middle
+    values are computed from it in one contiguous loop that LLVM vectorizes (int32, not int64: numba would widen
+    the nibbles; two loops are faster than one that stores the even and odd values interleaved,
+    docs/perf-notes.md); each COO entry then overwrites its value (:func:`_coo_walk`). Compiled without fastmath
+    (no FMA contraction), so the numbers stay bit-exact inside the fast-math attention kernel. A block per call,
+    not a row: the call and the page arithmetic cost as much as a row's nibbles (docs/perf-notes.md).
     """
     rpp = page_size // rec
     d = out.shape[1]
@@ -128,7 +133,8 @@ def _decode_rows(
     out_div = _F32((1 << ob) - 1)
     pi = t0 // rpp
     slot = t0 - pi * rpp
-    lut = np.empty(2 * _CODES, np.float32)  # the outlier values of the row being decoded (_coo_walk)
+    codes = np.empty(d, np.int32)  # the row's nibbles, one per value
+    lut = np.empty(_LUT_SIZE, np.float32)  # the outlier values of the row being decoded (_coo_walk)
     for j in range(out.shape[0]):
         t = t0 + j
         n = np.int64(lens[t])
@@ -149,14 +155,14 @@ def _decode_rows(
             step = (_f16_at(pool, base + 2) - lo) / _F32(15.0)
             src = span_view(pool, base + sb, base + sb + half + (d & 1))
             for i in range(half):
-                byte = src[i]
-                v0 = lo + _F32(np.int32(byte & np.uint8(15))) * step
-                v1 = lo + _F32(np.int32(byte >> np.uint8(4))) * step
-                row[2 * i] = v0 + (ti_hi if v0 > zero else ti_lo)
-                row[2 * i + 1] = v1 + (ti_hi if v1 > zero else ti_lo)
+                byte = np.int32(src[i])
+                codes[2 * i] = byte & np.int32(15)
+                codes[2 * i + 1] = byte >> np.int32(4)
             if d & 1:
-                v0 = lo + _F32(np.int32(src[half] & np.uint8(15))) * step
-                row[d - 1] = v0 + (ti_hi if v0 > zero else ti_lo)
+                codes[d - 1] = np.int32(src[half]) & np.int32(15)
+            for i in range(d):
+                v0 = lo + _F32(codes[i]) * step
+                row[i] = v0 + (ti_hi if v0 > zero else ti_lo)
             if n:
                 spage = np.int64(sc_pages[sp])
                 if spage < 0:
@@ -166,7 +172,7 @@ def _decode_rows(
                 out_lo = _f16_at(pool, base + 8)
                 out_step = (_f16_at(pool, base + 10) - out_lo) / out_div
                 st = _coo_walk(
-                    pool, spage * page_size + s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut
+                    pool, spage * page_size + s0, n, codes, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut
                 )
                 if st != ERR_OK:
                     return st, sp, off
@@ -181,23 +187,46 @@ def _decode_rows(
 def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
     """Overwrite the outliers of one decoded row with their values: the COO walk of ``oakenkv.format`` (its
     module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low four code
-    bits come from the row's nibbles ``src``. Returns ``ERR_OK`` or an ``ERR_*`` code.
+    bits come from the row's int32 codes ``src``. Returns ``ERR_OK`` or an ``ERR_*`` code.
 
-    The values of every code of both outlier groups go to ``lut`` (float32 ``[2 * _CODES]``: inner, then outer)
-    first, in a loop LLVM vectorizes; an entry then costs one look-up, indexed by its group bit, its fifth code
-    bit and its nibble (12% faster than computing each entry's value, docs/perf-notes.md). Unsigned indices spare
-    numba's negative-index checks."""
+    The values of every code of both outlier groups go to ``lut`` (float32 ``[_LUT_SIZE]``) first, in a loop LLVM
+    vectorizes; an entry then costs one look-up, ``lut[16 * (e >> _CLASS_SHIFT) + nibble]`` (12% faster than
+    computing each entry's value, docs/perf-notes.md). Entries are taken two at a time while neither is an escape
+    (one loop test and one range check per pair: positions only increase, so the second one's check covers
+    both); escapes and a last odd entry take the one-entry path. Unsigned indices spare numba's negative-index
+    checks."""
     zero = _F32(0.0)
     d = row.shape[0]
-    for c in range(_CODES):
+    # block k = e >> _CLASS_SHIFT of the table holds group k & 1's codes 16 * (k >> 1) + nibble (group 0 inner)
+    for c in range(16):
         lut[c] = in_lo + _F32(np.int32(c)) * in_step
+        lut[32 + c] = in_lo + _F32(np.int32(c + 16)) * in_step
         vo = out_lo + _F32(np.int32(c)) * out_step
-        lut[_CODES + c] = vo + (to_hi if vo > zero else to_lo)
+        lut[16 + c] = vo + (to_hi if vo > zero else to_lo)
+        vo = out_lo + _F32(np.int32(c + 16)) * out_step
+        lut[48 + c] = vo + (to_hi if vo > zero else to_lo)
     coo = span_view(pool, s0, s0 + n)
-    c, p, prev = 0, -1, 0
+    base, p, prev = 0, -1, 0
     j = 0
     while j < n:
         e = np.int64(coo[np.uint64(j)])
+        if j + 1 < n:  # two entries at a time while neither is an escape
+            e1 = np.int64(coo[np.uint64(j + 1)])
+            if e != prev and e1 != e:
+                i = e & COO_INDEX_MASK
+                base += CHUNK_SIZE * np.int64(i <= p)
+                pos = base + i
+                i1 = e1 & COO_INDEX_MASK
+                base += CHUNK_SIZE * np.int64(i1 <= i)
+                pos1 = base + i1
+                if pos1 >= d:  # positions only increase: pos < pos1
+                    return ERR_POSITION_RANGE
+                row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos)]))]
+                row[np.uint64(pos1)] = lut[np.uint64(((e1 >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos1)]))]
+                p = i1
+                prev = e1
+                j += 2
+                continue
         j += 1
         if e == prev:
             k = 0
@@ -209,19 +238,16 @@ def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, 
                 k += a
                 if a != ADVANCE_CONTINUE:
                     break
-            c += k
+            base += k * CHUNK_SIZE
             p = -1
             prev = -1
             continue
         i = e & COO_INDEX_MASK
-        c += np.int64(i <= p)
-        pos = c * CHUNK_SIZE + i
+        base += CHUNK_SIZE * np.int64(i <= p)
+        pos = base + i
         if pos >= d:
             return ERR_POSITION_RANGE
-        upos = np.uint64(pos)
-        nib = (np.int64(src[upos >> np.uint64(1)]) >> np.int64((pos & 1) << 2)) & 15
-        # lut index: group * _CODES + (fifth code bit) * 16 + nibble (COO_CODE_BIT4 is bit 7, COO_GROUP_BIT bit 6)
-        row[upos] = lut[np.uint64(nib | ((e & COO_CODE_BIT4) >> 3) | ((e & COO_GROUP_BIT) >> 1))]
+        row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos)]))]
         p = i
         prev = e
     return ERR_OK
@@ -253,6 +279,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     m = np.full(hq_n, -np.inf, dtype=np.float32)
     ell = np.zeros(hq_n, dtype=np.float32)
     acc = np.zeros(hq_n * hd, dtype=np.float32)
+    zero = _F32(0.0)
     k_dense, v_dense = view.dense_pages[b, 0], view.dense_pages[b, 1]
     k_pages, v_pages = view.sparse_pages[b, 0], view.sparse_pages[b, 1]
     k_first, v_first = view.sparse_first[b, 0], view.sparse_first[b, 1]
@@ -321,16 +348,30 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
         )  # fmt: skip
         if st != ERR_OK:
             return st
+        for j in range(nb):  # masked tokens add nothing: their probability is exactly 0
+            if not keep_b[tb + j]:
+                for i in range(d):
+                    vbuf[j, i] = zero
         for h in range(hq_n):
             vo = (h // group) * hd
             ah = span_view(acc, h * hd, h * hd + hd)
             ph = row_view(probs, h)
-            for j in range(nb):
-                if keep_b[tb + j]:
-                    pj = ph[j]
-                    vr = span_view(row_view(vbuf, j), vo, vo + hd)
-                    for i in range(hd):
-                        ah[i] += pj * vr[i]
+            j = 0
+            while j + 4 <= nb:  # four rows per pass: the accumulator is loaded and stored once for four
+                p0, p1, p2, p3 = ph[j], ph[j + 1], ph[j + 2], ph[j + 3]
+                v0 = span_view(row_view(vbuf, j), vo, vo + hd)
+                v1 = span_view(row_view(vbuf, j + 1), vo, vo + hd)
+                v2 = span_view(row_view(vbuf, j + 2), vo, vo + hd)
+                v3 = span_view(row_view(vbuf, j + 3), vo, vo + hd)
+                for i in range(hd):
+                    ah[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+                j += 4
+            while j < nb:
+                pj = ph[j]
+                vr = span_view(row_view(vbuf, j), vo, vo + hd)
+                for i in range(hd):
+                    ah[i] += pj * vr[i]
+                j += 1
     for h in range(hq_n):
         part_m[b, s, h] = m[h]
         part_l[b, s, h] = ell[h]
