@@ -85,7 +85,7 @@ def test_kernel_matches_float_attention_over_the_dequantized_cache(b, t, pad, wi
 
 def test_parallel_splits_match_serial():
     """The multi-threaded kernel (token ranges combined at the end) gives the serial kernel's result."""
-    _, _, _, (kh, vh) = _store(2, 4200, seed=3)  # B * T >= PARALLEL_MIN_TOKENS: the parallel kernel
+    _, _, _, (kh, vh) = _store(2, 4200, seed=3)  # B * T >= attention_cpu.PARALLEL_MIN_TOKENS: the parallel kernel
     q = torch.randn(2, HQ, 1, HD, generator=torch.Generator().manual_seed(2))
     mask = _mask(2, 4200, [0, 11])
     parallel = packed_decode_attention(q, kh, vh, mask, 0.125)

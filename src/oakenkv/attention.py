@@ -21,16 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import get_num_threads
 
 from oakenkv.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV
 from oakenkv.format import ERROR_MESSAGES, CorruptDataError
 from oakenkv.kernels import attention_cpu
-
-#: Smallest split of a row's tokens worth a work item of its own.
-_THREADS_MIN_TOKENS = 256
-#: Below this many (row, token) pairs the kernel runs serially (see ``oakenkv.store.SERIAL_BELOW_ROWS``).
-PARALLEL_MIN_TOKENS = 4096
-
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
 #: layer of an attention type; converting it once instead of once per layer saves time every step. The entry holds a
@@ -65,15 +60,6 @@ def _convert_mask(attention_mask: torch.Tensor, batch: int, num_tokens: int) -> 
         raise ValueError(f"the mask covers {m.shape[-1]} tokens but the cache holds {num_tokens}")
     keep = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
     return keep.expand(batch, num_tokens).to(torch.uint8).contiguous().numpy()
-
-
-def _num_splits(batch: int, num_tokens: int) -> int:
-    """Token ranges per row: enough work items for every thread, each at least a few hundred tokens."""
-    from numba import get_num_threads
-
-    threads = get_num_threads()
-    per_row = max(1, -(-2 * threads // batch))
-    return int(max(1, min(per_row, num_tokens // _THREADS_MIN_TOKENS)))
 
 
 def packed_decode_attention(
@@ -126,9 +112,8 @@ def packed_decode_attention(
         keep[:, :n_sink] = 0
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
     lse = np.empty((b, hq), dtype=np.float32)
-    parallel = b * t >= PARALLEL_MIN_TOKENS
-    kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
-    splits = _num_splits(b, t) if parallel else 1
+    splits = attention_cpu.num_splits(b, t, get_num_threads())
+    kernel = attention_cpu.packed_decode_attention if splits > 1 else attention_cpu.packed_decode_attention_serial
     status = np.zeros(b * splits, dtype=np.int64)
     out3 = out.reshape(b, hq, hd)
     kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out3, status, lse, *view)

@@ -53,6 +53,24 @@ from oakenkv.kernels.numba_helpers import f16_widen, row_view, span_view
 #: once per block.
 _BLOCK = 32
 
+#: Below this many (row, token) pairs a decode step runs :func:`packed_decode_attention_serial`: waking the threads
+#: costs more than they save (2 threads on the 2-core machine: 1.5x faster from 1024 tokens at batch 1, 1.4x at
+#: 512, even at 256; docs/perf-notes.md).
+PARALLEL_MIN_TOKENS = 512
+#: Smallest token range worth a parallel work item of its own.
+THREADS_MIN_TOKENS = 128
+
+
+def num_splits(batch: int, num_tokens: int, threads: int) -> int:
+    """Token ranges per row for :func:`packed_decode_attention` on ``threads`` threads: enough work items for
+    every thread (two each), each at least ``THREADS_MIN_TOKENS`` tokens; 1 below ``PARALLEL_MIN_TOKENS``
+    (row, token) pairs or on one thread (the serial kernel's case)."""
+    if threads < 2 or batch * num_tokens < PARALLEL_MIN_TOKENS:
+        return 1
+    per_row = max(1, -(-2 * threads // batch))
+    return int(max(1, min(per_row, num_tokens // THREADS_MIN_TOKENS)))
+
+
 #: LLVM fast-math flags of the attention loops: everything but "no NaNs" and "no infinities".
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 

@@ -575,12 +575,6 @@ def decode_tables(
     return tables
 
 
-#: Below this many (row, token) pairs decode attention runs on the calling thread (as ``oakenkv.attention``).
-PARALLEL_MIN_TOKENS = 4096
-#: Smallest token range worth a parallel work item of its own.
-_THREADS_MIN_TOKENS = 256
-
-
 class DecodeBatch:
     """One step's decode rows: the page tables and the buffers every layer reuses (the tables depend only on
     vLLM's block tables, the same for all layers; the sparse lengths are gathered per layer)."""
@@ -615,12 +609,12 @@ class DecodeBatch:
         self.out = np.empty((rows, num_heads, head_size), np.float32)
         #: the kernel's log-sum-exp per row and head (written, not read: the plugin stores no sink tokens)
         self.lse = np.empty((rows, num_heads), np.float32)
-        if threads > 1 and rows * t_max >= PARALLEL_MIN_TOKENS:
+        splits = _oaken.num_splits(rows, t_max, threads)
+        if splits > 1:
             import numba
 
             self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-            per_row = max(1, -(-2 * self.threads // rows))
-            self.splits = int(max(1, min(per_row, t_max // _THREADS_MIN_TOKENS)))
+            self.splits = _oaken.num_splits(rows, t_max, self.threads)
             self.kernel = _oaken.packed_decode_attention
         else:
             self.threads, self.splits, self.kernel = 1, 1, _oaken.packed_decode_attention_serial
@@ -686,7 +680,8 @@ def decode_attention(
     ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``.
 
     ``threads > 1`` runs numba's parallel kernel (split over rows and token ranges) once there are at least
-    ``PARALLEL_MIN_TOKENS`` (row, token) pairs; the default is the serial kernel on the calling thread.
+    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.attention_cpu.num_splits``); the default is the
+    serial kernel on the calling thread.
     """
     _, hq, hd = query.shape
     batch = DecodeBatch(tables.block_table, tables.seq_lens, layout, units_per_block, hq, hd, threads)
