@@ -135,9 +135,9 @@ def _decode_rows(
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
-    nibbles are first split into an int32 code row (``codes``, which the COO walk reads too), then the middle
-    values are computed from it in one contiguous loop that LLVM vectorizes (int32, not int64: numba would widen
-    the nibbles; two loops are faster than one that stores the even and odd values interleaved,
+    nibbles are first split into a uint8 code row (``codes``, which the COO walk reads too), then the middle
+    values are computed from it in one contiguous loop that LLVM vectorizes (through int32, not int64: numba
+    would widen the codes; two loops are faster than one that stores the even and odd values interleaved,
     docs/perf-notes.md); each COO entry then overwrites its value (:func:`_coo_walk`). Compiled without fastmath
     (no FMA contraction), so the numbers stay bit-exact inside the fast-math attention kernel. A block per call,
     not a row: the call and the page arithmetic cost as much as a row's nibbles (docs/perf-notes.md).
@@ -151,7 +151,7 @@ def _decode_rows(
     out_div = _F32((1 << ob) - 1)
     pi = t0 // rpp
     slot = t0 - pi * rpp
-    codes = np.empty(d, np.int32)  # the row's nibbles, one per value
+    codes = np.empty(d, np.uint8)  # the row's nibbles, one per value
     lut = np.empty(_LUT_SIZE, np.float32)  # the outlier values of the row being decoded (_coo_walk)
     for j in range(out.shape[0]):
         t = t0 + j
@@ -173,13 +173,13 @@ def _decode_rows(
             step = (_f16_at(pool, base + 2) - lo) / _F32(15.0)
             src = span_view(pool, base + sb, base + sb + half + (d & 1))
             for i in range(half):
-                byte = np.int32(src[i])
-                codes[2 * i] = byte & np.int32(15)
-                codes[2 * i + 1] = byte >> np.int32(4)
+                byte = src[i]
+                codes[2 * i] = byte & np.uint8(15)
+                codes[2 * i + 1] = byte >> np.uint8(4)
             if d & 1:
-                codes[d - 1] = np.int32(src[half]) & np.int32(15)
+                codes[d - 1] = src[half] & np.uint8(15)
             for i in range(d):
-                v0 = lo + _F32(codes[i]) * step
+                v0 = lo + _F32(np.int32(codes[i])) * step
                 row[i] = v0 + (ti_hi if v0 > zero else ti_lo)
             if n:
                 spage = np.int64(sc_pages[sp])
@@ -205,7 +205,7 @@ def _decode_rows(
 def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
     """Overwrite the outliers of one decoded row with their values: the COO walk of ``oakenkv.format`` (its
     module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low four code
-    bits come from the row's int32 codes ``src``. Returns ``ERR_OK`` or an ``ERR_*`` code.
+    bits come from the row's codes ``src`` (one uint8 per value). Returns ``ERR_OK`` or an ``ERR_*`` code.
 
     The values of every code of both outlier groups go to ``lut`` (float32 ``[_LUT_SIZE]``) first, in a loop LLVM
     vectorizes; an entry then costs one look-up, ``lut[16 * (e >> _CLASS_SHIFT) + nibble]`` (12% faster than
