@@ -112,8 +112,8 @@ def packed_decode_attention(
         keep[:, :n_sink] = 0
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
     lse = np.empty((b, hq), dtype=np.float32)
-    splits = attention_cpu.num_splits(b, t, get_num_threads())
-    kernel = attention_cpu.packed_decode_attention if splits > 1 else attention_cpu.packed_decode_attention_serial
+    parallel, splits = attention_cpu.split_work(b, t, get_num_threads())
+    kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
     status = np.zeros(b * splits, dtype=np.int64)
     out3 = out.reshape(b, hq, hd)
     kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out3, status, lse, *view)

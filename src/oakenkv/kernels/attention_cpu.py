@@ -3,8 +3,8 @@
 The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
 straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
 ``oakenkv.kernels.cpu.decode_row_into_lut``, bit-exact with ``oakenkv.quant.dequantize``) and folds it into an
-online softmax. The float history is never rebuilt: a work item holds one block of decoded key rows, one value
-row and its per-head accumulators.
+online softmax. The float history is never rebuilt: a work item holds one block of decoded key rows, one of
+value rows and its per-head accumulators.
 
 Blocks: a work item takes its tokens ``_BLOCK`` at a time. It decodes the block's key rows into a small float
 buffer, then computes all the block's scores (unit-stride dot products that LLVM vectorizes), the block's maximum
@@ -61,14 +61,16 @@ PARALLEL_MIN_TOKENS = 512
 THREADS_MIN_TOKENS = 128
 
 
-def num_splits(batch: int, num_tokens: int, threads: int) -> int:
-    """Token ranges per row for :func:`packed_decode_attention` on ``threads`` threads: enough work items for
-    every thread (two each), each at least ``THREADS_MIN_TOKENS`` tokens; 1 below ``PARALLEL_MIN_TOKENS``
-    (row, token) pairs or on one thread (the serial kernel's case)."""
+def split_work(batch: int, num_tokens: int, threads: int) -> tuple[bool, int]:
+    """How a decode step over ``batch`` rows of ``num_tokens`` tokens runs on ``threads`` threads: ``(parallel,
+    splits)``. ``parallel``: :func:`packed_decode_attention` (from ``PARALLEL_MIN_TOKENS`` (row, token) pairs, on
+    two threads or more), else :func:`packed_decode_attention_serial`. ``splits``: token ranges per row, enough
+    work items for two per thread, each at least ``THREADS_MIN_TOKENS`` tokens (1 when the rows alone are
+    enough: the parallel kernel then runs one row per work item)."""
     if threads < 2 or batch * num_tokens < PARALLEL_MIN_TOKENS:
-        return 1
+        return False, 1
     per_row = max(1, -(-2 * threads // batch))
-    return int(max(1, min(per_row, num_tokens // THREADS_MIN_TOKENS)))
+    return True, int(max(1, min(per_row, num_tokens // THREADS_MIN_TOKENS)))
 
 
 #: LLVM fast-math flags of the attention loops: everything but "no NaNs" and "no infinities".
@@ -286,7 +288,8 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     s = w % num_splits
     t0 = s * t_n // num_splits
     t1 = (s + 1) * t_n // num_splits
-    # per-item buffers: the scaled query, a block of key rows, one value row, scores/probabilities, accumulators
+    # per-item buffers: the scaled query, a block of key rows and one of value rows, scores/probabilities,
+    # accumulators
     qs = np.empty(hq_n * hd, np.float32)
     for h in range(hq_n):
         for i in range(hd):

@@ -13,7 +13,7 @@ without importing numba; it says why), so moving oakenkv's internals changes thi
 - the encoder that writes page records (:func:`encode_records`, a serial numba call: the decode step's path of
   ``OakenCache``) and the codec's decoder (:func:`decode`, the public API), both bit-exact with the reference;
 - the packed-page decode-attention kernel (``packed_decode_attention`` and its serial twin), run unchanged on
-  vLLM's blocks, and its rule for splitting rows over threads (``num_splits``).
+  vLLM's blocks, and its rule for splitting rows over threads (``split_work``).
 
 Importing this module compiles nothing; numba compiles (or loads from its cache) on the first call.
 """
@@ -32,7 +32,11 @@ from oakenkv.format import (
     scale_bytes,
     sparse_capacity,
 )
-from oakenkv.kernels.attention_cpu import num_splits, packed_decode_attention, packed_decode_attention_serial
+from oakenkv.kernels.attention_cpu import (
+    packed_decode_attention,
+    packed_decode_attention_serial,
+    split_work,
+)
 from oakenkv.kernels.cpu import encode_records
 from oakenkv.thresholds import Thresholds
 
@@ -46,10 +50,10 @@ __all__ = [
     "decode",
     "encode_records",
     "from_records",
-    "num_splits",
     "packed_decode_attention",
     "packed_decode_attention_serial",
     "record_size",
     "scale_bytes",
     "sparse_capacity",
+    "split_work",
 ]

@@ -609,12 +609,11 @@ class DecodeBatch:
         self.out = np.empty((rows, num_heads, head_size), np.float32)
         #: the kernel's log-sum-exp per row and head (written, not read: the plugin stores no sink tokens)
         self.lse = np.empty((rows, num_heads), np.float32)
-        splits = _oaken.num_splits(rows, t_max, threads)
-        if splits > 1:
+        if _oaken.split_work(rows, t_max, threads)[0]:
             import numba
 
             self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-            self.splits = _oaken.num_splits(rows, t_max, self.threads)
+            self.splits = _oaken.split_work(rows, t_max, self.threads)[1]
             self.kernel = _oaken.packed_decode_attention
         else:
             self.threads, self.splits, self.kernel = 1, 1, _oaken.packed_decode_attention_serial
@@ -680,7 +679,7 @@ def decode_attention(
     ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``.
 
     ``threads > 1`` runs numba's parallel kernel (split over rows and token ranges) once there are at least
-    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.attention_cpu.num_splits``); the default is the
+    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.attention_cpu.split_work``); the default is the
     serial kernel on the calling thread.
     """
     _, hq, hd = query.shape
