@@ -160,6 +160,25 @@ def test_reorder_is_a_table_operation(default_model, thresholds, batch):
     cache.store.pool.check_invariants()
 
 
+def test_a_first_update_in_chunks_returns_what_the_pages_hold(default_model, thresholds):
+    """A first update longer than ``prefill_chunk`` is decoded from its encoded chunks, not read back from the
+    pages: the same numbers as the read path and as one chunk; a later update reads the pages."""
+    cfg = default_model.model.config
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 3, 13, 64, generator=g), torch.randn(2, 3, 13, 64, generator=g)
+    chunked = OakenCache(thresholds, cfg, prefill_chunk=5)  # chunks of 5, 5 and 3 tokens
+    whole = OakenCache(thresholds, cfg)
+    got = chunked.layers[4].update(k, v)
+    want = whole.layers[4].update(k, v)
+    for kind in (0, 1):
+        torch.testing.assert_close(got[kind], chunked.store.read(4, kind), rtol=0, atol=0)
+        torch.testing.assert_close(got[kind], want[kind], rtol=0, atol=0)
+    assert got[0].shape == (2, 3, 13, 64)
+    more = chunked.layers[4].update(k[:, :, :4], v[:, :, :4])  # past > 0: the read path
+    assert more[0].shape == (2, 3, 17, 64)
+    torch.testing.assert_close(more[0][:, :, :13], got[0], rtol=0, atol=0)
+
+
 def test_kv_bytes_are_small(default_model, thresholds):
     """At a few hundred tokens, pages included, the cache is > 4x smaller than fp32 (~5.7x at long contexts)."""
     model = default_model.model

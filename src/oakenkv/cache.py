@@ -11,9 +11,10 @@ What ``update`` returns
 * **Prefill** (``S > 1``), or any step when the model does not use the ``"oaken"`` attention: the dequantized keys
   and values of the whole history plus the new tokens (``[B, H, T, hd]``), so stock attention runs on exactly what
   is stored (the paper's harness also attends over quantized K/V). The new tokens are encoded chunk by chunk
-  (``prefill_chunk`` tokens), so the encoder's temporaries stay small; the float tensors returned for one layer
-  are the size of that layer's unquantized cache and are dropped after its attention, so peak memory never
-  exceeds that of an unquantized cache.
+  (``prefill_chunk`` tokens), so the encoder's temporaries stay small; on a first update the result is decoded
+  from those chunks directly, later ones read the pages back. The float tensors returned for one layer are the
+  size of that layer's unquantized cache and are dropped after its attention, so peak memory never exceeds that
+  of an unquantized cache.
 * **Decode** (``S == 1``) with the ``"oaken"`` attention (:func:`oakenkv.attention.enable_oaken_attention`):
   lightweight :class:`PackedKV` handles; the attention function reads the packed pages directly.
 
@@ -41,7 +42,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.pages import PoolConfig, PoolStats
-from oakenkv.store import KEY, KINDS, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
+from oakenkv.store import KEY, KINDS, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.thresholds import Thresholds
 
 #: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
@@ -130,31 +131,22 @@ class OakenLayer(CacheLayerMixin):
         store = self.store
         past = store.num_tokens(self.layer_idx)
         s = key_states.shape[2]
-        enc_k = enc_v = None
+        encoded = []  # (keys, values) of each chunk, while they are the whole history
         chunk = store.prefill_chunk
         if s == 1 and past and store.fast:  # a decode step: the single-token path
             store.append_token(self.layer_idx, key_states, value_states)
         else:
             for start in range(0, s, chunk):
                 ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
-                encoded = store.append(self.layer_idx, ks, vs)
-                if s <= chunk:
-                    enc_k, enc_v = encoded
+                enc = store.append(self.layer_idx, ks, vs)
+                if past == 0:
+                    encoded.append(enc)
         total = past + s
         if s == 1 and self.packed_decode:
             result = (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))
-        elif past == 0 and enc_k is not None:
+        elif encoded:
             # The whole history is what we just encoded: decode it directly instead of reading the pages back.
-            b = key_states.shape[0]
-            with serial_numba(b * s < SERIAL_BELOW_ROWS):
-                # [B * S, D] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs).
-                result = tuple(
-                    store.decode(enc, store.thresholds.layer(self.layer_idx, name), store.config)
-                    .view(b, s, store.num_kv_heads, store.head_dim)
-                    .permute(0, 2, 1, 3)
-                    .to(key_states.dtype)
-                    for enc, name in zip((enc_k, enc_v), KINDS, strict=True)
-                )
+            result = tuple(self._decode_chunks(kind, [e[kind] for e in encoded], key_states) for kind in (KEY, VALUE))
             result = tuple(store.apply_sinks(self.layer_idx, kind, x) for kind, x in enumerate(result))
             result = (store.restore_keys(self.layer_idx, result[0]), result[1])
         else:
@@ -168,6 +160,22 @@ class OakenLayer(CacheLayerMixin):
             # are already built, and its packed decode query (position total - 1) reads from total - window on.
             store.evict_before(self.layer_idx, total - self.sliding_window)
         return result
+
+    def _decode_chunks(self, kind: int, chunks: list[Any], like: torch.Tensor) -> torch.Tensor:
+        """Dequantize the encoded chunks of one kind (``KEY``/``VALUE``) of a first update, rows ordered ``(b, s)``
+        within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype: a view of the decoded rows for one chunk,
+        a concatenation for several."""
+        store = self.store
+        b = like.shape[0]
+        thr = store.thresholds.layer(self.layer_idx, KINDS[kind])
+        parts = []
+        for enc in chunks:
+            with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
+                x = store.decode(enc, thr, store.config)
+            parts.append(x.view(b, enc.num_rows // b, store.num_kv_heads, store.head_dim))
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        # [B, S, H, hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)
+        return x.permute(0, 2, 1, 3).to(like.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Every stored token is returned (sliding layers too: the sliding mask hides what left the window).
@@ -221,7 +229,7 @@ class OakenCache(Cache):
             steps use the packed-page attention (``config._attn_implementation == "oaken"``).
         pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
         codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
-        prefill_chunk: tokens encoded per chunk during prefill.
+        prefill_chunk: tokens encoded per chunk during prefill (default ``oakenkv.store.PREFILL_CHUNK``).
         evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
             them (the sliding mask still hides them).
 
@@ -253,7 +261,7 @@ class OakenCache(Cache):
         *,
         pool_config: PoolConfig | None = None,
         codec: str = "auto",
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
         evict_sliding: bool = True,
     ) -> None:
         text = config.get_text_config(decoder=True)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from oakenkv.config import OakenConfig
@@ -98,7 +99,10 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
         raise ValueError(f"thresholds must be finite, got {t}")
     # Every fast path compares and shifts in float32: round once here so all paths use the same numbers, and
     # validate the rounded values (1e39 is finite in float64 and infinite in float32).
-    t32 = tuple(float(torch.tensor(v, dtype=torch.float32)) for v in t)
+    # (numpy's cast rounds to nearest even, as torch's does; one array, not four tensors: this runs per encode and
+    # decode call, twice per layer of a prefill)
+    with np.errstate(over="ignore"):
+        t32 = tuple(np.asarray(t, dtype=np.float64).astype(np.float32).tolist())
     if not all(math.isfinite(v) for v in t32):
         raise ValueError(f"thresholds must be finite in float32 (|x| <= 3.4028235e38), got {t}")
     t = t32

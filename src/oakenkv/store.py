@@ -48,6 +48,13 @@ KEY, VALUE = 0, 1
 #: Names of the two kinds, indexed by ``KEY`` / ``VALUE`` (as ``Thresholds.layer`` spells them).
 KINDS = ("key", "value")
 
+#: Tokens per chunk of a long update (a prefill): each chunk is one encode call over ``B * chunk`` rows. Small
+#: chunks cost a call's fixed work each and run below ``SERIAL_BELOW_ROWS`` on one thread: a 4096-token prefill
+#: layer took 20.6 ms with chunks of 256, 8.3 with 2048, 6.6 with 4096 (batch 1, docs/perf-notes.md). The
+#: encoder's temporaries are a few times the chunk's float rows: small next to the float tensors the prefill's
+#: attention gets.
+PREFILL_CHUNK = 4096
+
 #: Below this many rows a numba call runs on one thread: waking the thread pool costs more than the work
 #: (measured in ``docs/perf-notes.md``).
 SERIAL_BELOW_ROWS = 1024
@@ -159,7 +166,7 @@ class PagedKVStore:
         num_layers, num_kv_heads, head_dim: the decoder's KV shape.
         pool_config: page size and memory budget.
         codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
-        prefill_chunk: tokens encoded per chunk of a long update.
+        prefill_chunk: tokens encoded per chunk of a long update (``PREFILL_CHUNK``).
     """
 
     def __init__(
@@ -170,7 +177,7 @@ class PagedKVStore:
         head_dim: int,
         pool_config: PoolConfig | None = None,
         codec: str = "auto",
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         if thresholds.num_layers != num_layers:
             raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
