@@ -12,7 +12,10 @@ exactly ``new_tokens`` new tokens (end of sequence ignored). Timing comes from
 decode step. Rounds are interleaved as in ``bench decode``: round ``r`` runs one ``generate`` of every method,
 the starting method rotating, each with a fresh cache, so that the drifting load of a shared machine hits every
 method alike; ``oaken`` reports per-round ratios to every other method (median, and rounds won). Before the
-timed rounds every method runs one short generate (numba kernels loaded, buffers allocated). KV bytes are
+timed rounds every method runs one untimed generate of two tokens (numba kernels loaded, memory allocated): on
+the whole prompt up to ``WARMUP_FULL_TOKENS`` prompt tokens in all rows, on its first 16 tokens above that (a
+fresh process's first prefill of a size pays the allocator's page faults: 0.3 s of OakenCache's 2.0 s at
+128 x 8, docs/perf-notes.md; for a 16K prompt a full warm-up would cost minutes). KV bytes are
 counted after the generation (``oakenkv.cache.kv_bytes``: pages in use plus tables for OakenCache, tensor
 storage for the others). The greedy tokens are compared with ``dynamic``'s (the fraction of equal new tokens).
 """
@@ -52,6 +55,10 @@ def paired_vs(mine: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[s
             [r["prefill_tokens_per_s"] for r in mine], [r["prefill_tokens_per_s"] for r in other]
         ),
     }
+
+
+#: Warm-up on the whole prompt up to this many prompt tokens (all rows); above, on its first 16 tokens.
+WARMUP_FULL_TOKENS = 8192
 
 
 def _prompt_ids(tokenizer: Any, prompt: int, batch: int) -> torch.Tensor:
@@ -139,9 +146,10 @@ def run_generate_bench(
     for prompt, batch in grid:
         ids = _prompt_ids(tok, prompt, batch)
         key = f"{prompt}x{batch}"
+        warm = ids if prompt * batch <= WARMUP_FULL_TOKENS else ids[:, : min(prompt, 16)]
         for m in methods:  # warm-up: kernels loaded, allocator primed (not timed)
             tick(f"{key}: warm-up {m}")
-            _generate(loaded.model, m, thresholds, ids[:, : min(prompt, 16)], 2, pad)
+            _generate(loaded.model, m, thresholds, warm, 2, pad)
             if m == "oaken":
                 load_kernels()  # the multi-threaded kernel too, which only long contexts take
         per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
