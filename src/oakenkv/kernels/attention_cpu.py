@@ -54,7 +54,7 @@ from oakenkv.kernels.numba_helpers import f16_widen, row_view, span_view
 _BLOCK = 32
 
 #: Below this many (row, token) pairs a decode step runs :func:`packed_decode_attention_serial`: waking the threads
-#: costs more than they save (2 threads on the 2-core machine: 1.5x faster from 1024 tokens at batch 1, 1.4x at
+#: costs more than they save (2 threads on the 2-core machine: 1.5x faster from 1024 tokens at batch 1, 1.25x at
 #: 512, even at 256; docs/perf-notes.md).
 PARALLEL_MIN_TOKENS = 512
 #: Smallest token range worth a parallel work item of its own.
