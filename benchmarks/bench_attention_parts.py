@@ -59,12 +59,11 @@ def main() -> None:
     import torch
 
     import oakenkv.kernels.attention_cpu as installed
+    from oakenkv.bench.attention import layer_store
     from oakenkv.bench.decode import record_source_kv, tile_rows
     from oakenkv.data import load_text, token_windows
     from oakenkv.generation import load_or_profile_thresholds
     from oakenkv.models import load_model
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import PagedKVStore
 
     numba.set_num_threads(1)
     torch.set_num_threads(1)
@@ -74,11 +73,8 @@ def main() -> None:
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=512, max_windows=1)
     k_src, v_src = record_source_kv(loaded.model, ids)[a.layer]
     t, b = a.context, a.batch
-    h, hd, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    store = PagedKVStore(thr, cfg.num_hidden_layers, h, hd, PoolConfig(budget_bytes=1 << 34), prefill_chunk=4096)
-    k, v = tile_rows(k_src, t, b), tile_rows(v_src, t, b)
-    for s in range(0, t, 4096):
-        store.append(a.layer, k[:, :, s : s + 4096], v[:, :, s : s + 4096])
+    hd, hq = cfg.head_dim, cfg.num_attention_heads
+    store = layer_store(thr, cfg, a.layer, tile_rows(k_src, t, b), tile_rows(v_src, t, b))
     view = store.layer_view(a.layer)
     q = np.random.default_rng(0).standard_normal((b, hq, hd)).astype(np.float32)
     keep = np.ones((b, t), np.uint8)

@@ -132,7 +132,6 @@ def load_kernels() -> float:
     numba's on-disk cache now, by running them on a tiny store, so that the first decode step of a generation does
     not pay it; returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call
     loads the code a model's will run.)"""
-
     import time
 
     from oakenkv.config import OakenConfig

@@ -53,6 +53,25 @@ def _best_times(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, flo
     return best
 
 
+def layer_store(thresholds: Any, config: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """A :class:`~oakenkv.store.PagedKVStore` for the model of ``config`` holding one layer's keys and values
+    ``[B, H, T, hd]`` (any length: the pool's budget is 16 GiB), appended as a prefill would."""
+    from oakenkv.pages import PoolConfig
+    from oakenkv.store import PagedKVStore
+
+    store = PagedKVStore(
+        thresholds,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        PoolConfig(budget_bytes=1 << 34),
+    )
+    chunk = store.prefill_chunk
+    for start in range(0, keys.shape[2], chunk):
+        store.append(layer, keys[:, :, start : start + chunk], values[:, :, start : start + chunk])
+    return store
+
+
 def run_attention_bench(
     contexts: list[int],
     batches: list[int],
@@ -81,8 +100,6 @@ def run_attention_bench(
     from oakenkv.cache import KEY, VALUE, PackedKV
     from oakenkv.data import load_text, token_windows
     from oakenkv.models import load_model
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import PagedKVStore
 
     if thresholds is None:
         raise ValueError("the attention benchmark needs the model's thresholds")
@@ -104,11 +121,7 @@ def run_attention_bench(
                 if progress:
                     progress(f"filling {context} tokens x {batch} rows")
                 k, v = tile_rows(k_src, context, batch), tile_rows(v_src, context, batch)
-                store = PagedKVStore(
-                    thresholds, cfg.num_hidden_layers, h, hd, PoolConfig(budget_bytes=1 << 34), prefill_chunk=4096
-                )
-                for start in range(0, context, 4096):
-                    store.append(layer, k[:, :, start : start + 4096], v[:, :, start : start + 4096])
+                store = layer_store(thresholds, cfg, layer, k, v)
                 handles = PackedKV(store, layer, KEY, context), PackedKV(store, layer, VALUE, context)
                 view = store.layer_view(layer)
                 lens = view.sparse_lengths[:, :, :context]

@@ -609,14 +609,14 @@ class DecodeBatch:
         self.out = np.empty((rows, num_heads, head_size), np.float32)
         #: the kernel's log-sum-exp per row and head (written, not read: the plugin stores no sink tokens)
         self.lse = np.empty((rows, num_heads), np.float32)
-        if _oaken.split_work(rows, t_max, threads)[0]:
-            import numba
+        import numba
 
-            self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-            self.splits = _oaken.split_work(rows, t_max, self.threads)[1]
-            self.kernel = _oaken.packed_decode_attention
+        threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        parallel, self.splits = _oaken.split_work(rows, t_max, threads)
+        if parallel:
+            self.threads, self.kernel = threads, _oaken.packed_decode_attention
         else:
-            self.threads, self.splits, self.kernel = 1, 1, _oaken.packed_decode_attention_serial
+            self.threads, self.kernel = 1, _oaken.packed_decode_attention_serial
         self.status = np.zeros(rows * self.splits, np.int64)
 
     def layer_view(self, pool: np.ndarray, thresholds: np.ndarray, num_kv_heads: int) -> _oaken.LayerView:
