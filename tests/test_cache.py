@@ -115,6 +115,47 @@ def test_greedy_batch_with_padding_matches_fake_quant(default_model, thresholds,
     cache.store.pool.check_invariants()
 
 
+class _WindowFakeQuantLayer(_FakeQuantLayer):
+    """What ``OakenCache(residual=R)`` stores, in float: the newest tokens exact, the oldest quantized-dequantized
+    in place once ``2 R`` or more are unquantized (``R`` stay)."""
+
+    def __init__(self, thresholds, layer_idx, residual):
+        super().__init__(thresholds, layer_idx)
+        self.residual = residual
+        self.exact = 0  # tokens at the end still unquantized
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = DynamicLayer.update(self, key_states, value_states)
+        self.exact += key_states.shape[2]
+        if self.exact >= 2 * self.residual:
+            n = keys.shape[2]
+            a, e = n - self.exact, n - self.residual
+            for x, kind in ((keys, "key"), (values, "value")):
+                b, h, s, d = x[:, :, a:e].shape
+                rows = x[:, :, a:e].permute(0, 2, 1, 3).reshape(b * s, h * d).contiguous()
+                thr, cfg = self.thr.layer(self.layer_idx, kind), self.thr.config
+                x[:, :, a:e] = decode(encode(rows, thr, cfg), thr, cfg).reshape(b, s, h, d).permute(0, 2, 1, 3)
+            self.exact = self.residual
+        return keys, values
+
+
+def test_greedy_with_a_full_precision_window_matches_fake_quant(default_model, thresholds, batch):
+    """``residual=4``: the padded prompts (15 tokens) leave 4 in the window and later steps encode 4 at a time;
+    the float read path and the packed attention (pages and window merged) give the reference's tokens."""
+    model = default_model.model
+    n = model.config.num_hidden_layers
+    want = _generate(model, batch, Cache(layers=[_WindowFakeQuantLayer(thresholds, i, 4) for i in range(n)]))
+    got_float = _generate(model, batch, OakenCache(thresholds, model.config, residual=4))
+    with oaken_attention(model):
+        cache = OakenCache(thresholds, model.config, residual=4)
+        got_packed = _generate(model, batch, cache)
+    assert torch.equal(got_float, want)
+    assert torch.equal(got_packed, want)
+    assert cache.get_seq_length() == want.shape[1] - 1
+    assert 4 <= cache.store.window_tokens(0) < 8
+    assert cache.kv_bytes() == cache.store.pool.stats().total_bytes + cache.store.window_bytes()
+
+
 def test_sampling_runs_and_is_reproducible(default_model, thresholds, batch):
     model = default_model.model
     outs = []

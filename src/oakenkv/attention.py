@@ -35,14 +35,21 @@ from oakenkv.kernels import attention_cpu
 _KEEP_CACHE: list[Any] = [None, -1, 0, 0, None]
 
 
+#: All ones, for a step without a mask (:func:`_keep_mask` returns views of it; grown as needed).
+_ONES = np.ones(4096, np.uint8)
+
+
 def _version(t: torch.Tensor) -> int:
     return -2 if t.is_inference() else t._version
 
 
 def _keep_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int) -> np.ndarray:
     """uint8 ``[B, T]``: 1 where the single query token may attend, from a bool or additive 4-D mask (read only)."""
-    if attention_mask is None:
-        return np.ones((batch, num_tokens), dtype=np.uint8)
+    if attention_mask is None:  # (a view of one all-ones buffer: never written, as every cached mask)
+        global _ONES
+        if _ONES.size < batch * num_tokens:
+            _ONES = np.ones(max(2 * _ONES.size, batch * num_tokens), np.uint8)
+        return _ONES[: batch * num_tokens].reshape(batch, num_tokens)
     c = _KEEP_CACHE
     if c[0] is attention_mask and c[1] == _version(attention_mask) and c[2] == batch and c[3] == num_tokens:
         return c[4]
@@ -96,39 +103,54 @@ def packed_decode_attention(
         # The kernel reads fp16 scales; fp32 scales take the reference path (correct, slower).
         return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
     t = key.num_tokens
-    view = store.layer_view(key.layer)
-    if view.num_tokens != t:
-        raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {t}")
+    n_win = store.window_len[key.layer]
+    paged = store.num_tokens(key.layer)
+    if paged + n_win != t:
+        raise RuntimeError(f"the cache holds {paged} + {n_win} tokens (pages + window), the handle says {t}")
     keep = _keep_mask(attention_mask, b, t)
     if query.dtype == torch.float32 and query.is_contiguous():
         q = np.ascontiguousarray(query.detach().numpy().reshape(b, hq, hd))  # no copy when S == 1 is contiguous
     else:
         q = query[:, :, 0, :].detach().to(torch.float32).contiguous().numpy()
-    q = store.rotate_queries(key.layer, q)  # oaken-plus: the keys in the pages are rotated per head
-    n_sink = min(store.sink_tokens, t)
-    if n_sink:  # the sink tokens are read at 16 bits (store module doc), not from the pages
-        sink_keep = keep[:, :n_sink].copy()
-        keep = keep.copy()  # (the mask's array is cached for the next layers: never written)
-        keep[:, :n_sink] = 0
+    q = store.rotate_queries(key.layer, q)  # oaken-plus: the pages and the window hold keys rotated per head
     out = np.empty((b, 1, hq, hd), dtype=np.float32)
-    lse = np.empty((b, hq), dtype=np.float32)
-    parallel, splits = attention_cpu.split_work(b, t, get_num_threads())
-    kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
-    status = np.zeros(b * splits, dtype=np.int64)
     out3 = out.reshape(b, hq, hd)
-    kernel(q, keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out3, status, lse, *view)
-    bad = np.flatnonzero(status)
-    if bad.size:
-        raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
-    if n_sink:  # the sink tokens' part of the softmax, merged through the kernel's log-sum-exp
-        sinks = store.sinks[key.layer].view(np.uint16)
-        attention_cpu.merge_sinks(q, sink_keep, sinks, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
+    lse = np.empty((b, hq), dtype=np.float32)
+    if paged:
+        view = store.layer_view(key.layer)
+        if view.num_tokens != paged:
+            raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the store says {paged}")
+        page_keep = keep if not n_win else np.ascontiguousarray(keep[:, :paged])
+        n_sink = min(store.sink_tokens, paged)
+        if n_sink:  # the sink tokens are read at 16 bits (store module doc), not from the pages
+            sink_keep = page_keep[:, :n_sink].copy()
+            page_keep = page_keep.copy()  # (the mask's array is cached for the next layers: never written)
+            page_keep[:, :n_sink] = 0
+        parallel, splits = attention_cpu.split_work(b, paged, get_num_threads())
+        kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
+        status = np.zeros(b * splits, dtype=np.int64)
+        kernel(q, page_keep, np.float32(scaling), np.float32(softcap or 0.0), splits, out3, status, lse, *view)
+        bad = np.flatnonzero(status)
+        if bad.size:
+            raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
+        if n_sink:  # the sink tokens' part of the softmax, merged through the kernel's log-sum-exp
+            sinks = store.sinks[key.layer].view(np.uint16)
+            attention_cpu.merge_sinks(q, sink_keep, sinks, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
+    else:  # everything is in the window: its softmax alone
+        out3[:] = 0.0
+        lse[:] = -np.inf
+    if n_win:  # the full-precision window's part, merged the same way
+        window_keep = np.ascontiguousarray(keep[:, paged:]) if paged else keep
+        keys_t, values = store.windows[key.layer]
+        parallel = b * n_win >= attention_cpu.PARALLEL_MIN_TOKENS and get_num_threads() > 1
+        merge = attention_cpu.merge_window_parallel if parallel else attention_cpu.merge_window
+        merge(q, window_keep, keys_t, values, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
 
 
 def load_kernels() -> float:
-    """Load every decode-step kernel (the single-token append, both attention kernels, the sink merge) from
+    """Load every decode-step kernel (the single-token append, both attention kernels, the sink and window merges) from
     numba's on-disk cache now, by running them on a tiny store, so that the first decode step of a generation does
     not pay it; returns the seconds it took. (Kernels are typed by dtypes and ranks, not sizes: a tiny store's call
     loads the code a model's will run.)"""
@@ -152,6 +174,9 @@ def load_kernels() -> float:
         kernel(q, keep, np.float32(1.0), np.float32(0.0), 1, out, np.zeros(1, np.int64), lse, *store.layer_view(0))
     sinks = np.zeros((1, 2, 1, 4), np.float16).view(np.uint16)
     attention_cpu.merge_sinks(q, np.ones((1, 1), np.uint8), sinks, np.float32(1.0), np.float32(0.0), out, lse)
+    keys_t, values = np.zeros((1, 1, 4, 1), np.float32), np.zeros((1, 1, 1, 4), np.float32)
+    for merge in (attention_cpu.merge_window, attention_cpu.merge_window_parallel):
+        merge(q, np.ones((1, 1), np.uint8), keys_t, values, np.float32(1.0), np.float32(0.0), out, lse)
     return time.perf_counter() - t0
 
 
@@ -167,8 +192,12 @@ def reference_packed_attention(
 
     Same arguments and result (``[B, 1, Hq, hd]``).
     """
-    k = key.store.read(key.layer, KEY)  # [B, H, T, hd]
-    v = value.store.read(value.layer, VALUE)
+    store = key.store
+    k = store.read(key.layer, KEY)  # [B, H, T, hd]
+    v = store.read(value.layer, VALUE)
+    if store.window_tokens(key.layer):  # the full-precision window's tokens follow the pages'
+        k = torch.cat([k, store.window(key.layer, KEY)], dim=2)
+        v = torch.cat([v, store.window(key.layer, VALUE)], dim=2)
     return float_attention(query, k, v, attention_mask, scaling, softcap)
 
 

@@ -18,6 +18,10 @@ What ``update`` returns
 * **Decode** (``S == 1``) with the ``"oaken"`` attention (:func:`oakenkv.attention.enable_oaken_attention`):
   lightweight :class:`PackedKV` handles; the attention function reads the packed pages directly.
 
+With ``OakenCache(..., residual=R)`` each layer's newest tokens stay unquantized in a full-precision window beside
+the pages (``oakenkv.store``): the float results above are the pages' tokens followed by the window's, and the
+packed attention adds the window's part to the pages'.
+
 Sliding-window layers (Gemma 3: 5 of every 6 layers, window 512) are quantized and paged like full layers; the
 sliding mask that transformers builds limits what attention sees, and each update releases the pages that hold
 only tokens no query can reach any more (``PagedKVStore.evict_before``, whole pages: a sliding layer keeps the
@@ -60,7 +64,7 @@ class PackedKV:
     layer: int
     #: ``KEY`` or ``VALUE``.
     kind: int
-    #: Tokens stored (the current one included).
+    #: Tokens stored (the current one included), in the pages and the full-precision window.
     num_tokens: int
 
     @property
@@ -129,6 +133,8 @@ class OakenLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store
+        if store.residual:
+            return self._update_with_window(key_states, value_states)
         past = store.num_tokens(self.layer_idx)
         s = key_states.shape[2]
         encoded = []  # (keys, values) of each chunk, while they are the whole history
@@ -161,6 +167,38 @@ class OakenLayer(CacheLayerMixin):
             store.evict_before(self.layer_idx, total - self.sliding_window)
         return result
 
+    def _update_with_window(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor | PackedKV, torch.Tensor | PackedKV]:
+        """:meth:`update` with a full-precision window (``OakenCache(residual=R)``, ``oakenkv.store``): the new
+        tokens join the window, whose oldest tokens the store encodes once it holds ``2 R``; the float result is
+        the pages' tokens (dequantized) followed by the window's."""
+        store = self.store
+        layer = self.layer_idx
+        past = store.num_tokens(layer)
+        chunks = store.window_update(layer, key_states, value_states)
+        paged = store.num_tokens(layer)
+        total = paged + store.window_tokens(layer)
+        if key_states.shape[2] == 1 and self.packed_decode:
+            result = (PackedKV(store, layer, KEY, total), PackedKV(store, layer, VALUE, total))
+        else:
+            parts = []
+            for kind in (KEY, VALUE):
+                if past == 0 and chunks:  # the pages hold only this update's chunks: decode them directly
+                    x = self._decode_chunks(kind, [c[kind] for c in chunks], key_states)
+                    x = store.apply_sinks(layer, kind, x)
+                    x = store.restore_keys(layer, x) if kind == KEY else x
+                elif paged:
+                    x = store.read(layer, kind, key_states.dtype)
+                else:
+                    x = None
+                w = store.window(layer, kind, key_states.dtype)
+                parts.append(w.clone() if x is None else torch.cat([x.to(key_states.dtype), w], dim=2))
+            result = (parts[0], parts[1])
+        if self.is_sliding and self.evict:  # (see update; only pages are released, the window is kept)
+            store.evict_before(layer, min(paged, total - self.sliding_window))
+        return result
+
     def _decode_chunks(self, kind: int, chunks: list[Any], like: torch.Tensor) -> torch.Tensor:
         """Dequantize the encoded chunks of one kind (``KEY``/``VALUE``) of a first update, rows ordered ``(b, s)``
         within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype: a view of the decoded rows for one chunk,
@@ -182,7 +220,7 @@ class OakenLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.num_tokens(self.layer_idx)
+        return self.store.num_tokens(self.layer_idx) + self.store.window_tokens(self.layer_idx)
 
     def get_max_length(self) -> int:
         return -1
@@ -232,6 +270,11 @@ class OakenCache(Cache):
         prefill_chunk: tokens encoded per chunk during prefill (default ``oakenkv.store.PREFILL_CHUNK``).
         evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
             them (the sliding mask still hides them).
+        residual: keep each layer's newest ``residual`` to ``2 * residual - 1`` tokens unquantized (float32) in a
+            full-precision window, encoding the oldest ``residual`` at a time (KIVI's and ``QuantizedCache``'s
+            residual; ``oakenkv.store``). 0 (default): the paper's Oaken, every token quantized on arrival. A
+            window makes short contexts exact and cheap to decode (no encode per step) and costs 32 bits per
+            value of the tokens it holds.
 
     A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.plus``) is only valid on a model
     that carries them: build the cache with :meth:`from_profile`, which folds them in first.
@@ -263,6 +306,7 @@ class OakenCache(Cache):
         codec: str = "auto",
         prefill_chunk: int = PREFILL_CHUNK,
         evict_sliding: bool = True,
+        residual: int = 0,
     ) -> None:
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
@@ -270,7 +314,7 @@ class OakenCache(Cache):
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.store = PagedKVStore(
-            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk
+            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk, residual
         )
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []

@@ -211,6 +211,8 @@ class PoolStats:
     num_sequences: int
     #: Bytes kept beside the pages: an oaken-plus profile's sink tokens at 16 bits (``oakenkv.store``).
     sink_bytes: int = 0
+    #: Bytes kept beside the pages: the full-precision window's tokens (``oakenkv.store``, ``residual``).
+    window_bytes: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -219,8 +221,9 @@ class PoolStats:
 
     @property
     def total_bytes(self) -> int:
-        """What the cache costs in memory: reserved pages plus tables (plus sink tokens, where a store keeps them)."""
-        return self.bytes_reserved + self.table_bytes + self.sink_bytes
+        """What the cache costs in memory: reserved pages plus tables (plus sink tokens and the full-precision
+        window, where a store keeps them)."""
+        return self.bytes_reserved + self.table_bytes + self.sink_bytes + self.window_bytes
 
 
 class TokenTargets:

@@ -14,6 +14,15 @@ Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the fi
 encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
 transform, as the pages hold them) beside the pool; every read (:meth:`PagedKVStore.read`, the prefill's direct
 decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention) takes them from there.
+
+A full-precision window (``residual = R > 0``, KIVI's and transformers' ``QuantizedCache``'s residual, off by
+default: the paper's Oaken quantizes every token): every layer keeps its newest tokens unquantized, as float32
+values (keys after the online key transform: what the encoder would be handed) beside the pages, in
+:attr:`PagedKVStore.windows`. When an update leaves ``n >= 2 R`` tokens there, the oldest ``n - R`` are encoded
+into the pages (:meth:`PagedKVStore.window_update`), with the same bytes as if they had been encoded on arrival;
+the window then holds ``R``. The pages always hold a prefix of the sequence (tokens ``[0, num_tokens)``), the
+window the rest (``[num_tokens, num_tokens + window_tokens)``). A decode step then costs no encode (one copy into
+the window), and attention over the window is float attention merged with the pages' (``merge_window``).
 """
 
 from __future__ import annotations
@@ -167,6 +176,7 @@ class PagedKVStore:
         pool_config: page size and memory budget.
         codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk of a long update (``PREFILL_CHUNK``).
+        residual: tokens of the full-precision window (module doc): 0 (default) encodes every token on arrival.
     """
 
     def __init__(
@@ -178,6 +188,7 @@ class PagedKVStore:
         pool_config: PoolConfig | None = None,
         codec: str = "auto",
         prefill_chunk: int = PREFILL_CHUNK,
+        residual: int = 0,
     ) -> None:
         if thresholds.num_layers != num_layers:
             raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
@@ -191,6 +202,8 @@ class PagedKVStore:
             )
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"residual must be an int >= 0 (tokens kept at full precision), got {residual!r}")
         self.thresholds = thresholds
         self.config = config
         self.num_layers = num_layers
@@ -229,6 +242,14 @@ class PagedKVStore:
         self.sink_tokens = thresholds.transforms.sink_tokens if thresholds.transforms is not None else 0
         #: Per layer: float16 ``[B, 2, sink_tokens, D]``, the sink tokens' key rows (transformed) and value rows.
         self.sinks: list[np.ndarray] = []
+        #: Tokens of the full-precision window (module doc); 0: none.
+        self.residual = residual
+        #: Per layer (with ``residual``): the window's keys (transformed, as the encoder takes them) and values,
+        #: float32 ``([B, H, hd, 2 * residual], [B, H, 2 * residual, hd])``: keys transposed, so that scoring a query
+        #: against them sweeps contiguous tokens (``merge_window``). The first :attr:`window_len` ``[layer]``
+        #: tokens are held.
+        self.windows: list[tuple[np.ndarray, np.ndarray]] = []
+        self.window_len: list[int] = [0] * num_layers
 
     def _transform_keys(self, layer: int, rows: np.ndarray) -> None:
         """The profile's online key transform (``Transforms.key_rows``), in place, on float32 key rows ``[N, D]``.
@@ -256,12 +277,23 @@ class PagedKVStore:
         if not self.seqs:
             n = self.sink_tokens
             self.sinks = [np.zeros((batch_size, 2, n, self.dim), np.float16) for _ in range(self.num_layers)]
+            if self.residual:  # (np.zeros: the pages of memory are only mapped as the window fills)
+                shape = (batch_size, self.num_kv_heads, self.head_dim, 2 * self.residual)
+                self.windows = [
+                    (np.zeros(shape, np.float32), np.zeros(shape[:2] + shape[:1:-1], np.float32))
+                    for _ in range(self.num_layers)
+                ]
             self._set_rows([self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)])
         elif batch_size != len(self.seqs):
             raise ValueError(f"the cache holds {len(self.seqs)} sequences but got a batch of {batch_size}")
 
     def num_tokens(self, layer: int) -> int:
+        """Tokens of ``layer`` in the pages (the window's are :meth:`window_tokens`)."""
         return self.tables[layer].num_tokens if self.seqs else 0
+
+    def window_tokens(self, layer: int) -> int:
+        """Tokens of ``layer`` in the full-precision window (module doc), after those in the pages."""
+        return self.window_len[layer]
 
     def _set_rows(self, seqs: list[int]) -> None:
         """Make ``seqs`` the batch rows and build every layer's tables from the pool (new rows, reorders)."""
@@ -292,6 +324,27 @@ class PagedKVStore:
             raise RuntimeError(f"layer {layer}: the rows' streams hold different numbers of tokens {sorted(counts)}")
         lt.num_tokens = counts.pop() if counts else 0
 
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        _, h, _, hd = keys.shape
+        if (h, hd) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
+            raise ValueError(
+                f"expected keys and values [B, {self.num_kv_heads}, S, {self.head_dim}], got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+
+    def _float_rows(self, layer: int, kind: int, x: torch.Tensor) -> np.ndarray:
+        """``[B, H, S, hd]`` -> float32 ``[B, S, D]``: one row per token, all heads of the layer (granularity
+        "token"), as the encoder takes them (keys after the online key transform). A new array.
+
+        The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors waits for
+        thread wake-ups on a loaded machine (docs/perf-notes.md)."""
+        b, _, s, _ = x.shape
+        x32 = x.detach().to(torch.float32).numpy()
+        rows = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
+        if kind == KEY:
+            self._transform_keys(layer, rows)
+        return rows.reshape(b, s, self.dim)
+
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[EncodedBatch, EncodedBatch]:
         """Encode and store new tokens of one layer for every row, atomically for the layer.
 
@@ -301,28 +354,24 @@ class PagedKVStore:
         Returns:
             The encoded keys and values, rows ordered ``(b, s)``: ``[B * S]`` rows of ``D`` values.
         """
-        b, h, s, hd = keys.shape
-        if (h, hd) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
-            raise ValueError(
-                f"expected keys and values [B, {self.num_kv_heads}, S, {self.head_dim}], got "
-                f"{tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        self.ensure_batch(b)
+        self._check_kv(keys, values)
+        self.ensure_batch(keys.shape[0])
+        with serial_numba(keys.shape[0] * keys.shape[2] < SERIAL_BELOW_ROWS):
+            rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+            return self._append_rows(layer, rows[KEY], rows[VALUE])
+
+    def _append_rows(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray) -> tuple[EncodedBatch, ...]:
+        """:meth:`append` of float32 rows ``[B, S, D]`` (keys already transformed: :meth:`_float_rows`); the rows
+        may be overwritten (the encoder works in them)."""
+        b, s, _ = key_rows.shape
         past = self.tables[layer].num_tokens
         encoded = []
         items = []
         sink_rows = []
         # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
-            for kind, x in ((KEY, keys), (VALUE, values)):
-                # [B, H, S, hd] -> [B * S, H * hd]: one row per token, all heads of the layer (granularity
-                # "token"). The copy is done by numpy on this thread: torch's multi-threaded copy of these small
-                # tensors waits for thread wake-ups on a loaded machine (docs/perf-notes.md).
-                x32 = x.detach().to(torch.float32).numpy()
-                # The rows, float32 [B * S, D], as they are quantized (the online key transform runs on them).
-                rows_np = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
-                if kind == KEY:
-                    self._transform_keys(layer, rows_np)
+            for kind, x in ((KEY, key_rows), (VALUE, value_rows)):
+                rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
                 if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
                     sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
                 rows = torch.from_numpy(rows_np)
@@ -339,6 +388,74 @@ class PagedKVStore:
         for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
             self.sinks[layer][:, kind, past : past + x.shape[1]] = x
         return encoded[0], encoded[1]
+
+    def window_update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> list[tuple[EncodedBatch, EncodedBatch]]:
+        """Add new tokens ``[B, H, S, hd]`` of one layer to its full-precision window (module doc), encoding the
+        oldest into the pages once the window would hold ``2 * residual`` or more; returns the encoded keys and
+        values of each chunk encoded (:meth:`append`'s results, in token order; empty when none was).
+
+        A flush of several chunks is not atomic as a whole (each chunk is): after a
+        :class:`~oakenkv.pages.PoolExhaustedError` the store must be reset, as after a long :meth:`append`.
+        """
+        if not self.residual:
+            raise RuntimeError("window_update needs a store with residual > 0")
+        self._check_kv(keys, values)
+        b, _, s, _ = keys.shape
+        self.ensure_batch(b)
+        kt, vw = self.windows[layer]
+        n = self.window_len[layer]
+        total = n + s
+        if total < 2 * self.residual and self.transforms is None:  # the usual case: the window takes the tokens
+            kt[:, :, :, n:total] = keys.detach().to(torch.float32).numpy().transpose(0, 1, 3, 2)
+            vw[:, :, n:total] = values.detach().to(torch.float32).numpy()
+            self.window_len[layer] = total
+            return []
+        with serial_numba(self.transforms is not None and b * s < SERIAL_BELOW_ROWS):
+            rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+        if total < 2 * self.residual:
+            self._window_write(layer, n, rows[KEY], rows[VALUE])
+            self.window_len[layer] = total
+            return []
+        if n:
+            held = self._window_rows(layer, 0, n)
+            rows = [np.concatenate([held[kind], rows[kind]], axis=1) for kind in (KEY, VALUE)]
+        flush = total - self.residual
+        chunks = []
+        for a in range(0, flush, self.prefill_chunk):
+            e = min(flush, a + self.prefill_chunk)
+            # (copies: the encoder may work in its rows, and the window's are still needed)
+            chunks.append(self._append_rows(layer, rows[KEY][:, a:e].copy(), rows[VALUE][:, a:e].copy()))
+        self._window_write(layer, 0, rows[KEY][:, flush:], rows[VALUE][:, flush:])
+        self.window_len[layer] = self.residual
+        return chunks
+
+    def _window_write(self, layer: int, at: int, key_rows: np.ndarray, value_rows: np.ndarray) -> None:
+        """Put float32 rows ``[B, S, D]`` (keys transformed) into the window from token ``at`` on."""
+        kt, vw = self.windows[layer]
+        b, s, _ = key_rows.shape
+        heads = (b, s, self.num_kv_heads, self.head_dim)
+        kt[:, :, :, at : at + s] = key_rows.reshape(heads).transpose(0, 2, 3, 1)
+        vw[:, :, at : at + s] = value_rows.reshape(heads).transpose(0, 2, 1, 3)
+
+    def _window_rows(self, layer: int, a: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """The window's tokens ``[a, e)`` as float32 rows ``[B, e - a, D]`` (keys as held: transformed); copies."""
+        kt, vw = self.windows[layer]
+        b = kt.shape[0]
+        keys = np.ascontiguousarray(kt[:, :, :, a:e].transpose(0, 3, 1, 2)).reshape(b, e - a, self.dim)
+        values = np.ascontiguousarray(vw[:, :, a:e].transpose(0, 2, 1, 3)).reshape(b, e - a, self.dim)
+        return keys, values
+
+    def window(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The window's keys or values of one layer as attention takes them: ``[B, H, n, hd]`` (keys restored to
+        the model's frame up to an oaken-plus shift, as :meth:`read` returns them)."""
+        n = self.window_len[layer]
+        if not self.seqs:
+            return torch.zeros(0, self.num_kv_heads, 0, self.head_dim, dtype=dtype)
+        kt, vw = self.windows[layer]
+        x = torch.from_numpy(kt[..., :n]).transpose(2, 3) if kind == KEY else torch.from_numpy(vw[:, :, :n])
+        return (self.restore_keys(layer, x) if kind == KEY else x).to(dtype)
 
     def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one new token ``[B, H, 1, hd]`` of one layer for every row (a decode step), atomically.
@@ -450,8 +567,9 @@ class PagedKVStore:
 
     def bits_per_value(self) -> dict[str, float]:
         """Bits per stored value, from the pages: ``format``: what the Oaken format stores (dense records,
-        sparse records and the 16-bit header per token; plus the sink tokens' 16 bits per value); ``with_pages``:
-        everything the store holds (whole pages in use + tables + sink tokens)."""
+        sparse records and the 16-bit header per token; plus the sink tokens' 16 bits per value and the
+        full-precision window's 32); ``with_pages``: everything the store holds (whole pages in use + tables + sink
+        tokens + window)."""
         pool = self.pool
         tokens = dense = sparse = 0
         for seq in self.seqs:
@@ -460,11 +578,12 @@ class PagedKVStore:
                 tokens += t.num_tokens
                 dense += t.num_tokens * t.rec_size
                 sparse += int(t.sparse_len.view.sum())
-        values = tokens * self.dim
+        values = (tokens + 2 * len(self.seqs) * sum(self.window_len)) * self.dim
         if values == 0:
             return {"format": float("nan"), "with_pages": float("nan")}
+        side = self.sink_bytes() + self.window_bytes()
         return {
-            "format": 8.0 * (dense + sparse + HEADER_BITS // 8 * tokens + self.sink_bytes()) / values,
+            "format": 8.0 * (dense + sparse + HEADER_BITS // 8 * tokens + side) / values,
             "with_pages": 8.0 * self.stats().total_bytes / values,
         }
 
@@ -479,6 +598,9 @@ class PagedKVStore:
             stream = 2 * layer + kind
             table = self.pool.table(seq, stream)
             start = table.evicted_before
+            if table.num_tokens == 0:  # (a full-precision window may hold every token so far)
+                out.append(torch.zeros(self.num_kv_heads, 0, self.head_dim))
+                continue
             dense = self.pool.read_dense(seq, stream, start)
             sparse, offs = self.pool.read_sparse(seq, stream, start)
             enc = from_records(dense, sparse, offs, self.dim, self.config)
@@ -543,6 +665,7 @@ class PagedKVStore:
             if j not in used:
                 self.pool.free(seq)
         self.sinks = [sink[index] for sink in self.sinks]
+        self.windows = [(kt[index], vw[index]) for kt, vw in self.windows]
         self._set_rows(new)
 
     def reset(self) -> None:
@@ -552,7 +675,15 @@ class PagedKVStore:
         self.tables = []
         self._targets = []
         self.sinks = []
+        self.windows = []
+        self.window_len = [0] * self.num_layers
+
+    def window_bytes(self) -> int:
+        """Bytes of the full-precision window's tokens held (32 bits per value, keys and values, every row)."""
+        return 4 * 2 * self.dim * len(self.seqs) * sum(self.window_len)
 
     def stats(self) -> PoolStats:
         stats = self.pool.stats()
-        return dataclasses.replace(stats, sink_bytes=self.sink_bytes()) if self.sink_tokens else stats
+        if self.sink_tokens or self.residual:
+            stats = dataclasses.replace(stats, sink_bytes=self.sink_bytes(), window_bytes=self.window_bytes())
+        return stats

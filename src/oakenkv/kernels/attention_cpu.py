@@ -527,3 +527,75 @@ def merge_sinks(q, keep, sinks, scaling, softcap, out, lse):
             for i in range(hd):
                 out[b, h, i] /= total
             lse[b, h] = mm + np.log(total)
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, b, h, s, acc):
+    """:func:`merge_window` for row ``b`` and query head ``h``; ``s`` and ``acc``: float32 scratch of ``n`` and
+    ``hd`` values."""
+    hd = q.shape[2]
+    n = keep.shape[1]
+    g = h // (q.shape[1] // keys_t.shape[1])
+    s[:] = 0.0
+    for i in range(hd):
+        qi = q[b, h, i] * scaling
+        for j in range(n):
+            s[j] += qi * keys_t[b, g, i, j]
+    mm = lse[b, h]
+    for j in range(n):
+        x = s[j]
+        if softcap > 0:
+            x = np.tanh(x / softcap) * softcap
+        if not keep[b, j]:
+            x = -np.inf
+        s[j] = x
+        mm = max(mm, x)
+    if mm == -np.inf:
+        return  # nothing to attend to at all: the kernel's result stays
+    w_pages = _exp(lse[b, h] - mm)  # 0 when the pages had no token
+    total = w_pages
+    for j in range(n):
+        w = _exp(s[j] - mm)
+        s[j] = w
+        total += w
+    for i in range(hd):
+        acc[i] = out[b, h, i] * w_pages
+    for j in range(n):
+        w = s[j]
+        for i in range(hd):
+            acc[i] += w * values[b, g, j, i]
+    inv = _F32(1.0) / total
+    for i in range(hd):
+        out[b, h, i] = acc[i] * inv
+    lse[b, h] = mm + np.log(total)
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def merge_window(q, keep, keys_t, values, scaling, softcap, out, lse):
+    """Add the full-precision window's tokens (``oakenkv.store``, ``residual``) to the result of the page
+    attention in place, as :func:`merge_sinks` does for sink tokens: per row and query head the softmax over both
+    parts, ``lse`` updated to match. Called with ``lse = -inf`` and ``out = 0`` when the pages hold no token.
+
+    Args:
+        q: float32 ``[B, Hq, hd]``, the kernel's queries (in the pages' key frame, which the window shares).
+        keep: uint8 ``[B, n]``, 1 where the query may attend to window token ``j``.
+        keys_t: float32 ``[B, H, hd, >= n]``: the window's keys, transposed (a query's scores are then sums of
+            contiguous token rows, which vectorize); values: float32 ``[B, H, >= n, hd]``.
+        scaling, softcap: as for the kernel. out: float32 ``[B, Hq, hd]``; lse: float32 ``[B, Hq]`` (both
+            read and written).
+    """
+    s = np.empty(keep.shape[1], np.float32)
+    acc = np.empty(q.shape[2], np.float32)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, b, h, s, acc)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
+def merge_window_parallel(q, keep, keys_t, values, scaling, softcap, out, lse):
+    """:func:`merge_window` with the (row, query head) pairs spread over numba's threads."""
+    hq_n = q.shape[1]
+    for w in prange(q.shape[0] * hq_n):
+        s = np.empty(keep.shape[1], np.float32)
+        acc = np.empty(q.shape[2], np.float32)
+        _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, w // hq_n, w % hq_n, s, acc)

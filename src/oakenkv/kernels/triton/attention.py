@@ -348,6 +348,11 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
             "the Triton decode attention does not read an oaken-plus profile's sink tokens yet; use the CPU kernel "
             "(oakenkv.attention.packed_decode_attention) or a profile without sink tokens"
         )
+    if getattr(store, "residual", 0):
+        raise NotImplementedError(
+            "the Triton decode attention does not read a full-precision window (OakenCache(residual=...)) yet; use "
+            "the CPU kernel (oakenkv.attention.packed_decode_attention) or residual=0"
+        )
     view = view_from_store(store, key.layer, query.device)
     if view.num_tokens != key.num_tokens:
         raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the handle says {key.num_tokens}")
