@@ -530,3 +530,272 @@ def test_one_pass_calibration_matches_the_profiler(default_model, tmp_path, monk
         lo, hi = rng.key_extremes[i]
         assert lo < pre.layer(i, "key").to_lo and hi > pre.layer(i, "key").to_hi
         assert rng.key_channel_lo[i].shape == (3, 64)
+
+
+# ---------------------------------------------------------------------------------------------- residual window
+# oaken:residual=R (oakenkv.eval.cache's module doc): each layer's newest tokens at full precision, the oldest n - R
+# of a window of n >= 2R tokens quantized in place after an update. On a tiny random Llama (3 KV heads of 64, as
+# the default model), through the cache's own update: no real model needed.
+
+_H, _HD = 3, 64
+_THR = (-1.6, -0.08, 0.08, 1.6)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=_H,
+        head_dim=_HD,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_thresholds(model, sink=None):
+    """Thresholds of ``model`` (oaken-plus transforms with ``sink`` sink tokens when ``sink`` is not None)."""
+    from oakenkv.config import OakenConfig
+    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.transforms import LayerTransforms, Transforms
+
+    keys = tuple(GroupThresholds(-1.6 - 0.1 * i, -0.08, 0.08, 1.6 + 0.1 * i) for i in range(2))
+    values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(2))
+    transforms = None
+    if sink is not None:
+        g = torch.Generator().manual_seed(7)
+        layers = tuple(
+            LayerTransforms(key_shift=tuple(torch.randn(_H * _HD, generator=g).mul(0.5).tolist()), key_rotation=True)
+            for _ in range(2)
+        )
+        transforms = Transforms(layers, _H, _HD, sink_tokens=sink)
+    return Thresholds(OakenConfig(), ModelFingerprint.from_model(model), keys, values, transforms=transforms)
+
+
+def _quantizer(model, which):
+    """Oaken post-RoPE, Oaken pre-RoPE, or oaken-plus (key shift and rotation, 2 sink tokens)."""
+    from oakenkv.config import OakenConfig
+    from oakenkv.eval.methods import OakenQuantizer, PlusQuantizer
+
+    class Fixed:
+        def layer(self, i, kind):
+            return _THR
+
+    if which == "post":
+        return OakenQuantizer(Fixed(), OakenConfig())
+    if which == "pre":
+        return OakenQuantizer(Fixed(), OakenConfig(key_position="pre_rope"))
+    return PlusQuantizer(_tiny_thresholds(model, sink=2))
+
+
+def _kv_tokens(t, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, _H, t, _HD, generator=g)
+    k[:, :, 0] *= 8.0  # an atypical first token (a sink's key)
+    v = torch.randn(1, _H, t, _HD, generator=g) * 0.8
+    return k.to(dtype), v.to(dtype)
+
+
+def test_residual_zero_quantizes_every_token_as_it_arrives(tiny_llama):
+    """residual=0 (the default) is the cache as it was: every update's tokens quantized at insertion."""
+    from oakenkv.eval.cache import FakeQuantCache
+
+    q = _quantizer(tiny_llama, "pre")
+    cache = FakeQuantCache(tiny_llama, q)
+    assert cache.residual == 0
+    k, v = _kv_tokens(20)
+    ref = FakeQuantCache(tiny_llama, q)  # only its quantize_kv: the quantization at insertion, chunk by chunk
+    want_k, want_v = [], []
+    for a, b in ((0, 12), (12, 13), (13, 14), (14, 20)):
+        got_k, got_v = cache.update(k[:, :, a:b], v[:, :, a:b], 1)
+        wk, wv = ref.quantize_kv(1, k[:, :, a:b], v[:, :, a:b], a)
+        want_k.append(wk)
+        want_v.append(wv)
+        assert torch.equal(got_k, torch.cat(want_k, dim=-2)) and torch.equal(got_v, torch.cat(want_v, dim=-2))
+    assert not torch.equal(got_k, k)  # (something was quantized)
+    assert cache.layers[1]._fq_window is None and cache.layers[1]._fq_quantized == 0
+
+
+@pytest.mark.parametrize("which", ["post", "pre", "plus"])
+@pytest.mark.parametrize("s", [15, 16, 21])
+def test_residual_prefill_keeps_the_last_tokens_exact(tiny_llama, which, s):
+    """A prefill of S < 2R stays exact; S >= 2R quantizes tokens [0, S - R) as plain Oaken does, keeps the rest."""
+    from oakenkv.eval.cache import FakeQuantCache
+
+    r = 8
+    q = _quantizer(tiny_llama, which)
+    k, v = _kv_tokens(s)
+    got_k, got_v = FakeQuantCache(tiny_llama, q, residual=r).update(k, v, 0)
+    plain_k, plain_v = FakeQuantCache(tiny_llama, q).update(k, v, 0)
+    nq = 0 if s < 2 * r else s - r
+    assert torch.equal(got_k[:, :, :nq], plain_k[:, :, :nq]) and torch.equal(got_v[:, :, :nq], plain_v[:, :, :nq])
+    exact_k = q.unquantized(0, "key", k)  # k itself but for oaken-plus (its shift: test_residual_plus_window_...)
+    assert torch.equal(got_k[:, :, nq:], exact_k[:, :, nq:]) and torch.equal(got_v[:, :, nq:], v[:, :, nq:])
+    assert not torch.equal(plain_k[:, :, nq:], exact_k[:, :, nq:])  # (plain Oaken would have quantized them)
+    if nq:
+        assert not torch.equal(got_k[:, :, :nq], exact_k[:, :, :nq])
+
+
+@pytest.mark.parametrize("which", ["post", "pre", "plus"])
+def test_residual_decode_flushes_on_time_as_plain_oaken_would(tiny_llama, which):
+    """A prefill of 5, then one token at a time with R = 4: the window reaches 2R = 8 tokens at 8, 12, 16, ...
+    and its oldest 4 are quantized then; every quantized token reads exactly as a residual-0 cache fed the same
+    tokens reads it (pre-RoPE: at its own position; oaken-plus: the sink tokens by absolute position)."""
+    from oakenkv.eval.cache import FakeQuantCache
+
+    q = _quantizer(tiny_llama, which)
+    k, v = _kv_tokens(22, seed=1)
+    cache, plain = FakeQuantCache(tiny_llama, q, residual=4), FakeQuantCache(tiny_llama, q)
+    layer = cache.layers[1]
+    steps = [(0, 5), *((i, i + 1) for i in range(5, 22))]
+    quantized = []
+    for a, b in steps:
+        got_k, got_v = cache.update(k[:, :, a:b], v[:, :, a:b], 1)
+        plain_k, plain_v = plain.update(k[:, :, a:b], v[:, :, a:b], 1)
+        nq = layer._fq_quantized
+        quantized.append(nq)
+        assert got_k.shape[-2] == b and torch.equal(got_k, layer.keys) and torch.equal(got_v, layer.values)
+        assert torch.equal(got_k[:, :, :nq], plain_k[:, :, :nq]) and torch.equal(got_v[:, :, :nq], plain_v[:, :, :nq])
+        exact_k = q.unquantized(1, "key", k[:, :, nq:b])
+        assert torch.equal(got_k[:, :, nq:], exact_k) and torch.equal(got_v[:, :, nq:], v[:, :, nq:b])
+        assert torch.equal(layer._fq_window[0], k[:, :, nq:b])  # (the originals, quantized from when they leave)
+    # tokens seen after each step: 5, 6, ..., 21
+    assert quantized == [0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 16, 16, 16]
+    assert cache.layers[0]._fq_quantized == 0  # (another layer, never updated)
+
+
+def test_residual_plus_window_keys_carry_the_shift_of_the_dequantized_ones(tiny_llama):
+    """oaken-plus returns its dequantized keys less the key shift (softmax ignores a shift common to all keys):
+    the window's keys must carry it too, or each would score ``q . shift`` above the quantized ones. Other
+    methods read the window as received."""
+    from oakenkv.eval.cache import FakeQuantCache
+
+    q = _quantizer(tiny_llama, "plus")
+    k, v = _kv_tokens(12)
+    shift = torch.tensor(q.transforms.layers[1].key_shift).reshape(_H, _HD)[None, :, None]  # [1, H, 1, hd]
+    got_k, got_v = FakeQuantCache(tiny_llama, q, residual=8).update(k, v, 1)  # 12 < 16: all in the window
+    torch.testing.assert_close(got_k, k - shift, rtol=0, atol=1e-5)  # (the rotation's round trip in float32)
+    assert (got_k - k).abs().max() > 0.1 and torch.equal(got_v, v)
+    for which in ("post", "pre"):
+        assert _quantizer(tiny_llama, which).unquantized(1, "key", k) is k
+
+
+@pytest.mark.parametrize("span", [6, 3])
+def test_residual_flush_reaches_a_sliding_layer_that_dropped_window_tokens(span):
+    """A sliding layer spanning fewer than 2R tokens: what it still holds is quantized in place when it leaves the
+    window (span 6: some of the flushed tokens; span 3: none), and the tokens it dropped before are quantized and
+    counted all the same."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+
+    cfg = MistralConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=_H,
+        head_dim=_HD,
+        sliding_window=span,
+    )
+    model = MistralForCausalLM(cfg).eval()
+    q = _quantizer(model, "post")
+    k, v = _kv_tokens(20, seed=2)
+    cache, plain = FakeQuantCache(model, q, residual=5), FakeQuantCache(model, q)
+    for i in range(20):
+        got_k, _ = cache.update(k[:, :, i : i + 1], v[:, :, i : i + 1], 0)
+        plain_k, _ = plain.update(k[:, :, i : i + 1], v[:, :, i : i + 1], 0)
+        nq, first = cache.layers[0]._fq_quantized, i + 1 - got_k.shape[-2]
+        assert first == max(0, i + 1 - span)  # the layer returns its span only: tokens first..i
+        m = max(nq - first, 0)
+        assert torch.equal(got_k[:, :, :m], plain_k[:, :, :m])
+        assert torch.equal(got_k[:, :, m:], k[:, :, max(nq, first) : i + 1])
+    assert nq == 15  # 5 tokens flushed at 10 (span 6: the layer held only token 4 of them), 15 and 20 tokens seen
+    # every quantized token counted as plain counts it, dropped ones too
+    sub = FakeQuantCache(model, q)
+    sub.update(k[:, :, :15], v[:, :, :15], 0)
+    window = 2 * 5 * _H * _HD
+    assert stored_bits(cache).bits == stored_bits(sub).bits + 32 * window
+
+
+def test_residual_spec_is_checked_and_round_trips():
+    from oakenkv.eval.spec import check_spec_with_thresholds
+
+    for family in ("oaken", "oaken-plus"):
+        assert parse_spec(family)[1]["residual"] == 0
+        fam, p = parse_spec(f"{family}:residual=128")
+        assert p["residual"] == 128 and canonical(fam, p) == f"{family}:residual=128"
+        assert parse_spec(canonical(fam, p)) == (fam, p)
+        with pytest.raises(ValueError, match=r"residual must be 0 .* got -1"):
+            parse_spec(f"{family}:residual=-1")
+        with pytest.raises(ValueError, match="not a int"):
+            parse_spec(f"{family}:residual=1.5")
+    assert canonical("oaken", parse_spec("oaken:only=k,residual=64")[1]) == "oaken:only=k,residual=64"
+
+    class File:  # a thresholds file as check_spec_with_thresholds reads it
+        def __init__(self, transforms=None):
+            from oakenkv.config import OakenConfig
+
+            self.config, self.profile, self.transforms = OakenConfig(), {}, transforms
+
+    assert check_spec_with_thresholds("oaken:residual=128", File())["residual"] == 128
+    assert check_spec_with_thresholds("oaken-plus:residual=128", File(object()))["residual"] == 128
+    with pytest.raises(ValueError, match="--method sets sink"):  # the file still decides the others
+        check_spec_with_thresholds("oaken-plus:residual=128,sink=2", File(object()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_residual_window_counts_32_bits_per_value_as_the_cache_holds_it(tiny_llama, dtype):
+    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+
+    r = 8
+    q = _quantizer(tiny_llama, "post")
+    k, v = _kv_tokens(2 * r - 1, dtype=dtype)
+    cache = FakeQuantCache(tiny_llama, q, residual=r)
+    cache.update(k, v, 0)  # shorter than 2R: all in the window
+    assert stored_bits(cache).bits == 32 * 2 * k.numel() and stored_bits(cache).values == 2 * k.numel()
+
+
+def test_residual_bits_are_the_quantized_tokens_plus_the_window(tiny_llama):
+    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+
+    r = 8
+    q = _quantizer(tiny_llama, "post")
+    k, v = _kv_tokens(30)
+    cache = FakeQuantCache(tiny_llama, q, residual=r)
+    cache.update(k[:, :, :20], v[:, :, :20], 0)  # 20 >= 2R: [0, 12) quantized, 8 in the window
+    for i in range(20, 30):
+        cache.update(k[:, :, i : i + 1], v[:, :, i : i + 1], 0)  # at 28 (window 16): [12, 20) quantized
+    plain = FakeQuantCache(tiny_llama, q)
+    plain.update(k[:, :, :20], v[:, :, :20], 0)
+    got, quantized = stored_bits(cache), stored_bits(plain)
+    window = 2 * 10 * _H * _HD  # tokens 20..29, keys and values
+    assert got.values == 2 * k.numel() and got.bits == quantized.bits + 32 * window
+    assert 4 < quantized.bits / quantized.values < 6  # (the quantized ones at Oaken's rate, not 32)
+
+
+def test_residual_methods_build_their_window(tiny_llama):
+    """``oaken:residual=R`` and ``oaken-plus:residual=R`` (with thresholds files) make caches with the window and
+    record it in their names; perplexity runs through them and counts the window at float32."""
+    from oakenkv.eval.ppl import perplexity
+
+    plain_th, plus_th = _tiny_thresholds(tiny_llama), _tiny_thresholds(tiny_llama, sink=2)
+    m = build_method("oaken:residual=16", tiny_llama, None, thresholds=plain_th)
+    assert m.params["residual"] == 16 and m.name == "oaken[thresholds]:residual=16"
+    assert m.make_cache().residual == 16
+    assert build_method("oaken", tiny_llama, None, thresholds=plain_th).make_cache().residual == 0
+    p = build_method("oaken-plus:residual=16", tiny_llama, None, thresholds=plus_th)
+    assert p.params["residual"] == 16 and p.name == "oaken-plus[thresholds]:residual=16"
+    assert p.make_cache().residual == 16
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    r0 = perplexity(tiny_llama, ids, build_method("oaken", tiny_llama, None, thresholds=plain_th))
+    r16 = perplexity(tiny_llama, ids, m)  # 23 tokens < 32: all at full precision
+    fp = perplexity(tiny_llama, ids, build_method("fp", tiny_llama, None))
+    assert r16.nll == fp.nll and r0.nll != fp.nll
+    assert r16.effective_bits == 32.0 and r16.extra["params"]["residual"] == 16

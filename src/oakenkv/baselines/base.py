@@ -72,6 +72,12 @@ class KVFakeQuantizer(ABC):
         """The first ``sink_tokens`` tokens ``x`` as the attention reads them (only where ``sink_tokens > 0``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no sink tokens")
 
+    def unquantized(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
+        """Tokens ``x`` the cache holds unquantized (a full-precision window) as the attention reads them, in the
+        frame of the method's dequantized ones: ``x`` itself, unless the method shifts what it returns (oaken-plus:
+        softmax ignores a shift common to all keys, not one that only some of them carry)."""
+        return x
+
     @abstractmethod
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Fake-quantize the new keys or values of one layer.

@@ -18,6 +18,11 @@ A method is named by a spec string ``family[:key=value,...]``, e.g. ``oaken``, `
 ``oaken:only=k`` (or ``only=v``) is an ablation: only the keys (values) are quantized, the other kind is read
 unquantized and counted at 16 bits; it shows which side costs Oaken its perplexity.
 
+``oaken:residual=R`` (and ``oaken-plus:residual=R``) keeps each layer's newest tokens unquantized, in a window of R
+to 2R - 1 tokens once the sequence is that long, as ``OakenCache``'s window does (semantics:
+:mod:`oakenkv.eval.cache`); they count 32 bits per value (float32, as the cache holds them). 0, the default, is
+the paper's Oaken. A thresholds file does not decide it.
+
 Oaken's thresholds come from a thresholds file (``thresholds=``) or are profiled on the calibration text
 (:mod:`oakenkv.eval.calibration`; never WikiText-2 by default).
 """
@@ -119,6 +124,14 @@ class PlusQuantizer(OakenQuantizer):
         """The first tokens of a sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``)."""
         return self.transforms.sink_tokens
 
+    def unquantized(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
+        """Keys of the full-precision window as ``OakenCache`` hands them to attention: after the online transform
+        (in float32, as the store holds its window) and restored like the dequantized ones, so that every key
+        carries the shift; values as they are."""
+        if kind != "key":
+            return x
+        return self.transforms.keys_restore(layer_idx, self.transforms.keys_forward(layer_idx, x)).to(x.dtype)
+
     def sink(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         """Sink tokens ``[B, H, n, hd]`` as ``OakenCache`` hands them to attention: float16 (keys after the online
         transform, then restored like the dequantized ones). The cache's bits count them (``FakeQuantCache``)."""
@@ -179,9 +192,9 @@ def build_method(
     if family in ("oaken", "oaken-official", "kvquant") and spec_obj != cal.CalibrationSpec():
         name += f"@{spec_obj.tag()}"  # a non-default calibration is part of what is compared
 
-    def fq(quantizer: KVFakeQuantizer) -> Callable[[], Any]:
+    def fq(quantizer: KVFakeQuantizer, residual: int = 0) -> Callable[[], Any]:
         rope = RopeTable(model) if quantizer.key_position == "pre_rope" else None
-        return lambda: FakeQuantCache(model, quantizer, rope)
+        return lambda: FakeQuantCache(model, quantizer, rope, residual)
 
     if family == "fp":
         return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
@@ -204,8 +217,9 @@ def build_method(
             thresholds.check_model(model)  # shape and weights
             config = thresholds.config
             name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
-            if params["only"] != "kv":
-                name += f":only={params['only']}"
+            given = [f"{k}={params[k]}" for k in ("only", "residual") if params[k] != FAMILIES["oaken"][k]]
+            if given:  # what the file does not decide
+                name += ":" + ",".join(given)
         else:
             config = OakenConfig(
                 outer_ratio=params["outer"],
@@ -231,7 +245,7 @@ def build_method(
         if only != ("key", "value"):
             note = f"ablation: only the {only[0]}s are quantized, the other kind stays at 16 bits"
         q = OakenQuantizer(thresholds, config, only)
-        return Method(name, family, params, fq(q), config.key_position, note, extra)
+        return Method(name, family, params, fq(q, params["residual"]), config.key_position, note, extra)
     if family == "oaken-plus":
         return _oaken_plus(name, params, model, tokenizer, model_name, thresholds, calibration, progress)
     if family == "oaken-official":
@@ -306,6 +320,8 @@ def _oaken_plus(
         if thresholds.transforms is None:
             raise ValueError("oaken-plus needs a profile with transforms (`oakenkv profile --preset oaken-plus`)")
         name = f"oaken-plus[{extra.get('thresholds_file', 'thresholds')}]"
+        if params["residual"]:  # the one parameter the file does not decide
+            name += f":residual={params['residual']}"
     else:
         search = PlusSearch.from_flags(
             params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"]
@@ -322,5 +338,7 @@ def _oaken_plus(
     folded = apply_profile(copy.deepcopy(model), thresholds)
     extra["transforms"] = thresholds.transforms.digest()[:16]
     extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
-    q = PlusQuantizer(thresholds)
-    return Method(name, "oaken-plus", params, lambda: FakeQuantCache(folded, q), "post_rope", "", extra, folded)
+    q, residual = PlusQuantizer(thresholds), params["residual"]
+    return Method(
+        name, "oaken-plus", params, lambda: FakeQuantCache(folded, q, residual=residual), "post_rope", "", extra, folded
+    )

@@ -38,11 +38,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "key_position": "post",
         "kurtosis": 0,
         "only": "kv",
+        "residual": 0,
     },
     # oaken-plus: each remedy can be switched on or off for the ablation table (the defaults: the preset; the
     # Hadamard rotations are off in it, see oakenkv.plus.PlusSearch).
     # sink: the first tokens of a sequence kept at 16 bits (a count, not a switch).
-    "oaken-plus": {"shift": 1, "rot_k": 0, "rot_v": 0, "smooth": 1, "ratios": 1, "sink": 1},
+    "oaken-plus": {"shift": 1, "rot_k": 0, "rot_v": 0, "smooth": 1, "ratios": 1, "sink": 1, "residual": 0},
     "oaken-official": {"outer": 0.04, "inner": 0.06},
     "int": {"bits": 4, "group": 0},
     "kivi": {"bits": 4, "group": 32, "residual": 128},
@@ -50,6 +51,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "fp8": {"scale": 1.0},
     "quanto": {"bits": 4, "group": 64, "residual": 128},
 }
+
+#: The families that take ``residual``: the newest tokens of each layer kept at full precision, unquantized (a
+#: token count; 0, the default, is the paper's Oaken, every token quantized). ``oakenkv.eval.cache.FakeQuantCache``
+#: has the semantics. A thresholds file does not decide it (:func:`check_spec_with_thresholds` passes it through).
+RESIDUAL_FAMILIES = ("oaken", "oaken-plus")
 
 #: What each family simplifies relative to the method it stands for (printed in reports).
 SIMPLIFIED = {
@@ -78,8 +84,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             params[k] = type(default)(v) if not isinstance(default, str) else v
         except ValueError as e:
             raise ValueError(f"method {family!r}: {k}={v!r} is not a {type(default).__name__}") from e
+    if family in RESIDUAL_FAMILIES and params["residual"] < 0:
+        raise ValueError(
+            f"method {family!r}: residual must be 0 (off: every token quantized) or a positive token count, "
+            f"got {params['residual']}"
+        )
     if family == "oaken-plus":  # switches (and the sink's token count): checked here, before a model loads
         for k, v in params.items():
+            if k == "residual":
+                continue
             if k == "sink":
                 if not valid_sink_tokens(v):
                     raise ValueError(f"method 'oaken-plus': sink must be 0 to {MAX_SINK_TOKENS} tokens, got {v}")
@@ -113,7 +126,8 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
     another, and a method other than ``oaken`` / ``oaken-plus`` would ignore the file. A profile made after
     oaken-plus transforms needs ``oaken-plus`` (plain Oaken would use its thresholds on untransformed keys), whose
     switches the file's transforms then decide. All raise ValueError. The returned parameters are the file's for
-    everything it decides (what the result records), the spec's for the rest (``only``).
+    everything it decides (what the result records), the spec's for the rest (``only``, ``residual``: how the
+    cache holds the tokens, not how the file quantizes them).
     """
     family, params = parse_spec(spec)
     transforms = getattr(thresholds, "transforms", None)
@@ -124,7 +138,7 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
                 f"{source} holds no oaken-plus transforms: profile with `oakenkv profile --preset oaken-plus`, or "
                 "use --method oaken"
             )
-        given = sorted(given_params(spec))
+        given = sorted(given_params(spec) - {"residual"})
         if given:
             raise ValueError(f"--method sets {', '.join(given)}, but with a thresholds file its transforms decide them")
         return params
