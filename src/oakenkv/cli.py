@@ -223,6 +223,14 @@ def generate(
     beside: Annotated[
         bool, typer.Option(help="With oaken-plus, also generate with the paper's oaken, for comparison.")
     ] = True,
+    residual: Annotated[
+        int,
+        typer.Option(
+            help="Keep each layer's newest RESIDUAL to 2*RESIDUAL-1 tokens unquantized (float32), encoding them "
+            "RESIDUAL at a time (KIVI's residual; OakenCache(residual=...)). 0: every token quantized on arrival.",
+            min=0,
+        ),
+    ] = 0,
 ) -> None:
     """Generate text with the Oaken-quantized KV cache (oaken-plus, the paper's oaken beside it) and print it with
     the bytes the cache holds."""
@@ -249,7 +257,9 @@ def generate(
     if fp:
         runs.append(("fp32", loaded, None))
     for name, lm, t in runs:
-        g = generate_text(lm, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample)
+        g = generate_text(
+            lm, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample, residual=residual if t else 0
+        )
         typer.echo(f"--- {name} ({g.new_tokens} tokens in {g.seconds:.1f} s)")
         typer.echo(g.text)
         typer.echo(
@@ -722,6 +732,15 @@ def bench_decode(
     methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
     batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
+    residual: Annotated[
+        int,
+        typer.Option(
+            help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
+            "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
+            "0: every token quantized on arrival, the paper's Oaken.",
+            min=0,
+        ),
+    ] = 0,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
@@ -740,6 +759,8 @@ def bench_decode(
     names = _check_methods(methods)
     if thresholds is not None and "oaken" not in names:
         raise _bad("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
+    if residual and "oaken" not in names:
+        raise _bad("--residual", "the window is the 'oaken' method's, which --methods does not include")
     _check_out(json_out, "--json")
     _check_model(model)
     _check_decode_contexts(model, contexts, batch)
@@ -757,7 +778,14 @@ def bench_decode(
         if "oaken" in names:
             thr = load_or_profile_thresholds(load_model(model), thr_file)
         result = run_decode_bench(
-            contexts, names, model=model, thresholds=thr, steps=steps, batch=batch, progress=lambda m: status.update(m)
+            contexts,
+            names,
+            model=model,
+            thresholds=thr,
+            steps=steps,
+            batch=batch,
+            residual=residual,
+            progress=lambda m: status.update(m),
         )
     print_decode_bench(result)
     if json_out is not None:
@@ -864,6 +892,15 @@ def bench_generate(
         int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=2)
     ] = 64,
     rounds: Annotated[int, typer.Option(help="Timed generates per method and point (interleaved).", min=1)] = 3,
+    residual: Annotated[
+        int,
+        typer.Option(
+            help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
+            "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
+            "0: every token quantized on arrival, the paper's Oaken.",
+            min=0,
+        ),
+    ] = 0,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
@@ -884,6 +921,8 @@ def bench_generate(
     names = _check_methods(methods)
     if thresholds is not None and "oaken" not in names:
         raise _bad("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
+    if residual and "oaken" not in names:
+        raise _bad("--residual", "the window is the 'oaken' method's, which --methods does not include")
     if points:
         try:
             grid = [tuple(int(x) for x in p.lower().split("x")) for p in points.split(",") if p.strip()]
@@ -918,7 +957,7 @@ def bench_generate(
 
         result = run_generate_bench(
             points=grid, methods=names, model=model, thresholds=thr, new_tokens=new_tokens, rounds=rounds,
-            progress=progress,
+            residual=residual, progress=progress,
         )  # fmt: skip
     print_generate_bench(result)
     if json_out is not None:

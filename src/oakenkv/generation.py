@@ -196,6 +196,7 @@ def generate_text(
     chat: bool = True,
     packed_attention: bool = True,
     do_sample: bool = False,
+    residual: int = 0,
 ) -> Generation:
     """Generate from ``prompt`` with an :class:`~oakenkv.cache.OakenCache` (``thresholds`` given) or with
     transformers' fp32 ``DynamicCache`` (``thresholds=None``, the FP baseline).
@@ -203,6 +204,7 @@ def generate_text(
     Args:
         chat: wrap the prompt in the tokenizer's chat template when it has one.
         packed_attention: decode with the packed-page attention (``"oaken"``) instead of the float read path.
+        residual: the OakenCache's full-precision window (``OakenCache(residual=...)``; 0: none).
     """
     import contextlib
 
@@ -220,7 +222,10 @@ def generate_text(
         ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[-1] == 0:
         raise ValueError("the prompt is empty (no tokens to continue); give some text")
-    cache = OakenCache(thresholds, model.config) if thresholds is not None else DynamicCache(config=model.config)
+    if thresholds is not None:
+        cache = OakenCache(thresholds, model.config, residual=residual)
+    else:
+        cache = DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
     with ctx:
         out, timing = timed_generate(

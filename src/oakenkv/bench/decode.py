@@ -3,7 +3,8 @@ transformers caches it replaces (``oakenkv bench decode``, ``benchmarks/bench_de
 
 Methods:
 
-* ``oaken``: :class:`~oakenkv.cache.OakenCache` with the packed-page decode attention (``"oaken"``).
+* ``oaken``: :class:`~oakenkv.cache.OakenCache` with the packed-page decode attention (``"oaken"``); with
+  ``residual=R`` its newest tokens stay in a full-precision window (``OakenCache(residual=R)``).
 * ``dynamic``: transformers' ``DynamicCache`` in fp32 (what the CPU model runs in), SDPA attention.
 * ``quanto``: transformers' ``QuantizedCache(backend="quanto", nbits=4)`` (needs ``optimum-quanto``; residual
   length 128, group size 64: transformers' defaults), SDPA attention.
@@ -78,9 +79,10 @@ def tile_rows(x: torch.Tensor, n: int, batch: int = 1) -> torch.Tensor:
     return torch.cat([tiled[:, :, 37 * b : 37 * b + n] for b in range(batch)]).contiguous()
 
 
-def make_cache(method: str, model: Any, thresholds: Any) -> Any:
+def make_cache(method: str, model: Any, thresholds: Any, residual: int = 0) -> Any:
+    """A fresh cache of ``method``; ``residual``: the ``oaken`` cache's full-precision window (0: none)."""
     if method == "oaken":
-        return OakenCache(thresholds, model.config)
+        return OakenCache(thresholds, model.config, residual=residual)
     if method == "dynamic":
         from transformers import DynamicCache
 
@@ -99,10 +101,11 @@ def fill_cache(
     source: list[tuple[torch.Tensor, torch.Tensor]],
     context: int,
     batch: int = 1,
+    residual: int = 0,
 ):
     """A fresh cache of ``method`` holding ``context`` tokens per row for ``batch`` rows (the source K/V tiled,
     :func:`tile_rows`); returns ``(cache, seconds)``."""
-    cache = make_cache(method, model, thresholds)
+    cache = make_cache(method, model, thresholds, residual)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i, (k, v) in enumerate(source):
@@ -154,6 +157,7 @@ def run_decode_bench(
     steps: int = 5,
     source_tokens: int = 512,
     batch: int = 1,
+    residual: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every method at every context; returns ``{"results": {method: {context: {...}}}, "meta": {...}}``.
@@ -170,6 +174,7 @@ def run_decode_bench(
         steps: timed decode steps per point (the median is reported).
         source_tokens: WikiText-2 tokens of the real prefill whose K/V are tiled to each context.
         batch: rows decoded together (each row's K/V start at another offset of the source).
+        residual: the ``oaken`` cache's full-precision window (``OakenCache(residual=...)``; 0: none).
         progress: called with a short message before each point.
     """
     import numba
@@ -197,7 +202,7 @@ def run_decode_bench(
         for m in methods:
             if progress:
                 progress(f"filling {m} @ {context} tokens")
-            caches[m], fill_s = fill_cache(m, loaded.model, thresholds, source, context, batch)
+            caches[m], fill_s = fill_cache(m, loaded.model, thresholds, source, context, batch, residual)
             filled[m] = (kv_bytes(caches[m]), fill_s)
         if progress:
             progress(f"timing {', '.join(methods)} @ {context} tokens")
@@ -218,6 +223,7 @@ def run_decode_bench(
         "numba_threads": numba.get_num_threads(),
         "steps": steps,
         "batch": batch,
+        "oaken_residual": residual,
         "source_tokens": source_tokens,
         "fp32_bytes_per_token": fp32_per_token,
         "note": "context = real prefill K/V of WikiText-2 tiled to length; step = one full model forward; "

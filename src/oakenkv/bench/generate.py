@@ -70,12 +70,14 @@ def _prompt_ids(tokenizer: Any, prompt: int, batch: int) -> torch.Tensor:
     return ids
 
 
-def _generate(model: Any, method: str, thresholds: Any, ids: torch.Tensor, new_tokens: int, pad: int):
+def _generate(
+    model: Any, method: str, thresholds: Any, ids: torch.Tensor, new_tokens: int, pad: int, residual: int = 0
+):
     from oakenkv.attention import oaken_attention
     from oakenkv.cache import kv_bytes
     from oakenkv.generation import timed_generate
 
-    cache = make_cache(method, model, thresholds)
+    cache = make_cache(method, model, thresholds, residual)
     ctx = oaken_attention(model) if method == "oaken" else contextlib.nullcontext()
     with ctx:
         out, timing = timed_generate(
@@ -94,6 +96,7 @@ def run_generate_bench(
     new_tokens: int = 64,
     rounds: int = 3,
     points: list[tuple[int, int]] | None = None,
+    residual: int = 0,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Time ``model.generate`` for every method at every (prompt, batch) point.
@@ -105,6 +108,7 @@ def run_generate_bench(
         thresholds: a ``Thresholds`` for the model (required for ``oaken``).
         new_tokens: tokens generated per row (at least 2: one prefill, then decode steps).
         rounds: timed generates per method and point.
+        residual: the ``oaken`` cache's full-precision window (``OakenCache(residual=...)``; 0: none).
         progress: called as ``progress(done, total, message)`` before each generate.
 
     Returns:
@@ -149,7 +153,7 @@ def run_generate_bench(
         warm = ids if prompt * batch <= WARMUP_FULL_TOKENS else ids[:, : min(prompt, 16)]
         for m in methods:  # warm-up: kernels loaded, allocator primed (not timed)
             tick(f"{key}: warm-up {m}")
-            _generate(loaded.model, m, thresholds, warm, 2, pad)
+            _generate(loaded.model, m, thresholds, warm, 2, pad, residual)
             if m == "oaken":
                 load_kernels()  # the multi-threaded kernel too, which only long contexts take
         per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
@@ -158,7 +162,7 @@ def run_generate_bench(
             for k in range(len(methods)):
                 m = methods[(r + k) % len(methods)]
                 tick(f"{key}: round {r + 1}/{rounds}, {m}")
-                new, timing, nbytes = _generate(loaded.model, m, thresholds, ids, new_tokens, pad)
+                new, timing, nbytes = _generate(loaded.model, m, thresholds, ids, new_tokens, pad, residual)
                 per_round[m].append({**timing.to_dict(), "kv_bytes": nbytes})
                 tokens.setdefault(m, new)
         for m in methods:
@@ -189,6 +193,7 @@ def run_generate_bench(
         "numba_threads": numba.get_num_threads(),
         "new_tokens": new_tokens,
         "rounds": rounds,
+        "oaken_residual": residual,
         "points": [f"{p}x{b}" for p, b in grid],
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "loadavg_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
