@@ -403,13 +403,15 @@ class PagedKVStore:
             raise RuntimeError("window_update needs a store with residual > 0")
         self._check_kv(keys, values)
         b, _, s, _ = keys.shape
-        self.ensure_batch(b)
+        if len(self.seqs) != b:  # (new rows, or the error for a batch the store does not hold)
+            self.ensure_batch(b)
         kt, vw = self.windows[layer]
         n = self.window_len[layer]
         total = n + s
         if total < 2 * self.residual and self.transforms is None:  # the usual case: the window takes the tokens
-            kt[:, :, :, n:total] = keys.detach().to(torch.float32).numpy().transpose(0, 1, 3, 2)
-            vw[:, :, n:total] = values.detach().to(torch.float32).numpy()
+            k, v = keys.detach(), values.detach()  # (float32's numpy view: a .to() call costs more than the copy)
+            kt[:, :, :, n:total] = (k if k.dtype == torch.float32 else k.float()).numpy().transpose(0, 1, 3, 2)
+            vw[:, :, n:total] = (v if v.dtype == torch.float32 else v.float()).numpy()
             self.window_len[layer] = total
             return []
         with serial_numba(self.transforms is not None and b * s < SERIAL_BELOW_ROWS):

@@ -530,44 +530,57 @@ def merge_sinks(q, keep, sinks, scaling, softcap, out, lse):
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, b, h, s, acc):
-    """:func:`merge_window` for row ``b`` and query head ``h``; ``s`` and ``acc``: float32 scratch of ``n`` and
-    ``hd`` values."""
+def _merge_window_group(q, keep, keys_t, values, scaling, softcap, out, lse, b, g, s, acc):
+    """:func:`merge_window` for row ``b`` and KV head ``g``: its ``group`` query heads together, so that each key
+    and value of the window is loaded once for all of them (GQA). ``s``: float32 scratch ``[group, >= n]``; ``acc``:
+    ``[group, hd]``."""
     hd = q.shape[2]
     n = keep.shape[1]
-    g = h // (q.shape[1] // keys_t.shape[1])
-    s[:] = 0.0
+    group = q.shape[1] // keys_t.shape[1]
+    h0 = g * group
+    s[:, :n] = 0.0
     for i in range(hd):
-        qi = q[b, h, i] * scaling
+        for hh in range(group):
+            qi = q[b, h0 + hh, i] * scaling
+            for j in range(n):
+                s[hh, j] += qi * keys_t[b, g, i, j]
+    for hh in range(group):
+        h = h0 + hh
+        mm = lse[b, h]
         for j in range(n):
-            s[j] += qi * keys_t[b, g, i, j]
-    mm = lse[b, h]
-    for j in range(n):
-        x = s[j]
-        if softcap > 0:
-            x = np.tanh(x / softcap) * softcap
-        if not keep[b, j]:
-            x = -np.inf
-        s[j] = x
-        mm = max(mm, x)
-    if mm == -np.inf:
-        return  # nothing to attend to at all: the kernel's result stays
-    w_pages = _exp(lse[b, h] - mm)  # 0 when the pages had no token
-    total = w_pages
-    for j in range(n):
-        w = _exp(s[j] - mm)
-        s[j] = w
-        total += w
-    for i in range(hd):
-        acc[i] = out[b, h, i] * w_pages
-    for j in range(n):
-        w = s[j]
+            x = s[hh, j]
+            if softcap > 0:
+                x = np.tanh(x / softcap) * softcap
+            if not keep[b, j]:
+                x = -np.inf
+            s[hh, j] = x
+            mm = max(mm, x)
+        if mm == -np.inf:  # nothing to attend to at all: the kernel's result stays (weights 0, out kept)
+            for j in range(n):
+                s[hh, j] = 0.0
+            for i in range(hd):
+                acc[hh, i] = out[b, h, i]
+            continue
+        w_pages = _exp(lse[b, h] - mm)  # 0 when the pages had no token
+        total = w_pages
+        for j in range(n):
+            w = _exp(s[hh, j] - mm)
+            s[hh, j] = w
+            total += w
+        inv = _F32(1.0) / total
+        for j in range(n):
+            s[hh, j] *= inv
         for i in range(hd):
-            acc[i] += w * values[b, g, j, i]
-    inv = _F32(1.0) / total
-    for i in range(hd):
-        out[b, h, i] = acc[i] * inv
-    lse[b, h] = mm + np.log(total)
+            acc[hh, i] = out[b, h, i] * (w_pages * inv)
+        lse[b, h] = mm + np.log(total)
+    for j in range(n):
+        for hh in range(group):
+            w = s[hh, j]
+            for i in range(hd):
+                acc[hh, i] += w * values[b, g, j, i]
+    for hh in range(group):
+        for i in range(hd):
+            out[b, h0 + hh, i] = acc[hh, i]
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -584,18 +597,20 @@ def merge_window(q, keep, keys_t, values, scaling, softcap, out, lse):
         scaling, softcap: as for the kernel. out: float32 ``[B, Hq, hd]``; lse: float32 ``[B, Hq]`` (both
             read and written).
     """
-    s = np.empty(keep.shape[1], np.float32)
-    acc = np.empty(q.shape[2], np.float32)
+    group = q.shape[1] // keys_t.shape[1]
+    s = np.empty((group, keep.shape[1]), np.float32)
+    acc = np.empty((group, q.shape[2]), np.float32)
     for b in range(q.shape[0]):
-        for h in range(q.shape[1]):
-            _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, b, h, s, acc)
+        for g in range(keys_t.shape[1]):
+            _merge_window_group(q, keep, keys_t, values, scaling, softcap, out, lse, b, g, s, acc)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
 def merge_window_parallel(q, keep, keys_t, values, scaling, softcap, out, lse):
-    """:func:`merge_window` with the (row, query head) pairs spread over numba's threads."""
-    hq_n = q.shape[1]
-    for w in prange(q.shape[0] * hq_n):
-        s = np.empty(keep.shape[1], np.float32)
-        acc = np.empty(q.shape[2], np.float32)
-        _merge_window_head(q, keep, keys_t, values, scaling, softcap, out, lse, w // hq_n, w % hq_n, s, acc)
+    """:func:`merge_window` with the (row, KV head) pairs spread over numba's threads."""
+    hkv = keys_t.shape[1]
+    group = q.shape[1] // hkv
+    for w in prange(q.shape[0] * hkv):
+        s = np.empty((group, keep.shape[1]), np.float32)
+        acc = np.empty((group, q.shape[2]), np.float32)
+        _merge_window_group(q, keep, keys_t, values, scaling, softcap, out, lse, w // hkv, w % hkv, s, acc)
