@@ -1,5 +1,6 @@
 """Where a decode step's time goes inside the model: OakenCache's single-token append and packed attention against
-DynamicCache's update (``torch.cat``) and SDPA, per step, at one context and batch, 2 threads by default.
+DynamicCache's update (``torch.cat``) and SDPA, per step, at one context and batch, 2 threads by default. With
+``--residual R`` the OakenCache keeps a full-precision window (``window_update`` instead of ``append_token``).
 
 ``benchmarks/bench_step_cost.py`` times the same parts alone, warm in cache; inside the model each part runs
 after the layer's weights have streamed through the caches, and costs 2-4x more (session 14: the append ~90 us per
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="rows")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per method")
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")
+    ap.add_argument("--residual", type=int, default=0, help="OakenCache's full-precision window (0: none)")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args()
 
@@ -58,6 +60,7 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     timed(PagedKVStore, "append_token", "oaken append_token")
+    timed(PagedKVStore, "window_update", "oaken window_update")
     timed(attention, "packed_decode_attention", "oaken attention")
     timed(DynamicLayer, "update", "dynamic update")
     timed(sdpa, "sdpa_attention_forward", "dynamic sdpa")
@@ -66,7 +69,9 @@ def main() -> None:
     thr = load_or_profile_thresholds(loaded, None)
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=512, max_windows=1)
     source = record_source_kv(loaded.model, ids)
-    caches = {m: fill_cache(m, loaded.model, thr, source, a.context, a.batch)[0] for m in ("oaken", "dynamic")}
+    caches = {
+        m: fill_cache(m, loaded.model, thr, source, a.context, a.batch, a.residual)[0] for m in ("oaken", "dynamic")
+    }
     time_steps(loaded.model, caches, 2, warmup=0, batch=a.batch)  # warm-up: kernels loaded, buffers grown
     spent.clear()
     times = time_steps(loaded.model, caches, a.steps, warmup=0, batch=a.batch)
@@ -88,6 +93,7 @@ def main() -> None:
                 "batch": a.batch,
                 "steps": a.steps,
                 "threads": a.threads,
+                "residual": a.residual,
                 "loadavg": list(os.getloadavg()),
                 "note": "parts: wall time of the wrapped calls per timed step (warm-up steps excluded)",
             },

@@ -259,20 +259,22 @@ def test_kernel_reports_a_corrupt_sparse_record(record, message):
 
 
 def test_rows_alone_are_split_over_threads(monkeypatch):
-    """Eight rows of 128 tokens on two threads run the parallel kernel, one row per work item (a rule that tied
-    the parallel kernel to splitting each row ran them serially); one thread or a tiny step stays serial."""
+    """Eight rows of 1024 tokens on two threads run the parallel kernel, one row per work item (a rule that tied
+    the parallel kernel to splitting each row ran them serially); one thread or a short step stays serial."""
     from oakenkv.kernels import attention_cpu
 
-    assert attention_cpu.split_work(8, 128, 2) == (True, 1)
-    assert attention_cpu.split_work(1, 1024, 2) == (True, 4)
+    assert attention_cpu.PARALLEL_MIN_TOKENS == 8 * 1024  # (the points below sit on both sides of it)
+    assert attention_cpu.split_work(8, 1024, 2) == (True, 1)
+    assert attention_cpu.split_work(1, 16384, 2) == (True, 4)
     assert attention_cpu.split_work(8, 16384, 1) == (False, 1)
-    assert attention_cpu.split_work(1, 64, 2) == (False, 1)
+    assert attention_cpu.split_work(8, 128, 2) == (False, 1)
+    assert attention_cpu.split_work(1, 4096, 2) == (False, 1)
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here")
     called = []
     parallel = attention_cpu.packed_decode_attention
     monkeypatch.setattr(attention_cpu, "packed_decode_attention", lambda *a: called.append(a[4]) or parallel(*a))
-    _, _, _, (kh, vh) = _store(8, 128, seed=9)
+    _, _, _, (kh, vh) = _store(8, 1024, seed=9)
     q = torch.randn(8, HQ, 1, HD, generator=torch.Generator().manual_seed(4))
     previous = numba.get_num_threads()
     numba.set_num_threads(2)

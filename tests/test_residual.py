@@ -90,9 +90,8 @@ def test_the_window_encodes_its_oldest_tokens_with_the_bytes_they_had_on_arrival
         (64, 50, 60, 0, [0, 3], None),  # everything in the window
         (8, 100, 300, 2, [0, 1], None),  # sinks, pages and window; a row's sinks masked
         (16, 200, 230, 1, [0, 220], 30.0),  # the second row sees only window tokens; soft cap
-        (4, 6, 600, 0, [0, 0], None),  # long enough for the threaded kernel
-        (300, 350, 420, 0, [0, 5], None),  # a window long enough for the threaded merge, no pages
-        (256, 600, 640, 1, [0, 0], 30.0),  # both threaded, with a sink
+        (4, 6, 4200, 0, [0, 0], None),  # B x pages' tokens >= PARALLEL_MIN_TOKENS: the threaded kernel
+        (2100, 4150, 4160, 0, [0, 5], None),  # a window long enough for the threaded merge, no pages
     ],
 )
 def test_packed_attention_merges_the_window(residual, prefill, t, sink, pad, softcap):
@@ -117,6 +116,23 @@ def test_packed_attention_merges_the_window(residual, prefill, t, sink, pad, sof
     )
     exact = float_attention(q, k, v, mask, HD**-0.5, softcap)
     assert (got - exact).norm() < (without - exact).norm()
+
+
+def test_both_threaded_parts_with_a_sink():
+    """Four rows: the pages (4 x 4400 tokens) and the window (4 x 2110) both past ``PARALLEL_MIN_TOKENS``."""
+    from oakenkv.kernels import attention_cpu
+
+    b, t = 4, 6510
+    k, v = _kv(b, t, 6)
+    store = _store(2100, sink=1, page_size=4096)
+    _feed(store, k, v, 6500)
+    assert min(b * store.num_tokens(1), b * store.window_tokens(1)) >= attention_cpu.PARALLEL_MIN_TOKENS
+    kh, vh = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    mask[1, ..., :7] = False
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5, 30.0)
+    torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5, 30.0), rtol=2e-5, atol=2e-6)
 
 
 def test_the_handle_must_count_the_window_too():

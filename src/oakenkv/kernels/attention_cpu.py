@@ -54,9 +54,12 @@ from oakenkv.kernels.numba_helpers import f16_widen, row_view, span_view
 _BLOCK = 32
 
 #: Below this many (row, token) pairs a decode step runs :func:`packed_decode_attention_serial`: waking the threads
-#: costs more than they save (2 threads on the 2-core machine: 1.5x faster from 1024 tokens at batch 1, 1.25x at
-#: 512, even at 256; docs/perf-notes.md).
-PARALLEL_MIN_TOKENS = 512
+#: costs more than they save. Measured inside the model, where numba's threads sleep between layers and torch's
+#: run the matmuls around them (2 threads, 2 cores; docs/perf-notes.md, session 15): the serial kernel made the
+#: whole step faster at 1024, 2048 and 4096 tokens x 1 row and 256 x 8 (step 0.92 against 1.04 at 1024 x 1), the
+#: parallel one at 8192 x 1 and 1024 x 8. Alone and warm, the kernel had looked 1.25x faster on two threads from
+#: 512 pairs (session 14's threshold).
+PARALLEL_MIN_TOKENS = 8192
 #: Smallest token range worth a parallel work item of its own.
 THREADS_MIN_TOKENS = 128
 
