@@ -57,9 +57,10 @@ _BLOCK = 32
 #: costs more than they save. Measured inside the model, where numba's threads sleep between layers and torch's
 #: run the matmuls around them (2 threads, 2 cores; docs/perf-notes.md, session 15): the serial kernel made the
 #: whole step faster at 1024, 2048 and 4096 tokens x 1 row and 256 x 8 (step 0.92 against 1.04 at 1024 x 1), the
-#: parallel one at 8192 x 1 and 1024 x 8. Alone and warm, the kernel had looked 1.25x faster on two threads from
-#: 512 pairs (session 14's threshold).
-PARALLEL_MIN_TOKENS = 8192
+#: parallel one at 8192 x 1 and 1024 x 8; 6144 splits the difference (with a full-precision window, 1024 x 8 leaves
+#: ~7200 pairs in the pages, and the serial kernel there lost: 0.98 of DynamicCache's tokens/s against 1.17).
+#: Alone and warm, the kernel had looked 1.25x faster on two threads from 512 pairs (session 14's threshold).
+PARALLEL_MIN_TOKENS = 6144
 #: Smallest token range worth a parallel work item of its own.
 THREADS_MIN_TOKENS = 128
 
