@@ -212,3 +212,16 @@ def test_the_evaluation_cache_reads_what_the_store_holds(sink):
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)  # (the rotation's float rounding)
         torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
     assert (layer.store.num_tokens(1), layer.store.window_tokens(1)) == (23, 7)
+
+
+@pytest.mark.parametrize("residual", [0, 4])
+def test_the_callers_tensors_are_never_written(residual):
+    """An oaken-plus profile transforms key rows in place and the encoder works in its rows: always in the store's
+    own copies, also where the row layout needs none (one row, one token)."""
+    store = PagedKVStore(_profile(1), 2, H, HD, PoolConfig(page_size=1024), residual=residual)
+    layer = OakenLayer(store, 1)
+    k, v = _kv(1, 12, 2)
+    for i in range(12):  # a first update of one token, then single tokens (a flush at 8 with the window)
+        ks, vs = k[:, :, i : i + 1].clone(), v[:, :, i : i + 1].clone()  # contiguous: [B, 1, H, hd] is a view
+        layer.update(ks, vs)
+        assert torch.equal(ks, k[:, :, i : i + 1]) and torch.equal(vs, v[:, :, i : i + 1]), f"token {i}"

@@ -221,8 +221,11 @@ def test_triton_attention_reads_the_plugins_blocks_like_the_numba_kernel():
 
 
 def test_decode_attention_parallel_split_matches_serial():
+    from oakenkv.kernels.attention_cpu import PARALLEL_MIN_TOKENS
+
     rng = np.random.default_rng(7)
-    hkv, hd, bs, t = 3, 64, 128, 1500
+    hkv, hd, bs, t = 3, 64, 128, 2100
+    assert 3 * t >= PARALLEL_MIN_TOKENS  # the parallel kernel's threshold (split_work): three rows of t
     lay = BlockLayout.make(hkv * hd, bs, CFG)
     nb = -(-t // bs)
     _, pool, upb = _pool(lay, 3 * nb)
@@ -234,7 +237,7 @@ def test_decode_attention_parallel_split_matches_serial():
     tables = decode_tables(table, np.array([t, t, t]), lay, upb)
     both = decode_attention(q, pool, upb, lay, tables, thr, hkv, 0.125, threads=2)
     one = decode_attention(q[:1], pool, upb, lay, decode_tables(table[:1], np.array([t]), lay, upb), thr, hkv, 0.125)
-    for r in range(3):  # 3 x 1500 tokens split over two threads, 1500 serially
+    for r in range(3):  # 3 x 2100 tokens split over two threads, 2100 serially
         np.testing.assert_allclose(both[r], one[0], rtol=1e-5, atol=1e-6)
 
 

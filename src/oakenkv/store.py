@@ -334,13 +334,14 @@ class PagedKVStore:
 
     def _float_rows(self, layer: int, kind: int, x: torch.Tensor) -> np.ndarray:
         """``[B, H, S, hd]`` -> float32 ``[B, S, D]``: one row per token, all heads of the layer (granularity
-        "token"), as the encoder takes them (keys after the online key transform). A new array.
+        "token"), as the encoder takes them (keys after the online key transform). Always a new array: the
+        transform and the encoder work in it, never in the caller's tensor.
 
         The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors waits for
         thread wake-ups on a loaded machine (docs/perf-notes.md)."""
         b, _, s, _ = x.shape
         x32 = x.detach().to(torch.float32).numpy()
-        rows = np.ascontiguousarray(x32.transpose(0, 2, 1, 3)).reshape(b * s, self.dim)
+        rows = x32.transpose(0, 2, 1, 3).copy().reshape(b * s, self.dim)  # (C order: ndarray.copy's default)
         if kind == KEY:
             self._transform_keys(layer, rows)
         return rows.reshape(b, s, self.dim)
