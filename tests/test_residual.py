@@ -16,6 +16,7 @@ import torch
 from oakenkv.attention import float_attention, packed_decode_attention, reference_packed_attention
 from oakenkv.cache import KEY, VALUE, OakenLayer, PackedKV, PagedKVStore
 from oakenkv.pages import PoolConfig
+from test_attention import _mask
 from test_sinks import HD, HQ, H, _kv, _profile
 
 
@@ -100,9 +101,7 @@ def test_packed_attention_merges_the_window(residual, prefill, t, sink, pad, sof
     _feed(store, k, v, prefill)
     kh, vh = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
     q = torch.randn(2, HQ, 1, HD, generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(2, 1, 1, t, dtype=torch.bool)
-    for r, p in enumerate(pad):
-        mask[r, ..., :p] = False
+    mask = _mask(2, t, pad)
     got = packed_decode_attention(q, kh, vh, mask, HD**-0.5, softcap)
     want = reference_packed_attention(q, kh, vh, mask, HD**-0.5, softcap)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
@@ -129,8 +128,7 @@ def test_both_threaded_parts_with_a_sink():
     assert min(b * store.num_tokens(1), b * store.window_tokens(1)) >= attention_cpu.PARALLEL_MIN_TOKENS
     kh, vh = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
     q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
-    mask[1, ..., :7] = False
+    mask = _mask(b, t, [0, 7, 0, 0])
     got = packed_decode_attention(q, kh, vh, mask, HD**-0.5, 30.0)
     torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5, 30.0), rtol=2e-5, atol=2e-6)
 

@@ -153,8 +153,6 @@ class OakenLayer(CacheLayerMixin):
         elif encoded:
             # The whole history is what we just encoded: decode it directly instead of reading the pages back.
             result = tuple(self._decode_chunks(kind, [e[kind] for e in encoded], key_states) for kind in (KEY, VALUE))
-            result = tuple(store.apply_sinks(self.layer_idx, kind, x) for kind, x in enumerate(result))
-            result = (store.restore_keys(self.layer_idx, result[0]), result[1])
         else:
             result = (
                 store.read(self.layer_idx, KEY, key_states.dtype),
@@ -186,8 +184,6 @@ class OakenLayer(CacheLayerMixin):
             for kind in (KEY, VALUE):
                 if past == 0 and chunks:  # the pages hold only this update's chunks: decode them directly
                     x = self._decode_chunks(kind, [c[kind] for c in chunks], key_states)
-                    x = store.apply_sinks(layer, kind, x)
-                    x = store.restore_keys(layer, x) if kind == KEY else x
                 elif paged:
                     x = store.read(layer, kind, key_states.dtype)
                 else:
@@ -201,8 +197,9 @@ class OakenLayer(CacheLayerMixin):
 
     def _decode_chunks(self, kind: int, chunks: list[Any], like: torch.Tensor) -> torch.Tensor:
         """Dequantize the encoded chunks of one kind (``KEY``/``VALUE``) of a first update, rows ordered ``(b, s)``
-        within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype: a view of the decoded rows for one chunk,
-        a concatenation for several."""
+        within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype as :meth:`PagedKVStore.read` would return
+        them (sink tokens put in, keys restored): a view of the decoded rows for one chunk, a concatenation for
+        several."""
         store = self.store
         b = like.shape[0]
         thr = store.thresholds.layer(self.layer_idx, KINDS[kind])
@@ -213,7 +210,8 @@ class OakenLayer(CacheLayerMixin):
             parts.append(x.view(b, enc.num_rows // b, store.num_kv_heads, store.head_dim))
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         # [B, S, H, hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)
-        return x.permute(0, 2, 1, 3).to(like.dtype)
+        x = store.apply_sinks(self.layer_idx, kind, x.permute(0, 2, 1, 3).to(like.dtype))
+        return store.restore_keys(self.layer_idx, x) if kind == KEY else x
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Every stored token is returned (sliding layers too: the sliding mask hides what left the window).

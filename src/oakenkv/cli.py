@@ -199,6 +199,18 @@ def demo(
     )
 
 
+#: ``--residual`` of the commands that build an OakenCache (``OakenCache(residual=...)``, docs/pages.md).
+_Residual = Annotated[
+    int,
+    typer.Option(
+        help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
+        "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
+        "0: every token quantized on arrival, the paper's Oaken.",
+        min=0,
+    ),
+]
+
+
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Option(help="The prompt (sent through the chat template when there is one).")],
@@ -223,14 +235,7 @@ def generate(
     beside: Annotated[
         bool, typer.Option(help="With oaken-plus, also generate with the paper's oaken, for comparison.")
     ] = True,
-    residual: Annotated[
-        int,
-        typer.Option(
-            help="Keep each layer's newest RESIDUAL to 2*RESIDUAL-1 tokens unquantized (float32), encoding them "
-            "RESIDUAL at a time (KIVI's residual; OakenCache(residual=...)). 0: every token quantized on arrival.",
-            min=0,
-        ),
-    ] = 0,
+    residual: _Residual = 0,
 ) -> None:
     """Generate text with the Oaken-quantized KV cache (oaken-plus, the paper's oaken beside it) and print it with
     the bytes the cache holds."""
@@ -732,15 +737,7 @@ def bench_decode(
     methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
     batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
-    residual: Annotated[
-        int,
-        typer.Option(
-            help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
-            "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
-            "0: every token quantized on arrival, the paper's Oaken.",
-            min=0,
-        ),
-    ] = 0,
+    residual: _Residual = 0,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
@@ -892,15 +889,7 @@ def bench_generate(
         int, typer.Option(help="Tokens generated per row (greedy, end of sequence ignored).", min=2)
     ] = 64,
     rounds: Annotated[int, typer.Option(help="Timed generates per method and point (interleaved).", min=1)] = 3,
-    residual: Annotated[
-        int,
-        typer.Option(
-            help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
-            "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
-            "0: every token quantized on arrival, the paper's Oaken.",
-            min=0,
-        ),
-    ] = 0,
+    residual: _Residual = 0,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
