@@ -14,7 +14,8 @@ from oakenkv import codec
 from oakenkv.codec import CorruptDataError, EncodedBatch
 from oakenkv.config import OakenConfig
 from oakenkv.kernels import cpu
-from oakenkv.quant import dequantize, quantize
+from oakenkv.quant import dequantize, quantize, thresholds_tuple
+from oakenkv.thresholds import GroupThresholds
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -100,6 +101,36 @@ def test_encode_decode_bit_exact_with_reference(case):
     assert torch.equal(
         (got16.float() + 0.0).view(torch.int32), (want.to(torch.float16).float() + 0.0).view(torch.int32)
     )
+    # the paged store's entry points (float32 rows, validated float32 thresholds, no structural checks)
+    thr32 = np.asarray(thresholds_tuple(thr), np.float32)
+    if x.dtype == torch.float32:
+        _assert_same_bytes(cpu.encode_rows(x.numpy(), thr32, cfg), ref)
+    assert torch.equal(_bits32(cpu.decode_rows(enc, thr32, cfg)), _bits32(want))
+
+
+def test_store_entry_points_refuse_what_the_checked_ones_refuse():
+    thr32 = np.asarray(THRESHOLDS[0], np.float32)
+    x = np.ones((3, 64), np.float32)
+    x[2, 5] = np.nan
+    with pytest.raises(ValueError, match="cannot encode row 2"):
+        cpu.encode_rows(x, thr32, OakenConfig())
+    enc = codec.encode(torch.from_numpy(np.full((2, 64), 3.0, np.float32)), THRESHOLDS[0], OakenConfig())
+    enc.scales[1, 0] = float("inf")  # the kernel checks every row's scales, as decode_batch's does
+    with pytest.raises(CorruptDataError, match="row 1"):
+        cpu.decode_rows(enc, thr32, OakenConfig())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=64), min_size=4, max_size=4, unique=True))
+def test_group_thresholds_carry_the_codecs_float32_numbers(values):
+    values = sorted(values)
+    try:
+        gt = GroupThresholds(*values)
+    except ValueError:  # ordered in float64 but not in float32: the generic path refuses them as well
+        with pytest.raises(ValueError):
+            thresholds_tuple(values)
+        return
+    assert thresholds_tuple(gt) == thresholds_tuple(tuple(values)) == gt.float32_tuple()
 
 
 @st.composite

@@ -46,7 +46,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.pages import PoolConfig, PoolStats
-from oakenkv.store import KEY, KINDS, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
+from oakenkv.store import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.thresholds import Thresholds
 
 #: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
@@ -202,11 +202,10 @@ class OakenLayer(CacheLayerMixin):
         several."""
         store = self.store
         b = like.shape[0]
-        thr = store.thresholds.layer(self.layer_idx, KINDS[kind])
         parts = []
         for enc in chunks:
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
-                x = store.decode(enc, thr, store.config)
+                x = store.decode_encoded(self.layer_idx, kind, enc)
             parts.append(x.view(b, enc.num_rows // b, store.num_kv_heads, store.head_dim))
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         # [B, S, H, hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)

@@ -408,7 +408,7 @@ class PagePool:
                     f"sparse_offsets must be [n + 1] = [{dense.shape[0] + 1}], got shape {tuple(offs.shape)}"
                 )
             plan = self._plan(seq, stream, dense.shape[1], np.diff(offs))
-            self._check_records(plan, dense, sparse, offs)
+            self._check_records(plan, dense, sparse, offs, lengths=False)
             plans.append(plan)
         need = sum(p.pages_needed for p in plans)
         if need > self.free_pages:
@@ -721,7 +721,11 @@ class PagePool:
             need += 1  # copy on write of the shared last sparse page
         return AppendPlan(seq, stream, n, int(rec_size), lengths.astype(np.uint16), need)
 
-    def _check_records(self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray) -> None:
+    def _check_records(
+        self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray, lengths: bool = True
+    ) -> None:
+        """Raise ValueError unless the records fit ``plan`` (``lengths=False``: the plan's lengths were computed
+        from these ``offs``, so the record lengths match by construction: :meth:`append_many`)."""
         if dense.dtype != np.uint8 or dense.shape != (plan.num_tokens, plan.rec_size):
             raise ValueError(
                 f"dense records must be uint8 [{plan.num_tokens}, {plan.rec_size}], got {dense.dtype} "
@@ -731,7 +735,7 @@ class PagePool:
             raise ValueError(f"sparse records must be a uint8 [S] array, got {sparse.dtype} {tuple(sparse.shape)}")
         if offs.shape != (plan.num_tokens + 1,) or (plan.num_tokens and (offs[0] != 0 or offs[-1] > sparse.size)):
             raise ValueError("sparse_offsets must be [n + 1], start at 0 and end within the sparse bytes")
-        if not np.array_equal(np.diff(offs), plan.sparse_lengths.astype(offs.dtype)):
+        if lengths and not np.array_equal(np.diff(offs), plan.sparse_lengths.astype(offs.dtype)):
             raise ValueError("sparse_offsets do not match the planned record lengths")
 
     def _alloc(self) -> int:
@@ -744,6 +748,19 @@ class PagePool:
         self.page_fill[p] = 0
         self._pages_in_use += 1
         return p
+
+    def _alloc_many(self, k: int) -> list[int]:
+        """``k`` pages, the ones ``k`` calls of :meth:`_alloc` would return, in that order."""
+        if self._pages_in_use + k > self.config.max_pages:  # the plan guarantees this cannot happen
+            raise PoolExhaustedError("page pool exhausted during a commit (plan/commit mismatch)")
+        while len(self._free) < k:
+            self._grow()
+        pages = self._free[: -k - 1 : -1]
+        del self._free[-k:]
+        self.refcount[pages] = 1
+        self.page_fill[pages] = 0
+        self._pages_in_use += k
+        return pages
 
     def _grow(self) -> None:
         old = self.data.shape[0]
@@ -778,20 +795,27 @@ class PagePool:
             return
         t.rec_size = rec
         rpp = ps // rec
-        # Dense records, page by page.
+        # Dense records: the free slots of the last page, then whole new pages (one allocation, one copy).
         i = 0
-        while i < n:
-            slot = t.num_tokens % rpp
-            if slot == 0:
-                t.dense_pages.extend([self._alloc()])
-            elif self.refcount[t.dense_pages.view[-1]] > 1:
+        slot = t.num_tokens % rpp
+        if slot:
+            if self.refcount[t.dense_pages.view[-1]] > 1:
                 t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.view[-1]))
             p = int(t.dense_pages.view[-1])
-            k = min(n - i, rpp - slot)
-            self.data[p, slot * rec : (slot + k) * rec] = dense[i : i + k].reshape(-1)
-            self.page_fill[p] = (slot + k) * rec
-            t.num_tokens += k
-            i += k
+            i = min(n, rpp - slot)
+            self.data[p, slot * rec : (slot + i) * rec] = dense[:i].reshape(-1)
+            self.page_fill[p] = (slot + i) * rec
+        if i < n:
+            pages = self._alloc_many(-(-(n - i) // rpp))
+            t.dense_pages.extend(pages)
+            full, last = divmod(n - i, rpp)
+            if full:
+                self.data[pages[:full], : rpp * rec] = dense[i : i + full * rpp].reshape(full, rpp * rec)
+                self.page_fill[pages[:full]] = rpp * rec
+            if last:
+                self.data[pages[-1], : last * rec] = dense[n - last :].reshape(-1)
+                self.page_fill[pages[-1]] = last * rec
+        t.num_tokens += n
         # Sparse records, greedily (placement and copy in numba: one Python step per page, not per token).
         base = t.num_tokens - n
         lengths = plan.sparse_lengths.astype(np.int64)
@@ -807,9 +831,9 @@ class PagePool:
                 t.sparse_pages.buf[t.sparse_pages.n - 1] = self._cow(int(t.sparse_pages.view[-1]))
             page_ids[0] = t.sparse_pages.view[-1]
             self.page_fill[page_ids[0]] = fill[0]
-        for k in range(1, new_pages + 1):
-            page_ids[k] = self._alloc()
-            self.page_fill[page_ids[k]] = fill[k]
+        if new_pages:
+            page_ids[1:] = self._alloc_many(new_pages)
+            self.page_fill[page_ids[1:]] = fill[1 : new_pages + 1]
         if new_pages:
             t.sparse_pages.extend(page_ids[1:])
             t.sparse_first.extend(base + first[1 : new_pages + 1])

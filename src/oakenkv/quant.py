@@ -42,6 +42,7 @@ import torch
 
 from oakenkv.config import OakenConfig
 from oakenkv.format import ERR_SCALE_RANGE, ERROR_MESSAGES, MIDDLE_BITS
+from oakenkv.thresholds import GroupThresholds
 
 #: Group ids, stored in ``QuantizedVectors.groups`` and used to index ``mins``/``maxs``.
 GROUP_MIDDLE = 0
@@ -87,6 +88,8 @@ class QuantizedVectors:
 
 def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
     """Normalise and validate ``(to_lo, ti_lo, ti_hi, to_hi)``: finite and ``to_lo < ti_lo <= ti_hi < to_hi``."""
+    if isinstance(thr, GroupThresholds):  # validated and rounded when it was made
+        return thr.float32_tuple()
     if hasattr(thr, "as_tuple"):
         t = tuple(float(v) for v in thr.as_tuple())
     elif isinstance(thr, torch.Tensor):

@@ -48,7 +48,7 @@ from oakenkv.format import (
     sparse_capacity,
     to_records,
 )
-from oakenkv.kernels.cpu import encode_records
+from oakenkv.kernels.cpu import decode_rows, encode_records, encode_rows
 from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
 from oakenkv.transforms import fwht
@@ -375,8 +375,7 @@ class PagedKVStore:
                 rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
                 if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
                     sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
-                rows = torch.from_numpy(rows_np)
-                enc = self.encode(rows, self.thresholds.layer(layer, KINDS[kind]), self.config)
+                enc = self._encode(layer, kind, rows_np)
                 encoded.append(enc)
                 dense, sparse, offs = to_records(enc)
                 for r in range(b):
@@ -389,6 +388,19 @@ class PagedKVStore:
         for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
             self.sinks[layer][:, kind, past : past + x.shape[1]] = x
         return encoded[0], encoded[1]
+
+    def _encode(self, layer: int, kind: int, rows: np.ndarray) -> EncodedBatch:
+        """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind``."""
+        if self.fast:  # the numba codec without the public wrapper's checks: rows and thresholds are ours
+            return encode_rows(rows, self.thr[layer, kind], self.config)
+        return self.encode(torch.from_numpy(rows), self.thresholds.layer(layer, KINDS[kind]), self.config)
+
+    def decode_encoded(self, layer: int, kind: int, enc: EncodedBatch) -> torch.Tensor:
+        """float32 ``[N, D]``: ``enc`` decoded, a batch this store encoded for ``layer`` and ``kind`` (what
+        :meth:`append` returned): the codec's decode without its structural checks of foreign input."""
+        if self.fast:
+            return decode_rows(enc, self.thr[layer, kind], self.config)
+        return self.decode(enc, self.thresholds.layer(layer, KINDS[kind]), self.config)
 
     def window_update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor

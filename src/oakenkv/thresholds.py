@@ -170,6 +170,13 @@ class GroupThresholds:
                 + ", ".join(f"{n}={getattr(self, n)!r} -> {v!r}" for n, v in zip(names, f32, strict=True))
                 + "; the outer thresholds must stay strictly outside the inner ones after rounding to float32"
             )
+        # validated once here; the codec asks for them at every encode and decode call (oakenkv.quant)
+        object.__setattr__(self, "_float32", tuple(f32))
+
+    def float32_tuple(self) -> tuple[float, float, float, float]:
+        """``(to_lo, ti_lo, ti_hi, to_hi)`` rounded to float32 (as Python floats): the numbers every codec path
+        compares and shifts with; what ``oakenkv.quant.thresholds_tuple`` returns for these thresholds."""
+        return self._float32  # type: ignore[attr-defined]
 
     def as_tuple(self) -> tuple[float, float, float, float]:
         """``(to_lo, ti_lo, ti_hi, to_hi)``: the form ``oakenkv.quant`` accepts."""

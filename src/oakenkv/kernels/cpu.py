@@ -775,16 +775,60 @@ def _thr_array(thr: ThresholdsLike) -> np.ndarray:
     return np.asarray(thresholds_tuple(thr), dtype=np.float32)
 
 
+@njit(cache=True, nogil=True)
+def _sparse_offsets(counts, offsets):
+    """``offsets[1:]`` = the running sum of ``counts`` (``offsets[0]`` = 0); returns the first row whose count is
+    negative (an ``-ERR_*`` status), or -1."""
+    offsets[0] = 0
+    for r in range(counts.shape[0]):
+        if counts[r] < 0:
+            return r
+        offsets[r + 1] = offsets[r] + counts[r]
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _first_error(status):
+    """The first row whose ``status`` is not ERR_OK, or -1."""
+    for r in range(status.shape[0]):
+        if status[r] != ERR_OK:
+            return r
+    return -1
+
+
 def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> EncodedBatch:
     """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"encode expects a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2:
         raise ValueError(f"encode expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
-    n, d = x.shape
+    d = x.shape[1]
     if not 1 <= d <= MAX_DIM:
         raise ValueError(f"row width D must be in [1, {MAX_DIM}], got {d}")
     thr_a = _thr_array(thr)
+    x = x.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        kind = _KIND_BF16 if x.dtype == torch.bfloat16 else _KIND_F16
+        xbits = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return _encode(np.empty((xbits.shape[0], 0), np.float32), xbits, kind, thr_a, config)
+    x32 = x.to(torch.float32).contiguous().numpy()
+    return _encode(x32, np.empty((x32.shape[0], 0), np.uint16), _KIND_F32, thr_a, config)
+
+
+def encode_rows(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> EncodedBatch:
+    """:func:`encode_batch` of float32 rows the caller has checked: the paged store's path (``oakenkv.store``),
+    without the argument checks and conversions that cost more than encoding a short prefill's rows.
+
+    Args:
+        x32: C-contiguous float32 ``[N, D]``, ``1 <= D <= MAX_DIM`` (non-finite values still raise).
+        thr: C-contiguous float32 ``[4]``, thresholds validated as :func:`oakenkv.quant.thresholds_tuple` does
+            (``PagedKVStore.thr``).
+    """
+    return _encode(x32, np.empty((x32.shape[0], 0), np.uint16), _KIND_F32, thr, config)
+
+
+def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, config: OakenConfig) -> EncodedBatch:
+    n, d = x32.shape if kind == _KIND_F32 else xbits.shape
     fp16 = config.scale_dtype == "float16"
     dense = np.empty((n, dense_bytes(d)), np.uint8)
     scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
@@ -793,24 +837,13 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     scratch = np.empty(n * sparse_capacity(d), np.uint8)
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
-    x = x.detach()
-    if x.dtype in (torch.float16, torch.bfloat16):
-        kind = _KIND_BF16 if x.dtype == torch.bfloat16 else _KIND_F16
-        xbits = x.contiguous().view(torch.int16).numpy().view(np.uint16)
-        x32 = np.empty((n, 0), np.float32)
-    else:
-        kind = _KIND_F32
-        x32 = x.to(torch.float32).contiguous().numpy()
-        xbits = np.empty((n, 0), np.uint16)
     _encode_rows(
         x32, xbits, kind, thr_a, config.inner_bits, config.outer_bits, fp16, dense, scales, scratch, starts, counts
     )
-    bad = np.flatnonzero(counts < 0)
-    if bad.size:
-        r = int(bad[0])
+    offsets = np.empty(n + 1, np.int64)
+    r = _sparse_offsets(counts, offsets)
+    if r >= 0:
         raise ValueError(f"cannot encode row {r}: {ERROR_MESSAGES[int(-counts[r])]}")
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
     sparse = np.empty(int(offsets[-1]), np.uint8)
     _gather_sparse(scratch, starts, offsets, sparse)
     return EncodedBatch(
@@ -1081,7 +1114,6 @@ def decode_batch(
     check_encoded(enc, config, check_scales=False)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")
-    thr_a = _thr_array(thr)
     n, d = enc.num_rows, enc.dim
     if out is None:
         out = torch.empty((n, d), dtype=out_dtype)
@@ -1089,18 +1121,33 @@ def decode_batch(
         raise ValueError(
             f"out must be a contiguous {out_dtype} tensor of shape [{n}, {d}], got {out.dtype} {tuple(out.shape)}"
         )
+    return _decode(enc, _thr_array(thr), config, out)
+
+
+def decode_rows(enc: EncodedBatch, thr: np.ndarray, config: OakenConfig) -> torch.Tensor:
+    """:func:`decode_batch` to float32 of a batch :func:`encode_rows` (or :func:`encode_batch`) returned and nobody
+    changed since: the paged store decoding the chunks it has just encoded (``oakenkv.cache``), without the
+    structural checks of ``check_encoded`` (the kernel still checks every row's scales and stream).
+
+    Args:
+        thr: C-contiguous float32 ``[4]``, validated thresholds (``PagedKVStore.thr``).
+    """
+    return _decode(enc, thr, config, torch.empty((enc.num_rows, enc.dim), dtype=torch.float32))
+
+
+def _decode(enc: EncodedBatch, thr_a: np.ndarray, config: OakenConfig, out: torch.Tensor) -> torch.Tensor:
+    n = enc.num_rows
     dense = enc.dense.contiguous().numpy()
     sparse = enc.sparse.contiguous().numpy()
     offsets = enc.sparse_offsets.contiguous().numpy()
     # fp16 values travel as their bit patterns (numba has no float16 type on the CPU); the kernel widens them
     scales = enc.scales.contiguous()
     scales = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.float16 else scales.numpy()
-    out_np = out.numpy() if out_dtype == torch.float32 else out.view(torch.int16).numpy().view(np.uint16)
+    out_np = out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy().view(np.uint16)
     status = np.empty(n, np.int64)
     _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_np, status)
-    bad = np.flatnonzero(status != ERR_OK)
-    if bad.size:
-        r = int(bad[0])
+    r = _first_error(status)
+    if r >= 0:
         raise CorruptDataError(f"row {r}: {ERROR_MESSAGES[int(status[r])]}")
     return out
 
