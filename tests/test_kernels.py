@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from oakenkv import codec
 from oakenkv.codec import CorruptDataError, EncodedBatch
 from oakenkv.config import OakenConfig
+from oakenkv.format import record_size, scale_bytes, sparse_capacity
 from oakenkv.kernels import cpu
 from oakenkv.quant import dequantize, quantize, thresholds_tuple
 from oakenkv.thresholds import GroupThresholds
@@ -105,6 +106,21 @@ def test_encode_decode_bit_exact_with_reference(case):
     thr32 = np.asarray(thresholds_tuple(thr), np.float32)
     if x.dtype == torch.float32:
         _assert_same_bytes(cpu.encode_rows(x.numpy(), thr32, cfg), ref)
+        # ... and a short prefill's, through page records (encode_records, decode_records)
+        n, d = x.shape
+        fp16, sb = cfg.scale_dtype == "float16", scale_bytes(cfg)
+        thr_rows = np.repeat(thr32[None], n, axis=0)
+        records = np.empty((n, record_size(d, cfg)), np.uint8)
+        sparse = np.empty((n, sparse_capacity(d)), np.uint8)
+        counts = np.empty(n, np.int64)
+        cpu.encode_records(
+            x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts
+        )
+        out = np.empty((n, d), np.float32)
+        status = np.ones(n, np.int64)
+        cpu.decode_records(records, sparse, counts, thr_rows, fp16, sb, cfg.inner_bits, cfg.outer_bits, out, status)
+        assert (status == 0).all()
+        assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
     assert torch.equal(_bits32(cpu.decode_rows(enc, thr32, cfg)), _bits32(want))
 
 

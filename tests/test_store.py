@@ -21,11 +21,12 @@ from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 H, HD, HQ = 3, 64, 9
 
 
-def _store(layers: int = 2, page_size: int = 512) -> PagedKVStore:
+def _store(layers: int = 2, page_size: int = 512, config: OakenConfig | None = None) -> PagedKVStore:
     fp = ModelFingerprint("llama", layers, H, HD)
     keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(layers))
     values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(layers))
-    return PagedKVStore(Thresholds(OakenConfig(), fp, keys, values), layers, H, HD, PoolConfig(page_size=page_size))
+    thresholds = Thresholds(config or OakenConfig(), fp, keys, values)
+    return PagedKVStore(thresholds, layers, H, HD, PoolConfig(page_size=page_size))
 
 
 def _attend(store: PagedKVStore, layer: int, seed: int, window: int | None = None) -> None:
@@ -108,4 +109,44 @@ def test_a_failed_decode_append_leaves_the_tables_as_they_were():
     after = store.layer_view(0)
     assert after.num_tokens == 30
     np.testing.assert_array_equal(after.sparse_lengths[:, :, :30], lengths)
+    store.check_tables()
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "scale_dtype"),
+    [(1, 1, "float16"), (1, 37, "float16"), (3, 50, "float32"), (2, 600, "float16")],  # 2 x 600: the batched path
+)
+def test_append_decoded_stores_what_append_stores_and_returns_its_decode(b, s, scale_dtype):
+    from oakenkv import codec
+
+    g = torch.Generator().manual_seed(s)
+    fused, plain = (_store(config=OakenConfig(scale_dtype=scale_dtype)) for _ in range(2))
+    for _ in range(2):  # a first update, then one onto a history
+        k = torch.randn(b, H, s, HD, generator=g) * 1.5
+        v = torch.randn(b, H, s, HD, generator=g)
+        got = fused.append_decoded(1, k, v)
+        encoded = plain.append(1, k, v)
+        for kind in (KEY, VALUE):
+            want = codec.decode(encoded[kind], plain.thresholds.layer(1, ("key", "value")[kind]), plain.config)
+            assert got[kind].shape == (b, s, H * HD)
+            assert torch.equal(torch.from_numpy(got[kind]).reshape(b * s, H * HD), want)
+        np.testing.assert_array_equal(fused.pool.data, plain.pool.data)
+        for kind in (KEY, VALUE):
+            assert torch.equal(fused.read(1, kind), plain.read(1, kind))
+        fused.check_tables()
+        fused.pool.check_invariants()
+    _attend(fused, 1, 3)
+
+
+def test_a_failed_append_decoded_leaves_the_store_as_it_was():
+    store = _store()
+    g = torch.Generator().manual_seed(2)
+    store.append_decoded(0, torch.randn(2, H, 10, HD, generator=g), torch.randn(2, H, 10, HD, generator=g))
+    data = store.pool.data.copy()
+    bad = torch.randn(2, H, 4, HD, generator=g)
+    bad[1, 2, 3, 7] = float("nan")
+    with pytest.raises(ValueError, match="values of row 1, token 3"):
+        store.append_decoded(0, torch.randn(2, H, 4, HD, generator=g), bad)
+    assert store.num_tokens(0) == 10
+    np.testing.assert_array_equal(store.pool.data, data)
     store.check_tables()

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -137,22 +138,25 @@ class OakenLayer(CacheLayerMixin):
             return self._update_with_window(key_states, value_states)
         past = store.num_tokens(self.layer_idx)
         s = key_states.shape[2]
-        encoded = []  # (keys, values) of each chunk, while they are the whole history
+        decoded = []  # (keys, values) of each chunk as stored, while they are the whole history
         chunk = store.prefill_chunk
+        packed = s == 1 and self.packed_decode
         if s == 1 and past and store.fast:  # a decode step: the single-token path
             store.append_token(self.layer_idx, key_states, value_states)
         else:
-            for start in range(0, s, chunk):
-                ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
-                enc = store.append(self.layer_idx, ks, vs)
-                if past == 0:
-                    encoded.append(enc)
+            # A short update's numba calls on this thread: one switch of numba's pool, not one per call.
+            with serial_numba(key_states.shape[0] * s < SERIAL_BELOW_ROWS):
+                for start in range(0, s, chunk):
+                    ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
+                    if past or packed:
+                        store.append(self.layer_idx, ks, vs)
+                    else:  # the whole history is what we encode: keep it as decoded, not read from the pages
+                        decoded.append(store.append_decoded(self.layer_idx, ks, vs))
         total = past + s
-        if s == 1 and self.packed_decode:
+        if packed:
             result = (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))
-        elif encoded:
-            # The whole history is what we just encoded: decode it directly instead of reading the pages back.
-            result = tuple(self._decode_chunks(kind, [e[kind] for e in encoded], key_states) for kind in (KEY, VALUE))
+        elif decoded:
+            result = tuple(self._as_read(kind, [d[kind] for d in decoded], key_states) for kind in (KEY, VALUE))
         else:
             result = (
                 store.read(self.layer_idx, KEY, key_states.dtype),
@@ -198,18 +202,25 @@ class OakenLayer(CacheLayerMixin):
     def _decode_chunks(self, kind: int, chunks: list[Any], like: torch.Tensor) -> torch.Tensor:
         """Dequantize the encoded chunks of one kind (``KEY``/``VALUE``) of a first update, rows ordered ``(b, s)``
         within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype as :meth:`PagedKVStore.read` would return
-        them (sink tokens put in, keys restored): a view of the decoded rows for one chunk, a concatenation for
-        several."""
+        them (see :meth:`_as_read`)."""
         store = self.store
         b = like.shape[0]
         parts = []
         for enc in chunks:
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
                 x = store.decode_encoded(self.layer_idx, kind, enc)
-            parts.append(x.view(b, enc.num_rows // b, store.num_kv_heads, store.head_dim))
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        # [B, S, H, hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)
-        x = store.apply_sinks(self.layer_idx, kind, x.permute(0, 2, 1, 3).to(like.dtype))
+            parts.append(x.numpy().reshape(b, enc.num_rows // b, store.dim))
+        return self._as_read(kind, parts, like)
+
+    def _as_read(self, kind: int, parts: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
+        """Decoded float32 rows ``[B, S_i, D]`` of one kind (consecutive chunks of a first update) as
+        :meth:`PagedKVStore.read` returns the history: ``[B, H, S, hd]`` of ``like``'s dtype, sink tokens put in,
+        keys restored (a view of the rows for one chunk, a concatenation for several)."""
+        store = self.store
+        x = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+        # [B, S, H * hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)
+        x = x.view(x.shape[0], x.shape[1], store.num_kv_heads, store.head_dim).permute(0, 2, 1, 3).to(like.dtype)
+        x = store.apply_sinks(self.layer_idx, kind, x)
         return store.restore_keys(self.layer_idx, x) if kind == KEY else x
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from numba import njit
 
 from oakenkv.config import OakenConfig
 from oakenkv.format import (
+    ERR_OK,
     ERROR_MESSAGES,
     HEADER_BITS,
     EncodedBatch,
@@ -48,7 +49,7 @@ from oakenkv.format import (
     sparse_capacity,
     to_records,
 )
-from oakenkv.kernels.cpu import decode_rows, encode_records, encode_rows
+from oakenkv.kernels.cpu import decode_records, decode_rows, encode_records, encode_rows
 from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
 from oakenkv.transforms import fwht
@@ -114,6 +115,21 @@ def _set_lengths(sparse_lengths, t, counts):
     for r in range(b):
         sparse_lengths[r, 0, t] = counts[r]
         sparse_lengths[r, 1, t] = counts[b + r]
+
+
+@njit(cache=True, nogil=True)
+def _packed_sparse(sparse, counts):
+    """``(offsets int64 [n + 1], bytes uint8 [S])``: the first ``counts[r]`` bytes of every row of ``sparse`` back
+    to back (the records' sparse form :meth:`PagePool.append_many` takes)."""
+    n = counts.shape[0]
+    offsets = np.empty(n + 1, np.int64)
+    offsets[0] = 0
+    for r in range(n):
+        offsets[r + 1] = offsets[r] + counts[r]
+    flat = np.empty(offsets[n], np.uint8)
+    for r in range(n):
+        flat[offsets[r] : offsets[r + 1]] = sparse[r, : counts[r]]
+    return offsets, flat
 
 
 def _grown(a: np.ndarray, size: int) -> np.ndarray:
@@ -388,6 +404,75 @@ class PagedKVStore:
         for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
             self.sinks[layer][:, kind, past : past + x.shape[1]] = x
         return encoded[0], encoded[1]
+
+    def append_decoded(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`append`, returning the new tokens as stored instead of their encoding: float32 ``[B, S, D]`` key
+        rows (in the store's frame: an oaken-plus transform is still applied, see :meth:`restore_keys`) and value
+        rows, the values decoding the stored bytes gives (the attention of a first update reads them).
+
+        A short update (fewer than ``SERIAL_BELOW_ROWS`` rows, the fast codec) takes one fused path: keys and values
+        encoded straight into page records by one serial numba call (``encode_records``, as a decode step), decoded
+        from the records by another (``decode_records``): the same bytes and numbers as :meth:`append` and the
+        codec's decode, without their per-call work, which costs more than a short prefill's encoding
+        (docs/perf-notes.md)."""
+        self._check_kv(keys, values)
+        b, _, s, _ = keys.shape
+        if not self.fast or b * s >= SERIAL_BELOW_ROWS:
+            encoded = self.append(layer, keys, values)
+            return tuple(  # type: ignore[return-value]
+                self.decode_encoded(layer, kind, e).numpy().reshape(b, s, self.dim) for kind, e in enumerate(encoded)
+            )
+        self.ensure_batch(b)
+        n = b * s
+        rows = np.empty((2 * n, self.dim), np.float32)
+        for kind, x in ((KEY, keys), (VALUE, values)):
+            x32 = x.detach().to(torch.float32).numpy()
+            np.copyto(
+                rows[kind * n : (kind + 1) * n].reshape(b, s, self.num_kv_heads, self.head_dim),
+                x32.transpose(0, 2, 1, 3),
+            )
+        self._transform_keys(layer, rows[:n])
+        past = self.tables[layer].num_tokens
+        sinks = None
+        if past < self.sink_tokens:  # (a float16 copy now: the encoder works in the rows)
+            keep = min(s, self.sink_tokens - past)
+            sinks = rows.reshape(2, b, s, self.dim)[:, :, :keep].astype(np.float16)
+        thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds: keys', then values'
+        cfg = self.config
+        fp16 = cfg.scale_dtype == "float16"
+        records = np.empty((2 * n, self.rec_size), np.uint8)
+        sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
+        counts = np.empty(2 * n, np.int64)
+        # the decoder reads the records, not the rows: decode into the rows' own buffer (a copy is kept above)
+        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, fp16, self.scale_bytes, records, sparse, counts)
+        if min(counts.tolist()) < 0:
+            r = int(np.flatnonzero(counts < 0)[0])
+            kind = "keys" if r < n else "values"
+            raise ValueError(
+                f"cannot encode the {kind} of row {r % n // s}, token {r % s}: {ERROR_MESSAGES[int(-counts[r])]}"
+            )
+        offsets, flat = _packed_sparse(sparse, counts)
+        items = []
+        for kind in (KEY, VALUE):
+            for r in range(b):
+                a = (kind * b + r) * s
+                o = offsets[a : a + s + 1]
+                items.append((self.seqs[r], 2 * layer + kind, records[a : a + s], flat[o[0] : o[-1]], o - o[0]))
+        self.pool.append_many(items)
+        self._sync_layer(layer)
+        if sinks is not None:
+            self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
+        status = np.empty(2 * n, np.int64)
+        decode_records(
+            records, sparse, counts, thr, fp16, self.scale_bytes, cfg.inner_bits, cfg.outer_bits, rows, status
+        )
+        if (status != ERR_OK).any():  # (our own records: this would be a bug)
+            r = int(np.flatnonzero(status != ERR_OK)[0])
+            raise RuntimeError(
+                f"layer {layer}: a record just written does not decode: {ERROR_MESSAGES[int(status[r])]}"
+            )
+        out = rows.reshape(2, b, s, self.dim)
+        return out[KEY], out[VALUE]
 
     def _encode(self, layer: int, kind: int, rows: np.ndarray) -> EncodedBatch:
         """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind``."""

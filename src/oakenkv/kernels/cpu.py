@@ -1057,12 +1057,36 @@ _NO_LUT16 = np.empty(0, np.uint16)
 _NO_GRID = np.zeros(6, np.float32)
 
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decode_one(dense_r, sr, sp, thr, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, out_r):
+    """One row of the batch decoders: nibbles ``dense_r``, six scales ``sr`` (float32, or fp16 bits as uint16),
+    COO stream ``sp``, thresholds ``thr`` (float32 ``[4]``) into ``out_r`` (float32 or fp16 bits); returns ERR_OK
+    or ``ERR_*``. ``sc32``, ``lut32``, ``lut`` and ``grid`` are the caller's scratch (``grid[4:6]`` = to_lo, to_hi).
+    Inlined into its callers (a numba call costs time per array argument)."""
+    n_in, n_out = _F32((1 << inner_bits) - 1), _F32((1 << outer_bits) - 1)
+    lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
+    m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
+    i_step = (f32_at(sr, 3) - i_lo) / n_in
+    o_step = (f32_at(sr, 5) - o_lo) / n_out
+    if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
+        return ERR_SCALE_NONFINITE
+    _dense_middle(dense_r, lo, m_step, thr[1], thr[2], out_r)
+    if use_lut:
+        for i in range(NUM_SCALES):
+            sc32[i] = f32_at(sr, i)
+        fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
+        for i in range(LUT_SIZE):
+            lut[i] = out_elem(lut32[i], lut)
+    else:
+        grid[0], grid[1] = i_lo, i_step
+        grid[2], grid[3] = o_lo, o_step
+    return _walk_outliers(dense_r, sp, out_r.shape[0], inner_bits, outer_bits, lut, grid, out_r)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out, status):
     """Decode every row into ``out`` ([N, D] float32, or uint16 fp16 bits); ``status[r]``: ERR_OK or ``ERR_*``."""
     n, d = out.shape
-    to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
-    n_in, n_out = _F32((1 << inner_bits) - 1), _F32((1 << outer_bits) - 1)
     use_lut = d >= _LUT_MIN_DIM
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
@@ -1070,29 +1094,42 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
         lut32 = np.empty(LUT_SIZE, np.float32)
         lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
         grid = np.empty(6, np.float32)
-        grid[4], grid[5] = to_lo, to_hi
+        grid[4], grid[5] = thr[0], thr[3]
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             # borrowed row views (no reference counting; the arrays outlive the loop)
-            sr, dense_r, out_r = row_view(scales, r), row_view(dense, r), row_view(out, r)
-            lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
-            m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
-            i_step = (f32_at(sr, 3) - i_lo) / n_in
-            o_step = (f32_at(sr, 5) - o_lo) / n_out
-            if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
-                status[r] = ERR_SCALE_NONFINITE
-                continue
-            _dense_middle(dense_r, lo, m_step, ti_lo, ti_hi, out_r)
-            if use_lut:
-                for i in range(NUM_SCALES):
-                    sc32[i] = f32_at(sr, i)
-                fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
-                for i in range(LUT_SIZE):
-                    lut[i] = out_elem(lut32[i], lut)
-            else:
-                grid[0], grid[1] = i_lo, i_step
-                grid[2], grid[3] = o_lo, o_step
             sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
-            status[r] = _walk_outliers(dense_r, sp, d, inner_bits, outer_bits, lut, grid, out_r)
+            status[r] = _decode_one(
+                row_view(dense, r), row_view(scales, r), sp, thr, inner_bits, outer_bits, use_lut, sc32, lut32, lut,
+                grid, row_view(out, r),
+            )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def decode_records(records, sparse, counts, thr, fp16, scale_bytes, inner_bits, outer_bits, out, status):
+    """Decode rows in page-record form (what :func:`encode_records` writes) into float32 ``out [n, D]`` on the
+    calling thread: the values :func:`decode_batch` gives for the same rows. ``records`` uint8 ``[n, record]``,
+    ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start), ``thr`` float32 ``[n, 4]`` (each
+    row's thresholds), ``fp16``/``scale_bytes`` the scales' form; ``status[r]``: ERR_OK or ``ERR_*``."""
+    n, d = out.shape
+    use_lut = d >= _LUT_MIN_DIM
+    sr = np.empty(NUM_SCALES, np.float32)
+    sc32 = np.empty(NUM_SCALES, np.float32)
+    lut32 = np.empty(LUT_SIZE, np.float32)
+    lut = np.empty(LUT_SIZE if use_lut else 0, np.float32)
+    grid = np.empty(6, np.float32)
+    itemsize = scale_bytes // NUM_SCALES
+    for r in range(n):
+        rec = records[r]
+        for i in range(NUM_SCALES):  # the scales, little-endian at the record's start (encode_records)
+            bits = np.int64(0)
+            for k in range(itemsize):
+                bits |= np.int64(rec[itemsize * i + k]) << np.int64(8 * k)
+            sr[i] = f16_widen(np.uint16(bits)) if fp16 else np.uint32(bits).view(np.float32)
+        grid[4], grid[5] = thr[r, 0], thr[r, 3]
+        status[r] = _decode_one(
+            rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], inner_bits, outer_bits, use_lut, sc32, lut32, lut,
+            grid, out[r],
+        )  # fmt: skip
 
 
 def decode_batch(
