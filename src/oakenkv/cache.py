@@ -144,14 +144,12 @@ class OakenLayer(CacheLayerMixin):
         if s == 1 and past and store.fast:  # a decode step: the single-token path
             store.append_token(self.layer_idx, key_states, value_states)
         else:
-            # A short update's numba calls on this thread: one switch of numba's pool, not one per call.
-            with serial_numba(key_states.shape[0] * s < SERIAL_BELOW_ROWS):
-                for start in range(0, s, chunk):
-                    ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
-                    if past or packed:
-                        store.append(self.layer_idx, ks, vs)
-                    else:  # the whole history is what we encode: keep it as decoded, not read from the pages
-                        decoded.append(store.append_decoded(self.layer_idx, ks, vs))
+            for start in range(0, s, chunk):
+                ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
+                if past or packed:
+                    store.append(self.layer_idx, ks, vs)
+                else:  # the whole history is what we encode: keep it as decoded, not read from the pages
+                    decoded.append(store.append_decoded(self.layer_idx, ks, vs))
         total = past + s
         if packed:
             result = (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))

@@ -417,8 +417,52 @@ class PagePool:
                 f"{self.free_pages} are free ({self.config.max_pages} pages of {self.config.page_size} B = "
                 f"{self.config.budget_bytes} B budget); no sequence was changed"
             )
+        if self._maybe_shared:  # (refreshed: a page shared earlier may have been copied or freed since)
+            self._maybe_shared = bool((self.refcount > 1).any())
+        if self._maybe_shared:  # copy on write possible: page by page
+            for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
+                self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
+            return
+        # No page shared: every page the plans need is new; take them all at once (the ids page-by-page writes
+        # would get, in the same order) and copy each stream's records with one numba call.
+        pages = np.asarray(self._alloc_many(need), dtype=np.int32)
+        at = 0
         for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
-            self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
+            at = self._write_new(
+                plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs, dtype=np.int64), pages, at
+            )
+
+    def _write_new(
+        self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray, pages: np.ndarray, at: int
+    ) -> int:
+        """:meth:`_write` when no page is shared, taking the plan's new pages from ``pages[at:]``; returns the index
+        after them."""
+        t = self.table(plan.seq, plan.stream)
+        n, rec, ps = plan.num_tokens, plan.rec_size, self.config.page_size
+        if n == 0:
+            return at
+        rpp = ps // rec
+        slot = t.num_tokens % rpp
+        new_dense = -(-(n - (min(n, rpp - slot) if slot else 0)) // rpp)
+        new_sparse = plan.pages_needed - new_dense
+        dense_ids = pages[at : at + new_dense]
+        sparse_ids = pages[at + new_dense : at + plan.pages_needed]
+        first = np.empty(new_sparse, np.int64)
+        tail, wrote = _write_records(
+            self.data, self.page_fill, dense, rpp, slot, int(t.dense_pages.buf[t.dense_pages.n - 1]) if slot else -1,
+            dense_ids, sparse, offs, ps - t.sparse_tail if t.sparse_pages.n else 0,
+            int(t.sparse_pages.buf[t.sparse_pages.n - 1]) if t.sparse_pages.n else -1, sparse_ids, first,
+        )  # fmt: skip
+        t.rec_size = rec
+        t.dense_pages.extend(dense_ids)
+        if new_sparse:
+            t.sparse_pages.extend(sparse_ids)
+            t.sparse_first.extend(first + t.num_tokens)
+        if wrote:
+            t.sparse_tail = int(tail)
+        t.num_tokens += n
+        t.sparse_len.extend(plan.sparse_lengths)
+        return at + plan.pages_needed
 
     def token_targets(self, pairs: list[tuple[int, int]]) -> TokenTargets:
         """``pairs`` (distinct ``(seq, stream)``) resolved to their tables, for many :meth:`append_token` calls."""
@@ -753,10 +797,13 @@ class PagePool:
         """``k`` pages, the ones ``k`` calls of :meth:`_alloc` would return, in that order."""
         if self._pages_in_use + k > self.config.max_pages:  # the plan guarantees this cannot happen
             raise PoolExhaustedError("page pool exhausted during a commit (plan/commit mismatch)")
-        while len(self._free) < k:
-            self._grow()
-        pages = self._free[: -k - 1 : -1]
-        del self._free[-k:]
+        pages: list[int] = []
+        while len(pages) < k:
+            if not self._free:
+                self._grow()
+            take = min(k - len(pages), len(self._free))
+            pages += self._free[: -take - 1 : -1]
+            del self._free[-take:]
         self.refcount[pages] = 1
         self.page_fill[pages] = 0
         self._pages_in_use += k
@@ -881,6 +928,59 @@ def _place_sparse(lengths, space, page_size, slot=None, offset=None, fill=None, 
             offset[j] = at
             fill[new] = page_size - left
     return new, writes_old, page_size - left
+
+
+@njit(cache=True, nogil=True)
+def _write_records(
+    data, page_fill, dense, rpp, slot, last_dense, dense_ids, sparse, offs, space, last_sparse, sparse_ids, first
+):
+    """One stream's records into pages no other stream shares (:meth:`PagePool._write` without copy on write).
+
+    Dense records fill the ``rpp - slot`` free slots of page ``last_dense`` (when ``slot``), then the new pages
+    ``dense_ids``; sparse records are placed greedily (as :func:`_place_sparse`) into the ``space`` bytes left in
+    page ``last_sparse``, then the new pages ``sparse_ids``, whose first record's index goes to ``first``.
+    Returns ``(bytes used in the last sparse page, whether any sparse record was written)``.
+    """
+    n, rec = dense.shape
+    ps = data.shape[1]
+    i = 0
+    if slot:
+        k = min(n, rpp - slot)
+        for j in range(k):
+            for c in range(rec):
+                data[last_dense, (slot + j) * rec + c] = dense[j, c]
+        page_fill[last_dense] = (slot + k) * rec
+        i = k
+    q = 0
+    while i < n:
+        p = dense_ids[q]
+        k = min(n - i, rpp)
+        for j in range(k):
+            for c in range(rec):
+                data[p, j * rec + c] = dense[i + j, c]
+        page_fill[p] = k * rec
+        q += 1
+        i += k
+    left = space
+    cur = last_sparse
+    new = 0
+    wrote = False
+    for j in range(n):
+        length = offs[j + 1] - offs[j]
+        if length == 0:
+            continue
+        if length > left:
+            cur = sparse_ids[new]
+            first[new] = j
+            new += 1
+            left = ps
+        a = ps - left
+        for c in range(length):
+            data[cur, a + c] = sparse[offs[j] + c]
+        left -= length
+        page_fill[cur] = ps - left
+        wrote = True
+    return ps - left, wrote
 
 
 @njit(cache=True, nogil=True)
