@@ -189,6 +189,38 @@ def test_weights_digest_is_the_content_of_every_tensor():
     assert weights_digest(_tiny_llama(0).to(torch.bfloat16)) != d  # same weights in another dtype
 
 
+def test_weights_digest_is_remembered_until_a_tensor_changes(monkeypatch):
+    import torch
+
+    import oakenkv.thresholds as thresholds_module
+
+    m = _tiny_llama(0)
+    d = weights_digest(m)
+
+    class _NoHashing:
+        def __getattr__(self, name):
+            raise AssertionError("hashed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(thresholds_module, "hashlib", _NoHashing())
+        assert weights_digest(m) == d  # nothing changed: no byte hashed
+    p = m.model.layers[1].self_attn.k_proj.weight
+    with torch.no_grad():
+        p.mul_(2.0)  # an in-place op: torch's version counter moves
+    doubled = weights_digest(m)
+    assert doubled != d and doubled == weights_digest(m, reuse=False)
+    with torch.no_grad():
+        p.div_(2.0)
+    assert weights_digest(m) == d
+    p.data = p.data.clone() + 1.0  # a replaced tensor: another storage
+    assert weights_digest(m) != d
+    m.load_state_dict(_tiny_llama(0).state_dict())
+    assert weights_digest(m) == d
+    p.data.add_(1.0)  # a write torch may not count: reuse=False hashes again
+    fresh = weights_digest(m, reuse=False)
+    assert fresh != d and weights_digest(m) == fresh
+
+
 def test_weights_digest_hashes_tied_tensors_once_under_both_names():
     import torch
 

@@ -40,6 +40,7 @@ still load, and checking them against a model compares the shape only and says s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -47,6 +48,7 @@ import os
 import re
 import struct
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +199,34 @@ WEIGHTS_DIGEST_PREFIX = "sha256:"
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
-def weights_digest(model: Any) -> str:
+#: Per model object: the tensors' identity and version counters when :func:`weights_digest` last hashed them, and
+#: the digest (weak keys: a model's entry goes with it).
+_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def _versions(state: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What torch changes whenever a tensor of ``state`` is written or replaced: each one's storage, layout and
+    version counter (bumped by every in-place op, ``load_state_dict`` included); None where a tensor keeps no
+    counter (inference-mode tensors)."""
+    try:
+        return tuple(
+            (
+                n,
+                t.device,
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+                t._version,
+            )
+            for n, t in state.items()
+        )
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def weights_digest(model: Any, *, reuse: bool = True) -> str:
     """The identity of a model's weights by content: ``"sha256:<64 hex digits>"``, cheap enough to take per run.
 
     Over every entry of ``model.state_dict()`` (parameters and persistent buffers) in name order, one line
@@ -211,9 +240,16 @@ def weights_digest(model: Any) -> str:
     0.4-0.7 s for the 135M fp32 parameters (538 MB) of the default model on 2 busy cores, and linear in the bytes
     beyond (docs/robustness.md).
 
+    The digest is remembered per model object, with each tensor's storage and version counter: a model whose
+    tensors were neither replaced nor written in place since (torch counts every in-place op, an optimizer step
+    and ``load_state_dict`` included) gets it back without hashing, so making a cache per request costs ~1 ms,
+    not a hash of every weight. Writes torch does not count (through ``param.data``, or a numpy view of the
+    memory) are not seen: pass ``reuse=False`` after those.
+
     Args:
         model: a ``torch.nn.Module`` (anything with ``state_dict()`` returning tensors); tensors on another
             device are copied to the CPU one at a time.
+        reuse: return the remembered digest when no tensor changed (above); False hashes every byte again.
 
     Raises:
         ValueError: a tensor without data (the ``meta`` device).
@@ -221,6 +257,14 @@ def weights_digest(model: Any) -> str:
     import torch
 
     state = model.state_dict()
+    versions = _versions(state)
+    if reuse and versions is not None:
+        try:
+            known = _DIGESTS.get(model)
+        except TypeError:  # (not weakly referenceable)
+            known = None
+        if known is not None and known[0] == versions:
+            return known[1]
     names = sorted(state)
     # one digest per distinct tensor view (tied weights share it)
     views: dict[tuple[Any, ...], list[str]] = {}
@@ -257,7 +301,11 @@ def weights_digest(model: Any) -> str:
     for name in names:
         t = state[name]
         h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{per_name[name]}\n".encode())
-    return WEIGHTS_DIGEST_PREFIX + h.hexdigest()
+    digest = WEIGHTS_DIGEST_PREFIX + h.hexdigest()
+    if versions is not None:
+        with contextlib.suppress(TypeError):
+            _DIGESTS[model] = (versions, digest)
+    return digest
 
 
 def _short(digest: str) -> str:
