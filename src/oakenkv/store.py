@@ -443,7 +443,6 @@ class PagedKVStore:
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
-        # the decoder reads the records, not the rows: decode into the rows' own buffer (a copy is kept above)
         encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, fp16, self.scale_bytes, records, sparse, counts)
         if min(counts.tolist()) < 0:
             r = int(np.flatnonzero(counts < 0)[0])
@@ -463,6 +462,7 @@ class PagedKVStore:
         if sinks is not None:
             self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
         status = np.empty(2 * n, np.int64)
+        # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
         decode_records(
             records, sparse, counts, thr, fp16, self.scale_bytes, cfg.inner_bits, cfg.outer_bits, rows, status
         )
