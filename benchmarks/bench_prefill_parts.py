@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from _parts import part_timer
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,21 +47,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
-    spent: dict[str, float] = collections.defaultdict(float)
-
-    def timed(owner, name: str, key: str) -> None:
-        f = getattr(owner, name, None)
-        if f is None:  # (an older tree, run with its src on PYTHONPATH for a before/after comparison)
-            return
-
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        setattr(owner, name, wrapper)
+    spent, timed = part_timer()
 
     timed(OakenLayer, "update", "oaken update")
     timed(store_module.PagedKVStore, "append_decoded", "oaken append_decoded")

@@ -13,12 +13,12 @@ wrapper per call); the step times come from ``oakenkv.bench.decode.time_steps`` 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
-import time
 from pathlib import Path
+
+from _parts import part_timer
 
 
 def main() -> None:
@@ -45,19 +45,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
-    spent: dict[str, float] = collections.defaultdict(float)
-
-    def timed(owner, name: str, key: str) -> None:
-        f = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        setattr(owner, name, wrapper)
+    spent, timed = part_timer()
 
     timed(PagedKVStore, "append_token", "oaken append_token")
     timed(PagedKVStore, "window_update", "oaken window_update")
