@@ -105,7 +105,7 @@ def test_encode_decode_bit_exact_with_reference(case):
     # the paged store's entry points (float32 rows, validated float32 thresholds, no structural checks)
     thr32 = np.asarray(thresholds_tuple(thr), np.float32)
     if x.dtype == torch.float32:
-        _assert_same_bytes(cpu.encode_rows(x.numpy(), thr32, cfg), ref)
+        _assert_same_bytes(cpu.encode_trusted(x.numpy(), thr32, cfg), ref)
         # ... and a short prefill's, through page records (encode_records, decode_records)
         n, d = x.shape
         fp16, sb = cfg.scale_dtype == "float16", scale_bytes(cfg)
@@ -121,7 +121,7 @@ def test_encode_decode_bit_exact_with_reference(case):
         cpu.decode_records(records, sparse, counts, thr_rows, fp16, sb, cfg.inner_bits, cfg.outer_bits, out, status)
         assert (status == 0).all()
         assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
-    assert torch.equal(_bits32(cpu.decode_rows(enc, thr32, cfg)), _bits32(want))
+    assert torch.equal(_bits32(cpu.decode_trusted(enc, thr32, cfg)), _bits32(want))
 
 
 def test_store_entry_points_refuse_what_the_checked_ones_refuse():
@@ -129,11 +129,11 @@ def test_store_entry_points_refuse_what_the_checked_ones_refuse():
     x = np.ones((3, 64), np.float32)
     x[2, 5] = np.nan
     with pytest.raises(ValueError, match="cannot encode row 2"):
-        cpu.encode_rows(x, thr32, OakenConfig())
+        cpu.encode_trusted(x, thr32, OakenConfig())
     enc = codec.encode(torch.from_numpy(np.full((2, 64), 3.0, np.float32)), THRESHOLDS[0], OakenConfig())
     enc.scales[1, 0] = float("inf")  # the kernel checks every row's scales, as decode_batch's does
     with pytest.raises(CorruptDataError, match="row 1"):
-        cpu.decode_rows(enc, thr32, OakenConfig())
+        cpu.decode_trusted(enc, thr32, OakenConfig())
 
 
 @settings(max_examples=200, deadline=None)

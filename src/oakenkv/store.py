@@ -49,7 +49,7 @@ from oakenkv.format import (
     sparse_capacity,
     to_records,
 )
-from oakenkv.kernels.cpu import decode_records, decode_rows, encode_records, encode_rows
+from oakenkv.kernels.cpu import decode_records, decode_trusted, encode_records, encode_trusted
 from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
 from oakenkv.transforms import fwht
@@ -477,14 +477,14 @@ class PagedKVStore:
     def _encode(self, layer: int, kind: int, rows: np.ndarray) -> EncodedBatch:
         """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind``."""
         if self.fast:  # the numba codec without the public wrapper's checks: rows and thresholds are ours
-            return encode_rows(rows, self.thr[layer, kind], self.config)
+            return encode_trusted(rows, self.thr[layer, kind], self.config)
         return self.encode(torch.from_numpy(rows), self.thresholds.layer(layer, KINDS[kind]), self.config)
 
     def decode_encoded(self, layer: int, kind: int, enc: EncodedBatch) -> torch.Tensor:
         """float32 ``[N, D]``: ``enc`` decoded, a batch this store encoded for ``layer`` and ``kind`` (what
         :meth:`append` returned): the codec's decode without its structural checks of foreign input."""
         if self.fast:
-            return decode_rows(enc, self.thr[layer, kind], self.config)
+            return decode_trusted(enc, self.thr[layer, kind], self.config)
         return self.decode(enc, self.thresholds.layer(layer, KINDS[kind]), self.config)
 
     def window_update(

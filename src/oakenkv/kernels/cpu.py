@@ -815,7 +815,7 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     return _encode(x32, np.empty((x32.shape[0], 0), np.uint16), _KIND_F32, thr_a, config)
 
 
-def encode_rows(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> EncodedBatch:
+def encode_trusted(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> EncodedBatch:
     """:func:`encode_batch` of float32 rows the caller has checked: the paged store's path (``oakenkv.store``),
     without the argument checks and conversions that cost more than encoding a short prefill's rows.
 
@@ -1161,8 +1161,8 @@ def decode_batch(
     return _decode(enc, _thr_array(thr), config, out)
 
 
-def decode_rows(enc: EncodedBatch, thr: np.ndarray, config: OakenConfig) -> torch.Tensor:
-    """:func:`decode_batch` to float32 of a batch :func:`encode_rows` (or :func:`encode_batch`) returned and nobody
+def decode_trusted(enc: EncodedBatch, thr: np.ndarray, config: OakenConfig) -> torch.Tensor:
+    """:func:`decode_batch` to float32 of a batch :func:`encode_trusted` (or :func:`encode_batch`) returned and nobody
     changed since: the paged store decoding the chunks it has just encoded (``oakenkv.cache``), without the
     structural checks of ``check_encoded`` (the kernel still checks every row's scales and stream).
 
