@@ -150,3 +150,17 @@ def test_a_failed_append_decoded_leaves_the_store_as_it_was():
     assert store.num_tokens(0) == 10
     np.testing.assert_array_equal(store.pool.data, data)
     store.check_tables()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_first_update_returns_what_read_returns(dtype):
+    from oakenkv.cache import OakenLayer
+
+    store = _store()
+    g = torch.Generator().manual_seed(3)
+    k = (torch.randn(2, H, 40, HD, generator=g) * 1.5).to(dtype)
+    v = torch.randn(2, H, 40, HD, generator=g).to(dtype)
+    keys, values = OakenLayer(store, 1).update(k, v)  # the prefill's direct decode (append_decoded)
+    assert keys.dtype == dtype and keys.shape == k.shape
+    assert torch.equal(keys, store.read(1, KEY, dtype))
+    assert torch.equal(values, store.read(1, VALUE, dtype))
