@@ -118,7 +118,7 @@ def test_encode_decode_bit_exact_with_reference(case):
         )
         out = np.empty((n, d), np.float32)
         status = np.ones(n, np.int64)
-        cpu.decode_records(records, sparse, counts, thr_rows, fp16, sb, cfg.inner_bits, cfg.outer_bits, out, status)
+        cpu.decode_records(records, sparse, counts, thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, out, status)
         assert (status == 0).all()
         assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
     assert torch.equal(_bits32(cpu.decode_trusted(enc, thr32, cfg)), _bits32(want))

@@ -417,52 +417,8 @@ class PagePool:
                 f"{self.free_pages} are free ({self.config.max_pages} pages of {self.config.page_size} B = "
                 f"{self.config.budget_bytes} B budget); no sequence was changed"
             )
-        if self._maybe_shared:  # (refreshed: a page shared earlier may have been copied or freed since)
-            self._maybe_shared = bool((self.refcount > 1).any())
-        if self._maybe_shared:  # copy on write possible: page by page
-            for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
-                self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
-            return
-        # No page shared: every page the plans need is new; take them all at once (the ids page-by-page writes
-        # would get, in the same order) and copy each stream's records with one numba call.
-        pages = np.asarray(self._alloc_many(need), dtype=np.int32)
-        at = 0
         for plan, (_, _, dense, sparse, offs) in zip(plans, items, strict=True):
-            at = self._write_new(
-                plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs, dtype=np.int64), pages, at
-            )
-
-    def _write_new(
-        self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray, pages: np.ndarray, at: int
-    ) -> int:
-        """:meth:`_write` when no page is shared, taking the plan's new pages from ``pages[at:]``; returns the index
-        after them."""
-        t = self.table(plan.seq, plan.stream)
-        n, rec, ps = plan.num_tokens, plan.rec_size, self.config.page_size
-        if n == 0:
-            return at
-        rpp = ps // rec
-        slot = t.num_tokens % rpp
-        new_dense = -(-(n - (min(n, rpp - slot) if slot else 0)) // rpp)
-        new_sparse = plan.pages_needed - new_dense
-        dense_ids = pages[at : at + new_dense]
-        sparse_ids = pages[at + new_dense : at + plan.pages_needed]
-        first = np.empty(new_sparse, np.int64)
-        tail, wrote = _write_records(
-            self.data, self.page_fill, dense, rpp, slot, int(t.dense_pages.buf[t.dense_pages.n - 1]) if slot else -1,
-            dense_ids, sparse, offs, ps - t.sparse_tail if t.sparse_pages.n else 0,
-            int(t.sparse_pages.buf[t.sparse_pages.n - 1]) if t.sparse_pages.n else -1, sparse_ids, first,
-        )  # fmt: skip
-        t.rec_size = rec
-        t.dense_pages.extend(dense_ids)
-        if new_sparse:
-            t.sparse_pages.extend(sparse_ids)
-            t.sparse_first.extend(first + t.num_tokens)
-        if wrote:
-            t.sparse_tail = int(tail)
-        t.num_tokens += n
-        t.sparse_len.extend(plan.sparse_lengths)
-        return at + plan.pages_needed
+            self._write(plan, np.asarray(dense), np.asarray(sparse), np.asarray(offs))
 
     def token_targets(self, pairs: list[tuple[int, int]]) -> TokenTargets:
         """``pairs`` (distinct ``(seq, stream)``) resolved to their tables, for many :meth:`append_token` calls."""
@@ -836,69 +792,47 @@ class PagePool:
         return q
 
     def _write(self, plan: AppendPlan, dense: np.ndarray, sparse: np.ndarray, offs: np.ndarray) -> None:
+        """Write a plan's records: a shared last page is copied first (copy on write), the new pages are taken in
+        token order (dense, then sparse), and one numba call copies the records (:func:`_write_records`)."""
         t = self.table(plan.seq, plan.stream)
         n, rec, ps = plan.num_tokens, plan.rec_size, self.config.page_size
         if n == 0:
             return
-        t.rec_size = rec
         rpp = ps // rec
-        # Dense records: the free slots of the last page, then whole new pages (one allocation, one copy).
-        i = 0
-        slot = t.num_tokens % rpp
-        if slot:
-            if self.refcount[t.dense_pages.view[-1]] > 1:
-                t.dense_pages.buf[t.dense_pages.n - 1] = self._cow(int(t.dense_pages.view[-1]))
-            p = int(t.dense_pages.view[-1])
-            i = min(n, rpp - slot)
-            self.data[p, slot * rec : (slot + i) * rec] = dense[:i].reshape(-1)
-            self.page_fill[p] = (slot + i) * rec
-        if i < n:
-            pages = self._alloc_many(-(-(n - i) // rpp))
-            t.dense_pages.extend(pages)
-            full, last = divmod(n - i, rpp)
-            if full:
-                self.data[pages[:full], : rpp * rec] = dense[i : i + full * rpp].reshape(full, rpp * rec)
-                self.page_fill[pages[:full]] = rpp * rec
-            if last:
-                self.data[pages[-1], : last * rec] = dense[n - last :].reshape(-1)
-                self.page_fill[pages[-1]] = last * rec
-        t.num_tokens += n
-        # Sparse records, greedily (placement and copy in numba: one Python step per page, not per token).
-        base = t.num_tokens - n
+        slot = t.num_tokens % rpp  # records already in the last dense page (0: it is full, or there is none)
+        dp, sp = t.dense_pages, t.sparse_pages
+        if slot and self.refcount[dp.buf[dp.n - 1]] > 1:
+            dp.buf[dp.n - 1] = self._cow(int(dp.buf[dp.n - 1]))
+        dense_ids = np.asarray(self._alloc_many(-(-(n - (min(n, rpp - slot) if slot else 0)) // rpp)), np.int32)
         lengths = plan.sparse_lengths.astype(np.int64)
-        space = ps - t.sparse_tail if t.sparse_pages.n else 0
-        slot = np.empty(n, np.int64)
-        offset = np.empty(n, np.int64)
-        fill = np.zeros(n + 1, np.int64)
-        first = np.zeros(n + 1, np.int64)
-        new_pages, writes_old_tail, tail = _place_sparse(lengths, space, ps, slot, offset, fill, first)
-        page_ids = np.empty(new_pages + 1, np.int64)
-        if writes_old_tail:
-            if self.refcount[t.sparse_pages.view[-1]] > 1:
-                t.sparse_pages.buf[t.sparse_pages.n - 1] = self._cow(int(t.sparse_pages.view[-1]))
-            page_ids[0] = t.sparse_pages.view[-1]
-            self.page_fill[page_ids[0]] = fill[0]
-        if new_pages:
-            page_ids[1:] = self._alloc_many(new_pages)
-            self.page_fill[page_ids[1:]] = fill[1 : new_pages + 1]
-        if new_pages:
-            t.sparse_pages.extend(page_ids[1:])
-            t.sparse_first.extend(base + first[1 : new_pages + 1])
-        if new_pages or writes_old_tail:
+        space = ps - t.sparse_tail if sp.n else 0
+        new_sparse, writes_old_tail, _ = _place_sparse(lengths, space, ps)
+        if writes_old_tail and self.refcount[sp.buf[sp.n - 1]] > 1:
+            sp.buf[sp.n - 1] = self._cow(int(sp.buf[sp.n - 1]))
+        sparse_ids = np.asarray(self._alloc_many(new_sparse), np.int32)
+        first = np.empty(new_sparse, np.int64)
+        tail, wrote = _write_records(
+            self.data, self.page_fill, dense, rpp, slot, int(dp.buf[dp.n - 1]) if slot else -1, dense_ids, sparse,
+            np.asarray(offs, dtype=np.int64), space, int(sp.buf[sp.n - 1]) if sp.n else -1, sparse_ids, first,
+        )  # fmt: skip
+        t.rec_size = rec
+        dp.extend(dense_ids)
+        if new_sparse:
+            sp.extend(sparse_ids)
+            t.sparse_first.extend(first + t.num_tokens)
+        if wrote:
             t.sparse_tail = int(tail)
-            _copy_sparse(self.data, page_ids, slot, offset, sparse, np.asarray(offs, dtype=np.int64))
+        t.num_tokens += n
         t.sparse_len.extend(plan.sparse_lengths)
 
 
 @njit(cache=True, nogil=True)
-def _place_sparse(lengths, space, page_size, slot=None, offset=None, fill=None, first=None):
-    """Greedy placement of sparse records (a record never straddles pages).
+def _place_sparse(lengths, space, page_size):
+    """Greedy placement of sparse records (a record never straddles pages), counted: :func:`_write_records` places
+    them the same way.
 
     Args:
         lengths: int64 ``[n]`` record lengths; space: bytes left in the stream's last sparse page (0: none).
-        slot, offset, fill, first: optional int64 outputs: per record its page slot (0 = the current last page,
-            ``k >= 1`` = the k-th new page; -1 for empty records) and byte offset; per slot the bytes it holds
-            afterwards and (``k >= 1``) the index of its first record.
 
     Returns:
         ``(new pages, whether the current last page is written, bytes used in the last page afterwards)``.
@@ -909,24 +843,14 @@ def _place_sparse(lengths, space, page_size, slot=None, offset=None, fill=None, 
     for j in range(lengths.shape[0]):
         length = lengths[j]
         if length == 0:
-            if slot is not None:
-                slot[j] = -1
             continue
         if length <= left:
             if new == 0:
                 writes_old = True
-            at = page_size - left
         else:
             new += 1
             left = page_size
-            at = 0
-            if first is not None:
-                first[new] = j
         left -= length
-        if slot is not None:
-            slot[j] = new
-            offset[j] = at
-            fill[new] = page_size - left
     return new, writes_old, page_size - left
 
 
@@ -934,7 +858,8 @@ def _place_sparse(lengths, space, page_size, slot=None, offset=None, fill=None, 
 def _write_records(
     data, page_fill, dense, rpp, slot, last_dense, dense_ids, sparse, offs, space, last_sparse, sparse_ids, first
 ):
-    """One stream's records into pages no other stream shares (:meth:`PagePool._write` without copy on write).
+    """One stream's records into its pages (:meth:`PagePool._write`, after any copy on write: every page written
+    here belongs to this stream alone).
 
     Dense records fill the ``rpp - slot`` free slots of page ``last_dense`` (when ``slot``), then the new pages
     ``dense_ids``; sparse records are placed greedily (as :func:`_place_sparse`) into the ``space`` bytes left in
@@ -981,18 +906,6 @@ def _write_records(
         page_fill[cur] = ps - left
         wrote = True
     return ps - left, wrote
-
-
-@njit(cache=True, nogil=True)
-def _copy_sparse(data, page_ids, slot, offset, sparse, offs):
-    """Copy each placed sparse record ``sparse[offs[j]:offs[j + 1]]`` to ``data[page_ids[slot[j]], offset[j]:]``."""
-    for j in range(slot.shape[0]):
-        if slot[j] < 0:
-            continue
-        p = page_ids[slot[j]]
-        a = offset[j]
-        for i in range(offs[j + 1] - offs[j]):
-            data[p, a + i] = sparse[offs[j] + i]
 
 
 @njit(cache=True, nogil=True)

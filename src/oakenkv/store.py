@@ -38,7 +38,6 @@ from numba import njit
 
 from oakenkv.config import OakenConfig
 from oakenkv.format import (
-    ERR_OK,
     ERROR_MESSAGES,
     HEADER_BITS,
     EncodedBatch,
@@ -49,7 +48,7 @@ from oakenkv.format import (
     sparse_capacity,
     to_records,
 )
-from oakenkv.kernels.cpu import decode_records, decode_trusted, encode_records, encode_trusted
+from oakenkv.kernels.cpu import decode_records, decode_trusted, encode_records, encode_trusted, first_error
 from oakenkv.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
 from oakenkv.thresholds import Thresholds
 from oakenkv.transforms import fwht
@@ -130,6 +129,17 @@ def _packed_sparse(sparse, counts):
     for r in range(n):
         flat[offsets[r] : offsets[r + 1]] = sparse[r, : counts[r]]
     return offsets, flat
+
+
+def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
+    """Raise ValueError naming the first row ``encode_records`` refused (``counts[r] < 0``, an ``-ERR_*``):
+    ``counts`` holds keys' rows, then values', each ``(row, token)`` with ``tokens`` tokens per row."""
+    if min(counts.tolist()) >= 0:  # (a list's min: faster than numpy's on a few values)
+        return
+    r = int(np.flatnonzero(counts < 0)[0])
+    n = counts.shape[0] // 2
+    where = f"row {r % n // tokens}" + (f", token {r % tokens}" if tokens > 1 else "")
+    raise ValueError(f"cannot encode the {'keys' if r < n else 'values'} of {where}: {ERROR_MESSAGES[int(-counts[r])]}")
 
 
 def _grown(a: np.ndarray, size: int) -> np.ndarray:
@@ -229,6 +239,8 @@ class PagedKVStore:
         #: Bytes of one dense page record, and of the scales at its start (``oakenkv.format``).
         self.rec_size = record_size(self.dim, config)
         self.scale_bytes = scale_bytes(config)
+        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
+        self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
         self.pool = PagePool(pool_config)
         self.encode, self.decode = codec_functions(codec)
         #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
@@ -348,16 +360,18 @@ class PagedKVStore:
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
 
-    def _float_rows(self, layer: int, kind: int, x: torch.Tensor) -> np.ndarray:
+    def _float_rows(self, layer: int, kind: int, x: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
         """``[B, H, S, hd]`` -> float32 ``[B, S, D]``: one row per token, all heads of the layer (granularity
-        "token"), as the encoder takes them (keys after the online key transform). Always a new array: the
-        transform and the encoder work in it, never in the caller's tensor.
+        "token"), as the encoder takes them (keys after the online key transform). Always the store's own array
+        (a new one, or ``out``: float32 ``[B * S, D]``, C order): the transform and the encoder work in it, never
+        in the caller's tensor.
 
         The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors waits for
         thread wake-ups on a loaded machine (docs/perf-notes.md)."""
         b, _, s, _ = x.shape
         x32 = x.detach().to(torch.float32).numpy()
-        rows = x32.transpose(0, 2, 1, 3).copy().reshape(b * s, self.dim)  # (C order: ndarray.copy's default)
+        rows = np.empty((b * s, self.dim), np.float32) if out is None else out
+        np.copyto(rows.reshape(b, s, self.num_kv_heads, self.head_dim), x32.transpose(0, 2, 1, 3))
         if kind == KEY:
             self._transform_keys(layer, rows)
         return rows.reshape(b, s, self.dim)
@@ -424,32 +438,20 @@ class PagedKVStore:
             )
         self.ensure_batch(b)
         n = b * s
-        rows = np.empty((2 * n, self.dim), np.float32)
-        for kind, x in ((KEY, keys), (VALUE, values)):
-            x32 = x.detach().to(torch.float32).numpy()
-            np.copyto(
-                rows[kind * n : (kind + 1) * n].reshape(b, s, self.num_kv_heads, self.head_dim),
-                x32.transpose(0, 2, 1, 3),
-            )
-        self._transform_keys(layer, rows[:n])
+        rows = np.empty((2 * n, self.dim), np.float32)  # keys' rows, then values'
+        self._float_rows(layer, KEY, keys, rows[:n])
+        self._float_rows(layer, VALUE, values, rows[n:])
         past = self.tables[layer].num_tokens
         sinks = None
         if past < self.sink_tokens:  # (a float16 copy now: the encoder works in the rows)
             keep = min(s, self.sink_tokens - past)
             sinks = rows.reshape(2, b, s, self.dim)[:, :, :keep].astype(np.float16)
-        thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds: keys', then values'
-        cfg = self.config
-        fp16 = cfg.scale_dtype == "float16"
+        thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
-        encode_records(rows, thr, cfg.inner_bits, cfg.outer_bits, fp16, self.scale_bytes, records, sparse, counts)
-        if min(counts.tolist()) < 0:
-            r = int(np.flatnonzero(counts < 0)[0])
-            kind = "keys" if r < n else "values"
-            raise ValueError(
-                f"cannot encode the {kind} of row {r % n // s}, token {r % s}: {ERROR_MESSAGES[int(-counts[r])]}"
-            )
+        encode_records(rows, thr, *self._record_format, records, sparse, counts)
+        _check_encoded_rows(counts, s)
         offsets, flat = _packed_sparse(sparse, counts)
         items = []
         for kind in (KEY, VALUE):
@@ -463,11 +465,9 @@ class PagedKVStore:
             self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
-        decode_records(
-            records, sparse, counts, thr, fp16, self.scale_bytes, cfg.inner_bits, cfg.outer_bits, rows, status
-        )
-        if (status != ERR_OK).any():  # (our own records: this would be a bug)
-            r = int(np.flatnonzero(status != ERR_OK)[0])
+        decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
+        r = first_error(status)
+        if r >= 0:  # (our own records: this would be a bug)
             raise RuntimeError(
                 f"layer {layer}: a record just written does not decode: {ERROR_MESSAGES[int(status[r])]}"
             )
@@ -575,7 +575,7 @@ class PagedKVStore:
         scratch = self._token_scratch
         if scratch is None or scratch[0].shape[0] != 2 * b:
             scratch = self._token_scratch = self._make_token_scratch(b)
-        rows, records, sparse, counts, thr, constants = scratch
+        rows, records, sparse, counts, thr = scratch
         # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (the online key transform runs on
         # the key rows, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
         # it takes (a .to() call costs more than the copy).
@@ -586,11 +586,8 @@ class PagedKVStore:
         self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
         t = self.tables[layer].num_tokens
         sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
-        encode_records(rows, thr[layer], *constants, records, sparse, counts)
-        if min(counts.tolist()) < 0:  # (a list's min: faster than numpy's on a few values)
-            r = int(np.flatnonzero(counts < 0)[0])
-            kind = "keys" if r < b else "values"
-            raise ValueError(f"cannot encode the {kind} of row {r % b}: {ERROR_MESSAGES[int(-counts[r])]}")
+        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
+        _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
         if sink is not None:
             self.sinks[layer][:, KEY, t] = sink[:b]
@@ -606,19 +603,17 @@ class PagedKVStore:
             lt.sync(r, kind, table, table.dense_pages.n - 1, max(0, table.sparse_pages.n - 1), t + 1)
 
     def _make_token_scratch(self, b: int) -> tuple[Any, ...]:
-        """append_token's buffers for ``2 b`` rows, each layer's thresholds per row, the encoder's constants."""
+        """append_token's buffers for ``2 b`` rows, and each layer's thresholds per row."""
         m = 2 * b
         thr = np.empty((self.num_layers, m, 4), np.float32)
         thr[:, :b] = self.thr[:, None, KEY]
         thr[:, b:] = self.thr[:, None, VALUE]
-        cfg = self.config
         return (
             np.empty((m, self.dim), np.float32),
             np.empty((m, self.rec_size), np.uint8),
             np.empty((m, sparse_capacity(self.dim)), np.uint8),
             np.empty(m, np.int64),
             thr,
-            (cfg.inner_bits, cfg.outer_bits, cfg.scale_dtype == "float16", self.scale_bytes),
         )
 
     def layer_view(self, layer: int) -> LayerView:

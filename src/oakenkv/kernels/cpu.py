@@ -788,7 +788,7 @@ def _sparse_offsets(counts, offsets):
 
 
 @njit(cache=True, nogil=True)
-def _first_error(status):
+def first_error(status):
     """The first row whose ``status`` is not ERR_OK, or -1."""
     for r in range(status.shape[0]):
         if status[r] != ERR_OK:
@@ -1061,8 +1061,8 @@ _NO_GRID = np.zeros(6, np.float32)
 def _decode_one(dense_r, sr, sp, thr, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, out_r):
     """One row of the batch decoders: nibbles ``dense_r``, six scales ``sr`` (float32, or fp16 bits as uint16),
     COO stream ``sp``, thresholds ``thr`` (float32 ``[4]``) into ``out_r`` (float32 or fp16 bits); returns ERR_OK
-    or ``ERR_*``. ``sc32``, ``lut32``, ``lut`` and ``grid`` are the caller's scratch (``grid[4:6]`` = to_lo, to_hi).
-    Inlined into its callers (a numba call costs time per array argument)."""
+    or ``ERR_*``. ``sc32``, ``lut32``, ``lut`` and ``grid`` are the caller's scratch. Inlined into its callers (a
+    numba call costs time per array argument)."""
     n_in, n_out = _F32((1 << inner_bits) - 1), _F32((1 << outer_bits) - 1)
     lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
     m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
@@ -1071,6 +1071,7 @@ def _decode_one(dense_r, sr, sp, thr, inner_bits, outer_bits, use_lut, sc32, lut
     if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
         return ERR_SCALE_NONFINITE
     _dense_middle(dense_r, lo, m_step, thr[1], thr[2], out_r)
+    grid[4], grid[5] = thr[0], thr[3]
     if use_lut:
         for i in range(NUM_SCALES):
             sc32[i] = f32_at(sr, i)
@@ -1094,7 +1095,6 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
         lut32 = np.empty(LUT_SIZE, np.float32)
         lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
         grid = np.empty(6, np.float32)
-        grid[4], grid[5] = thr[0], thr[3]
         for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
             # borrowed row views (no reference counting; the arrays outlive the loop)
             sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
@@ -1105,11 +1105,11 @@ def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, ou
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def decode_records(records, sparse, counts, thr, fp16, scale_bytes, inner_bits, outer_bits, out, status):
-    """Decode rows in page-record form (what :func:`encode_records` writes) into float32 ``out [n, D]`` on the
-    calling thread: the values :func:`decode_batch` gives for the same rows. ``records`` uint8 ``[n, record]``,
-    ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start), ``thr`` float32 ``[n, 4]`` (each
-    row's thresholds), ``fp16``/``scale_bytes`` the scales' form; ``status[r]``: ERR_OK or ``ERR_*``."""
+def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status):
+    """Decode rows in page-record form (what :func:`encode_records` writes, the same arguments before ``out``) into
+    float32 ``out [n, D]`` on the calling thread: the values :func:`decode_batch` gives for the same rows.
+    ``records`` uint8 ``[n, record]``, ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start),
+    ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``."""
     n, d = out.shape
     use_lut = d >= _LUT_MIN_DIM
     sr = np.empty(NUM_SCALES, np.float32)
@@ -1125,7 +1125,6 @@ def decode_records(records, sparse, counts, thr, fp16, scale_bytes, inner_bits, 
             for k in range(itemsize):
                 bits |= np.int64(rec[itemsize * i + k]) << np.int64(8 * k)
             sr[i] = f16_widen(np.uint16(bits)) if fp16 else np.uint32(bits).view(np.float32)
-        grid[4], grid[5] = thr[r, 0], thr[r, 3]
         status[r] = _decode_one(
             rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], inner_bits, outer_bits, use_lut, sc32, lut32, lut,
             grid, out[r],
@@ -1183,7 +1182,7 @@ def _decode(enc: EncodedBatch, thr_a: np.ndarray, config: OakenConfig, out: torc
     out_np = out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy().view(np.uint16)
     status = np.empty(n, np.int64)
     _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_np, status)
-    r = _first_error(status)
+    r = first_error(status)
     if r >= 0:
         raise CorruptDataError(f"row {r}: {ERROR_MESSAGES[int(status[r])]}")
     return out
