@@ -39,3 +39,30 @@ def quick_thresholds(loaded, text: str = "", config: OakenConfig | None = None) 
             out.append(GroupThresholds(*t))
     fp = ModelFingerprint.from_model_config(model.config, name=loaded.name)
     return Thresholds(config=config, fingerprint=fp, keys=tuple(keys), values=tuple(values))
+
+
+#: How far the packed decode attention's logits may drift from the float path's over a short greedy generation.
+#: The kernel sums in another order than SDPA (~1e-4 at its first step); once a later token's keys and values come
+#: out of a forward pass that differs in the last bits, a value next to a rounding boundary of the 4-bit grid takes
+#: the other code, and the difference grows step by step (0.56 measured after 6 steps on an AVX-512 Xeon, where
+#: the default model's greedy tokens then changed at a near tie; they had not on an AVX2 EPYC).
+GREEDY_DRIFT = 1.0
+
+
+def assert_same_greedy(want, got, first_atol: float = 1e-3, drift: float = GREEDY_DRIFT) -> None:
+    """Two greedy generations (``generate(..., output_logits=True, return_dict_in_generate=True)``) of one model
+    whose attention differs only in float summation order (the packed kernel against SDPA over the same stored
+    values): the prompt's logits and the first decode step's agree within ``first_atol``; while the tokens agree,
+    the logits stay within ``drift``; the tokens agree at every step whose reference margin (top-1 minus top-2
+    logit) is at least ``2 * drift``, and may part only at a near tie."""
+    prompt = want.sequences.shape[1] - len(want.logits)
+    assert torch.equal(want.sequences[:, :prompt], got.sequences[:, :prompt])
+    for i, (a, b) in enumerate(zip(want.logits, got.logits, strict=True)):
+        diff = float((a - b).abs().max())
+        assert diff <= (first_atol if i < 2 else drift), f"step {i}: logits differ by {diff}"
+        ta, tb = want.sequences[:, prompt + i], got.sequences[:, prompt + i]
+        if not torch.equal(ta, tb):
+            top = a.topk(2, dim=-1).values
+            margin = (top[:, 0] - top[:, 1])[ta != tb]
+            assert bool((margin < 2 * drift).all()), f"step {i}: tokens differ at margins {margin.tolist()}"
+            return  # the contexts differ from here on

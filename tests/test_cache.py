@@ -1,8 +1,9 @@
 """`OakenCache` with transformers' ``generate`` (src/oakenkv/cache.py).
 
 The reference is a fake-quantizing ``DynamicLayer`` cache: it stores ``quantize_dequantize(K/V)`` in float, which
-is by construction what ``OakenCache`` stores in bits. Greedy generation through both must give the same tokens,
-with the float read path and with the packed-page decode attention.
+is by construction what ``OakenCache`` stores in bits. Greedy generation through both must give the same tokens
+with the float read path; the packed-page decode attention sums in another order than SDPA, and agrees up to that
+(``kv_helpers.assert_same_greedy``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kv_helpers import quick_thresholds
+from kv_helpers import assert_same_greedy, quick_thresholds
 from oakenkv.attention import oaken_attention
 from oakenkv.cache import KEY, OakenCache, PackedKV, serial_numba
 from oakenkv.codec import decode, encode
@@ -74,6 +75,9 @@ def batch(default_tokenizer):
 
 
 def _generate(model, inputs, cache, **kw):
+    """Greedy tokens ``[B, prompt + 8]`` (``logits=True``: the whole ``generate`` output, with each step's logits)."""
+    if kw.pop("logits", False):
+        kw.update(output_logits=True, return_dict_in_generate=True)
     kw = {"max_new_tokens": 8, "do_sample": False, **kw}
     with torch.no_grad():
         return model.generate(**inputs, **cache_kwargs(model, cache), pad_token_id=model.config.eos_token_id, **kw)
@@ -103,15 +107,15 @@ def test_prefill_stores_exactly_the_quantized_kv(default_model, thresholds, defa
 def test_greedy_batch_with_padding_matches_fake_quant(default_model, thresholds, batch):
     model = default_model.model
     n = model.config.num_hidden_layers
-    want = _generate(model, batch, _fake_quant_cache(thresholds, n))
+    want = _generate(model, batch, _fake_quant_cache(thresholds, n), logits=True)
     got_float = _generate(model, batch, OakenCache(thresholds, model.config))
     with oaken_attention(model):
         cache = OakenCache(thresholds, model.config)
-        got_packed = _generate(model, batch, cache)
+        got_packed = _generate(model, batch, cache, logits=True)
     assert model.config._attn_implementation != "oaken"  # restored
-    assert torch.equal(got_float, want)
-    assert torch.equal(got_packed, want)
-    assert cache.get_seq_length() == want.shape[1] - 1  # the last token is sampled, never stored
+    assert torch.equal(got_float, want.sequences)
+    assert_same_greedy(want, got_packed)
+    assert cache.get_seq_length() == want.sequences.shape[1] - 1  # the last token is sampled, never stored
     cache.store.pool.check_invariants()
 
 
@@ -144,14 +148,15 @@ def test_greedy_with_a_full_precision_window_matches_fake_quant(default_model, t
     the float read path and the packed attention (pages and window merged) give the reference's tokens."""
     model = default_model.model
     n = model.config.num_hidden_layers
-    want = _generate(model, batch, Cache(layers=[_WindowFakeQuantLayer(thresholds, i, 4) for i in range(n)]))
+    layers = [_WindowFakeQuantLayer(thresholds, i, 4) for i in range(n)]
+    want = _generate(model, batch, Cache(layers=layers), logits=True)
     got_float = _generate(model, batch, OakenCache(thresholds, model.config, residual=4))
     with oaken_attention(model):
         cache = OakenCache(thresholds, model.config, residual=4)
-        got_packed = _generate(model, batch, cache)
-    assert torch.equal(got_float, want)
-    assert torch.equal(got_packed, want)
-    assert cache.get_seq_length() == want.shape[1] - 1
+        got_packed = _generate(model, batch, cache, logits=True)
+    assert torch.equal(got_float, want.sequences)
+    assert_same_greedy(want, got_packed)
+    assert cache.get_seq_length() == want.sequences.shape[1] - 1
     assert 4 <= cache.store.window_tokens(0) < 8
     assert cache.kv_bytes() == cache.store.pool.stats().total_bytes + cache.store.window_bytes()
 

@@ -123,12 +123,26 @@ def test_stateless_method_same_in_prefill_and_chunked_decode(default_model):
     m, tok = default_model.model, default_model.tokenizer
     ids = _ids(tok, 64)
     meth = build_method("int4", m, tok)
+    # A cache of a stateless method stores the same values whether the tokens come in one update or in several.
+    whole_cache, chunked_cache = meth.make_cache(), meth.make_cache()
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 3, 64, 64), torch.randn(1, 3, 64, 64)
+    whole_cache.update(k, v, 0)
+    for a in range(0, 64, 16):
+        chunked_cache.update(k[:, :, a : a + 16], v[:, :, a : a + 16], 0)
+    assert torch.equal(whole_cache.layers[0].keys, chunked_cache.layers[0].keys)
+    assert torch.equal(whole_cache.layers[0].values, chunked_cache.layers[0].values)
+    # Through the model, one forward pass of 64 tokens and four of 16 compute the same K/V only up to float
+    # summation order (FP: 1e-6 apart), and INT4's fp16 grid end points turn such a difference into another grid
+    # for a head vector now and then: 2% of perplexity on 64 tokens between one and two threads (AVX-512 Xeon).
     whole = perplexity(m, ids, meth)
     chunked = perplexity(m, ids, meth, chunk=16)
     fp = perplexity(m, ids, build_method("fp", m, tok))
-    assert chunked.ppl == pytest.approx(whole.ppl, rel=1e-4)
+    fp_chunked = perplexity(m, ids, build_method("fp", m, tok), chunk=16)
+    assert fp_chunked.ppl == pytest.approx(fp.ppl, rel=1e-5)
+    assert chunked.ppl == pytest.approx(whole.ppl, rel=0.05)
     assert whole.effective_bits == pytest.approx(4.5)
-    assert whole.ppl != fp.ppl
+    assert whole.ppl > fp.ppl
 
 
 def test_kivi_residual_covers_short_windows(default_model):
