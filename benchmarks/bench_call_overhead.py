@@ -37,16 +37,16 @@ def _median_cpu_us(f, calls: int, rounds: int = 7) -> float:
 
 
 def attention_overhead(tokens: list[int]) -> dict[str, float]:
-    from oakenkv.attention import packed_decode_attention
-    from oakenkv.cache import KEY, VALUE, PackedKV
-    from oakenkv.config import OakenConfig
-    from oakenkv.pages import PoolConfig
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.hf.attention import packed_decode_attention
+    from oakenkv.hf.cache import KEY, VALUE, PackedKV
+    from oakenkv.store.pages import PoolConfig
 
     try:
-        from oakenkv.store import PagedKVStore
-    except ImportError:  # trees before oakenkv/store.py
-        from oakenkv.cache import PagedKVStore
+        from oakenkv.store.paged import PagedKVStore
+    except ImportError:  # trees before oakenkv/store/paged.py
+        from oakenkv.hf.cache import PagedKVStore
 
     h, hd, hq = 3, 64, 9  # the default model's attention shape
     fp = ModelFingerprint("llama", 2, h, hd)
@@ -66,8 +66,8 @@ def attention_overhead(tokens: list[int]) -> dict[str, float]:
 
 
 def codec_throughput() -> dict[str, float]:
-    from oakenkv.codec import decode, encode
-    from oakenkv.config import OakenConfig
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels.codec import decode, encode
 
     cfg, thr = OakenConfig(), (-2.0, -0.07, 0.07, 2.0)
     out = {}

@@ -5,7 +5,7 @@ RTL simulation against the Python models, and Yosys cell counts.
     .venv/bin/python benchmarks/bench_hw.py rtl --vectors 2000 --json results/hw_rtl.json
 
 ``ppl`` runs the default model over WikiText-2 windows through ``FakeQuantCache`` three ways: the float reference
-quantizer (``oakenkv.quant``), hardware quantization + float dequantization, and both engines' arithmetic
+quantizer (``oakenkv.quant.quantizer``), hardware quantization + float dequantization, and both engines' arithmetic
 (``oakenkv.hw.arith``); it also reports the reconstruction error of each on the real keys/values of one window.
 ``rtl`` simulates the Amaranth engines on random and real K/V rows against the Python models and synthesises
 them with Yosys (see ``oakenkv.hw.report``).
@@ -25,14 +25,14 @@ import torch
 def run_ppl(windows: int, window: int) -> dict:
     from tqdm import tqdm
 
-    from oakenkv.config import OakenConfig
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.eval.cache import FakeQuantCache
-    from oakenkv.eval.calibration import oaken_thresholds
-    from oakenkv.eval.methods import OakenQuantizer
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.ranges import oaken_thresholds
     from oakenkv.eval.ppl import window_nll
+    from oakenkv.format.config import OakenConfig
     from oakenkv.hw.fakequant import HwOakenQuantizer
-    from oakenkv.models import load_model
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.registry import OakenQuantizer
 
     torch.set_num_threads(1)  # the machine is shared; a single thread keeps timings honest
     loaded = load_model("default")
@@ -83,7 +83,7 @@ def recon_error(model, ids: torch.Tensor, thr, config) -> dict:
     from transformers import DynamicCache
 
     from oakenkv.hw.arith import dequantize_hw, quantize_hw
-    from oakenkv.quant import dequantize, quantize
+    from oakenkv.quant.quantizer import dequantize, quantize
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():

@@ -35,14 +35,14 @@ def main() -> None:
 
     import torch
 
-    from oakenkv.attention import oaken_attention
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import fill_cache, paired, record_source_kv
-    from oakenkv.cache import OakenCache, kv_bytes
-    from oakenkv.config import OakenConfig
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-    from oakenkv.plus import apply_profile, cached_plus_profile
-    from oakenkv.profile import CalibrationSpec, cached_thresholds
+    from oakenkv.calibrate.plus import apply_profile, cached_plus_profile
+    from oakenkv.calibrate.profile import CalibrationSpec, cached_thresholds
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import OakenCache, kv_bytes
 
     loaded = load_model(args.model)
     base = loaded.model

@@ -38,12 +38,12 @@ def main() -> None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    import oakenkv.store as store_module
-    from oakenkv.cache import OakenCache, OakenLayer
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
-    from oakenkv.pages import PagePool
+    import oakenkv.store.paged as store_module
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.hf.cache import OakenCache, OakenLayer
+    from oakenkv.store.pages import PagePool
 
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)

@@ -1,11 +1,12 @@
 """How good is a threshold profile on held-out text? Group fractions and reconstruction SQNR per layer.
 
-Thresholds are profiled on the calibration text (``oakenkv.data.load_text("wikipedia")``) and measured here on
+Thresholds are profiled on the calibration text (``oakenkv.assets.data.load_text("wikipedia")``) and measured here on
 WikiText-2 (the evaluation text, never seen by the profiler):
 
-- the fraction of values in each group (``oakenkv.quant.assign_groups``), per layer and kind, against the
+- the fraction of values in each group (``oakenkv.quant.quantizer.assign_groups``), per layer and kind, against the
   configured ratios (4 / 90 / 6 by default);
-- the reconstruction SQNR ``10 log10(sum x^2 / sum (x - x_hat)^2)`` in dB of ``oakenkv.quant.quantize_dequantize``
+- the reconstruction SQNR ``10 log10(sum x^2 / sum (x - x_hat)^2)`` in dB of
+``oakenkv.quant.quantizer.quantize_dequantize``
   (one quantization vector per token and layer: all KV heads together, ``granularity="token"``), per layer and
   kind, next to a per-token 4-bit asymmetric min/max quantizer of the same rows (the QServe/Atom-style baseline,
   without any outlier handling) so the number has a scale.
@@ -55,7 +56,7 @@ def to_rows(x: torch.Tensor, granularity: str) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="default", help="model name for oakenkv.models.load_model")
+    ap.add_argument("--model", default="default", help="model name for oakenkv.assets.models.load_model")
     ap.add_argument("--thresholds", type=Path, help="thresholds file from `oakenkv profile` (else profile now)")
     ap.add_argument("--samples", type=int, default=100, help="profiling windows when profiling here")
     ap.add_argument("--profile-window", type=int, default=256, help="tokens per profiling window")
@@ -64,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/profile_quality.json"), help="JSON output")
     args = ap.parse_args(argv)
 
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-    from oakenkv.profile import profile_model, record_kv
-    from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, assign_groups, quantize_dequantize
-    from oakenkv.thresholds import ModelFingerprint, Thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.profile import profile_model, record_kv
+    from oakenkv.calibrate.thresholds import ModelFingerprint, Thresholds
+    from oakenkv.quant.quantizer import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, assign_groups, quantize_dequantize
 
     loaded = load_model(args.model)
     fp = ModelFingerprint.from_model_config(loaded.model.config, name=args.model)

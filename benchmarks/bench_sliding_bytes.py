@@ -25,11 +25,11 @@ def main() -> None:
 
     from transformers import DynamicCache
 
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import _tile, record_source_kv
-    from oakenkv.cache import OakenCache, kv_bytes
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
+    from oakenkv.hf.cache import OakenCache, kv_bytes
 
     lm = load_model(args.model)
     model = lm.model

@@ -45,12 +45,12 @@ def measure(batches: list[int], tokens: int) -> dict[str, float]:
     from transformers import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from oakenkv.attention import packed_decode_attention
-    from oakenkv.cache import KEY, VALUE, PackedKV
-    from oakenkv.config import OakenConfig
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import PagedKVStore
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.hf.attention import packed_decode_attention
+    from oakenkv.hf.cache import KEY, VALUE, PackedKV
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
 
     fp = ModelFingerprint("llama", 2, H, HD)
     keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(2))

@@ -36,12 +36,12 @@ def main() -> None:
     import transformers.integrations.sdpa_attention as sdpa
     from transformers.cache_utils import DynamicLayer
 
-    import oakenkv.attention as attention
+    import oakenkv.hf.attention as attention
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import fill_cache, record_source_kv, time_steps
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
-    from oakenkv.store import PagedKVStore
+    from oakenkv.store.paged import PagedKVStore
 
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)

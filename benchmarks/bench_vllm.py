@@ -48,7 +48,7 @@ KINDS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "oaken": {}, "fp32": {}}
 
 
 def _model_dir() -> str:
-    from oakenkv.models import load_model
+    from oakenkv.assets.models import load_model
 
     return str(load_model("default").source)
 
@@ -86,8 +86,8 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
 
 
 def _windows(tokens: int, count: int) -> list[list[int]]:
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_tokenizer
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_tokenizer
 
     return token_windows(load_tokenizer("default"), load_text("wikitext2"), window=tokens, max_windows=count).tolist()
 
@@ -180,11 +180,11 @@ def hf_greedy(args: argparse.Namespace, oaken: bool, attention: str = "packed") 
     kernel, or with ``attention="sdpa"`` / ``"eager"`` over the dequantized cache) or its own cache."""
     import torch
 
-    from oakenkv.attention import oaken_attention
-    from oakenkv.cache import OakenCache
-    from oakenkv.compat import cache_kwargs
-    from oakenkv.models import load_model
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.thresholds import Thresholds
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.util.compat import cache_kwargs
 
     lm = load_model("default")
     thr = Thresholds.load(args.thresholds)

@@ -202,11 +202,11 @@ def _thresholds(torch, x) -> tuple[float, float, float, float]:
 def stage_correctness(run: Run, layers: dict) -> None:
     """Encode and decode bit for bit against the reference on real row widths; attention against float32."""
     torch = run.torch
-    from oakenkv import codec
-    from oakenkv.config import OakenConfig
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels import codec
     from oakenkv.kernels.triton import decode as tdecode
     from oakenkv.kernels.triton import encode as tencode
-    from oakenkv.quant import dequantize, quantize
+    from oakenkv.quant.quantizer import dequantize, quantize
 
     out = []
     n_rows = 8 if run.args.dry_run else 256
@@ -251,8 +251,8 @@ def build_pool(run: Run, hq: int, kv: int, hd: int, page_size: int, batch: int, 
 
     Returns ``(view, info)``: the :class:`DeviceLayerView` and the bytes it holds."""
     torch = run.torch
-    from oakenkv.config import OakenConfig
-    from oakenkv.kernels.triton import _format as F
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels.triton import _oaken as F
     from oakenkv.kernels.triton import encode as tencode
     from oakenkv.kernels.triton.view import DeviceLayerView
 
@@ -318,8 +318,8 @@ def slice_view(view, batch: int, ctx: int):
 
 def pool_bytes_estimate(kv: int, hd: int, page_size: int, batch: int, ctx: int) -> int:
     """Bytes of a synthetic pool (and its tables) before building it: ~12% outliers' sparse bytes."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.kernels.triton import _format as F
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels.triton import _oaken as F
 
     d = kv * hd
     rec = F.record_size(d, OakenConfig())
@@ -359,7 +359,7 @@ def stage_copy_bandwidth(run: Run) -> float:
 def stage_encode(run: Run, layers: dict, batches: list[int]) -> None:
     """Encode throughput against a copy of the same fp16 input; one decode step's K/V rows per layer."""
     torch = run.torch
-    from oakenkv.config import OakenConfig
+    from oakenkv.format.config import OakenConfig
     from oakenkv.kernels.triton import encode as tencode
 
     cfg = OakenConfig()

@@ -22,7 +22,7 @@ LAMBADA_TEXT = Path("/tmp/oakenkv-lambada.txt")
 
 def make_lambada_text(path: Path) -> Path:
     """Write the 5153 LAMBADA passages (context + final word), one per paragraph, to ``path``."""
-    from oakenkv.data import locate_task
+    from oakenkv.assets.data import locate_task
 
     rows = []
     with gzip.open(locate_task("lambada"), "rt", encoding="utf-8") as f:
@@ -45,9 +45,9 @@ def main() -> None:
         print(make_lambada_text(args.make_text))
         return
 
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.calibration import CalibrationSpec, oaken_thresholds
-    from oakenkv.models import load_model
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.ranges import CalibrationSpec, oaken_thresholds
+    from oakenkv.format.config import OakenConfig
 
     loaded = load_model(args.model)
     texts = {

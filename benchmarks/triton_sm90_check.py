@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from oakenkv.kernels.triton import _format as F
+from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton import attention as A
 from oakenkv.kernels.triton import decode as Dk
 from oakenkv.kernels.triton import encode as E

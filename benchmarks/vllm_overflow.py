@@ -38,12 +38,12 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from oakenkv.codec import decode, encode
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.profile import record_kv
+    from oakenkv.calibrate.thresholds import Thresholds
     from oakenkv.integrations.vllm.layout import BlockLayout, BlockWriter, dequantize, pool_view
-    from oakenkv.models import load_model
-    from oakenkv.profile import record_kv
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.kernels.codec import decode, encode
 
     lm = load_model(args.model)
     thr = Thresholds.load(args.thresholds)

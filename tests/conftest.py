@@ -38,14 +38,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded SmolLM2-135M-Instruct as an ``oakenkv.models.LoadedModel`` (fp32, CPU, eval mode).
+    """The embedded SmolLM2-135M-Instruct as an ``oakenkv.assets.models.LoadedModel`` (fp32, CPU, eval mode).
 
     Shared by every test of the session: do not modify its weights or config in a test. The first session on a
     machine converts the GGUF (~20 s) into the oakenkv cache; later sessions load the cache in well under 3 s.
     A missing model package fails loudly (``make test`` installs it) instead of skipping, so CI cannot pass
     without having run the model tests.
     """
-    from oakenkv.models import MissingModelError, load_model
+    from oakenkv.assets.models import MissingModelError, load_model
 
     try:
         return load_model("default")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from oakenkv.compat import cache_kwargs
-from oakenkv.config import OakenConfig
-from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.format.config import OakenConfig
+from oakenkv.util.compat import cache_kwargs
 
 
 def quick_thresholds(loaded, text: str = "", config: OakenConfig | None = None) -> Thresholds:

@@ -15,49 +15,33 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
 
-#: The modules a user of the cache runs (and what they stand on); they must not reach the packages beside them.
-PRODUCT = (
-    "oakenkv.attention",
-    "oakenkv.cache",
-    "oakenkv.calibspec",
-    "oakenkv.codec",
-    "oakenkv.compat",
-    "oakenkv.config",
-    "oakenkv.data",
-    "oakenkv.demo",
-    "oakenkv.diagnose",
-    "oakenkv.format",
-    "oakenkv.generation",
-    "oakenkv.models",
-    "oakenkv.pages",
-    "oakenkv.paths",
-    "oakenkv.plus",
-    "oakenkv.profile",
-    "oakenkv.quant",
-    "oakenkv.reference",
-    "oakenkv.resources",
-    "oakenkv.rope",
-    "oakenkv.store",
-    "oakenkv.thresholds",
-    "oakenkv.transforms",
-    "oakenkv.kernels.attention_cpu",
-    "oakenkv.kernels.cpu",
-    "oakenkv.kernels.formats",
-    "oakenkv.kernels.numba_helpers",
-    "oakenkv.kernels.triton",
-    "oakenkv.kernels.triton._format",
-    "oakenkv.kernels.triton.attention",
-    "oakenkv.kernels.triton.coo",
-    "oakenkv.kernels.triton.decode",
-    "oakenkv.kernels.triton.encode",
-    "oakenkv.kernels.triton.view",
-    "oakenkv.integrations",
-    "oakenkv.integrations.vllm",
-    "oakenkv.integrations.vllm._oaken",
-    "oakenkv.integrations.vllm.backend",
-    "oakenkv.integrations.vllm.layout",
-)
+#: The rooms (sub-packages of oakenkv) and their floors: a module imports modules of its own room or of rooms on
+#: lower floors only (docs/architecture.md). ``eval``, ``bench``, ``sim`` and ``hw`` stand beside the product path:
+#: they may import it, it never imports them.
+FLOORS = {
+    "util": 0,
+    "format": 1,
+    "assets": 1,
+    "quant": 2,
+    "kernels": 3,
+    "calibrate": 4,
+    "store": 5,
+    "hf": 6,
+    "integrations": 6,
+    "methods": 7,
+    "apps": 8,
+    "eval": 9,
+    "bench": 9,
+    "sim": 9,
+    "hw": 9,
+    "cli": 10,
+}
 BESIDE = ("oakenkv.eval", "oakenkv.bench", "oakenkv.sim", "oakenkv.hw")
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
 
 
 def _modules() -> dict[str, Path]:
@@ -95,9 +79,14 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_sees_the_package(graph):
-    assert {"oakenkv.format", "oakenkv.store", "oakenkv.kernels.cpu", "oakenkv.eval.calibration"} <= set(graph)
-    assert "oakenkv.format" in graph["oakenkv.kernels.cpu"]  # a top-level import
-    assert "oakenkv.kernels.cpu" in graph["oakenkv.eval.methods"]  # an import inside a method
+    assert {
+        "oakenkv.format.layout",
+        "oakenkv.store.paged",
+        "oakenkv.kernels.cpu.codec",
+        "oakenkv.calibrate.ranges",
+    } <= set(graph)
+    assert "oakenkv.format.layout" in graph["oakenkv.kernels.cpu.codec"]  # a top-level import
+    assert "oakenkv.kernels.cpu.codec" in graph["oakenkv.methods.registry"]  # an import inside a method
 
 
 def test_no_import_cycle_inside_oakenkv(graph):
@@ -118,8 +107,25 @@ def test_no_import_cycle_inside_oakenkv(graph):
             visit(m, [m])
 
 
+def test_every_module_lives_in_a_room(graph):
+    loose = sorted(m for m in graph if m != "oakenkv" and _room(m) not in FLOORS)
+    assert not loose, f"modules outside the rooms of FLOORS: {loose}"
+
+
+def test_a_room_imports_only_rooms_below_it(graph):
+    wrong = []
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            if d == "oakenkv" or _room(d) == _room(m):
+                continue
+            if m != "oakenkv" and FLOORS[_room(d)] >= FLOORS[_room(m)]:
+                wrong.append(f"{m} -> {d}")
+    assert not wrong, "imports of a room on the same or a higher floor:\n" + "\n".join(wrong)
+
+
 def test_the_product_path_does_not_import_eval_bench_sim_or_hw(graph):
-    for start in PRODUCT:
+    product = [m for m in graph if m != "oakenkv" and FLOORS[_room(m)] < FLOORS["eval"]]
+    for start in product:
         reached, todo = set(), [start]
         while todo:  # everything start imports, directly or not
             for n in graph[todo.pop()]:
@@ -130,22 +136,40 @@ def test_the_product_path_does_not_import_eval_bench_sim_or_hw(graph):
         assert not bad, f"{start} reaches {bad}"
 
 
-def test_kernels_and_the_format_import_nothing_above_them(graph):
-    below = {"oakenkv", "oakenkv.config", "oakenkv.format", "oakenkv.quant", "oakenkv.kernels"}
-    assert graph["oakenkv.format"] <= {"oakenkv", "oakenkv.config"}
-    for name in ("oakenkv.kernels.cpu", "oakenkv.kernels.attention_cpu", "oakenkv.kernels.numba_helpers"):
-        allowed = below | {"oakenkv.kernels.numba_helpers", "oakenkv.kernels.cpu"}
-        assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}"
-    # The Triton backend stands on the same floor, plus oakenkv.pages for EVICTED (the page id of a released
-    # page, which its view carries); it reads a store's view through the store's own method, never importing it.
-    # Only its _format module imports oakenkv: the rest import each other and _format.
+def test_inside_oakenkv_names_come_from_their_defining_module():
+    """A room's ``__init__`` re-exports its public names for users; oakenkv's own modules import each name from
+    the module that defines it, so the import graph above is the real one (an ``__init__`` imports nothing)."""
+    mods = _modules()
+    packages = {name for name, path in mods.items() if path.name == "__init__.py"}
+    wrong = []
+    for name, path in sorted(mods.items()):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in packages:
+                defined = _definitions(mods[node.module])  # (a name the __init__ defines itself is its own)
+                for a in node.names:
+                    if f"{node.module}.{a.name}" not in mods and a.name not in defined:
+                        wrong.append(f"{name}: from {node.module} import {a.name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_room_inits_import_nothing_at_import_time():
+    """``import oakenkv.<room>`` stays cheap and cycle-free: an ``__init__`` names its exports lazily."""
+    for name, path in _modules().items():
+        if path.name != "__init__.py" or name in ("oakenkv.integrations.vllm", "oakenkv.sim"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and n.module != "__future__"]
+        assert not [n for n in top if getattr(n, "module", "") and n.module.startswith("oakenkv")], name
+
+
+def test_the_triton_kernels_reach_oakenkv_through_one_module(graph):
+    """Only ``kernels.triton._oaken`` imports oakenkv (the format and the quantizer): the rest import each other."""
     triton = {m for m in graph if m.startswith("oakenkv.kernels.triton")}
-    assert {"oakenkv.kernels.triton.attention", "oakenkv.kernels.triton._format"} <= triton
-    for name in sorted(triton):
-        allowed = below | {"oakenkv.pages"} | triton
-        assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}"
-        if name != "oakenkv.kernels.triton._format":
-            assert graph[name] <= triton, f"{name} imports {sorted(graph[name] - triton)}, not through _format"
+    assert {"oakenkv.kernels.triton.attention", "oakenkv.kernels.triton._oaken"} <= triton
+    for name in sorted(triton - {"oakenkv.kernels.triton._oaken"}):
+        assert graph[name] <= triton, f"{name} imports {sorted(graph[name] - triton)}, not through _oaken"
+    rooms = {_room(m) for m in graph["oakenkv.kernels.triton._oaken"]}
+    assert rooms <= {"format", "quant"}, rooms
 
 
 def test_the_vllm_plugin_reaches_oakenkv_through_one_module(graph):
@@ -155,11 +179,11 @@ def test_the_vllm_plugin_reaches_oakenkv_through_one_module(graph):
     assert {"oakenkv.integrations.vllm", "oakenkv.integrations.vllm._oaken"} <= plugin
     for name in sorted(plugin - {"oakenkv.integrations.vllm._oaken"}):
         # The one exception: the package loads profiles at registration without numba (its load_profile says why).
-        allowed = plugin | ({"oakenkv.thresholds"} if name == "oakenkv.integrations.vllm" else set())
+        allowed = plugin | ({"oakenkv.calibrate.thresholds"} if name == "oakenkv.integrations.vllm" else set())
         assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}, not through _oaken"
 
 
-#: Names of the format's facts: each is defined (assigned, or a def / class) in oakenkv/format.py only.
+#: Names of the format's facts: each is defined (assigned, or a def / class) in oakenkv/format/layout.py only.
 FORMAT_FACTS = (
     "CHUNK_SIZE",
     "DENSE_BITS",
@@ -187,6 +211,7 @@ FORMAT_FACTS = (
     "to_records",
     "from_records",
     "format_bits",
+    "EVICTED",
 )
 
 
@@ -219,8 +244,8 @@ def test_the_format_is_defined_once():
                 defined_in[fact].append(name)
         if any(d.startswith("ERR_") for d in defs):
             defined_in["ERR_*"].append(name)
-    wrong = {fact: where for fact, where in defined_in.items() if where != ["oakenkv.format"]}
-    assert not wrong, f"defined outside oakenkv.format (or not at all): {wrong}"
+    wrong = {fact: where for fact, where in defined_in.items() if where != ["oakenkv.format.layout"]}
+    assert not wrong, f"defined outside oakenkv.format.layout (or not at all): {wrong}"
 
 
 def test_no_second_literal_of_the_scale_layout():
@@ -234,7 +259,7 @@ def test_no_second_literal_of_the_scale_layout():
     )
     hits = []
     for name, path in _modules().items():
-        if name == "oakenkv.config" or name.startswith(("oakenkv.sim", "oakenkv.hw")):
+        if name == "oakenkv.format.config" or name.startswith(("oakenkv.sim", "oakenkv.hw")):
             continue  # the definition; models of the accelerator (no readers of the bytes)
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if pattern.search(line):

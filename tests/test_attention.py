@@ -1,4 +1,4 @@
-"""Decode attention over packed pages (src/oakenkv/attention.py, src/oakenkv/kernels/attention_cpu.py).
+"""Decode attention over packed pages (src/oakenkv/hf/attention.py, src/oakenkv/kernels/cpu/attention.py).
 
 The kernel is checked against float attention over the dequantized cache (tight tolerance: same numbers, only
 the summation order differs) and against float attention over the original, unquantized K/V (the quantization
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import (
+from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.format.config import OakenConfig
+from oakenkv.hf.attention import (
     float_attention,
     packed_decode_attention,
     reference_packed_attention,
 )
-from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
-from oakenkv.config import OakenConfig
-from oakenkv.pages import PoolConfig
-from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.hf.cache import KEY, VALUE, PackedKV, PagedKVStore
+from oakenkv.store.pages import PoolConfig
 
 H, HD, HQ = 3, 64, 9  # the default model's attention shape: GQA, 3 query heads per KV head
 
@@ -182,7 +182,7 @@ def test_decode_step_append_writes_the_same_pages_as_the_general_path(scale_dtyp
 
 
 def test_mask_conversion_is_cached_per_tensor_and_sees_in_place_changes():
-    from oakenkv.attention import _keep_mask
+    from oakenkv.hf.attention import _keep_mask
 
     mask = _mask(2, 40, [0, 7])
     first = _keep_mask(mask, 2, 40)
@@ -243,7 +243,7 @@ def test_kernel_walks_escapes_like_the_reference():
 def test_kernel_reports_a_corrupt_sparse_record(record, message):
     """A COO record that would place a value outside its row stops the kernel with the codec's error, whichever
     branch of the walk meets it (single entries, pairs, escapes); nothing outside the row's buffer is written."""
-    from oakenkv.format import CorruptDataError
+    from oakenkv.format.layout import CorruptDataError
 
     store, _, _, (kh, vh) = _store(1, 40, seed=7, chunk=40)
     view = store.layer_view(1)
@@ -261,7 +261,7 @@ def test_kernel_reports_a_corrupt_sparse_record(record, message):
 def test_rows_alone_are_split_over_threads(monkeypatch):
     """Eight rows of 1024 tokens on two threads run the parallel kernel, one row per work item (a rule that tied
     the parallel kernel to splitting each row ran them serially); one thread or a short step stays serial."""
-    from oakenkv.kernels import attention_cpu
+    from oakenkv.kernels.cpu import attention as attention_cpu
 
     assert 4096 < attention_cpu.PARALLEL_MIN_TOKENS <= 8 * 1024  # (the points below sit on both sides of it)
     assert attention_cpu.split_work(8, 1024, 2) == (True, 1)

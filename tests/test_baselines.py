@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oakenkv.baselines.fp8 import E4M3_MAX, Fp8Quantizer, fp8_e4m3_fake_quant
-from oakenkv.baselines.kivi import KiviLayer, kivi_quantize_keys, kivi_quantize_values
-from oakenkv.baselines.kvquant import KVQuantQuantizer, kvquant_keys, kvquant_values
-from oakenkv.baselines.oaken_official import OakenOfficialQuantizer, official_fake_quant
-from oakenkv.baselines.uniform import PerTokenIntQuantizer, grouped_fake_quant, minmax_fake_quant
+from oakenkv.methods.fp8 import E4M3_MAX, Fp8Quantizer, fp8_e4m3_fake_quant
+from oakenkv.methods.kivi import KiviLayer, kivi_quantize_keys, kivi_quantize_values
+from oakenkv.methods.kvquant import KVQuantQuantizer, kvquant_keys, kvquant_values
+from oakenkv.methods.oaken_official import OakenOfficialQuantizer, official_fake_quant
+from oakenkv.methods.uniform import PerTokenIntQuantizer, grouped_fake_quant, minmax_fake_quant
 
 
 def _kv(b=2, h=3, s=64, d=64, seed=0):

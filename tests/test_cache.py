@@ -1,4 +1,4 @@
-"""`OakenCache` with transformers' ``generate`` (src/oakenkv/cache.py).
+"""`OakenCache` with transformers' ``generate`` (src/oakenkv/hf/cache.py).
 
 The reference is a fake-quantizing ``DynamicLayer`` cache: it stores ``quantize_dequantize(K/V)`` in float, which
 is by construction what ``OakenCache`` stores in bits. Greedy generation through both must give the same tokens
@@ -14,12 +14,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kv_helpers import assert_same_greedy, quick_thresholds
-from oakenkv.attention import oaken_attention
-from oakenkv.cache import KEY, OakenCache, PackedKV, serial_numba
-from oakenkv.codec import decode, encode
-from oakenkv.compat import cache_kwargs
-from oakenkv.pages import PoolConfig, PoolExhaustedError
-from oakenkv.quant import quantize_dequantize
+from oakenkv.hf.attention import oaken_attention
+from oakenkv.hf.cache import KEY, OakenCache, PackedKV, serial_numba
+from oakenkv.kernels.codec import decode, encode
+from oakenkv.quant.quantizer import quantize_dequantize
+from oakenkv.store.pages import PoolConfig, PoolExhaustedError
+from oakenkv.util.compat import cache_kwargs
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
 
@@ -267,7 +267,7 @@ def test_decode_returns_handles_only_with_oaken_attention(default_model, thresho
 
 
 def test_rejects_thresholds_of_another_model(default_model, thresholds):
-    from oakenkv.thresholds import ModelMismatchError
+    from oakenkv.calibrate.thresholds import ModelMismatchError
 
     cfg = default_model.model.config.__class__(**{**default_model.model.config.to_dict(), "num_hidden_layers": 4})
     with pytest.raises((ModelMismatchError, ValueError)):
@@ -277,7 +277,7 @@ def test_rejects_thresholds_of_another_model(default_model, thresholds):
 @pytest.fixture(scope="module")
 def gemma():
     """Gemma-3-270m (head_dim 256, one KV head, 5 of 6 layers sliding with a 512-token window)."""
-    from oakenkv.models import MissingModelError, load_model
+    from oakenkv.assets.models import MissingModelError, load_model
 
     try:
         return load_model("gemma3-270m")
@@ -319,9 +319,9 @@ def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
         assert torch.equal(_generate(model, ids, keep, **kw), want)
     assert cache.kv_bytes() < 0.6 * keep.kv_bytes()
     # A mask that does not hide an evicted token is an error, never a read of a released page.
-    from oakenkv.attention import packed_decode_attention
-    from oakenkv.cache import VALUE
-    from oakenkv.codec import CorruptDataError
+    from oakenkv.hf.attention import packed_decode_attention
+    from oakenkv.hf.cache import VALUE
+    from oakenkv.kernels.codec import CorruptDataError
 
     sliding = next(i for i, layer in enumerate(cache.layers) if layer.is_sliding)
     q = torch.randn(1, model.config.num_attention_heads, 1, store.head_dim)

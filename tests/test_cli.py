@@ -29,7 +29,7 @@ def test_console_script_is_installed():
 
 
 def test_info_reports_default_model_and_each_data_source_found():
-    from oakenkv.report_info import collect_info
+    from oakenkv.apps.info import collect_info
 
     info = collect_info()
     for name in ("default", "gemma3-270m"):
@@ -73,7 +73,7 @@ def test_demo_prints_fp_perplexity_and_writes_json(default_model, tmp_path):
 
 
 def test_demo_runs_oaken_plus_beside_oaken_without_touching_the_model(default_model, tmp_path):
-    from oakenkv.transforms import is_folded
+    from oakenkv.calibrate.transforms import is_folded
 
     out = tmp_path / "demo.json"
     args = ["demo", "--windows", "1", "--window", "64", "--max-new-tokens", "3", "--json", str(out)]
@@ -104,8 +104,8 @@ def test_generate_runs_oaken_plus_with_the_papers_oaken_beside_it(default_model)
 def test_window_nll_matches_transformers_loss(default_model):
     import torch
 
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.demo import window_nll
+    from oakenkv.apps.demo import window_nll
+    from oakenkv.assets.data import load_text, token_windows
 
     ids = token_windows(default_model.tokenizer, load_text("wikitext2"), 48, max_windows=2)
     nll, n = window_nll(default_model.model, ids)

@@ -1,14 +1,14 @@
-"""Tests of the fused dense-and-sparse format's reference pack/unpack (oakenkv.codec)."""
+"""Tests of the fused dense-and-sparse format's reference pack/unpack (oakenkv.kernels.codec)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oakenkv import codec
-from oakenkv.codec import CorruptDataError, EncodedBatch
-from oakenkv.config import OakenConfig
-from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, QuantizedVectors, dequantize, quantize
+from oakenkv.format.config import OakenConfig
+from oakenkv.kernels import codec
+from oakenkv.kernels.codec import CorruptDataError, EncodedBatch
+from oakenkv.quant.quantizer import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, QuantizedVectors, dequantize, quantize
 
 THR = (-2.0, -0.15, 0.15, 2.0)
 

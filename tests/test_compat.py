@@ -1,8 +1,8 @@
-"""oakenkv.compat: the keyword a model takes its cache by, in every transformers 5.x."""
+"""oakenkv.util.compat: the keyword a model takes its cache by, in every transformers 5.x."""
 
 import pytest
 
-from oakenkv.compat import cache_keyword, cache_kwargs
+from oakenkv.util.compat import cache_keyword, cache_kwargs
 
 
 class _New:

@@ -1,4 +1,4 @@
-"""oakenkv.data: WikiText-2, the Wikipedia calibration text, zero-shot tasks, token windows, error messages."""
+"""oakenkv.assets.data: WikiText-2, the Wikipedia calibration text, zero-shot tasks, token windows, error messages."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import bz2
 import pytest
 import torch
 
-from oakenkv import data
-from oakenkv.data import DataNotFoundError, adds_bos, load_task, load_text, strip_wiki_markup, token_windows
+from oakenkv.assets import data
+from oakenkv.assets.data import DataNotFoundError, adds_bos, load_task, load_text, strip_wiki_markup, token_windows
 
 # ------------------------------------------------------------------------------------------------ WikiText-2
 

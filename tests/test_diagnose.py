@@ -1,4 +1,4 @@
-"""``oakenkv diagnose`` (src/oakenkv/diagnose.py): the verdict finds a fixed-channel key outlier planted in a tiny
+"""``oakenkv diagnose`` (src/oakenkv/apps/diagnose.py): the verdict finds a fixed-channel key outlier planted in a tiny
 random Llama and none in a clean one; the oaken-plus round trip is measured in the model's frame; the report on the
 default model holds every field, with SQNRs in a sensible order; bad input is refused in one line."""
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from oakenkv.cli import app
-from oakenkv.config import OakenConfig
-from oakenkv.diagnose import (
+from oakenkv.apps.diagnose import (
     FIXED_CHANNEL_SHARE,
     channel_stats,
     diagnose,
@@ -21,8 +19,10 @@ from oakenkv.diagnose import (
     top_k_channels,
     window_thresholds,
 )
-from oakenkv.thresholds import ModelFingerprint, Thresholds
-from oakenkv.transforms import LayerTransforms, Transforms
+from oakenkv.calibrate.thresholds import ModelFingerprint, Thresholds
+from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+from oakenkv.cli import app
+from oakenkv.format.config import OakenConfig
 
 HEAD_DIM = 16
 #: The planted channel: KV head 1, dimension 7. Llama's RoPE pairs dimension i with i + 8 and rotates pair 7 the
@@ -134,7 +134,7 @@ def test_oaken_plus_is_measured_in_the_models_frame(windows):
     """Keys x 2 (a folded scale of 0.5) with thresholds x 2 quantize to exactly twice what Oaken stores (doubling is
     exact, even of an fp16 subnormal scale), so
     oaken-plus must measure exactly Oaken's SQNR: the folded scale is undone before the error is taken."""
-    from oakenkv.diagnose import record_windows
+    from oakenkv.apps.diagnose import record_windows
 
     model = tiny_llama("scale")
     keys, values = record_windows(model, windows)
@@ -156,8 +156,8 @@ def test_oaken_plus_is_measured_in_the_models_frame(windows):
 
 
 def test_diagnosis_of_the_default_model(default_model, tmp_path):
-    from oakenkv.plus import DEFAULT_RATIOS, PlusSearch, profile_plus
-    from oakenkv.profile import CalibrationSpec, calibration_windows
+    from oakenkv.calibrate.plus import DEFAULT_RATIOS, PlusSearch, profile_plus
+    from oakenkv.calibrate.profile import CalibrationSpec, calibration_windows
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -205,14 +205,14 @@ runner = CliRunner()
 def test_the_command_prints_and_writes_the_diagnosis(default_model, tmp_path, monkeypatch):
     """End to end, kept cheap: the paper profile the command asks the profile cache for is a 2 x 64-token one
     made here (instead of the default 16 x 256), and nothing is written to the real cache."""
-    from oakenkv.profile import CalibrationSpec, calibration_windows, profile_thresholds
+    from oakenkv.calibrate.profile import CalibrationSpec, calibration_windows, profile_thresholds
 
-    monkeypatch.setattr("oakenkv.profile.profile_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("oakenkv.calibrate.profile.profile_cache_dir", lambda: tmp_path)
     tok = default_model.tokenizer
     w = calibration_windows(tok, CalibrationSpec(samples=2, window=64))
     with pytest.warns(UserWarning):  # few runs
         th = profile_thresholds(default_model.model, w, name="default")
-    monkeypatch.setattr("oakenkv.profile.cached_thresholds", lambda *args, **kwargs: th)
+    monkeypatch.setattr("oakenkv.calibrate.profile.cached_thresholds", lambda *args, **kwargs: th)
     out = tmp_path / "d.json"
     args = ["diagnose", "--no-plus", "--samples", "1", "--window", "64", "--json", str(out)]
     args += ["--png", str(tmp_path / "d.png"), "--threads", "1"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.baselines.base import KVFakeQuantizer
-from oakenkv.eval.methods import FAMILIES, Method, build_method, canonical, parse_spec, sweep_config
 from oakenkv.eval.report import label_offsets, pareto_front, write_report
+from oakenkv.methods.base import KVFakeQuantizer
+from oakenkv.methods.registry import FAMILIES, Method, build_method, canonical, parse_spec, sweep_config
 
 
 class _Identity(KVFakeQuantizer):
@@ -27,13 +27,13 @@ class _Identity(KVFakeQuantizer):
 
 
 def _ids(tok, n=64):
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
 
     return token_windows(tok, load_text("wikitext2"), n, max_windows=1)
 
 
 def _fq_method(model, quantizer):
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     return Method("test", "test", {}, lambda: FakeQuantCache(model, quantizer), quantizer.key_position)
 
@@ -68,7 +68,7 @@ def test_sweep_config_keeps_paper_split():
 def test_rope_round_trip_and_matches_transformers(default_model):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from oakenkv.rope import RopeTable, apply_rope, invert_rope
+    from oakenkv.calibrate.rope import RopeTable, apply_rope, invert_rope
 
     rope = RopeTable(default_model.model)
     k = torch.randn(1, 3, 40, 64)
@@ -161,14 +161,14 @@ def test_kivi_residual_covers_short_windows(default_model):
 
 
 def test_oaken_method_bits_follow_the_format(default_model):
-    from oakenkv.eval.methods import OakenQuantizer
     from oakenkv.eval.ppl import perplexity
+    from oakenkv.methods.registry import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
             return (-1.0, -0.05, 0.05, 1.0)
 
-    from oakenkv.config import OakenConfig
+    from oakenkv.format.config import OakenConfig
 
     m, tok = default_model.model, default_model.tokenizer
     q = OakenQuantizer(Fixed(), OakenConfig())
@@ -184,7 +184,7 @@ def test_oaken_method_bits_follow_the_format(default_model):
 def test_perplexity_resumes_from_its_checkpoint(default_model, tmp_path, monkeypatch):
     """An interrupted run leaves a checkpoint; the next run does only the missing windows, same result."""
     import oakenkv.eval.ppl as ppl_mod
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
     from oakenkv.eval.ppl import perplexity
 
     m, tok = default_model.model, default_model.tokenizer
@@ -452,9 +452,9 @@ def test_report_shows_paired_intervals(tmp_path):
 
 def test_oaken_bit_formula_matches_the_codec_bytes():
     """The eval counts 4 n + 8 m + 112 bits per token vector; the real fused format adds only rare escapes."""
-    from oakenkv.codec import effective_bits, encode
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.methods import OakenQuantizer
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels.codec import effective_bits, encode
+    from oakenkv.methods.registry import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -473,9 +473,9 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
 )
 def test_oaken_method_is_the_reference_quantizer_bit_for_bit(changes):
     """The eval runs the codec kernels' round trip; it must be quant.quantize_dequantize exactly."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.methods import OakenQuantizer
-    from oakenkv.quant import quantize_dequantize
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.quant.quantizer import quantize_dequantize
 
     thr = (-1.6, -0.08, 0.08, 1.6)
 
@@ -496,8 +496,8 @@ def test_oaken_method_is_the_reference_quantizer_bit_for_bit(changes):
 
 
 def test_oaken_ablation_quantizes_only_one_kind():
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.methods import OakenQuantizer
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.methods.registry import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -515,12 +515,13 @@ def test_oaken_ablation_quantizes_only_one_kind():
 
 
 def test_one_pass_calibration_matches_the_profiler(default_model, tmp_path, monkeypatch):
-    """calibrate_all profiles several configurations in one pass; each must equal oakenkv.profile's own result."""
+    """calibrate_all profiles several configurations in one pass; each must equal oakenkv.calibrate.profile's own
+    result."""
     import warnings
 
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval import calibration as cal
-    from oakenkv.profile import profile_thresholds
+    from oakenkv.calibrate import ranges as cal
+    from oakenkv.calibrate.profile import profile_thresholds
+    from oakenkv.format.config import OakenConfig
 
     monkeypatch.setattr(cal, "_cache_dir", lambda: tmp_path)
     m, tok = default_model.model, default_model.tokenizer
@@ -547,8 +548,8 @@ def test_one_pass_calibration_matches_the_profiler(default_model, tmp_path, monk
 
 
 # ---------------------------------------------------------------------------------------------- residual window
-# oaken:residual=R (oakenkv.eval.cache's module doc): each layer's newest tokens at full precision, the oldest n - R
-# of a window of n >= 2R tokens quantized in place after an update. On a tiny random Llama (3 KV heads of 64, as
+# oaken:residual=R (oakenkv.methods.fakequant's module doc): each layer's newest tokens at full precision, the oldest n
+# - R of a window of n >= 2R tokens quantized in place after an update. On a tiny random Llama (3 KV heads of 64, as
 # the default model), through the cache's own update: no real model needed.
 
 _H, _HD = 3, 64
@@ -574,9 +575,9 @@ def tiny_llama():
 
 def _tiny_thresholds(model, sink=None):
     """Thresholds of ``model`` (oaken-plus transforms with ``sink`` sink tokens when ``sink`` is not None)."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
-    from oakenkv.transforms import LayerTransforms, Transforms
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.format.config import OakenConfig
 
     keys = tuple(GroupThresholds(-1.6 - 0.1 * i, -0.08, 0.08, 1.6 + 0.1 * i) for i in range(2))
     values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(2))
@@ -593,8 +594,8 @@ def _tiny_thresholds(model, sink=None):
 
 def _quantizer(model, which):
     """Oaken post-RoPE, Oaken pre-RoPE, or oaken-plus (key shift and rotation, 2 sink tokens)."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.methods import OakenQuantizer, PlusQuantizer
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.methods.registry import OakenQuantizer, PlusQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -617,7 +618,7 @@ def _kv_tokens(t, seed=0, dtype=torch.float32):
 
 def test_residual_zero_quantizes_every_token_as_it_arrives(tiny_llama):
     """residual=0 (the default) is the cache as it was: every update's tokens quantized at insertion."""
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     q = _quantizer(tiny_llama, "pre")
     cache = FakeQuantCache(tiny_llama, q)
@@ -639,7 +640,7 @@ def test_residual_zero_quantizes_every_token_as_it_arrives(tiny_llama):
 @pytest.mark.parametrize("s", [15, 16, 21])
 def test_residual_prefill_keeps_the_last_tokens_exact(tiny_llama, which, s):
     """A prefill of S < 2R stays exact; S >= 2R quantizes tokens [0, S - R) as plain Oaken does, keeps the rest."""
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     r = 8
     q = _quantizer(tiny_llama, which)
@@ -660,7 +661,7 @@ def test_residual_decode_flushes_on_time_as_plain_oaken_would(tiny_llama, which)
     """A prefill of 5, then one token at a time with R = 4: the window reaches 2R = 8 tokens at 8, 12, 16, ...
     and its oldest 4 are quantized then; every quantized token reads exactly as a residual-0 cache fed the same
     tokens reads it (pre-RoPE: at its own position; oaken-plus: the sink tokens by absolute position)."""
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     q = _quantizer(tiny_llama, which)
     k, v = _kv_tokens(22, seed=1)
@@ -687,7 +688,7 @@ def test_residual_plus_window_keys_carry_the_shift_of_the_dequantized_ones(tiny_
     """oaken-plus returns its dequantized keys less the key shift (softmax ignores a shift common to all keys):
     the window's keys must carry it too, or each would score ``q . shift`` above the quantized ones. Other
     methods read the window as received."""
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     q = _quantizer(tiny_llama, "plus")
     k, v = _kv_tokens(12)
@@ -706,7 +707,7 @@ def test_residual_flush_reaches_a_sliding_layer_that_dropped_window_tokens(span)
     counted all the same."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+    from oakenkv.methods.fakequant import FakeQuantCache, stored_bits
 
     cfg = MistralConfig(
         vocab_size=128,
@@ -739,7 +740,7 @@ def test_residual_flush_reaches_a_sliding_layer_that_dropped_window_tokens(span)
 
 
 def test_residual_spec_is_checked_and_round_trips():
-    from oakenkv.eval.spec import check_spec_with_thresholds
+    from oakenkv.methods.spec import check_spec_with_thresholds
 
     for family in ("oaken", "oaken-plus"):
         assert parse_spec(family)[1]["residual"] == 0
@@ -754,7 +755,7 @@ def test_residual_spec_is_checked_and_round_trips():
 
     class File:  # a thresholds file as check_spec_with_thresholds reads it
         def __init__(self, transforms=None):
-            from oakenkv.config import OakenConfig
+            from oakenkv.format.config import OakenConfig
 
             self.config, self.profile, self.transforms = OakenConfig(), {}, transforms
 
@@ -766,7 +767,7 @@ def test_residual_spec_is_checked_and_round_trips():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_residual_window_counts_32_bits_per_value_as_the_cache_holds_it(tiny_llama, dtype):
-    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+    from oakenkv.methods.fakequant import FakeQuantCache, stored_bits
 
     r = 8
     q = _quantizer(tiny_llama, "post")
@@ -777,7 +778,7 @@ def test_residual_window_counts_32_bits_per_value_as_the_cache_holds_it(tiny_lla
 
 
 def test_residual_bits_are_the_quantized_tokens_plus_the_window(tiny_llama):
-    from oakenkv.eval.cache import FakeQuantCache, stored_bits
+    from oakenkv.methods.fakequant import FakeQuantCache, stored_bits
 
     r = 8
     q = _quantizer(tiny_llama, "post")

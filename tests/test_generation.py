@@ -1,4 +1,4 @@
-"""Oaken-vs-FP helpers used by `oakenkv generate` and the demo (src/oakenkv/generation.py)."""
+"""Oaken-vs-FP helpers used by `oakenkv generate` and the demo (src/oakenkv/apps/generate.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kv_helpers import quick_thresholds
-from oakenkv.cache import serial_numba
-from oakenkv.generation import generate_text, oaken_window_nll
+from oakenkv.apps.generate import generate_text, oaken_window_nll
+from oakenkv.hf.cache import serial_numba
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,8 +22,8 @@ def _one_thread():
 
 
 def test_window_nll_and_stored_bits(default_model):
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.demo import window_nll
+    from oakenkv.apps.demo import window_nll
+    from oakenkv.assets.data import load_text, token_windows
 
     thr = quick_thresholds(default_model)
     ids = token_windows(default_model.tokenizer, load_text("wikitext2"), 128, max_windows=2)
@@ -51,7 +51,7 @@ def test_generate_text_reports_bytes(default_model):
 def test_timed_generate_splits_prefill_and_decode(default_model):
     from transformers import DynamicCache
 
-    from oakenkv.generation import timed_generate
+    from oakenkv.apps.generate import timed_generate
 
     model, tok = default_model.model, default_model.tokenizer
     ids = tok(["Name a color.", "Name a fruit!"], return_tensors="pt").input_ids

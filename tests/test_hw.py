@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.codec import pack, unpack
-from oakenkv.config import OakenConfig
+from oakenkv.format.config import OakenConfig
 from oakenkv.hw import arith
 from oakenkv.hw.engines import (
     DequantEngineModel,
@@ -19,7 +18,8 @@ from oakenkv.hw.engines import (
     reciprocal_unit,
     signed_grid_unit,
 )
-from oakenkv.quant import GROUP_MIDDLE, assign_groups, dequantize, error_bound, quantize
+from oakenkv.kernels.codec import pack, unpack
+from oakenkv.quant.quantizer import GROUP_MIDDLE, assign_groups, dequantize, error_bound, quantize
 
 # Dyadic thresholds: exact in FX, so grouping can be compared with the float reference.
 THR = (-2.0, -0.125, 0.125, 2.0)

@@ -1,5 +1,5 @@
-"""The numba CPU kernels (oakenkv.kernels.cpu) against the reference quant.py + codec.py, bit for bit, and fuzzing
-of the decoder with corrupted and random bytes."""
+"""The numba CPU kernels (oakenkv.kernels.cpu.codec) against the reference quant/quantizer.py + kernels/codec.py, bit
+for bit, and fuzzing of the decoder with corrupted and random bytes."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from oakenkv import codec
-from oakenkv.codec import CorruptDataError, EncodedBatch
-from oakenkv.config import OakenConfig
-from oakenkv.format import record_size, scale_bytes, sparse_capacity
-from oakenkv.kernels import cpu
-from oakenkv.quant import dequantize, quantize, thresholds_tuple
-from oakenkv.thresholds import GroupThresholds
+from oakenkv.calibrate.thresholds import GroupThresholds
+from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity
+from oakenkv.kernels import codec
+from oakenkv.kernels.codec import CorruptDataError, EncodedBatch
+from oakenkv.kernels.cpu import codec as cpu
+from oakenkv.quant.quantizer import dequantize, quantize, thresholds_tuple
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -441,13 +441,13 @@ def test_decode_rejects_wrong_shapes_before_reading():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Storage-comparison formats (oakenkv.kernels.formats)
+# Storage-comparison formats (oakenkv.bench.formats)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("d", [7, 192, 200, 640])
 def test_pure_formats_decode_like_the_fused_format(d):
-    from oakenkv.kernels import formats
+    from oakenkv.bench import formats
 
     cfg = OakenConfig()
     thr = THRESHOLDS[0]
@@ -483,7 +483,7 @@ def test_signed_grid_two_candidates_equal_the_full_scan(bits):
     # The kernel evaluates the zero slot k only on both sides of the continuous optimum (and scans only on the
     # FLOOR); quant._signed_grid scans all k. Rows [-L, U] with magnitudes over 30 decades, ties on the FLOOR,
     # optima on an integer k (ties between neighbouring k), one side empty (0).
-    from oakenkv.quant import _signed_grid
+    from oakenkv.quant.quantizer import _signed_grid
 
     g = np.random.default_rng(bits)
     m = 20000

@@ -1,4 +1,4 @@
-"""oakenkv.models: the embedded default model, its conversion cache, name resolution and error messages."""
+"""oakenkv.assets.models: the embedded default model, its conversion cache, name resolution and error messages."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oakenkv import models
-from oakenkv.models import EmbeddedModel, MissingModelError, ModelFileError, load_model, locate_model
+from oakenkv.assets import models
+from oakenkv.assets.models import EmbeddedModel, MissingModelError, ModelFileError, load_model, locate_model
 
 
 def test_default_model_is_smollm2_135m(default_model):
@@ -172,7 +172,7 @@ def test_concurrent_conversions_agree(tmp_path):
     import sys
 
     env = {**os.environ, "OAKENKV_CACHE": str(tmp_path)}
-    code = "from oakenkv.models import load_model; print(load_model('default').source)"
+    code = "from oakenkv.assets.models import load_model; print(load_model('default').source)"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]
@@ -192,7 +192,7 @@ def test_gemma3_270m_loads():
 def test_a_path_that_is_no_model_is_named_as_such(tmp_path):
     """Issue 23: `--model /etc/passwd` said "does not exist", and a GGUF cut anywhere in its header failed inside
     transformers with a bare struct.error. The whole header is read (no tensor data) before anything loads."""
-    from oakenkv.models import check_gguf_header, find_embedded_gguf
+    from oakenkv.assets.models import check_gguf_header, find_embedded_gguf
 
     with pytest.raises(ModelFileError, match="is a file but not a model"):
         locate_model("/etc/passwd")

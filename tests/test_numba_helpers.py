@@ -1,4 +1,4 @@
-"""The numba / LLVM helpers the kernels share (src/oakenkv/kernels/numba_helpers.py): borrowed views and fp16
+"""The numba / LLVM helpers the kernels share (src/oakenkv/kernels/cpu/helpers.py): borrowed views and fp16
 conversions, against numpy and torch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import torch
 
-from oakenkv.kernels import numba_helpers as nh
+from oakenkv.kernels.cpu import helpers as nh
 
 
 def test_borrowed_row_and_span_views():

@@ -1,4 +1,4 @@
-"""Page pool: invariants, round trips, copy on write, budget exhaustion (src/oakenkv/pages.py)."""
+"""Page pool: invariants, round trips, copy on write, budget exhaustion (src/oakenkv/store/pages.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oakenkv.pages import PagePool, PoolConfig, PoolExhaustedError
+from oakenkv.store.pages import PagePool, PoolConfig, PoolExhaustedError
 
 
 def _records(rng: np.random.Generator, n: int, rec: int, max_sparse: int):

@@ -1,4 +1,4 @@
-"""oakenkv.paths: atomic writes with the umask's permissions, and the rule that every file the library writes goes
+"""oakenkv.util.paths: atomic writes with the umask's permissions, and the rule that every file the library writes goes
 through them (checked on the source, like tests/test_architecture.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oakenkv.paths import atomic_write, atomic_writer, dir_mode, file_mode, umask
+from oakenkv.util.paths import atomic_write, atomic_writer, dir_mode, file_mode, umask
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
 
@@ -54,8 +54,8 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temp(tmp_path):
 
 def test_thresholds_and_cached_files_are_readable_by_the_group(tmp_path, set_umask):
     """The issue's example: thresholds (and every cache file) were 0600 from tempfile under a 022 umask."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
 
     set_umask(0o022)
     th = Thresholds(
@@ -73,7 +73,7 @@ def test_ranges_cache_refuses_code_and_survives_a_torn_file(tmp_path):
     file (the old non-atomic write, interrupted) is ignored with a warning instead of breaking every later run."""
     import torch
 
-    from oakenkv.eval import calibration as cal
+    from oakenkv.calibrate import ranges as cal
 
     ran = []
 
@@ -106,9 +106,9 @@ _WRITERS = {"write_text", "write_bytes", "savefig", "save_file", "save_pretraine
 #: Where a direct write is right, and why: inside a private temporary directory that is renamed into place whole
 #: (the converted-model cache), a scratch directory deleted afterwards, or the atomic writer itself.
 _ALLOWED = {
-    ("paths.py", "atomic_writer"): "the atomic writer itself",
-    ("models.py", "_assemble"): "mkstemp + os.replace with file_mode(), streamed while hashing",
-    ("models.py", "_convert_gguf"): "writes inside a private mkdtemp directory renamed into place whole",
+    ("util/paths.py", "atomic_writer"): "the atomic writer itself",
+    ("assets/models.py", "_assemble"): "mkstemp + os.replace with file_mode(), streamed while hashing",
+    ("assets/models.py", "_convert_gguf"): "writes inside a private mkdtemp directory renamed into place whole",
     ("hw/report.py", "synth_stats"): "a scratch file in a TemporaryDirectory",
 }
 
@@ -148,7 +148,7 @@ def test_every_file_write_goes_through_atomic_write():
     offenders = sorted({w for w in _direct_writes() if (w[0], w[1]) not in _ALLOWED})
     # savefig into a file object is how plots are fed to atomic_write
     offenders = [w for w in offenders if not (w[3] == "savefig" and _savefig_into_file(w))]
-    assert offenders == [], "write files with oakenkv.paths.atomic_write: " + ", ".join(
+    assert offenders == [], "write files with oakenkv.util.paths.atomic_write: " + ", ".join(
         f"{r}:{line} {fn}() {name}" for r, fn, line, name in offenders
     )
 

@@ -1,4 +1,5 @@
-"""The ``oaken-plus`` preset: offline transforms (src/oakenkv/transforms.py) and their profile (src/oakenkv/plus.py).
+"""The ``oaken-plus`` preset: offline transforms (src/oakenkv/calibrate/transforms.py) and their profile
+(src/oakenkv/calibrate/plus.py).
 
 What must hold: folding leaves the model's full-precision outputs unchanged; key scales are tied over the pairs the
 model's own RoPE code rotates together; a profile with transforms is refused by another model, by a model that
@@ -15,12 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import oaken_attention
-from oakenkv.cache import OakenCache
-from oakenkv.plus import PlusSearch, apply_profile, profile_plus
-from oakenkv.store import serial_numba
-from oakenkv.thresholds import Thresholds, ThresholdsFileError
-from oakenkv.transforms import (
+from oakenkv.calibrate.plus import PlusSearch, apply_profile, profile_plus
+from oakenkv.calibrate.thresholds import Thresholds, ThresholdsFileError
+from oakenkv.calibrate.transforms import (
     LayerTransforms,
     TransformError,
     Transforms,
@@ -31,6 +29,9 @@ from oakenkv.transforms import (
     rope_partners,
     tie_rope_pairs,
 )
+from oakenkv.hf.attention import oaken_attention
+from oakenkv.hf.cache import OakenCache
+from oakenkv.store.paged import serial_numba
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
 
@@ -47,7 +48,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def profile(default_model):
     """An oaken-plus profile of the default model on two short calibration windows (small search: fast)."""
-    from oakenkv.profile import CalibrationSpec, calibration_windows
+    from oakenkv.calibrate.profile import CalibrationSpec, calibration_windows
 
     w = calibration_windows(default_model.tokenizer, CalibrationSpec(samples=2, window=160))
     return profile_plus(default_model.model, w, PlusSearch(alphas=(0.0, 0.5), query_positions=32), name="default")
@@ -232,8 +233,8 @@ def test_greedy_generation_matches_the_evaluation_cache(default_model, profile, 
     the same transformed keys and values, so greedy tokens are identical (the packed attention's up to its
     summation order: ``kv_helpers.assert_same_greedy``)."""
     from kv_helpers import assert_same_greedy
-    from oakenkv.eval.cache import FakeQuantCache
-    from oakenkv.eval.methods import PlusQuantizer
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.registry import PlusQuantizer
 
     tok = default_model.tokenizer
     tok.padding_side = "left"
@@ -257,8 +258,8 @@ def test_store_encodes_the_transformed_keys(default_model, profile):
 
     from transformers import DynamicCache
 
-    from oakenkv.quant import quantize_dequantize
-    from oakenkv.transforms import FOLD_MARK
+    from oakenkv.calibrate.transforms import FOLD_MARK
+    from oakenkv.quant.quantizer import quantize_dequantize
 
     model = default_model.model
     g = torch.Generator().manual_seed(2)
@@ -293,8 +294,8 @@ def test_store_encodes_the_transformed_keys(default_model, profile):
 
 
 def test_a_shipped_profile_is_used_only_when_it_fits(default_model, tmp_path, monkeypatch):
-    import oakenkv.plus as plus
-    from oakenkv.profile import CalibrationSpec
+    import oakenkv.calibrate.plus as plus
+    from oakenkv.calibrate.profile import CalibrationSpec
 
     monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
     shipped = tmp_path / "shipped"
@@ -324,7 +325,7 @@ def test_a_shipped_profile_is_used_only_when_it_fits(default_model, tmp_path, mo
 def test_the_default_models_shipped_profile_fits_it(default_model, tmp_path, monkeypatch):
     """The package ships the embedded default model's oaken-plus profile; it must be the one the preset asks for
     (same weights digest, calibration windows and search), or `make demo` profiles for minutes on first use."""
-    import oakenkv.plus as plus
+    import oakenkv.calibrate.plus as plus
 
     assert list(plus.SHIPPED_PROFILES.glob("plus-default-*.json")), "no shipped profile of the default model"
     monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
@@ -339,8 +340,8 @@ def test_the_default_models_shipped_profile_fits_it(default_model, tmp_path, mon
 
 
 def test_profiles_made_together_equal_profiles_made_alone(default_model, tmp_path, monkeypatch):
-    import oakenkv.plus as plus
-    from oakenkv.profile import CalibrationSpec
+    import oakenkv.calibrate.plus as plus
+    from oakenkv.calibrate.profile import CalibrationSpec
 
     monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
     spec = CalibrationSpec(samples=2, window=96)

@@ -1,4 +1,4 @@
-"""Tests of oakenkv.profile: exact quantiles, kurtosis, KV recording, and profiling the real default model."""
+"""Tests of oakenkv.calibrate.profile: exact quantiles, kurtosis, KV recording, and profiling the real default model."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import warnings
 import pytest
 import torch
 
-from oakenkv.compat import cache_kwargs
-from oakenkv.config import OakenConfig
-from oakenkv.profile import (
+from oakenkv.calibrate.profile import (
     FewRunsWarning,
     exact_quantiles,
     kurtosis,
@@ -18,7 +16,9 @@ from oakenkv.profile import (
     record_kv,
     run_thresholds,
 )
-from oakenkv.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds, weights_digest
+from oakenkv.calibrate.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds, weights_digest
+from oakenkv.format.config import OakenConfig
+from oakenkv.util.compat import cache_kwargs
 
 # ---------------------------------------------------------------------------------------------- statistics
 
@@ -93,7 +93,7 @@ def test_run_thresholds_zero_center_is_symmetric():
 
 @pytest.fixture(scope="module")
 def calib_ids(default_tokenizer):
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
 
     return token_windows(default_tokenizer, load_text("wikipedia"), 128, max_windows=6)
 
@@ -218,8 +218,8 @@ def test_kurtosis_tuning_adjusts_and_records(default_model, calib_ids):
 @pytest.mark.model
 def test_held_out_group_fractions_match_the_ratios(profiled, default_model):
     """Thresholds profiled on the calibration text split held-out WikiText-2 close to 4 / 90 / 6."""
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.quant import GROUP_INNER, GROUP_OUTER, assign_groups
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.quant.quantizer import GROUP_INNER, GROUP_OUTER, assign_groups
 
     ev = token_windows(default_model.tokenizer, load_text("wikitext2"), 256, max_windows=2)
     keys, values = record_kv(default_model.model, ev)

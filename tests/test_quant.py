@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oakenkv.config import OakenConfig
-from oakenkv.quant import (
+from oakenkv.format.config import OakenConfig
+from oakenkv.quant.quantizer import (
     GROUP_INNER,
     GROUP_MIDDLE,
     GROUP_OUTER,

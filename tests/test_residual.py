@@ -1,4 +1,4 @@
-"""The full-precision window (``OakenCache(residual=R)``; src/oakenkv/store.py, cache.py, attention.py).
+"""The full-precision window (``OakenCache(residual=R)``; src/oakenkv/store/paged.py, hf/cache.py, hf/attention.py).
 
 Each layer keeps its newest tokens unquantized (float32 rows, keys after the online key transform) beside the
 pages; once an update leaves ``2 R`` or more there, the oldest are encoded with the bytes they would have had on
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import float_attention, packed_decode_attention, reference_packed_attention
-from oakenkv.cache import KEY, VALUE, OakenLayer, PackedKV, PagedKVStore
-from oakenkv.pages import PoolConfig
+from oakenkv.hf.attention import float_attention, packed_decode_attention, reference_packed_attention
+from oakenkv.hf.cache import KEY, VALUE, OakenLayer, PackedKV, PagedKVStore
+from oakenkv.store.pages import PoolConfig
 from test_attention import _mask
 from test_sinks import HD, HQ, H, _kv, _profile
 
@@ -119,7 +119,7 @@ def test_packed_attention_merges_the_window(residual, prefill, t, sink, pad, sof
 
 def test_both_threaded_parts_with_a_sink():
     """Four rows: the pages (4 x 4400 tokens) and the window (4 x 2110) both past ``PARALLEL_MIN_TOKENS``."""
-    from oakenkv.kernels import attention_cpu
+    from oakenkv.kernels.cpu import attention as attention_cpu
 
     b, t = 4, 6510
     k, v = _kv(b, t, 6)
@@ -189,12 +189,12 @@ def test_window_update_needs_a_window():
 
 @pytest.mark.parametrize("sink", [0, 2])
 def test_the_evaluation_cache_reads_what_the_store_holds(sink):
-    """``eval ppl``'s ``oaken-plus:residual=R`` (FakeQuantCache, src/oakenkv/eval/cache.py) and the store's window
-    return the same keys and values at every step: a prefill, then single tokens across several flushes."""
+    """``eval ppl``'s ``oaken-plus:residual=R`` (FakeQuantCache, src/oakenkv/methods/fakequant.py) and the store's
+    window return the same keys and values at every step: a prefill, then single tokens across several flushes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oakenkv.eval.cache import FakeQuantCache
-    from oakenkv.eval.methods import PlusQuantizer
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.registry import PlusQuantizer
 
     config = LlamaConfig(
         num_hidden_layers=2, num_attention_heads=HQ, num_key_value_heads=H, hidden_size=HQ * HD, head_dim=HD,

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from oakenkv.config import OakenConfig
+from oakenkv.format.config import OakenConfig
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -52,8 +52,8 @@ def _quiet(fn, *args, **kwargs):
 @pytest.fixture
 def calib(tmp_path):
     """A calibration spec over a text file of our own, and an empty cache directory."""
-    from oakenkv.data import load_text
-    from oakenkv.profile import CalibrationSpec
+    from oakenkv.assets.data import load_text
+    from oakenkv.calibrate.profile import CalibrationSpec
 
     text = tmp_path / "calib.txt"
     text.write_text(load_text("wikipedia")[:20000])
@@ -65,8 +65,8 @@ def calib(tmp_path):
 def test_a_cached_profile_follows_the_model_not_its_name(default_tokenizer, calib, monkeypatch):
     """The issue's example: a model changed at the same path reused the old profile (7.22 instead of 5.39 bits)
     or crashed (`layer index 20 out of range`). Every variation of the model at one name gets its own profile."""
-    import oakenkv.profile as prof
-    from oakenkv.thresholds import weights_digest
+    import oakenkv.calibrate.profile as prof
+    from oakenkv.calibrate.thresholds import weights_digest
 
     spec, cache = calib
     runs = []
@@ -93,7 +93,7 @@ def test_a_cached_profile_follows_the_model_not_its_name(default_tokenizer, cali
 def test_a_cached_file_is_checked_against_the_key_when_read(default_tokenizer, calib):
     """A cache file whose content is not what its name promises (copied, renamed, or an old oakenkv's) is not
     served: the model, windows, config and tuning recorded inside are compared."""
-    from oakenkv.profile import cached_thresholds, calibration_key, calibration_windows, thresholds_cache_path
+    from oakenkv.calibrate.profile import cached_thresholds, calibration_key, calibration_windows, thresholds_cache_path
 
     spec, cache = calib
     a, b = tiny_llama(0), tiny_llama(1)
@@ -116,7 +116,7 @@ def test_a_cached_profile_follows_the_calibration_text(default_tokenizer, calib)
     """Editing the calibration text in place (same path, same spec) gives a new profile."""
     from pathlib import Path
 
-    from oakenkv.profile import cached_thresholds
+    from oakenkv.calibrate.profile import cached_thresholds
 
     spec, cache = calib
     m = tiny_llama(0)
@@ -128,7 +128,7 @@ def test_a_cached_profile_follows_the_calibration_text(default_tokenizer, calib)
 
 
 def test_cached_ranges_follow_the_model(default_tokenizer, calib, monkeypatch):
-    from oakenkv.eval import calibration as cal
+    from oakenkv.calibrate import ranges as cal
 
     spec, cache = calib
     monkeypatch.setattr(cal, "_cache_dir", lambda: cache)
@@ -144,10 +144,10 @@ def test_a_resumed_ppl_run_refuses_another_profile_or_model(default_tokenizer, c
     """The issue's example: a resumed `eval ppl` mixed two threshold profiles when the file was re-profiled
     between the interrupt and the rerun. The checkpoint holds the digests of what the run depends on."""
     import oakenkv.eval.ppl as ppl_mod
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.eval.methods import build_method
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.calibrate.profile import CalibrationSpec, cached_thresholds
     from oakenkv.eval.ppl import perplexity
-    from oakenkv.profile import CalibrationSpec, cached_thresholds
+    from oakenkv.methods.registry import build_method
 
     spec, cache = calib
     a = tiny_llama(0)
@@ -220,8 +220,8 @@ def test_thresholds_are_validated_in_float32(vals):
     exactly the values that are finite and ordered both in float64 and after rounding to float32."""
     import math
 
-    from oakenkv.quant import thresholds_tuple
-    from oakenkv.thresholds import GroupThresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds
+    from oakenkv.quant.quantizer import thresholds_tuple
 
     vals = sorted(vals) if vals[0] != vals[1] else vals  # mostly ordered in float64, to reach the float32 rule
     f32 = [_f32(v) for v in vals]
@@ -246,7 +246,7 @@ def test_thresholds_are_validated_in_float32(vals):
 
 
 def _thresholds_file(tmp_path, key0):
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 
     th = Thresholds(
         OakenConfig(),
@@ -273,7 +273,7 @@ def _thresholds_file(tmp_path, key0):
     ],
 )
 def test_a_file_valid_only_in_float64_is_refused_at_load(tmp_path, key0, match):
-    from oakenkv.thresholds import Thresholds, ThresholdsFileError
+    from oakenkv.calibrate.thresholds import Thresholds, ThresholdsFileError
 
     p = _thresholds_file(tmp_path, key0)
     with pytest.raises(ThresholdsFileError, match=rf"layer 1 key: .*{match}"):
@@ -302,7 +302,8 @@ def test_encode_never_writes_a_row_its_decoder_refuses(seed, n, d, scale_dtype, 
     """The issue's example: with scale_dtype float32, encode wrote an infinite scale it then refused to decode.
     For rows of any finite magnitude: either both encoders refuse (ValueError), or both write the same bytes and
     those decode to finite values."""
-    from oakenkv import codec, reference
+    from oakenkv.kernels import codec
+    from oakenkv.quant import reference
 
     cfg = OakenConfig(scale_dtype=scale_dtype)
     x = _rows(seed, n, d)
@@ -325,8 +326,9 @@ def test_encode_never_writes_a_row_its_decoder_refuses(seed, n, d, scale_dtype, 
 
 
 def test_float32_scales_of_huge_rows_are_refused_at_encode():
-    from oakenkv import codec, reference
-    from oakenkv.format import ERR_SCALE_RANGE, ERROR_MESSAGES
+    from oakenkv.format.layout import ERR_SCALE_RANGE, ERROR_MESSAGES
+    from oakenkv.kernels import codec
+    from oakenkv.quant import reference
 
     cfg = OakenConfig(scale_dtype="float32")
     x = torch.tensor([[3.4e38, -3.4e38, 0.5, -0.5, 0.0, 2.0, -2.0, 0.05]])
@@ -345,8 +347,8 @@ THR = (-1.5, -0.05, 0.05, 1.5)
 
 def _random_encoded(seed: int):
     """An EncodedBatch from untrusted bytes: a valid encoding mutated, or bytes drawn at random; its config."""
-    from oakenkv import codec
-    from oakenkv.format import EncodedBatch, dense_bytes
+    from oakenkv.format.layout import EncodedBatch, dense_bytes
+    from oakenkv.kernels import codec
 
     g = np.random.default_rng(seed)
     cfg = OakenConfig(
@@ -404,7 +406,7 @@ def _random_encoded(seed: int):
 
 def _outcome(fn, *args):
     """The result of ``fn``, or ``"corrupt"`` for a CorruptDataError (any other exception fails the test)."""
-    from oakenkv.format import CorruptDataError
+    from oakenkv.format.layout import CorruptDataError
 
     try:
         return fn(*args)
@@ -430,7 +432,7 @@ def _embedded(a: np.ndarray, g) -> np.ndarray:
 
 
 def _embedded_batch(enc, g):
-    from oakenkv.format import EncodedBatch
+    from oakenkv.format.layout import EncodedBatch
 
     return EncodedBatch(
         **{
@@ -448,8 +450,9 @@ def test_batch_decoders_check_untrusted_bytes_completely(seed):
     mutated bytes: each refuses with CorruptDataError exactly when the reference does, otherwise they agree bit for
     bit, every value is finite, and nothing outside the inputs is read (the result does not change when the
     inputs lie in buffers of other random bytes)."""
-    from oakenkv import codec, reference
-    from oakenkv.kernels.cpu import decode_batch
+    from oakenkv.kernels import codec
+    from oakenkv.kernels.cpu.codec import decode_batch
+    from oakenkv.quant import reference
 
     enc, cfg = _random_encoded(seed)
     want = _outcome(reference.decode, enc, THR, cfg)
@@ -471,9 +474,9 @@ def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
     """kernels.cpu.decode_row_into, the single-row decoder other kernels call: on each row of random or mutated
     bytes it returns an error code exactly when the reference refuses that row, else the reference's values;
     inputs embedded in larger buffers give the same result."""
-    from oakenkv import reference
-    from oakenkv.format import ERR_OK, EncodedBatch, dense_bytes
-    from oakenkv.kernels.cpu import decode_row_into
+    from oakenkv.format.layout import ERR_OK, EncodedBatch, dense_bytes
+    from oakenkv.kernels.cpu.codec import decode_row_into
+    from oakenkv.quant import reference
 
     enc, cfg = _random_encoded(seed)
     if enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
@@ -508,9 +511,9 @@ def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
 def test_the_row_decoder_refuses_malformed_arguments():
     """The issue's example: decode_row_into with a too-short thresholds array read past it and returned success.
     Every argument is checked before use: sizes, dtypes, bits, thresholds."""
-    from oakenkv import codec
-    from oakenkv.format import ERR_OK, ERR_PADDING, ERR_SCALE_NONFINITE, ERR_SHAPE, ERR_THRESHOLDS
-    from oakenkv.kernels.cpu import decode_row_into
+    from oakenkv.format.layout import ERR_OK, ERR_PADDING, ERR_SCALE_NONFINITE, ERR_SHAPE, ERR_THRESHOLDS
+    from oakenkv.kernels import codec
+    from oakenkv.kernels.cpu.codec import decode_row_into
 
     enc = codec.encode(torch.randn(1, 65, generator=torch.Generator().manual_seed(0)), THR)
     dense, sparse = enc.dense.numpy()[0], enc.sparse.numpy()
@@ -543,8 +546,9 @@ def test_the_row_decoder_refuses_malformed_arguments():
 
 def test_a_row_read_with_the_wrong_width_is_refused_by_its_padding():
     """The issue's example: a D=192 encoding decoded as D=191 (the padding nibble was never checked)."""
-    from oakenkv import codec, reference
-    from oakenkv.format import CorruptDataError, EncodedBatch
+    from oakenkv.format.layout import CorruptDataError, EncodedBatch
+    from oakenkv.kernels import codec
+    from oakenkv.quant import reference
 
     x = torch.randn(4, 192, generator=torch.Generator().manual_seed(1))
     x[:, 191] = 0.7  # the last value's code is not 0, so its nibble is not a valid padding nibble
@@ -560,8 +564,9 @@ def test_a_row_read_with_the_wrong_width_is_refused_by_its_padding():
 def test_the_records_decoder_checks_untrusted_bytes_completely(seed):
     """format.from_records (page records -> EncodedBatch) over random arrays of random sizes and dtypes: a
     CorruptDataError, or a batch that decodes exactly as the reference decodes it."""
-    from oakenkv import codec, reference
-    from oakenkv.format import from_records, record_size, to_records
+    from oakenkv.format.layout import from_records, record_size, to_records
+    from oakenkv.kernels import codec
+    from oakenkv.quant import reference
 
     enc, cfg = _random_encoded(seed)
     g = np.random.default_rng(seed + 3)
@@ -591,11 +596,11 @@ def test_the_records_decoder_checks_untrusted_bytes_completely(seed):
 def test_the_pages_reader_checks_corrupted_pool_bytes(seed):
     """PagedKVStore.read (the page pool's records through the fast decoder): pool bytes corrupted at random give a
     CorruptDataError or exactly what the reference decoder makes of the same records."""
-    from oakenkv import reference
-    from oakenkv.format import from_records
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import PagedKVStore
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.layout import from_records
+    from oakenkv.quant import reference
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
 
     g = np.random.default_rng(seed)
     gt = GroupThresholds(*THR)
@@ -632,7 +637,7 @@ class ModelLoaded(BaseException):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any attempt to load or convert a model (or profile one) fails the test."""
-    import oakenkv.models as models
+    import oakenkv.assets.models as models
 
     def refuse(*args, **kwargs):
         raise ModelLoaded("a model was loaded before the arguments were checked")
@@ -644,8 +649,8 @@ def no_model_load(monkeypatch):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Bad inputs on disk: a directory, deeply nested JSON, truncated GGUFs, a thresholds file, a text."""
-    from oakenkv.models import find_embedded_gguf
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.assets.models import find_embedded_gguf
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 
     d = tmp_path_factory.mktemp("bad")
     (d / "adir").mkdir()
@@ -917,8 +922,8 @@ def test_the_console_script_exits_2_in_one_line_without_traceback(files):
 def test_what_is_recorded_is_what_ran(files, default_model):
     """Rule 6: with --thresholds the result records the file's settings (the spec's defaults said otherwise before:
     `--method oaken:outer=0.1 --thresholds F` ran with F's ratios and recorded 0.1)."""
-    from oakenkv.eval.methods import build_method
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.calibrate.thresholds import Thresholds
+    from oakenkv.methods.registry import build_method
 
     m, tok = default_model.model, default_model.tokenizer
     th = Thresholds.load(files / "thr.json")
@@ -941,7 +946,7 @@ def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
     in an oaken-plus spec would be recorded but not run (the file's transforms decide)."""
     from types import SimpleNamespace
 
-    from oakenkv.eval.spec import check_spec_with_thresholds
+    from oakenkv.methods.spec import check_spec_with_thresholds
 
     plus_profile = SimpleNamespace(transforms=object(), config=OakenConfig(), profile={})
     with pytest.raises(ValueError, match="use --method oaken-plus"):

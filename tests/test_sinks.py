@@ -1,4 +1,4 @@
-"""Sink tokens of an ``oaken-plus`` profile (``Transforms.sink_tokens``; src/oakenkv/store.py, attention.py).
+"""Sink tokens of an ``oaken-plus`` profile (``Transforms.sink_tokens``; src/oakenkv/store/paged.py, hf/attention.py).
 
 The first ``n`` tokens of every row are stored in the pages like any other and also at 16 bits beside them; every
 read path takes them from there: the reference read, the prefill's direct decode and the packed decode attention
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import float_attention, packed_decode_attention, reference_packed_attention
-from oakenkv.cache import KEY, VALUE, PackedKV, PagedKVStore
-from oakenkv.config import OakenConfig
-from oakenkv.pages import PoolConfig
-from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
-from oakenkv.transforms import LayerTransforms, TransformError, Transforms
+from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.calibrate.transforms import LayerTransforms, TransformError, Transforms
+from oakenkv.format.config import OakenConfig
+from oakenkv.hf.attention import float_attention, packed_decode_attention, reference_packed_attention
+from oakenkv.hf.cache import KEY, VALUE, PackedKV, PagedKVStore
+from oakenkv.store.pages import PoolConfig
 
 H, HD, HQ = 3, 64, 9
 
@@ -88,7 +88,7 @@ def test_reads_take_the_sink_tokens_at_16_bits(sink, prefill):
 
 def test_the_prefills_direct_decode_takes_the_sink_tokens():
     """OakenCache's first update returns the decoded prefill itself (not a read of the pages): with the sinks."""
-    from oakenkv.cache import OakenLayer
+    from oakenkv.hf.cache import OakenLayer
 
     store = PagedKVStore(_profile(2), 2, H, HD, PoolConfig(page_size=1024))
     layer = OakenLayer(store, 1)
@@ -155,7 +155,7 @@ def test_transforms_without_sink_tokens_keep_their_old_form():
 
 
 def test_the_method_spec_takes_a_sink_count():
-    from oakenkv.eval.spec import parse_spec
+    from oakenkv.methods.spec import parse_spec
 
     assert parse_spec("oaken-plus")[1]["sink"] == 1
     assert parse_spec("oaken-plus:sink=4")[1]["sink"] == 4
@@ -166,7 +166,7 @@ def test_the_method_spec_takes_a_sink_count():
 def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
     """FakeQuantCache with oaken-plus's quantizer: the first tokens as OakenCache reads them, and 16 bits each
     on top of the codes."""
-    from oakenkv.eval.methods import PlusQuantizer
+    from oakenkv.methods.registry import PlusQuantizer
 
     th = _profile(2)
     q = PlusQuantizer(th)
@@ -178,11 +178,11 @@ def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
         quantizer, rope = q, None
 
         def __init__(self):
-            from oakenkv.baselines.base import BitCounter
+            from oakenkv.methods.base import BitCounter
 
             self.counter = BitCounter()
 
-    from oakenkv.eval.cache import FakeQuantCache
+    from oakenkv.methods.fakequant import FakeQuantCache
 
     c = _Cache()
     kq, vq = FakeQuantCache.quantize_kv(c, 1, k, v, 0)

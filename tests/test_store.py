@@ -1,4 +1,4 @@
-"""The paged K/V store (src/oakenkv/store.py): the kernel's tables it keeps current on every write.
+"""The paged K/V store (src/oakenkv/store/paged.py): the kernel's tables it keeps current on every write.
 
 Random sequences of prefill appends, decode-step appends, sliding-window evictions and reorders (forks, frees,
 copy on write) keep every layer's ``LayerTables`` equal to the pool's tables, and the decode kernel reading them
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import packed_decode_attention, reference_packed_attention
-from oakenkv.cache import KEY, VALUE, PackedKV
-from oakenkv.config import OakenConfig
-from oakenkv.pages import EVICTED, PoolConfig
-from oakenkv.store import PagedKVStore
-from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.format.config import OakenConfig
+from oakenkv.hf.attention import packed_decode_attention, reference_packed_attention
+from oakenkv.hf.cache import KEY, VALUE, PackedKV
+from oakenkv.store.paged import PagedKVStore
+from oakenkv.store.pages import EVICTED, PoolConfig
 
 H, HD, HQ = 3, 64, 9
 
@@ -117,7 +117,7 @@ def test_a_failed_decode_append_leaves_the_tables_as_they_were():
     [(1, 1, "float16"), (1, 37, "float16"), (3, 50, "float32"), (2, 600, "float16")],  # 2 x 600: the batched path
 )
 def test_append_decoded_stores_what_append_stores_and_returns_its_decode(b, s, scale_dtype):
-    from oakenkv import codec
+    from oakenkv.kernels import codec
 
     g = torch.Generator().manual_seed(s)
     fused, plain = (_store(config=OakenConfig(scale_dtype=scale_dtype)) for _ in range(2))
@@ -154,7 +154,7 @@ def test_a_failed_append_decoded_leaves_the_store_as_it_was():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_first_update_returns_what_read_returns(dtype):
-    from oakenkv.cache import OakenLayer
+    from oakenkv.hf.cache import OakenLayer
 
     store = _store()
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""Tests of oakenkv.thresholds: validation, the JSON file format, and the model fingerprint check."""
+"""Tests of oakenkv.calibrate.thresholds: validation, the JSON file format, and the model fingerprint check."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oakenkv.config import OakenConfig
-from oakenkv.thresholds import (
+from oakenkv.calibrate.thresholds import (
     SCHEMA_VERSION,
     DuplicateThresholdsWarning,
     GroupThresholds,
@@ -22,6 +21,7 @@ from oakenkv.thresholds import (
     UnverifiedWeightsWarning,
     weights_digest,
 )
+from oakenkv.format.config import OakenConfig
 
 FP = ModelFingerprint("llama", 3, 2, 8, name="tiny")
 
@@ -192,7 +192,7 @@ def test_weights_digest_is_the_content_of_every_tensor():
 def test_weights_digest_is_remembered_until_a_tensor_changes(monkeypatch):
     import torch
 
-    import oakenkv.thresholds as thresholds_module
+    import oakenkv.calibrate.thresholds as thresholds_module
 
     m = _tiny_llama(0)
     d = weights_digest(m)

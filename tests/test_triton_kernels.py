@@ -21,12 +21,12 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'oake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oakenkv import codec
-from oakenkv.config import OakenConfig
-from oakenkv.format import CorruptDataError, EncodedBatch, record_size, scale_bytes, sparse_capacity
+from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import CorruptDataError, EncodedBatch, record_size, scale_bytes, sparse_capacity
+from oakenkv.kernels import codec
 from oakenkv.kernels.triton import decode as tdecode
 from oakenkv.kernels.triton import encode as tencode
-from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, dequantize, quantize
+from oakenkv.quant.quantizer import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER, dequantize, quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 THR = (-2.0, -0.15, 0.15, 2.0)
@@ -253,7 +253,7 @@ def test_decode_rejects_fifth_bit_of_a_four_bit_group_and_nonfinite_scales():
 def test_decode_long_streams_cross_sparse_blocks():
     """Streams longer than one block of bytes (64): the walker's state and chunk carry across blocks, also when
     the block boundary falls on an escape, inside it (between escape and advance) or on the entry after it."""
-    from oakenkv.quant import QuantizedVectors
+    from oakenkv.quant.quantizer import QuantizedVectors
 
     cfg = OakenConfig()
     rows = []
@@ -291,10 +291,10 @@ def test_decode_fp16_output_rounds_the_float32_result_once():
 def _attention_store(b, t, seed, page_size=4096, config=None, chunk=23, codec="auto", transforms=None):
     """A PagedKVStore holding ``t`` tokens of layer 1 for ``b`` rows (tests/test_attention.py's shapes: 3 KV
     heads x 64, 9 query heads), appended in chunks so that tokens spread over many pages."""
-    from oakenkv.cache import PackedKV
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import KEY, VALUE, PagedKVStore
-    from oakenkv.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.hf.cache import PackedKV
+    from oakenkv.store.paged import KEY, VALUE, PagedKVStore
+    from oakenkv.store.pages import PoolConfig
 
     config = config or OakenConfig()
     fp = ModelFingerprint("llama", 2, 3, 64)
@@ -331,7 +331,7 @@ def _keep(b, t, pad, window=None):
     ],
 )
 def test_attention_matches_float_attention_over_the_dequantized_cache(b, t, pad, window, page_size, splits):
-    from oakenkv.attention import float_attention, reference_packed_attention
+    from oakenkv.hf.attention import float_attention, reference_packed_attention
     from oakenkv.kernels.triton import attention as tattn
     from oakenkv.kernels.triton.view import view_from_store
 
@@ -351,7 +351,7 @@ def test_attention_matches_float_attention_over_the_dequantized_cache(b, t, pad,
 
 
 def test_attention_softcap_additive_mask_and_fp32_scales_four_bit_groups():
-    from oakenkv.attention import reference_packed_attention
+    from oakenkv.hf.attention import reference_packed_attention
     from oakenkv.kernels.triton.attention import packed_decode_attention
 
     cfg = OakenConfig(scale_dtype="float32", inner_bits=4)
@@ -367,12 +367,13 @@ def test_attention_softcap_additive_mask_and_fp32_scales_four_bit_groups():
 
 
 def test_attention_rotates_the_queries_under_an_oaken_plus_key_rotation():
-    """An oaken-plus profile stores layer 1's keys shifted and rotated per head (oakenkv.transforms): the Triton
+    """An oaken-plus profile stores layer 1's keys shifted and rotated per head (oakenkv.calibrate.transforms): the
+    Triton
     path rotates the queries as the CPU kernel does, and both agree with float attention over the restored keys."""
-    from oakenkv.attention import packed_decode_attention as cpu_attention
-    from oakenkv.attention import reference_packed_attention
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.hf.attention import packed_decode_attention as cpu_attention
+    from oakenkv.hf.attention import reference_packed_attention
     from oakenkv.kernels.triton.attention import packed_decode_attention
-    from oakenkv.transforms import LayerTransforms, Transforms
 
     shift = tuple(float(v) for v in np.random.default_rng(13).standard_normal(3 * 64) * 0.3)
     plus = Transforms((LayerTransforms(), LayerTransforms(key_shift=shift, key_rotation=True)), 3, 64)
@@ -387,7 +388,7 @@ def test_attention_rotates_the_queries_under_an_oaken_plus_key_rotation():
 def test_attention_skips_evicted_pages_and_reports_an_unmasked_one():
     """A sliding window released the first pages (page ids -1): masked tokens are never read; a mask that lets
     the kernel reach an evicted token is an error, not a read of a released page."""
-    from oakenkv.attention import reference_packed_attention
+    from oakenkv.hf.attention import reference_packed_attention
     from oakenkv.kernels.triton import attention as tattn
     from oakenkv.kernels.triton.view import view_from_store
 
@@ -462,7 +463,8 @@ def test_sparse_addresses_from_the_layer_view_are_where_the_pool_keeps_each_reco
     """The per-token sparse addresses derived from the store's LayerView point at each token's own COO bytes, as
     the pool's reader finds them: across page boundaries, rows that share pages after a fork, both kinds, and
     pages a sliding window released (address EVICTED, and only there)."""
-    from oakenkv.kernels.triton.view import EVICTED, sparse_addresses
+    from oakenkv.format.layout import EVICTED
+    from oakenkv.kernels.triton.view import sparse_addresses
 
     store, _ = _attention_store(2, 60, seed=10, page_size=256, chunk=7)
     store.reorder([0, 0, 1])  # rows 0 and 1 share every page so far

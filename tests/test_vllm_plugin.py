@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from oakenkv.attention import float_attention
-from oakenkv.codec import decode, encode
-from oakenkv.config import OakenConfig
+from oakenkv.format.config import OakenConfig
+from oakenkv.hf.attention import float_attention
 from oakenkv.integrations.vllm import ENV_OVERFLOW, ENV_PROFILE, ENV_SPARSE_BYTES, Settings, register
 from oakenkv.integrations.vllm.layout import (
     BlockLayout,
@@ -34,7 +33,8 @@ from oakenkv.integrations.vllm.layout import (
     pool_view,
     read_rows,
 )
-from oakenkv.quant import GROUP_MIDDLE, assign_groups
+from oakenkv.kernels.codec import decode, encode
+from oakenkv.quant.quantizer import GROUP_MIDDLE, assign_groups
 
 CFG = OakenConfig()
 
@@ -221,7 +221,7 @@ def test_triton_attention_reads_the_plugins_blocks_like_the_numba_kernel():
 
 
 def test_decode_attention_parallel_split_matches_serial():
-    from oakenkv.kernels.attention_cpu import PARALLEL_MIN_TOKENS
+    from oakenkv.kernels.cpu.attention import PARALLEL_MIN_TOKENS
 
     rng = np.random.default_rng(7)
     hkv, hd, bs, t = 3, 64, 128, 2100
@@ -331,8 +331,8 @@ def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_
     import dataclasses
 
     from kv_helpers import quick_thresholds
+    from oakenkv.calibrate.transforms import identity
     from oakenkv.integrations.vllm import load_profile
-    from oakenkv.transforms import identity
 
     thr = quick_thresholds(default_model)
     good = tmp_path / "paper.json"
@@ -445,18 +445,18 @@ def _recorder_check(worker):
     - every written token's stored records, read with the test's own reading of the layout, are exactly
       ``codec.encode``'s page records of the keys and values vLLM computed;
     - every decode attention output equals oakenkv's own ``OakenCache`` path (a ``PagedKVStore`` holding the same
-      keys and values, and ``oakenkv.attention.packed_decode_attention``) to float rounding: the kernel sums with
+      keys and values, and ``oakenkv.hf.attention.packed_decode_attention``) to float rounding: the kernel sums with
       fast-math reassociation, and a row shorter than the batch's longest has its last block of tokens padded
       with masked ones in vLLM, not in the reference, so the sums associate differently (~1e-7).
 
     Returns (records checked, record mismatches, decode rows checked, decode mismatches, largest difference).
     """
-    from oakenkv.attention import packed_decode_attention
-    from oakenkv.cache import PackedKV
-    from oakenkv.codec import encode as enc_fn
-    from oakenkv.format import to_records
+    from oakenkv.format.layout import to_records
+    from oakenkv.hf.attention import packed_decode_attention
+    from oakenkv.hf.cache import PackedKV
     from oakenkv.integrations.vllm.backend import OakenAttentionImpl
-    from oakenkv.store import KEY, VALUE, PagedKVStore
+    from oakenkv.kernels.codec import encode as enc_fn
+    from oakenkv.store.paged import KEY, VALUE, PagedKVStore
 
     records = bad_records = rows = bad_rows = 0
     worst = 0.0
@@ -515,10 +515,10 @@ def _recorder_check(worker):
 
 
 def _hf_greedy(default_model, thr_path, prompts, n):
-    from oakenkv.attention import oaken_attention
-    from oakenkv.cache import OakenCache
-    from oakenkv.compat import cache_kwargs
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.calibrate.thresholds import Thresholds
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.util.compat import cache_kwargs
 
     thr = Thresholds.load(thr_path)
     model, tok = default_model.model, default_model.tokenizer
@@ -615,7 +615,7 @@ def test_vllm_perplexity_equals_eval_ppl(engine, profile_path):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
     from oakenkv.eval.ppl import run_ppl
 
     res = run_ppl("default", "oaken", thresholds=str(profile_path), window=256, max_windows=2)

@@ -134,7 +134,7 @@ def _check_out(path: Path | None, option: str) -> None:
 
 def _check_model(model: str, option: str = "--model") -> None:
     """Resolve a model name without loading it (a missing package or path, a file that is no model)."""
-    from oakenkv.models import locate_model
+    from oakenkv.assets.models import locate_model
 
     locate_model(model)
 
@@ -143,7 +143,7 @@ def _load_thresholds(path: Path | None) -> Any:
     """Read and validate a thresholds file before anything expensive (None stays None)."""
     if path is None:
         return None
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.calibrate.thresholds import Thresholds
 
     return Thresholds.load(path)
 
@@ -151,7 +151,7 @@ def _load_thresholds(path: Path | None) -> Any:
 @app.command()
 def info() -> None:
     """Print versions, thread counts, and where the default model and each data source were found."""
-    from oakenkv.report_info import print_info
+    from oakenkv.apps.info import print_info
 
     print_info()
 
@@ -185,7 +185,7 @@ def demo(
         raise _bad("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     _check_out(json_out, "--json")
     _check_model(model)
-    from oakenkv.demo import run_demo
+    from oakenkv.apps.demo import run_demo
 
     run_demo(
         model=model,
@@ -247,8 +247,8 @@ def generate(
     thr_file = _load_thresholds(thresholds)
     if thr_file is not None:
         preset = "oaken-plus" if thr_file.transforms is not None else "oaken"
-    from oakenkv.generation import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
-    from oakenkv.models import load_model
+    from oakenkv.apps.generate import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
+    from oakenkv.assets.models import load_model
 
     loaded = load_model(model)
     runs: list[tuple[str, Any, Any]] = []
@@ -369,7 +369,7 @@ def simulate(
 def _sim_names(model: str, systems: str, kv_format: str | None = None) -> list[str]:
     """The simulator's model, systems and KV format checked against what it knows (one-line errors)."""
     from oakenkv.sim.hardware import get_system
-    from oakenkv.sim.kvformat import get_kv_format
+    from oakenkv.sim.kvbytes import get_kv_format
     from oakenkv.sim.shapes import get_model
 
     names = [s.strip() for s in systems.split(",") if s.strip()]
@@ -518,8 +518,8 @@ def profile_cmd(
     ] = None,
 ) -> None:
     """Profile the per-layer Oaken thresholds of a model on calibration text and save them as JSON."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.data import TEXTS
+    from oakenkv.assets.data import TEXTS
+    from oakenkv.format.config import OakenConfig
 
     if preset not in ("oaken", "oaken-plus"):
         raise _bad("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
@@ -537,7 +537,7 @@ def profile_cmd(
         raise _bad("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
     _check_out(out, "--out")
     _check_model(model)
-    from oakenkv.profile import profile_model
+    from oakenkv.calibrate.profile import profile_model
 
     if threads is not None:
         import torch
@@ -548,7 +548,7 @@ def profile_cmd(
         warnings.simplefilter("always")
         source = {"data": data, "data_path": None if data_path is None else str(data_path)}
         if plus:
-            from oakenkv.plus import profile_plus_model
+            from oakenkv.calibrate.plus import profile_plus_model
 
             th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
         else:
@@ -579,7 +579,7 @@ def inspect_cmd(
     layers: Annotated[bool, typer.Option(help="Print the per-layer table (--no-layers: header only).")] = True,
 ) -> None:
     """Print a thresholds file: model, config, how it was profiled and the per-layer thresholds and kurtosis."""
-    from oakenkv.thresholds import Thresholds, print_thresholds
+    from oakenkv.calibrate.thresholds import Thresholds, print_thresholds
 
     print_thresholds(Thresholds.load(path), layers=layers)
 
@@ -627,8 +627,8 @@ def diagnose_cmd(
     """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
     channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
     verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
-    from oakenkv.diagnose import diagnose_model, plot_diagnosis, print_diagnosis, require_matplotlib
-    from oakenkv.profile import CalibrationSpec
+    from oakenkv.apps.diagnose import diagnose_model, plot_diagnosis, print_diagnosis, require_matplotlib
+    from oakenkv.calibrate.profile import CalibrationSpec
 
     # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())
     if calib_path is not None and not calib_path.is_file():
@@ -715,8 +715,8 @@ _CODEC_BENCH_BYTES_PER_VALUE = 4 * 2 * 2 * 2
 def _check_real_tokens(real_tokens: int) -> None:
     """``bench codec --real-tokens``: the memory its recording needs, before any work (1e9 tokens would grow
     until the machine runs out)."""
-    from oakenkv.models import model_kv_shape
-    from oakenkv.resources import check_memory
+    from oakenkv.assets.models import model_kv_shape
+    from oakenkv.util.resources import check_memory
 
     layers, dim = model_kv_shape("default") or (30, 192)  # the default model's shape until it is converted
     need = real_tokens * layers * dim * _CODEC_BENCH_BYTES_PER_VALUE
@@ -764,9 +764,9 @@ def bench_decode(
     thr_file = _load_thresholds(thresholds)
     from rich.console import Console
 
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import print_decode_bench, run_decode_bench
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
 
     _set_threads(threads)
     console = Console(stderr=True)
@@ -786,7 +786,7 @@ def bench_decode(
         )
     print_decode_bench(result)
     if json_out is not None:
-        from oakenkv.paths import atomic_write
+        from oakenkv.util.paths import atomic_write
 
         atomic_write(json_out, json.dumps(result, indent=2) + "\n")
         typer.echo(f"wrote {json_out}")
@@ -796,8 +796,8 @@ def _check_decode_contexts(model: str, contexts: list[int], batch: int = 1, opti
     """``bench decode --context`` (and ``bench generate``'s prompts): every method's cache of the longest context
     is held at once (fp32 K/V for DynamicCache, about a third of that for the others), so check the memory before
     loading anything."""
-    from oakenkv.models import model_kv_shape
-    from oakenkv.resources import check_memory
+    from oakenkv.assets.models import model_kv_shape
+    from oakenkv.util.resources import check_memory
 
     shape = model_kv_shape(model)
     if shape is None:  # a model not converted yet: its shape is known only once it loads
@@ -858,9 +858,9 @@ def bench_attention(
     thr_file = _load_thresholds(thresholds)
     from rich.console import Console
 
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.attention import print_attention_bench, run_attention_bench
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
 
     console = Console(stderr=True)
     with console.status("loading the model and thresholds") as status:
@@ -870,7 +870,7 @@ def bench_attention(
         )
     print_attention_bench(result)
     if json_out is not None:
-        from oakenkv.paths import atomic_write
+        from oakenkv.util.paths import atomic_write
 
         atomic_write(json_out, json.dumps(result, indent=2) + "\n")
         typer.echo(f"wrote {json_out}")
@@ -929,9 +929,9 @@ def bench_generate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.generate import print_generate_bench, run_generate_bench
-    from oakenkv.generation import load_or_profile_thresholds
-    from oakenkv.models import load_model
 
     _set_threads(threads)
     console = Console(stderr=True)
@@ -950,7 +950,7 @@ def bench_generate(
         )  # fmt: skip
     print_generate_bench(result)
     if json_out is not None:
-        from oakenkv.paths import atomic_write
+        from oakenkv.util.paths import atomic_write
 
         atomic_write(json_out, json.dumps(result, indent=2) + "\n")
         typer.echo(f"wrote {json_out}")
@@ -978,8 +978,8 @@ def _calib_spec(
 ):
     """The calibration spec from the --calib-* options (None: the default), validated; refused with --thresholds
     for Oaken, whose thresholds then come from the file (the options would be recorded and ignored)."""
-    from oakenkv.calibspec import DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_TEXT, DEFAULT_CALIB_WINDOW, CalibrationSpec
-    from oakenkv.eval.spec import parse_spec
+    from oakenkv.calibrate.spec import DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_TEXT, DEFAULT_CALIB_WINDOW, CalibrationSpec
+    from oakenkv.methods.spec import parse_spec
 
     given = [
         o
@@ -1010,7 +1010,7 @@ def _write_json(obj: dict, path: Path | None) -> None:
     if path is None:
         typer.echo(text)
         return
-    from oakenkv.paths import atomic_write
+    from oakenkv.util.paths import atomic_write
 
     atomic_write(path, text + "\n")
     typer.echo(f"wrote {path}")
@@ -1038,7 +1038,7 @@ def eval_ppl(
         int | None,
         typer.Option(help=("Feed each window this many tokens per forward call (default: whole window)."), min=1),
     ] = None,
-    dataset: Annotated[str, typer.Option(help="Evaluation text (oakenkv.data name).")] = "wikitext2",
+    dataset: Annotated[str, typer.Option(help="Evaluation text (oakenkv.assets.data name).")] = "wikitext2",
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
@@ -1064,7 +1064,7 @@ def eval_ppl(
     ] = True,
 ) -> None:
     """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
-    from oakenkv.eval.spec import check_run_args
+    from oakenkv.methods.spec import check_run_args
 
     _check_out(json_out, "--json")
     calibration = _calib_spec(calib_text, calib_samples, calib_window, calib_path, method=method, thresholds=thresholds)
@@ -1107,7 +1107,7 @@ def eval_zeroshot(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
     """Zero-shot accuracy (lm-evaluation-harness, local task data) with METHOD's cache."""
-    from oakenkv.eval.spec import ZEROSHOT_TASKS, check_run_args
+    from oakenkv.methods.spec import ZEROSHOT_TASKS, check_run_args
 
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not names or any(t not in ZEROSHOT_TASKS for t in names):
@@ -1145,8 +1145,8 @@ def eval_calibrate(
     calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
 ) -> None:
     """Profile, in one pass, every Oaken configuration the report uses and the baselines' calibrated ranges."""
-    from oakenkv.config import OakenConfig
-    from oakenkv.eval.spec import sweep_config
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.methods.spec import sweep_config
 
     base = OakenConfig()
     configs = [(base, False), (base, True), (base.replace(key_position="pre_rope"), False)]
@@ -1161,8 +1161,8 @@ def eval_calibrate(
     if spec.text_path is not None and not Path(spec.text_path).is_file():
         raise _bad("--calib-path", f"{spec.text_path} is not a file")
     _check_model(model)
-    from oakenkv.eval.calibration import calibrate_all
-    from oakenkv.models import load_model
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.ranges import calibrate_all
 
     loaded = load_model(model)
     calibrate_all(loaded.model, loaded.tokenizer, model, configs, spec, progress=True)
@@ -1230,7 +1230,7 @@ def hw_verilog_cmd(
         raise _bad("ENGINE", f"must be 'quant' or 'dequant', got {engine!r}")
     _check_out(out, "--out")
     from oakenkv.hw.report import verilog
-    from oakenkv.paths import atomic_write
+    from oakenkv.util.paths import atomic_write
 
     atomic_write(out, verilog(engine, lanes))
     typer.echo(f"wrote {out}")

@@ -1,8 +1,8 @@
 """Decode-attention kernel benchmark: packed KV bytes read per second next to memcpy (``oakenkv bench attention``).
 
-The kernel alone (``oakenkv.attention.packed_decode_attention``, its Python wrapper included), on real keys and
+The kernel alone (``oakenkv.hf.attention.packed_decode_attention``, its Python wrapper included), on real keys and
 values: one prefill of ``source_tokens`` WikiText-2 tokens gives one layer's K/V (post-RoPE), tiled to the
-context, each batch row starting at another offset, stored in a :class:`~oakenkv.store.PagedKVStore` with the
+context, each batch row starting at another offset, stored in a :class:`~oakenkv.store.paged.PagedKVStore` with the
 model's thresholds. For each (context, batch, threads) point, interleaved rounds time
 
 * the kernel: one query token per row over the layer's packed pages;
@@ -54,10 +54,10 @@ def _best_times(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, flo
 
 
 def layer_store(thresholds: Any, config: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Any:
-    """A :class:`~oakenkv.store.PagedKVStore` for the model of ``config`` holding one layer's keys and values
+    """A :class:`~oakenkv.store.paged.PagedKVStore` for the model of ``config`` holding one layer's keys and values
     ``[B, H, T, hd]`` (any length: the pool's budget is 16 GiB), appended as a prefill would."""
-    from oakenkv.pages import PoolConfig
-    from oakenkv.store import PagedKVStore
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
 
     store = PagedKVStore(
         thresholds,
@@ -95,11 +95,11 @@ def run_attention_bench(
     """
     import numba
 
-    from oakenkv.attention import packed_decode_attention
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import record_source_kv, tile_rows
-    from oakenkv.cache import KEY, VALUE, PackedKV
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
+    from oakenkv.hf.attention import packed_decode_attention
+    from oakenkv.hf.cache import KEY, VALUE, PackedKV
 
     if thresholds is None:
         raise ValueError("the attention benchmark needs the model's thresholds")

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakenkv.config import OakenConfig
-from oakenkv.paths import atomic_write
+from oakenkv.format.config import OakenConfig
+from oakenkv.util.paths import atomic_write
 
 #: (name, tokens, values per token vector): Llama2-7B's K (or V) width and the default model's (3 KV heads x 64),
 #: the latter with 16x the tokens so that both buffers are of similar size (24-32 MB, beyond the caches: a 1.5 MB
@@ -110,8 +110,8 @@ def bench_shape(
     name: str, x: torch.Tensor, thr: tuple[float, ...], config: OakenConfig, reps: int, quanto: bool
 ) -> dict[str, Any]:
     """Throughput and bits of the fused format on one fp16 ``[tokens, values]`` tensor."""
-    from oakenkv import codec
-    from oakenkv.kernels.cpu import decode_batch
+    from oakenkv.kernels import codec
+    from oakenkv.kernels.cpu.codec import decode_batch
 
     n, d = x.shape
     nbytes = n * d * 2
@@ -177,9 +177,9 @@ def record_default_kv(
     """Post-RoPE K and V of ``tokens`` WikiText-2 tokens for every layer, as rows ``[tokens, H_kv * head_dim]``
     (granularity "token"), with per-layer thresholds profiled on the calibration text (Wikipedia), so that
     the outlier share is the one a deployed profile would see on held-out text."""
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
-    from oakenkv.profile import record_kv, run_thresholds
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.profile import record_kv, run_thresholds
 
     loaded = load_model(model)
     nwin = max(1, tokens // window)
@@ -216,9 +216,10 @@ def storage_comparison(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Bits per value and fp16 decode throughput of pure dense, pure sparse and fused storage of real K/V."""
-    from oakenkv import codec, quant
-    from oakenkv.kernels import formats
-    from oakenkv.kernels.cpu import decode_batch
+    from oakenkv.bench import formats
+    from oakenkv.kernels import codec
+    from oakenkv.kernels.cpu.codec import decode_batch
+    from oakenkv.quant import quantizer as quant
 
     totals = {"values": 0, "fused_bytes": 0, "dense_bytes": 0, "sparse_bytes": 0, "entries": 0, "escape_bytes": 0}
     paper = {"dense": 0.0, "sparse": 0.0}
@@ -311,7 +312,7 @@ def run_codec_bench(
     """
     import numba
 
-    from oakenkv import codec
+    from oakenkv.kernels import codec
 
     for name, v in (("threads", threads), ("reps", reps), ("real_tokens", real_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -3,7 +3,7 @@ transformers caches it replaces (``oakenkv bench decode``, ``benchmarks/bench_de
 
 Methods:
 
-* ``oaken``: :class:`~oakenkv.cache.OakenCache` with the packed-page decode attention (``"oaken"``); with
+* ``oaken``: :class:`~oakenkv.hf.cache.OakenCache` with the packed-page decode attention (``"oaken"``); with
   ``residual=R`` its newest tokens stay in a full-precision window (``OakenCache(residual=R)``).
 * ``dynamic``: transformers' ``DynamicCache`` in fp32 (what the CPU model runs in), SDPA attention.
 * ``quanto``: transformers' ``QuantizedCache(backend="quanto", nbits=4)`` (needs ``optimum-quanto``; residual
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from oakenkv.cache import OakenCache, kv_bytes
-from oakenkv.compat import cache_kwargs
+from oakenkv.hf.cache import OakenCache, kv_bytes
+from oakenkv.util.compat import cache_kwargs
 
 METHODS = ("oaken", "dynamic", "quanto")
 
@@ -121,7 +121,7 @@ def time_steps(
     with a different one each round, so that drifting machine load hits every method alike and step ``i`` of two
     methods can be compared as a pair. The ``"oaken"`` attention is on for all of them: it runs SDPA for float
     caches (a type check per layer) and reads the packed pages for OakenCache."""
-    from oakenkv.attention import oaken_attention
+    from oakenkv.hf.attention import oaken_attention
 
     names = list(caches)
     times: dict[str, list[float]] = {m: [] for m in names}
@@ -169,7 +169,7 @@ def run_decode_bench(
     Args:
         contexts: context lengths in tokens (e.g. ``[1024, 4096, 16384]``).
         methods: any of :data:`METHODS`.
-        model: model name for :func:`oakenkv.models.load_model`.
+        model: model name for :func:`oakenkv.assets.models.load_model`.
         thresholds: a ``Thresholds`` for the model (required for "oaken").
         steps: timed decode steps per point (the median is reported).
         source_tokens: WikiText-2 tokens of the real prefill whose K/V are tiled to each context.
@@ -179,8 +179,8 @@ def run_decode_bench(
     """
     import numba
 
-    from oakenkv.data import load_text, token_windows
-    from oakenkv.models import load_model
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.models import load_model
 
     for m in methods:
         if m not in METHODS:

@@ -1,14 +1,14 @@
 """End-to-end generation benchmark: ``model.generate`` tokens/s, prefill and decode apart, for OakenCache and the
 transformers caches it replaces (``oakenkv bench generate``).
 
-Methods (as :mod:`oakenkv.bench.decode`): ``oaken`` (:class:`~oakenkv.cache.OakenCache` with the packed-page
+Methods (as :mod:`oakenkv.bench.decode`): ``oaken`` (:class:`~oakenkv.hf.cache.OakenCache` with the packed-page
 decode attention), ``dynamic`` (transformers' ``DynamicCache``, fp32, SDPA) and ``quanto``
 (``QuantizedCache(backend="quanto", nbits=4)``, transformers' defaults, SDPA). Each runs as a user would run
 it: only ``oaken`` switches the model to the ``"oaken"`` attention.
 
 A point is a prompt length ``P`` and a batch ``B``: ``B`` distinct windows of ``P`` WikiText-2 tokens, greedy,
 exactly ``new_tokens`` new tokens (end of sequence ignored). Timing comes from
-:func:`oakenkv.generation.timed_generate` (the demo's too): the prefill (call to first new token) and each
+:func:`oakenkv.apps.generate.timed_generate` (the demo's too): the prefill (call to first new token) and each
 decode step. Rounds are interleaved as in ``bench decode``: round ``r`` runs one ``generate`` of every method,
 the starting method rotating, each with a fresh cache, so that the drifting load of a shared machine hits every
 method alike; ``oaken`` reports per-round ratios to every other method (median, and rounds won). Before the
@@ -16,7 +16,7 @@ timed rounds every method runs one untimed generate of two tokens (numba kernels
 the whole prompt up to ``WARMUP_FULL_TOKENS`` prompt tokens in all rows, on its first 16 tokens above that (a
 fresh process's first prefill of a size pays the allocator's page faults: 0.3 s of OakenCache's 2.0 s at
 128 x 8, docs/perf-notes.md; for a 16K prompt a full warm-up would cost minutes). KV bytes are
-counted after the generation (``oakenkv.cache.kv_bytes``: pages in use plus tables for OakenCache, tensor
+counted after the generation (``oakenkv.hf.cache.kv_bytes``: pages in use plus tables for OakenCache, tensor
 storage for the others). The greedy tokens are compared with ``dynamic``'s (the fraction of equal new tokens).
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from oakenkv.attention import load_kernels
 from oakenkv.bench.decode import METHODS, make_cache
+from oakenkv.hf.attention import load_kernels
 
 #: The issue's grid.
 DEFAULT_PROMPTS = (128, 1024, 4096, 16384)
@@ -62,7 +62,7 @@ WARMUP_FULL_TOKENS = 8192
 
 
 def _prompt_ids(tokenizer: Any, prompt: int, batch: int) -> torch.Tensor:
-    from oakenkv.data import load_text, token_windows
+    from oakenkv.assets.data import load_text, token_windows
 
     ids = token_windows(tokenizer, load_text("wikitext2"), window=prompt, max_windows=batch)
     if ids.shape[0] < batch:
@@ -73,9 +73,9 @@ def _prompt_ids(tokenizer: Any, prompt: int, batch: int) -> torch.Tensor:
 def _generate(
     model: Any, method: str, thresholds: Any, ids: torch.Tensor, new_tokens: int, pad: int, residual: int = 0
 ):
-    from oakenkv.attention import oaken_attention
-    from oakenkv.cache import kv_bytes
-    from oakenkv.generation import timed_generate
+    from oakenkv.apps.generate import timed_generate
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import kv_bytes
 
     cache = make_cache(method, model, thresholds, residual)
     ctx = oaken_attention(model) if method == "oaken" else contextlib.nullcontext()
@@ -118,7 +118,7 @@ def run_generate_bench(
     """
     import numba
 
-    from oakenkv.models import load_model
+    from oakenkv.assets.models import load_model
 
     methods = list(methods)
     for m in methods:

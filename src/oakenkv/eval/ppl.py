@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from oakenkv.baselines.base import BitCounter
-from oakenkv.eval.cache import stored_bits
-from oakenkv.eval.spec import check_run_args
-from oakenkv.paths import atomic_write
-from oakenkv.thresholds import weights_digest
+from oakenkv.calibrate.thresholds import weights_digest
+from oakenkv.methods.base import BitCounter
+from oakenkv.methods.fakequant import stored_bits
+from oakenkv.methods.spec import check_run_args
+from oakenkv.util.paths import atomic_write
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PplResult:
     nll: float = 0.0
     seconds: float = 0.0
     dataset: str = "wikitext2"
-    #: every window starts with the tokenizer's BOS token (``oakenkv.data.token_windows``; Gemma: yes)
+    #: every window starts with the tokenizer's BOS token (``oakenkv.assets.data.token_windows``; Gemma: yes)
     bos: bool = False
     #: summed NLL of each window, in order (each window predicts ``tokens / windows`` tokens): lets two methods
     #: run on the same windows be compared window by window (``oakenkv.eval.report.paired_delta``)
@@ -70,7 +70,7 @@ def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = No
     step = s if chunk is None else chunk
     if step < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    from oakenkv.compat import cache_kwargs
+    from oakenkv.util.compat import cache_kwargs
 
     nll = 0.0
     kw = cache_kwargs(model, cache)
@@ -98,15 +98,15 @@ def perplexity(
     """Perplexity of ``model`` with ``method``'s cache over ``windows``.
 
     Args:
-        windows: int64 ``[N, S]`` token windows (``oakenkv.data.token_windows``).
-        method: an :class:`~oakenkv.eval.methods.Method`.
+        windows: int64 ``[N, S]`` token windows (``oakenkv.assets.data.token_windows``).
+        method: an :class:`~oakenkv.methods.registry.Method`.
         chunk: tokens per forward call (module doc).
         checkpoint: a JSON file rewritten after every window (per-window NLLs, stored bits, time). If it exists
             when the run starts and belongs to the same run, the run resumes after its last window (the result is
             the same as an uninterrupted run's: windows are independent); if it belongs to another run,
             ``ValueError``. Removed when the run completes. A run is identified by content: the model's weights
-            (:func:`oakenkv.thresholds.weights_digest`), the windows' tokens, the method's settings and what it
-            was calibrated with (its thresholds' and ranges' digests in ``method.extra``), and the chunking; the
+            (:func:`oakenkv.calibrate.thresholds.weights_digest`), the windows' tokens, the method's settings and what
+            it was calibrated with (its thresholds' and ranges' digests in ``method.extra``), and the chunking; the
             names of the method and model only label it. Re-profiling the thresholds or changing the model at the
             same path between an interrupt and the rerun refuses the checkpoint instead of mixing two runs.
     """
@@ -218,9 +218,9 @@ def run_ppl(
     ``checkpoint``: see :func:`perplexity` (resume an interrupted run).
 
     Every argument is validated before the model loads (:func:`check_run_args`)."""
-    from oakenkv.data import adds_bos, load_text, token_windows
-    from oakenkv.eval.methods import build_method
-    from oakenkv.models import load_model
+    from oakenkv.assets.data import adds_bos, load_text, token_windows
+    from oakenkv.assets.models import load_model
+    from oakenkv.methods.registry import build_method
 
     check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)):

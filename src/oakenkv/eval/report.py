@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from oakenkv.paths import atomic_write
+from oakenkv.util.paths import atomic_write
 
 
 def load_results(paths: list[Path]) -> list[dict[str, Any]]:

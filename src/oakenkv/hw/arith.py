@@ -1,11 +1,12 @@
 """Hardware arithmetic: the Oaken quantizer and dequantizer in the integer fixed-point arithmetic of the engines.
 
-The reference quantizer (:mod:`oakenkv.quant`) works in float32 and divides by data-dependent numbers; the
+The reference quantizer (:mod:`oakenkv.quant.quantizer`) works in float32 and divides by data-dependent numbers; the
 quantization and dequantization engines of the accelerator (Kim et al., ISCA 2025, Section 5.3) do neither.
 This module is the *definition* of what they compute, vectorised in int64 PyTorch; the cycle-level models
 (:mod:`oakenkv.hw.engines`) and the Amaranth RTL (:mod:`oakenkv.hw.rtl`) are tested against it bit for bit.
-Its output is an ordinary :class:`~oakenkv.quant.QuantizedVectors` (fp16 scales, same grouping, shift and
-half-step grid), so :func:`oakenkv.codec.pack` stores it and :func:`oakenkv.quant.dequantize` decodes it.
+Its output is an ordinary :class:`~oakenkv.quant.quantizer.QuantizedVectors` (fp16 scales, same grouping, shift and
+half-step grid), so :func:`oakenkv.kernels.codec.pack` stores it and :func:`oakenkv.quant.quantizer.dequantize` decodes
+it.
 
 Number formats
 --------------
@@ -25,7 +26,7 @@ Quantizer (per row; ``n = 2^bits``)
 3. *Scale calculator*, inner (plain) group: end points ``min``, ``max`` (rounded to fp16 for storage); codes
    ``floor(((s - min) * (n - 1) * Y + 2^(sh - 1)) / 2^sh)`` where ``Y / 2^sh ~ 1 / (max - min)`` comes from the
    reciprocal unit. Signed (middle, outer) groups: with ``a = -min`` (0 if no lower member) and ``b = max``
-   (0 if no upper member), the number of steps below zero ``j = k + 1`` of :mod:`oakenkv.quant`'s search is
+   (0 if no upper member), the number of steps below zero ``j = k + 1`` of :mod:`oakenkv.quant.quantizer`'s search is
    found without division: ``j* = floor(n * a / (a + b))`` (a thermometer of ``n`` constant-multiple
    comparisons in hardware) is the last ``j`` where the lower side needs the larger step, so the smallest step
    is at ``j*`` or ``j* + 1``; ``j* + 1`` wins only if strictly smaller (``b * j* < a * (n - 1 - j*)``, exact
@@ -55,8 +56,8 @@ from __future__ import annotations
 
 import torch
 
-from oakenkv.config import OakenConfig
-from oakenkv.quant import (
+from oakenkv.format.config import OakenConfig
+from oakenkv.quant.quantizer import (
     GROUP_INNER,
     GROUP_MIDDLE,
     GROUP_OUTER,
@@ -289,7 +290,8 @@ def quantize_hw_fx(
 def quantize_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> QuantizedVectors:
     """Quantize float rows ``[N, D]`` with the engines' fixed-point arithmetic (inputs rounded to fp16 first).
 
-    The result packs with :func:`oakenkv.codec.pack` and decodes with :func:`oakenkv.quant.dequantize` or
+    The result packs with :func:`oakenkv.kernels.codec.pack` and decodes with :func:`oakenkv.quant.quantizer.dequantize`
+    or
     :func:`dequantize_hw`.
     """
     if x.dim() != 2:
@@ -303,17 +305,19 @@ def quantize_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None
 
 
 def encode_hw(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None):
-    """The codec's hardware-arithmetic mode: ``codec.pack(quantize_hw(x))``, an :class:`~oakenkv.codec.EncodedBatch`
+    """The codec's hardware-arithmetic mode: ``codec.pack(quantize_hw(x))``, an
+    :class:`~oakenkv.kernels.codec.EncodedBatch`
     byte-identical to what the quantization engine writes (``x``: float ``[N, D]``)."""
-    from oakenkv.codec import pack
+    from oakenkv.kernels.codec import pack
 
     config = config or OakenConfig()
     return pack(quantize_hw(x, thr, config), config)
 
 
 def decode_hw(enc, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:
-    """Decode an :class:`~oakenkv.codec.EncodedBatch` with the dequantization engine's arithmetic: float32 [N, D]."""
-    from oakenkv.codec import unpack
+    """Decode an :class:`~oakenkv.kernels.codec.EncodedBatch` with the dequantization engine's arithmetic: float32 [N,
+    D]."""
+    from oakenkv.kernels.codec import unpack
 
     config = config or OakenConfig()
     return dequantize_hw(unpack(enc, config), thr, config)

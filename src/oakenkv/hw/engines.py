@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from oakenkv.format import COO_GROUP_BIT, COO_INDEX_MASK
+from oakenkv.format.layout import COO_GROUP_BIT, COO_INDEX_MASK
 from oakenkv.hw.arith import (
     DEQ_SHIFT,
     DIV_SHIFT,
@@ -38,7 +38,7 @@ from oakenkv.hw.arith import (
     STEP_EXTRA,
     dequant_const,
 )
-from oakenkv.quant import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER
+from oakenkv.quant.quantizer import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER
 
 LANES = 64
 

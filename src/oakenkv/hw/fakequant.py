@@ -1,7 +1,7 @@
 """Fake quantization through the hardware arithmetic, for perplexity: the engines' cost measured on a real model.
 
-:class:`HwOakenQuantizer` is :class:`oakenkv.eval.methods.OakenQuantizer` with the quantizer (and optionally the
-dequantizer) replaced by :mod:`oakenkv.hw.arith`, so :class:`oakenkv.eval.cache.FakeQuantCache` runs it exactly
+:class:`HwOakenQuantizer` is :class:`oakenkv.methods.registry.OakenQuantizer` with the quantizer (and optionally the
+dequantizer) replaced by :mod:`oakenkv.hw.arith`, so :class:`oakenkv.methods.fakequant.FakeQuantCache` runs it exactly
 like the float method and the perplexity difference is the cost of hardware arithmetic alone.
 """
 
@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 import torch
 
-from oakenkv.baselines.base import Kind, KVFakeQuantizer, check_kv
-from oakenkv.config import OakenConfig
-from oakenkv.format import format_bits
+from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import format_bits
+from oakenkv.methods.base import Kind, KVFakeQuantizer, check_kv
 
 #: "hw": quantization engine + dequantization engine arithmetic; "hw_quant": quantization engine arithmetic,
 #: decoded by the float reference decoder (what a software reader of hardware-written pages computes).
@@ -33,7 +33,7 @@ class HwOakenQuantizer(KVFakeQuantizer):
 
     def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         from oakenkv.hw.arith import dequantize_hw, quantize_hw
-        from oakenkv.quant import GROUP_MIDDLE, dequantize
+        from oakenkv.quant.quantizer import GROUP_MIDDLE, dequantize
 
         check_kv(x, kind)
         b, h, s, d = x.shape  # x: [B, H, S, D]

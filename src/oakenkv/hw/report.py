@@ -100,11 +100,11 @@ def _test_rows(vectors: int, seed: int = 0) -> list[tuple[str, torch.Tensor, tup
     try:
         from transformers import DynamicCache
 
-        from oakenkv.compat import cache_kwargs
-        from oakenkv.models import load_model
+        from oakenkv.assets.models import load_model
+        from oakenkv.util.compat import cache_kwargs
 
         loaded = load_model("default")
-        from oakenkv.data import load_text
+        from oakenkv.assets.data import load_text
 
         ids = loaded.tokenizer(load_text("wikitext2")[:4000], return_tensors="pt").input_ids[:, :256]
         cache = DynamicCache(config=loaded.model.config)

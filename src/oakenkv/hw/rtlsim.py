@@ -45,9 +45,9 @@ def simulate_quant(
     """Run rows ``x`` (int64 FX ``[N, D]``) through :class:`~oakenkv.hw.rtl.QuantEngine` and check every output."""
     from amaranth.sim import Simulator
 
-    from oakenkv.codec import pack
     from oakenkv.hw.arith import quantize_hw_fx
     from oakenkv.hw.rtl import X_W, QuantEngine
+    from oakenkv.kernels.codec import pack
 
     _X_MASK = (1 << X_W) - 1
 
@@ -119,9 +119,9 @@ def simulate_dequant(
     :class:`~oakenkv.hw.rtl.DequantEngine`, and compare with ``dequantize_hw_fx`` and the Python model."""
     from amaranth.sim import Simulator
 
-    from oakenkv.codec import pack
     from oakenkv.hw.arith import dequantize_hw_fx, quantize_hw_fx
     from oakenkv.hw.rtl import DequantEngine
+    from oakenkv.kernels.codec import pack
 
     q = quantize_hw_fx(x, t)
     enc = pack(q)

@@ -15,7 +15,7 @@ context), ``validate`` (comparison with the paper), ``plots`` (matplotlib, optio
 """
 
 from oakenkv.sim.hardware import SYSTEMS, MemoryTier, SystemSpec, get_system
-from oakenkv.sim.kvformat import KV_FORMATS, get_kv_format, oaken_bits
+from oakenkv.sim.kvbytes import KV_FORMATS, get_kv_format, oaken_bits
 from oakenkv.sim.serving import RunResult, max_batch, max_context, simulate
 from oakenkv.sim.shapes import MODELS, ModelShape, get_model
 

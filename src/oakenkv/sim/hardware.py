@@ -74,7 +74,7 @@ class SystemSpec:
     ``n_devices`` > 1 means pipeline parallelism over identical devices (each holds 1/n of the layers and of
     the KV cache; ``memory`` describes ONE device). ``usable_fraction`` is the share of memory the serving
     stack may use (vLLM's default ``gpu_memory_utilization`` is 0.9). ``kv_format`` names an entry of
-    ``oakenkv.sim.kvformat``.
+    ``oakenkv.sim.kvbytes``.
     """
 
     name: str

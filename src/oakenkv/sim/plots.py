@@ -38,7 +38,7 @@ def _plot(results: Sequence[RunResult], x_of, xlabel: str, title: str, path: Pat
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    from oakenkv.paths import atomic_write
+    from oakenkv.util.paths import atomic_write
 
     path = Path(path)
     atomic_write(path, lambda f: fig.savefig(f, dpi=120, format=path.suffix.lstrip(".") or "png"))

@@ -61,7 +61,7 @@ def payload(results: Sequence[RunResult]) -> dict:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    from oakenkv.paths import atomic_write
+    from oakenkv.util.paths import atomic_write
 
     return atomic_write(path, json.dumps(data, indent=2, sort_keys=False))
 

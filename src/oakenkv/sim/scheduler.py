@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from oakenkv.sim.hardware import SystemSpec
-from oakenkv.sim.kvformat import get_kv_format
+from oakenkv.sim.kvbytes import get_kv_format
 from oakenkv.sim.serving import kv_tokens_kept, prefill_time, step_time_kv, weight_bytes_stored
 from oakenkv.sim.shapes import ModelShape
 from oakenkv.sim.workload import Trace

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from oakenkv.sim.hardware import SystemSpec
-from oakenkv.sim.kvformat import KVFormat, get_kv_format
+from oakenkv.sim.kvbytes import KVFormat, get_kv_format
 from oakenkv.sim.shapes import ModelShape
 
 WEIGHT_BYTES = 2  # FP16 weights on every system (the paper quantizes only the KV cache)

@@ -113,11 +113,11 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
 
 def load_profile(path: os.PathLike[str] | str) -> Any:
     """The thresholds file as a ``Thresholds``, loaded once per process and checked by :func:`check_profile`."""
-    # oakenkv.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
+    # oakenkv.calibrate.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
     # imports numba. With llvmlite loaded before vLLM 0.32's CPU worker starts, the worker's Triton kernel-override
     # scan (vllm/triton_utils/dispatcher.py, _rebind_kernels: vars() of every module attribute) trips on llvmlite's
     # lazy library object and the worker fails to start. Loading a profile needs neither numba nor torch.
-    from oakenkv.thresholds import Thresholds
+    from oakenkv.calibrate.thresholds import Thresholds
 
     path = Path(path)
     with _LOCK:

@@ -1,12 +1,14 @@
 """The plugin's one door into oakenkv: every oakenkv name the vLLM integration uses is imported here.
 
 Keep it that way: the rest of ``oakenkv.integrations.vllm`` imports oakenkv only through this module (one
-exception: the package's ``load_profile`` imports ``oakenkv.thresholds`` itself, to load a profile at registration
+exception: the package's ``load_profile`` imports ``oakenkv.calibrate.thresholds`` itself, to load a profile at
+registration
 without importing numba; it says why), so moving oakenkv's internals changes this file alone. What is used, and why:
 
-- the profile: :class:`~oakenkv.thresholds.Thresholds` (loaded from the file named by the plugin's config) and its
-  :class:`~oakenkv.config.OakenConfig` (group bits, ratios, scale dtype);
-- the format (``oakenkv.format``): :func:`record_size` / :func:`scale_bytes` (dense record = scales + nibbles),
+- the profile: :class:`~oakenkv.calibrate.thresholds.Thresholds` (loaded from the file named by the plugin's config) and
+its
+  :class:`~oakenkv.format.config.OakenConfig` (group bits, ratios, scale dtype);
+- the format (``oakenkv.format.layout``): :func:`record_size` / :func:`scale_bytes` (dense record = scales + nibbles),
   :func:`sparse_capacity` (longest COO record of a row), :func:`from_records` (records -> ``EncodedBatch``),
   ``CorruptDataError``, ``ERROR_MESSAGES`` and :class:`LayerView`, the fields a decode kernel reads (the plugin
   builds one per layer and step over vLLM's blocks);
@@ -20,9 +22,9 @@ Importing this module compiles nothing; numba compiles (or loads from its cache)
 
 from __future__ import annotations
 
-from oakenkv.codec import decode
-from oakenkv.config import OakenConfig
-from oakenkv.format import (
+from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import (
     ERROR_MESSAGES,
     CorruptDataError,
     EncodedBatch,
@@ -32,13 +34,13 @@ from oakenkv.format import (
     scale_bytes,
     sparse_capacity,
 )
-from oakenkv.kernels.attention_cpu import (
+from oakenkv.kernels.codec import decode
+from oakenkv.kernels.cpu.attention import (
     packed_decode_attention,
     packed_decode_attention_serial,
     split_work,
 )
-from oakenkv.kernels.cpu import encode_records
-from oakenkv.thresholds import Thresholds
+from oakenkv.kernels.cpu.codec import encode_records
 
 __all__ = [
     "ERROR_MESSAGES",

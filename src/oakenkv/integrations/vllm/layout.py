@@ -13,7 +13,7 @@ tokens of one layer, in units of ``rec = record_size(D)`` bytes (a dense record:
 A token's sparse record starts after those of the tokens before it in its block, so a reader walks a block in
 token order; writes happen in token order too (vLLM fills a block front to back, and a rewritten slot is always
 followed by rewrites of the later ones). Seen as a page pool of ``page_size = rec``, the layer's cache is
-exactly what ``oakenkv.kernels.attention_cpu.packed_decode_attention`` reads: one dense page per token, one
+exactly what ``oakenkv.kernels.cpu.attention.packed_decode_attention`` reads: one dense page per token, one
 sparse page per block and kind (:func:`decode_tables`).
 
 Blocks need not be contiguous: block ``b`` starts at byte ``b * stride`` of the pool, ``stride`` a multiple of
@@ -679,7 +679,7 @@ def decode_attention(
     ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``.
 
     ``threads > 1`` runs numba's parallel kernel (split over rows and token ranges) once there are at least
-    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.attention_cpu.split_work``); the default is the
+    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.cpu.attention.split_work``); the default is the
     serial kernel on the calling thread.
     """
     _, hq, hd = query.shape

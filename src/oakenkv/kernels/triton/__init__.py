@@ -6,7 +6,7 @@
 - ``view``: a store's per-layer ``format.LayerView`` on a device, with the per-token sparse addresses the
   kernels read (``DeviceLayerView``).
 
-Only ``_format`` imports oakenkv (the format, ``quant``, ``config``, ``pages.EVICTED``: nothing above them).
+Only ``_oaken`` imports oakenkv (``format`` and ``quant``: nothing above them).
 Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton; :func:`available` says
 whether it can be.
 """

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oakenkv.kernels.triton import _format as F
+from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
 from oakenkv.kernels.triton.decode import load_scales, middle_values, outlier_values
 from oakenkv.kernels.triton.view import DeviceLayerView, view_from_store
@@ -244,7 +244,7 @@ def paged_decode_attention(
         keep: uint8/bool ``[B, T]`` (1 = attend: padding and sliding-window masks), or None (attend to all).
         scaling: the softmax scale; softcap: logit soft cap (Gemma 2 style) or None.
         num_splits: token ranges per (sequence, KV head); default :func:`num_splits_for`.
-        check: raise :class:`~oakenkv.format.CorruptDataError` on a kernel error code (a device sync).
+        check: raise :class:`~oakenkv.format.layout.CorruptDataError` on a kernel error code (a device sync).
         exact_dequant: compile without FMA contraction, so that the keys and values are the reference's floats;
             False lets the compiler fuse ``lo + code * step`` and the dot products (each dequantized value then
             within one rounding of the reference's; whether it is faster is for ``benchmarks/gpu_check.sh``).
@@ -317,7 +317,7 @@ def paged_decode_attention(
 
 def keep_from_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int, device) -> torch.Tensor | None:
     """uint8 ``[B, T]`` on ``device`` from a transformers decode mask ``[B, 1, 1, T]`` (bool: True attends;
-    additive float: attends where above ``finfo.min / 2``), the rule of ``oakenkv.attention``'s CPU path."""
+    additive float: attends where above ``finfo.min / 2``), the rule of ``oakenkv.hf.attention``'s CPU path."""
     if attention_mask is None:
         return None
     m = attention_mask
@@ -331,7 +331,7 @@ def keep_from_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: 
 
 
 def packed_decode_attention(query, key, value, attention_mask, scaling: float, softcap: float | None = None):
-    """``oakenkv.attention.packed_decode_attention`` on the query's device: ``PackedKV`` handles of one layer,
+    """``oakenkv.hf.attention.packed_decode_attention`` on the query's device: ``PackedKV`` handles of one layer,
     query ``[B, Hq, 1, hd]``, mask ``[B, 1, 1, T]`` -> ``[B, 1, Hq, hd]`` in the query's dtype.
 
     The layer's view is the store's ``layer_view`` moved to the device on every call (:func:`view_from_store`:
@@ -346,12 +346,12 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     if getattr(store, "sink_tokens", 0):
         raise NotImplementedError(
             "the Triton decode attention does not read an oaken-plus profile's sink tokens yet; use the CPU kernel "
-            "(oakenkv.attention.packed_decode_attention) or a profile without sink tokens"
+            "(oakenkv.hf.attention.packed_decode_attention) or a profile without sink tokens"
         )
     if getattr(store, "residual", 0):
         raise NotImplementedError(
             "the Triton decode attention does not read a full-precision window (OakenCache(residual=...)) yet; use "
-            "the CPU kernel (oakenkv.attention.packed_decode_attention) or residual=0"
+            "the CPU kernel (oakenkv.hf.attention.packed_decode_attention) or residual=0"
         )
     view = view_from_store(store, key.layer, query.device)
     if view.num_tokens != key.num_tokens:

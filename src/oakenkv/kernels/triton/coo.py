@@ -18,7 +18,7 @@ byte, and an entry's chunk is the sum of the advances before it. Both become dat
   start, never right after an escape, where the last index is -1). The chunk of every entry is the carried
   chunk plus the inclusive ``tl.cumsum`` of these increments.
 
-Validation, as the CPU decoder's (``ERR_*`` of ``oakenkv.format``): an entry position ``>= D``, an advance of
+Validation, as the CPU decoder's (``ERR_*`` of ``oakenkv.format.layout``): an entry position ``>= D``, an advance of
 0 after an entry, a fifth code bit of a 4-bit group, and a stream that ends inside an escape (state ``E``/``A``:
 truncated advance) or right after one (``X``: no entry) are reported, never read past.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from oakenkv.kernels.triton import _format as F
+from oakenkv.kernels.triton import _oaken as F
 
 #: Walker states (module docstring).
 ST_N, ST_E, ST_A, ST_X = 0, 1, 2, 3

@@ -2,7 +2,7 @@
 
 ``dequantize(unpack(enc))`` of the reference, for rows given by addresses: row ``r``'s dense record (scales then
 nibbles) at ``records + rec_addr[r]`` and its COO stream at ``sparse + sp_addr[r]`` (``sp_len[r]`` bytes). The
-same kernel decodes an :class:`~oakenkv.format.EncodedBatch` (addresses of its rows) and a layer's pages (the
+same kernel decodes an :class:`~oakenkv.format.layout.EncodedBatch` (addresses of its rows) and a layer's pages (the
 per-token addresses of the kernel view): the prefill path's dequantize-tile read of earlier pages.
 
 Each program decodes ``BT`` rows: every value first as a middle-group code (``lo + code * step``, then the
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oakenkv.kernels.triton import _format as F
+from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
 
 #: Bytes of the COO streams read per step of the walk (per row of the tile), and its log2.
@@ -166,7 +166,7 @@ def decode_rows(
         thr: float32 ``[4]`` (all rows) or ``[N, 4]`` (per row) thresholds.
         dim: values per row; scale_bytes: bytes of a record's scales (``format.scale_bytes``: fp16 or fp32);
             inner_bits, outer_bits: bits of the inner and outer codes (``OakenConfig``'s).
-        check: raise :class:`~oakenkv.format.CorruptDataError` for the first row with an error (a device sync).
+        check: raise :class:`~oakenkv.format.layout.CorruptDataError` for the first row with an error (a device sync).
 
     Returns:
         ``(out, status)``: status int32 ``[N]``, 0 or an ``ERR_*`` code per row.
@@ -209,7 +209,7 @@ def decode_batch(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``dequantize(unpack(enc))`` on ``device`` (default: the batch's): float32 ``[N, D]`` (or float16, the
-    float32 result rounded once). Raises :class:`~oakenkv.format.CorruptDataError` for a corrupt stream."""
+    float32 result rounded once). Raises :class:`~oakenkv.format.layout.CorruptDataError` for a corrupt stream."""
     config = config or F.OakenConfig()
     dev = torch.device(device) if device is not None else enc.dense.device
     n, d = enc.num_rows, enc.dim

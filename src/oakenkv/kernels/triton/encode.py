@@ -1,9 +1,9 @@
 """Triton encode: float rows -> Oaken page records (six scales, then nibbles) + COO sparse bytes + counts.
 
 One program per row; the row (``D <= MAX_TRITON_DIM`` values) lives in registers as ``NCH_P`` COO chunks of
-``CHUNK_SIZE`` values. The format's constants are ``_format``'s ``tl.constexpr`` copies of ``oakenkv.format``'s.
+``CHUNK_SIZE`` values. The format's constants are ``_oaken``'s ``tl.constexpr`` copies of ``oakenkv.format.layout``'s.
 
-Numbers: the kernel repeats ``oakenkv.quant.quantize``'s float32 operations in its order: group shift, the
+Numbers: the kernel repeats ``oakenkv.quant.quantizer.quantize``'s float32 operations in its order: group shift, the
 range statistics as max/min reductions (exact in any order), the signed grid's step evaluated for every zero
 slot ``k`` and its first minimum taken, grid end points rounded to the scale dtype (round to nearest even),
 codes as ``floor((s - lo) / step + 0.5)`` then the side nudge. Two GPU defaults would change those numbers and
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oakenkv.kernels.triton import _format as F
+from oakenkv.kernels.triton import _oaken as F
 
 #: Widest row the encoder holds in registers (one program per row). Wider rows (up to the format's 32768)
 #: are refused with a clear error; the CPU codec takes them.
@@ -276,7 +276,7 @@ def encode_records(
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode rows straight into page records on ``x``'s device: the GPU counterpart of
-    ``oakenkv.kernels.cpu.encode_records``.
+    ``oakenkv.kernels.cpu.codec.encode_records``.
 
     Args:
         x: float ``[N, D]`` (fp32, fp16, bf16), any row stride, unit column stride; ``D <= MAX_TRITON_DIM``.
@@ -342,7 +342,7 @@ def encode_batch(x: torch.Tensor, thr: F.ThresholdsLike, config: F.OakenConfig |
     """Quantize and pack rows on ``x``'s device: the bytes of ``codec.pack(quant.quantize(x))``.
 
     The kernel writes records and per-row streams (:func:`encode_records`); this gathers them into an
-    :class:`~oakenkv.format.EncodedBatch` on the same device (scales as their dtype, streams concatenated).
+    :class:`~oakenkv.format.layout.EncodedBatch` on the same device (scales as their dtype, streams concatenated).
     """
     config = config or F.OakenConfig()
     records, sparse, counts = encode_records(x, thr, config)

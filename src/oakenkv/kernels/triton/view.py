@@ -1,6 +1,7 @@
-"""The store's per-layer kernel view (``oakenkv.format.LayerView``) in the form the Triton kernels read.
+"""The store's per-layer kernel view (``oakenkv.format.layout.LayerView``) in the form the Triton kernels read.
 
-A :class:`~oakenkv.format.LayerView` (built by ``oakenkv.store.PagedKVStore.layer_view``) holds, per sequence and
+A :class:`~oakenkv.format.layout.LayerView` (built by ``oakenkv.store.paged.PagedKVStore.layer_view``) holds, per
+sequence and
 kind (0 keys, 1 values), the dense page ids, and for the sparse records each stream's pages with their first
 tokens and every token's record length: a reader finds a token's sparse record by walking its stream in token
 order (the CPU kernel does). A Triton program starts mid-stream and cannot walk, so
@@ -20,17 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oakenkv.kernels.triton import _format as F
-
-#: Page id of a released page, and the sparse address of a token on one.
-EVICTED = F.EVICTED
+from oakenkv.kernels.triton import _oaken as F
 
 
 @dataclass(frozen=True)
 class DeviceLayerView:
     """One layer's pages as the Triton kernels read them (all tensors on one device).
 
-    The fields of :class:`~oakenkv.format.LayerView` that the kernels read, under its names, with the sparse
+    The fields of :class:`~oakenkv.format.layout.LayerView` that the kernels read, under its names, with the sparse
     tables replaced by per-token addresses, and the pool split by page kind:
 
     Attributes:
@@ -92,7 +90,7 @@ def sparse_addresses(view: F.LayerView) -> np.ndarray:
     lens = np.asarray(view.sparse_lengths)[:, :, :t_n]
     b, kinds, _ = lens.shape
     n_streams = b * kinds
-    out = np.full((n_streams, t_n), EVICTED, dtype=np.int64)
+    out = np.full((n_streams, t_n), F.EVICTED, dtype=np.int64)
     counts = np.asarray(view.sparse_counts, dtype=np.int64)
     cap = view.sparse_pages.shape[2]
     if counts.shape != (b, kinds) or (counts.size and (counts.min() < 0 or counts.max() > cap)):
@@ -118,12 +116,12 @@ def sparse_addresses(view: F.LayerView) -> np.ndarray:
     pid = pages[gi]
     page_first = np.minimum(first[gi], t_n)
     addr = pid * view.page_size + (cum[:, :t_n] - np.take_along_axis(cum, page_first, axis=1))
-    out = np.where(mine & (pid >= 0), addr, EVICTED)
+    out = np.where(mine & (pid >= 0), addr, F.EVICTED)
     return out.reshape(lens.shape)
 
 
 def from_layer_view(view: F.LayerView, head_dim: int, device: torch.device | str) -> DeviceLayerView:
-    """The :class:`DeviceLayerView` of a store's :class:`~oakenkv.format.LayerView` on ``device``.
+    """The :class:`DeviceLayerView` of a store's :class:`~oakenkv.format.layout.LayerView` on ``device``.
 
     Args:
         view: the layer's view (``PagedKVStore.layer_view``); its arrays are read, not kept.
@@ -162,6 +160,6 @@ def from_layer_view(view: F.LayerView, head_dim: int, device: torch.device | str
 
 
 def view_from_store(store, layer: int, device: torch.device | str) -> DeviceLayerView:
-    """The :class:`DeviceLayerView` of one layer of an ``oakenkv.store.PagedKVStore``: ``store.layer_view(layer)``
+    """The :class:`DeviceLayerView` of one layer of an ``oakenkv.store.paged.PagedKVStore``: ``store.layer_view(layer)``
     on ``device`` (:func:`from_layer_view`)."""
     return from_layer_view(store.layer_view(layer), store.head_dim, device)

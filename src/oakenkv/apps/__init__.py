@@ -1,0 +1,1 @@
+"""What the commands run: demo, generate, diagnose, info."""

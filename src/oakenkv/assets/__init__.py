@@ -1,0 +1,1 @@
+"""Where models, texts and tasks come from (installed packages, local files, the hub when allowed)."""

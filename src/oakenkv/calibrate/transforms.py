@@ -1,0 +1,458 @@
+"""Offline transforms of the ``oaken-plus`` preset: what the model's weights and the cache do to keys and values
+before Oaken's per-token quantizer sees them, so that it sees well-behaved vectors.
+
+Every transform here leaves the model's full-precision outputs unchanged (exactly, or up to float rounding), and
+costs nothing or next to nothing per token online:
+
+=====================  ==========================================================  ===============================
+transform              what it does                                                where it lives
+=====================  ==========================================================  ===============================
+``value_rotation``     each value head ``v -> H v`` (H: the normalised Sylvester    folded: ``v_proj`` rows (and
+                       Hadamard matrix, orthogonal and symmetric); attention is     bias) and ``o_proj`` columns,
+                       linear in V, so ``o_proj`` undoes it. Spreads a value        once, at load. Zero online cost.
+                       channel's outliers over the head.
+``key_scale``          keys divided per channel by ``lam`` (SmoothAttention),       folded: ``k_proj`` (and bias) or
+                       queries multiplied by it, so every score ``q . k`` is        ``k_norm``; ``q_proj`` or
+                       unchanged; ``lam`` is tied over each RoPE pair (read off     ``q_norm``. Zero online cost.
+                       the model's own rotary code) so it commutes with RoPE.
+``key_shift``          a fixed post-RoPE vector ``mu`` subtracted from every key    online: one subtraction per
+                       of a layer: every score of one query moves by the same       key row before encoding; the
+                       ``q . mu``, which softmax ignores. Removes the per-channel    attention never adds it back.
+                       offset (a key bias, a constant-sign channel) that makes one
+                       token's range wide.
+``key_rotation``       each key head ``k -> H k`` after RoPE and the query the      online: one ``hd x hd`` product
+                       same, so ``q . k`` is unchanged. Spreads outlier channels.   per key row and per query head.
+=====================  ==========================================================  ===============================
+
+and one policy of the cache, ``sink_tokens``: the first ``n`` tokens of every sequence (the attention sink, whose
+key is far from the others and which most queries attend to) are kept at 16 bits beside their Oaken codes, and
+every attention reads them from there (``oakenkv.store.paged``). Not a transform (it changes what is stored, by
+``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
+part of the profile, because the thresholds and the per-layer choices were made with it.
+
+Order on a key (post-RoPE, as the cache receives it): ``H ((k - mu))`` where ``k`` already carries the folded
+``1 / lam``; the shift is subtracted before the rotation. Values carry their rotation from the weights.
+
+:class:`Transforms` is the per-layer record, saved inside the profile file (``oakenkv.calibrate.thresholds``, schema 2)
+next to the thresholds that were profiled on the transformed vectors; :func:`fold_into_model` applies the weight part
+once (a second application is refused), and the cache applies the online part (``oakenkv.store.paged``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from oakenkv.format.config import MAX_SINK_TOKENS, valid_sink_tokens
+
+#: Version of the serialized transforms; bump when a field changes meaning. Version 2 adds ``sink_tokens``; a
+#: record without sink tokens is still written as version 1 (same bytes and digest as before), so that an older
+#: oakenkv refuses only the profiles it would misread.
+TRANSFORMS_VERSION = 2
+_READS_VERSIONS = (1, 2)
+#: Name of the attribute on the model's config that records the folded transforms (their digest).
+FOLD_MARK = "oakenkv_transforms"
+
+
+class TransformError(ValueError):
+    """Transforms that cannot be applied to this model (wrong shape, applied twice, unsupported architecture)."""
+
+
+@cache
+def _hadamard_np(n: int) -> np.ndarray:
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix of order ``n`` (a power of two): orthogonal and symmetric, so it is
+    its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise TransformError(f"a Hadamard rotation needs a power-of-two head_dim, got {n}")
+    return torch.from_numpy(_hadamard_np(n)).to(dtype)
+
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """``x @ hadamard(n)`` over the last axis (``n`` a power of two) as a fast Walsh-Hadamard transform, in float32
+    (a new array). The butterflies run in a fixed order (``oakenkv.kernels.cpu.rotate``), so every caller (the cache,
+    the evaluation, the profiler) gets the same bits whatever the batch shape, unlike a BLAS matrix product."""
+    from oakenkv.kernels.cpu.rotate import shift_rotate_rows
+
+    # a C-ordered copy: numpy's default copy keeps a strided input's layout, and the reshape below would then be a
+    # temporary copy whose rotation is lost (a permuted [B, H, S, hd] view came back unrotated)
+    x = np.array(x, dtype=np.float32, order="C")
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise TransformError(f"a Hadamard rotation needs a power-of-two size, got {n}")
+    shift_rotate_rows(x.reshape(-1, n), _NO_SHIFT, True, n, np.float32(1.0 / math.sqrt(n)))
+    return x
+
+
+_NO_SHIFT = np.zeros(0, dtype=np.float32)
+
+
+def _floats(name: str, values: Any, n: int) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    t = tuple(float(v) for v in (values.tolist() if hasattr(values, "tolist") else values))
+    if len(t) != n:
+        raise TransformError(f"{name} must hold {n} values, got {len(t)}")
+    if not all(math.isfinite(v) for v in t):
+        raise TransformError(f"{name} holds NaN or infinite values")
+    return t
+
+
+@dataclass(frozen=True)
+class LayerTransforms:
+    """The transforms of one decoder layer (module doc). Vectors are flat over ``num_kv_heads * head_dim``."""
+
+    #: Post-RoPE vector subtracted from every key row before encoding (online), or None.
+    key_shift: tuple[float, ...] | None = None
+    #: Per-channel key divisor folded into the weights (queries multiplied by it), or None. Positive.
+    key_scale: tuple[float, ...] | None = None
+    #: Per-head Hadamard rotation of keys and queries after RoPE (online).
+    key_rotation: bool = False
+    #: Per-head Hadamard rotation of values (folded into ``v_proj`` / ``o_proj``).
+    value_rotation: bool = False
+
+    @property
+    def is_identity(self) -> bool:
+        return self.key_shift is None and self.key_scale is None and not self.key_rotation and not self.value_rotation
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key_shift": None if self.key_shift is None else list(self.key_shift),
+            "key_scale": None if self.key_scale is None else list(self.key_scale),
+            "key_rotation": self.key_rotation,
+            "value_rotation": self.value_rotation,
+        }
+
+
+@dataclass(frozen=True)
+class Transforms:
+    """Per-layer transforms of one model (module doc); validated on construction."""
+
+    layers: tuple[LayerTransforms, ...]
+    num_kv_heads: int
+    head_dim: int
+    #: Free-form JSON-able notes (how each layer's transforms were chosen).
+    notes: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: The first tokens of every sequence kept at 16 bits beside their codes (module doc); 0: none.
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        d = self.num_kv_heads * self.head_dim
+        if not valid_sink_tokens(self.sink_tokens):
+            raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {self.sink_tokens!r}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        for i, lt in enumerate(self.layers):
+            if not isinstance(lt, LayerTransforms):
+                raise TransformError(f"layer {i}: expected LayerTransforms, got {type(lt).__name__}")
+            _floats(f"layer {i} key_shift", lt.key_shift, d)
+            s = _floats(f"layer {i} key_scale", lt.key_scale, d)
+            if s is not None and min(s) <= 0:
+                raise TransformError(f"layer {i} key_scale must be positive")
+            if (lt.key_rotation or lt.value_rotation) and self.head_dim & (self.head_dim - 1):
+                raise TransformError(f"layer {i}: Hadamard rotations need a power-of-two head_dim, got {self.head_dim}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def folds_weights(self) -> bool:
+        """Whether some part must be folded into the model's weights (:func:`fold_into_model`)."""
+        return any(lt.key_scale is not None or lt.value_rotation for lt in self.layers)
+
+    @property
+    def online_keys(self) -> bool:
+        """Whether the cache transforms key rows itself (a shift or a rotation in some layer)."""
+        return any(lt.key_shift is not None or lt.key_rotation for lt in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "version": TRANSFORMS_VERSION if self.sink_tokens else 1,
+            "rotation": "hadamard-sylvester",
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "layers": [{"index": i, **lt.to_dict()} for i, lt in enumerate(self.layers)],
+            "notes": self.notes,
+        }
+        if self.sink_tokens:
+            d["sink_tokens"] = self.sink_tokens
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Transforms:
+        if not isinstance(d, dict):
+            raise TransformError(f"transforms must be an object, got {type(d).__name__}")
+        version = d.get("version")
+        if version not in _READS_VERSIONS:
+            known = ", ".join(map(str, _READS_VERSIONS))
+            raise TransformError(f"unsupported transforms version {version!r} (this oakenkv reads {known})")
+        if version == 1 and "sink_tokens" in d:
+            raise TransformError("transforms version 1 cannot hold sink_tokens")
+        if d.get("rotation") != "hadamard-sylvester":
+            raise TransformError(f"unknown rotation {d.get('rotation')!r}")
+        layers = []
+        for pos, e in enumerate(d["layers"]):
+            if e.get("index") != pos:
+                raise TransformError(f"transforms layer entry {pos} has index {e.get('index')!r}")
+            for k in ("key_rotation", "value_rotation"):
+                if not isinstance(e[k], bool):
+                    raise TransformError(f"transforms layer {pos}: {k} must be true or false")
+            layers.append(
+                LayerTransforms(
+                    key_shift=None if e["key_shift"] is None else tuple(e["key_shift"]),
+                    key_scale=None if e["key_scale"] is None else tuple(e["key_scale"]),
+                    key_rotation=e["key_rotation"],
+                    value_rotation=e["value_rotation"],
+                )
+            )
+        return cls(
+            tuple(layers),
+            int(d["num_kv_heads"]),
+            int(d["head_dim"]),
+            dict(d.get("notes") or {}),
+            d.get("sink_tokens", 0),
+        )
+
+    def digest(self) -> str:
+        """sha256 of the transforms (notes excluded): what a folded model is marked with."""
+        body = {k: v for k, v in self.to_dict().items() if k != "notes"}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    # ------------------------------------------------------------------------------------- online parts
+
+    def key_shifts(self) -> np.ndarray:
+        """float32 ``[L, D]``: each layer's key shift (zeros where it has none)."""
+        shift = np.zeros((self.num_layers, self.dim), dtype=np.float32)
+        for i, lt in enumerate(self.layers):
+            if lt.key_shift is not None:
+                shift[i] = lt.key_shift
+        return shift
+
+    def key_rows(self, layer: int, rows: np.ndarray, shift: np.ndarray | None = None, out: np.ndarray | None = None):
+        """The online key transform of ``layer`` on float32 key rows ``[N, D]`` (one token's KV heads per row, the
+        cache's layout): the shift, then the per-head rotation. The one definition every path uses (the cache, the
+        evaluation, the profiler), so they all quantize the same bits. Writes into ``out`` (may be ``rows``
+        itself; default a new array) and returns it. ``shift``: the layer's row of :meth:`key_shifts`, when the
+        caller keeps one."""
+        from oakenkv.kernels.cpu.rotate import shift_rotate_rows
+
+        lt = self.layers[layer]
+        if out is None:
+            out = np.array(rows, dtype=np.float32)
+        elif out is not rows:
+            out[:] = rows
+        if lt.key_shift is not None and shift is None:
+            shift = np.asarray(lt.key_shift, dtype=np.float32)
+        shift = shift if lt.key_shift is not None else _NO_SHIFT
+        scale = np.float32(1.0 / math.sqrt(self.head_dim))
+        shift_rotate_rows(out, shift, lt.key_rotation, self.head_dim, scale)
+        return out
+
+    def keys_forward(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """:meth:`key_rows` on keys ``[B, H, S, hd]`` (float32 out, same layout)."""
+        b, h, s, hd = k.shape
+        rows = k.detach().to(torch.float32).permute(0, 2, 1, 3).reshape(b * s, h * hd).numpy()
+        out = torch.from_numpy(self.key_rows(layer, rows))
+        return out.reshape(b, s, h, hd).permute(0, 2, 1, 3)
+
+    def keys_restore(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Undo the rotation of :meth:`key_rows` (not the shift, which softmax ignores) on keys ``[..., hd]``:
+        what stock attention must see next to the model's own queries. Same dtype out."""
+        if not self.layers[layer].key_rotation:
+            return k
+        return torch.from_numpy(fwht(k.detach().to(torch.float32).numpy())).to(k.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- the model side
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """The decoder's attention modules in layer order (modules with ``layer_idx`` and q/k/v/o projections)."""
+    mods = [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    ]
+    mods.sort(key=lambda m: m.layer_idx)
+    n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+    if len(mods) != n or [m.layer_idx for m in mods] != list(range(n)):
+        raise TransformError(
+            f"found {len(mods)} attention modules with q/k/v/o projections for {n} layers in "
+            f"{type(model).__name__}; oaken-plus transforms support Llama-style attention (Llama, Qwen2, Gemma 3, ...)"
+        )
+    return mods
+
+
+def rope_partners(model: Any) -> np.ndarray:
+    """For each of the ``head_dim`` channels, the channel RoPE rotates it with, read off the model's own
+    ``apply_rotary_pos_emb`` (transformers' Llama-style models pair ``i`` with ``i + hd / 2``; GPT-J-style code
+    pairs neighbours). Raises :class:`TransformError` when the pairing cannot be established."""
+    attn = attention_modules(model)[0]
+    apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    decoder = getattr(model, "model", None) or model.base_model
+    rotary = getattr(decoder, "rotary_emb", None)
+    if apply is None or rotary is None:
+        raise TransformError(f"{type(model).__name__}: no apply_rotary_pos_emb / rotary_emb to read RoPE pairs from")
+    hd = int(attn.head_dim)
+    eye = torch.eye(hd, dtype=torch.float32)[None, :, None, :]  # [1, hd (as heads), 1, hd]
+    kwargs = {}
+    cfg = model.config.get_text_config(decoder=True)
+    if "layer_type" in inspect.signature(rotary.forward).parameters and getattr(cfg, "layer_types", None):
+        kwargs["layer_type"] = cfg.layer_types[0]
+    pos = torch.tensor([[3]])
+    with torch.no_grad():
+        cos, sin = rotary(eye[:, :1, 0, :], pos, **kwargs)  # the first argument only gives dtype and device
+        cos, sin = cos.to(torch.float32), sin.to(torch.float32)
+        if cos.shape[-1] != hd:
+            raise TransformError(f"partial rotary embedding ({cos.shape[-1]} of {hd} dims) is not supported")
+        out, _ = apply(eye, eye, cos, sin)
+    mix = out[0, :, 0, :].abs() > 1e-6  # [hd, hd]: row i = channels e_i reaches
+    partners = np.full(hd, -1, dtype=np.int64)
+    for i in range(hd):
+        others = [j for j in torch.nonzero(mix[i]).flatten().tolist() if j != i]
+        if len(others) != 1:
+            raise TransformError(f"RoPE mixes channel {i} with {others}: not a rotation of channel pairs")
+        partners[i] = others[0]
+    if not (partners[partners] == np.arange(hd)).all():
+        raise TransformError("RoPE channel pairing is not symmetric")
+    return partners
+
+
+def tie_rope_pairs(scale: torch.Tensor, partners: np.ndarray) -> torch.Tensor:
+    """``scale [..., hd]`` with each RoPE pair given the larger of its two values (so it commutes with RoPE)."""
+    return torch.maximum(scale, scale[..., torch.from_numpy(partners)])
+
+
+def is_folded(model: Any) -> str | None:
+    """The digest of the transforms folded into ``model``, or None."""
+    return getattr(model.config, FOLD_MARK, None)
+
+
+def fold_into_model(model: Any, transforms: Transforms) -> None:
+    """Fold the weight part of ``transforms`` (value rotations, key scales) into ``model`` in place and mark it.
+
+    Refused (:class:`TransformError`) when the model already carries folded transforms, or its shape differs.
+    Models with a q/k norm (Gemma 3, Qwen 3) take key scales in the norm weights, following each family's
+    convention (Gemma's norm multiplies by ``1 + w``); their norms are shared by the heads, so the scale must then
+    be the same for every KV head.
+    """
+    done = is_folded(model)
+    if done is not None:
+        raise TransformError(
+            "this model already carries folded oaken-plus transforms "
+            f"({'the same ones' if done == transforms.digest() else 'different ones'}); load a fresh copy to fold again"
+        )
+    mods = attention_modules(model)
+    if len(mods) != transforms.num_layers:
+        raise TransformError(f"transforms hold {transforms.num_layers} layers, the model has {len(mods)}")
+    h, hd = transforms.num_kv_heads, transforms.head_dim
+    for i, (m, lt) in enumerate(zip(mods, transforms.layers, strict=True)):
+        if int(m.head_dim) != hd or m.k_proj.out_features != h * hd:
+            raise TransformError(f"layer {i}: the model's KV shape differs from the transforms' ({h} x {hd})")
+        if hasattr(m, "v_norm") and lt.value_rotation:
+            raise TransformError(f"layer {i}: a value norm does not commute with a value rotation")
+    with torch.no_grad():
+        for m, lt in zip(mods, transforms.layers, strict=True):
+            group = m.q_proj.out_features // (h * hd)
+            if lt.value_rotation:
+                _rotate_values(m, h, hd, group)
+            if lt.key_scale is not None:
+                _scale_keys(m, torch.tensor(lt.key_scale, dtype=torch.float64).reshape(h, hd), group)
+    setattr(model.config, FOLD_MARK, transforms.digest())
+
+
+def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
+    had = hadamard(hd, torch.float64)
+    w = m.v_proj.weight  # [h * hd, hidden]
+    w.copy_((had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype))
+    if m.v_proj.bias is not None:
+        b = m.v_proj.bias
+        b.copy_((b.double().reshape(h, hd) @ had).reshape_as(b).to(b.dtype))  # H symmetric: H b = b H
+    wo = m.o_proj.weight  # [hidden, hq * hd]; query head j reads value head j // group
+    hq = h * group
+    wo.copy_((wo.double().reshape(-1, hq, hd) @ had).reshape_as(wo).to(wo.dtype))
+
+
+def _scale_keys(m: Any, lam: torch.Tensor, group: int) -> None:
+    """Keys / lam, queries * lam (lam ``[h, hd]`` float64, RoPE-pair tied)."""
+    hd = lam.shape[1]
+    q_lam = lam.repeat_interleave(group, dim=0)  # [hq, hd]
+    for proj_name, norm_name, factor in (("k_proj", "k_norm", 1.0 / lam), ("q_proj", "q_norm", q_lam)):
+        norm = getattr(m, norm_name, None)
+        if norm is not None:
+            f = factor
+            if not torch.allclose(f, f[:1].expand_as(f)):
+                raise TransformError(f"{norm_name} is shared by the heads: key scales must be equal across heads")
+            w = norm.weight
+            if _norm_adds_one(norm):
+                w.copy_(((1.0 + w.double()) * f[0] - 1.0).to(w.dtype))
+            else:
+                w.copy_((w.double() * f[0]).to(w.dtype))
+            continue
+        proj = getattr(m, proj_name)
+        w = proj.weight  # [heads * hd, hidden]
+        w.copy_((w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype))
+        if proj.bias is not None:
+            b = proj.bias
+            b.copy_((b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype))
+
+
+def _norm_adds_one(norm: Any) -> bool:
+    """Whether an RMSNorm multiplies by ``1 + weight`` (Gemma's convention) instead of ``weight``: checked on the
+    module itself, not by its name."""
+    with torch.no_grad():
+        saved = norm.weight.detach().clone()
+        norm.weight.zero_()
+        x = torch.ones(1, norm.weight.shape[0])
+        y = norm(x.to(saved.dtype)).float()
+        norm.weight.copy_(saved)
+    return bool(torch.allclose(y, torch.ones_like(y), atol=1e-3))
+
+
+def check_transforms_shape(transforms: Transforms, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    if (transforms.num_layers, transforms.num_kv_heads, transforms.head_dim) != (num_layers, num_kv_heads, head_dim):
+        raise TransformError(
+            f"transforms are for {transforms.num_layers} layers x {transforms.num_kv_heads} KV heads x "
+            f"{transforms.head_dim}, the model has {num_layers} x {num_kv_heads} x {head_dim}"
+        )
+
+
+def identity(num_layers: int, num_kv_heads: int, head_dim: int) -> Transforms:
+    return Transforms(tuple(LayerTransforms() for _ in range(num_layers)), num_kv_heads, head_dim)
+
+
+__all__: Sequence[str] = [
+    "FOLD_MARK",
+    "TRANSFORMS_VERSION",
+    "LayerTransforms",
+    "TransformError",
+    "Transforms",
+    "attention_modules",
+    "check_transforms_shape",
+    "fold_into_model",
+    "hadamard",
+    "identity",
+    "is_folded",
+    "rope_partners",
+    "tie_rope_pairs",
+]

@@ -1,0 +1,1 @@
+"""The bytes: the method's parameters (``config``) and the row and page-record layout (``layout``)."""

@@ -1,0 +1,419 @@
+"""The Oaken bytes, defined once: the row format, the page-record format and the paged view a kernel reads.
+
+Every reader and writer of the bytes imports this module (the reference pack/unpack in ``oakenkv.quant.reference``,
+the numba kernels in ``oakenkv.kernels``, the paged store in ``oakenkv.store.paged``, a future GPU backend); it imports
+no implementation, in the spirit of ggml's ``ggml-common.h``. The fused dense-and-sparse format is the paper's
+(Kim et al., ISCA 2025, Section 5.2) with an implicit-chunk COO stream; ``docs/format.md`` explains the choices.
+
+Row format
+----------
+One *row* is one quantization vector of ``D`` values (``1 <= D <= MAX_DIM``): one token's keys (or values) of
+one layer, all KV heads together (granularity "token", the paper's) or one head ("head"). Its stored form::
+
+    field   size                      content
+    header  2 bytes (u16 LE)          S = number of sparse bytes of this row                        16 bits
+    scales  6 x fp16 | 6 x fp32 (LE)  mid_min mid_max inner_min inner_max outer_min outer_max       96 | 192 bits
+    dense   ceil(D/2) bytes           one 4-bit slot per value                                      4 bits/value
+    sparse  S bytes                   one COO entry byte per inner/outer value (+ rare escapes)    8 bits/outlier
+
+Scales: index ``2 * group + {0: min, 1: max}`` (group ids: middle 0, inner 1, outer 2), the quantizer's grid end
+points already rounded to the scale dtype (``OakenConfig.scale_dtype``); the decoder computes
+``step = (max - min) / (2**bits - 1)`` and ``v = min + code * step`` in float32. An empty group stores ``0, 0``.
+
+Dense slots, nibble order (low nibble first; for odd ``D`` the last high nibble is padding, written 0)::
+
+    byte j:   bit 7 6 5 4 | 3 2 1 0
+              value 2j+1  | value 2j
+
+A middle value stores its whole 4-bit code there (``MIDDLE_BITS == DENSE_BITS``); an inner or outer value stores
+the low 4 bits of its 5-bit code.
+
+COO entry byte (one per inner or outer value, sorted by position)::
+
+    bit   7      6      5 4 3 2 1 0
+        +------+------+-------------+
+        | c[4] | grp  |  index i    |     position = CHUNK_SIZE * chunk + i,  grp: 0 inner, 1 outer
+        +------+------+-------------+     c[4]: bit 4 of the 5-bit code (0 for a 4-bit group)
+
+The side (upper/lower) of an outer or middle value is not stored: it is the sign of the dequantized shifted value
+(``oakenkv.quant.quantizer``), so the paper's "sign" bit is the fifth code bit here.
+
+The chunk of an entry is implicit. Decoder state: chunk ``c = 0``, last index ``p = -1``, previous byte
+``prev = 0x00`` (virtual). For each byte ``e``:
+
+* ``e == prev``: an ESCAPE. The next bytes are a chunk advance ``k``: a run of ``ADVANCE_CONTINUE`` (0xFF) bytes
+  (each adds 255) closed by one byte ``< 0xFF`` (added too). Then ``c += k``, ``p = -1``, ``prev = None`` (no byte
+  equals it, so the byte after an advance is always an entry).
+* otherwise ``i = e & COO_INDEX_MASK``; if ``i <= p`` then ``c += 1`` (natural advance to the next chunk); the
+  entry is at ``CHUNK_SIZE * c + i``; ``p = i``; ``prev = e``.
+
+The encoder writes an escape (a copy of ``prev``, ``0x00`` at the row start) only where the natural rule would
+decode wrongly: the entry is more than one chunk ahead, one chunk ahead with ``i > p``, or its byte equals
+``prev``. After any entry the state is ``(its chunk, its index, its byte)`` whether or not an escape preceded it,
+so whether an entry needs an escape depends only on the entry before it. An advance of 0 only occurs at the row
+start.
+
+Decoding untrusted bytes validates everything it reads and raises :class:`CorruptDataError`: an escape must be
+followed by its advance and an entry, an advance of 0 is only legal before the first entry, every position must
+be ``< D`` (so positions strictly increase), a fifth code bit is only legal for a 5-bit group, the padding
+nibble of an odd ``D`` must be 0, offsets and shapes must be consistent, and the scales must be finite and
+decode to finite values: for each group the values of its lowest and highest code, threshold shift included,
+computed in the decoder's float32 arithmetic (every other code's value lies between them). The encoder refuses
+any row that would break the last rule, so it never writes a row the decoder refuses. Dense nibbles carry no
+redundancy and there is no checksum: a bit flip that keeps the stream valid decodes to other numbers, and
+``D`` is not stored (a row read with a width one less than written is only caught by a non-zero padding
+nibble or an entry beyond the end). docs/robustness.md says what is and is not guaranteed.
+
+In memory (:class:`EncodedBatch`) the fields of many rows are separate arrays; the header is what
+``sparse_offsets[r + 1] - sparse_offsets[r]`` costs when stored per row.
+
+Page-record format
+------------------
+A paged store (``oakenkv.store.paged`` over ``oakenkv.store.pages``) keeps a row as two records::
+
+    dense record (fixed size, record_size(D, config) bytes, in the stream's dense pages)
+      offset 0                 scales   scale_bytes(config) = NUM_SCALES x itemsize, little-endian, SCALE_NAMES order
+      offset scale_bytes       dense    ceil(D/2) bytes, the row's nibbles as above
+    sparse record (S bytes, in the stream's sparse pages): the row's COO bytes
+    header: S, kept in the page table as the token's uint16 sparse length (pages.StreamTable.sparse_len)
+
+:func:`to_records` / :func:`from_records` convert an :class:`EncodedBatch` to and from these records.
+
+Status codes
+------------
+Kernels never raise: they return ``ERR_OK`` or an ``ERR_*`` code per row, and the Python side raises with
+``ERROR_MESSAGES[code]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from oakenkv.format.config import V1_FIXED_FIELDS, OakenConfig
+
+# ------------------------------------------------------------------------------------------------ row format
+
+#: Values addressed by one 6-bit COO index.
+CHUNK_SIZE = 64
+#: Dense slot width: one nibble per value.
+DENSE_BITS = 4
+#: Bits of a middle-group code: the whole dense slot.
+MIDDLE_BITS = DENSE_BITS
+#: Bits of one COO entry (6 index + 1 group + 1 fifth code bit).
+COO_ENTRY_BITS = 8
+#: Bit masks of the COO entry byte.
+COO_INDEX_MASK = 0x3F
+COO_GROUP_BIT = 0x40
+COO_CODE_BIT4 = 0x80
+#: Escape advance bytes: ``ADVANCE_CONTINUE`` adds 255 and another advance byte follows.
+ADVANCE_CONTINUE = 0xFF
+#: Scales stored per row, in this order (index = 2 * group id + {0: min, 1: max}).
+SCALE_NAMES = ("mid_min", "mid_max", "inner_min", "inner_max", "outer_min", "outer_max")
+NUM_SCALES = len(SCALE_NAMES)
+#: Width of the per-row header: the row's sparse byte count.
+HEADER_BITS = 16
+#: Largest sparse byte count a 16-bit header can hold.
+MAX_ROW_SPARSE_BYTES = 2**HEADER_BITS - 1
+#: Largest supported row width: its worst-case sparse bytes (:func:`sparse_capacity`) fit the 16-bit header.
+MAX_DIM = 32768
+
+
+def dense_bytes(dim: int) -> int:
+    """Bytes of the dense part of one row of ``dim`` values."""
+    return (dim + 1) // 2
+
+
+def num_chunks(dim: int) -> int:
+    """CHUNK_SIZE-value chunks of one row (the last one may be partial)."""
+    return (dim + CHUNK_SIZE - 1) // CHUNK_SIZE
+
+
+def sparse_capacity(dim: int) -> int:
+    """Upper bound on one row's sparse bytes: every value an outlier, one escape (two bytes, plus one per 255
+    chunks of advance) per chunk, and the row-start escape."""
+    ch = num_chunks(dim)
+    return dim + 2 * ch + ch // 255 + 1
+
+
+def check_dim(dim: int) -> None:
+    """Raise ValueError unless ``dim`` is a supported row width."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+        raise ValueError(f"row width D must be an int in [1, {MAX_DIM}], got {dim!r}")
+
+
+def check_dim_corrupt(dim: int) -> None:
+    """:func:`check_dim` for a width that comes with bytes to decode: raises :class:`CorruptDataError`."""
+    try:
+        check_dim(dim)
+    except ValueError as e:
+        raise CorruptDataError(str(e)) from None
+
+
+def _describe(a: object) -> str:
+    return f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "dtype") and hasattr(a, "shape") else type(a).__name__
+
+
+def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16) -> int:
+    """Bits the format stores for ``num_rows`` rows of ``dim`` values holding ``num_entries`` COO entries in all
+    (one per inner or outer value), escape bytes not counted: header, scales and dense bytes per row, plus the
+    entries."""
+    return num_rows * (HEADER_BITS + NUM_SCALES * scale_bits + 8 * dense_bytes(dim)) + COO_ENTRY_BITS * num_entries
+
+
+def expected_bits(dim: int, outlier_fraction: float, scale_bits: int = 16) -> float:
+    """Bits per value of the format without escapes: ``4 + 8 f + (6 * scale_bits + 16) / D`` (the paper's formula
+    plus our header); for odd ``D`` the dense padding nibble is included."""
+    check_dim(dim)
+    return (
+        8 * dense_bytes(dim) / dim + COO_ENTRY_BITS * outlier_fraction + (NUM_SCALES * scale_bits + HEADER_BITS) / dim
+    )
+
+
+# The layout's sizes, checked at import like ggml's static_asserts.
+assert sparse_capacity(MAX_DIM) <= MAX_ROW_SPARSE_BYTES  # the 16-bit header never overflows
+assert CHUNK_SIZE - 1 == COO_INDEX_MASK and COO_INDEX_MASK | COO_GROUP_BIT | COO_CODE_BIT4 == 0xFF
+# Version-1 config files record these two format constants next to the knobs (oakenkv.format.config).
+assert V1_FIXED_FIELDS == {"middle_bits": MIDDLE_BITS, "chunk_size": CHUNK_SIZE}
+
+
+# ------------------------------------------------------------------------------------------------ status codes
+
+# Row status codes returned by the kernels (0 = fine).
+ERR_OK = 0
+ERR_NONFINITE = 1
+ERR_SCALE_OVERFLOW = 2
+ERR_ESCAPE_TRUNCATED = 3
+ERR_ZERO_ADVANCE = 4
+ERR_ESCAPE_NO_ENTRY = 5
+ERR_POSITION_RANGE = 6
+ERR_FIFTH_BIT = 7
+ERR_SHAPE = 8
+ERR_EVICTED = 9
+ERR_SCALE_NONFINITE = 10
+ERR_SCALE_RANGE = 11
+ERR_PADDING = 12
+ERR_THRESHOLDS = 13
+
+ERROR_MESSAGES = {
+    ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
+    ERR_SCALE_OVERFLOW: "a group's range exceeds the fp16 maximum (65504); use OakenConfig(scale_dtype='float32')",
+    ERR_ESCAPE_TRUNCATED: "an escape is cut off before its chunk advance (truncated sparse stream)",
+    ERR_ZERO_ADVANCE: "an escape with a zero chunk advance after an entry (positions must increase)",
+    ERR_ESCAPE_NO_ENTRY: "an escape is not followed by an entry (truncated sparse stream)",
+    ERR_POSITION_RANGE: "a COO entry points past the end of the row",
+    ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
+    ERR_SHAPE: "row buffers have inconsistent sizes",
+    ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
+    ERR_SCALE_NONFINITE: "scales contain NaN or infinite values, or decode to values beyond the float32 range",
+    ERR_SCALE_RANGE: "a group's range, or a value restored from it, exceeds the float32 range (|x| > 3.4e38): "
+    "the KV cache cannot quantize values or thresholds this large",
+    ERR_PADDING: "the padding nibble of an odd-width row is not 0 (bytes of a row of another width?)",
+    ERR_THRESHOLDS: "thresholds must be 4 finite float32 values with to_lo < ti_lo <= ti_hi < to_hi",
+}
+
+
+class CorruptDataError(ValueError):
+    """Encoded bytes that are not a valid Oaken stream (truncated, corrupted or of another shape)."""
+
+
+# ------------------------------------------------------------------------------------------------ rows in memory
+
+
+@dataclass
+class EncodedBatch:
+    """Rows in the fused dense-and-sparse format.
+
+    Attributes:
+        dense: uint8 ``[N, ceil(D/2)]``; nibble ``j % 2`` (low first) of byte ``j // 2`` is value ``j``'s slot.
+        scales: ``[N, 6]`` float16 (or float32): ``mid_min, mid_max, inner_min, inner_max, outer_min, outer_max``.
+        sparse: uint8 ``[S]``; the COO byte streams of all rows, concatenated.
+        sparse_offsets: int64 ``[N + 1]``; row ``r``'s stream is ``sparse[off[r]:off[r + 1]]``. The stored per-row
+            cost of this is the 16-bit header (the count ``off[r + 1] - off[r]``).
+        dim: ``D``, the number of values per row.
+    """
+
+    dense: torch.Tensor
+    scales: torch.Tensor
+    sparse: torch.Tensor
+    sparse_offsets: torch.Tensor
+    dim: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.dense.shape[0])
+
+    def row_sparse(self, r: int) -> torch.Tensor:
+        """uint8 ``[S_r]``: the COO stream of row ``r``."""
+        return self.sparse[int(self.sparse_offsets[r]) : int(self.sparse_offsets[r + 1])]
+
+    def nbytes(self) -> int:
+        """Bytes of the stored form: dense + sparse + scales + the 2-byte header of every row."""
+        n = self.num_rows
+        return (
+            self.dense.numel()
+            + self.sparse.numel()
+            + self.scales.numel() * self.scales.element_size()
+            + n * HEADER_BITS // 8
+        )
+
+
+def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_scales: bool = True) -> None:
+    """Validate the structure of an :class:`EncodedBatch` (shapes, dtypes, offsets, finite scales).
+
+    The COO streams themselves are validated while decoding. ``check_scales=False`` skips the finiteness check of
+    the scales, for a decoder that checks each row's itself. Raises :class:`CorruptDataError`.
+    """
+    config = config or OakenConfig()
+    if not isinstance(enc, EncodedBatch):
+        raise CorruptDataError(f"expected an EncodedBatch, got {type(enc).__name__}")
+    check_dim_corrupt(enc.dim)
+    for name in ("dense", "scales", "sparse", "sparse_offsets"):
+        t = getattr(enc, name)
+        if not isinstance(t, torch.Tensor):
+            raise CorruptDataError(f"EncodedBatch.{name} must be a torch.Tensor")
+        if t.device.type != "cpu":
+            raise CorruptDataError(f"EncodedBatch.{name} is on {t.device}; the CPU codec reads CPU tensors")
+    if enc.dense.dtype != torch.uint8 or enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
+        raise CorruptDataError(
+            f"dense must be uint8 [N, {dense_bytes(enc.dim)}] for D = {enc.dim}, got {enc.dense.dtype} "
+            f"{tuple(enc.dense.shape)}"
+        )
+    n = enc.dense.shape[0]
+    want = config.scale_torch_dtype
+    if enc.scales.dtype != want or tuple(enc.scales.shape) != (n, NUM_SCALES):
+        raise CorruptDataError(
+            f"scales must be {want} [{n}, {NUM_SCALES}], got {enc.scales.dtype} {tuple(enc.scales.shape)}"
+        )
+    # numpy, not torch, for these whole-array checks: torch's intra-op thread pool makes every small op wait for
+    # a time slice on a busy machine, numpy stays on the calling thread.
+    if check_scales and not np.isfinite(enc.scales.detach().cpu().numpy()).all():
+        raise CorruptDataError("scales contain NaN or infinite values")
+    if enc.sparse.dtype != torch.uint8 or enc.sparse.dim() != 1:
+        raise CorruptDataError(f"sparse must be a 1-D uint8 tensor, got {enc.sparse.dtype} {tuple(enc.sparse.shape)}")
+    off = enc.sparse_offsets
+    if off.dtype != torch.int64 or tuple(off.shape) != (n + 1,):
+        raise CorruptDataError(f"sparse_offsets must be int64 [{n + 1}], got {off.dtype} {tuple(off.shape)}")
+    if int(off[0]) != 0 or int(off[-1]) != enc.sparse.numel():
+        raise CorruptDataError(
+            f"sparse_offsets must start at 0 and end at len(sparse) = {enc.sparse.numel()}, "
+            f"got {int(off[0])} .. {int(off[-1])}"
+        )
+    off_np = off.detach().cpu().numpy()
+    counts = off_np[1:] - off_np[:-1]
+    if n and (bool((counts < 0).any()) or int(counts.max()) > MAX_ROW_SPARSE_BYTES):
+        raise CorruptDataError(f"sparse_offsets must be non-decreasing with row counts <= {MAX_ROW_SPARSE_BYTES}")
+    if enc.dim % 2 and n:
+        pad = np.flatnonzero(enc.dense[:, -1].detach().cpu().numpy() >> 4)
+        if pad.size:
+            raise CorruptDataError(f"row {int(pad[0])}: {ERROR_MESSAGES[ERR_PADDING]}")
+
+
+# ------------------------------------------------------------------------------------------------ page records
+
+
+def scale_bytes(config: OakenConfig) -> int:
+    """Bytes of the six scales at the start of a dense record."""
+    return NUM_SCALES * config.scale_itemsize
+
+
+def record_size(dim: int, config: OakenConfig) -> int:
+    """Bytes of one dense page record: the six scales, then the ``ceil(D / 2)`` nibble bytes."""
+    return scale_bytes(config) + dense_bytes(dim)
+
+
+def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, record_size]`` (scales then nibbles), sparse
+    uint8 ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse table)."""
+    n = enc.num_rows
+    scales = enc.scales.contiguous().numpy().view(np.uint8).reshape(n, -1)
+    dense = np.concatenate([scales, enc.dense.numpy()], axis=1)
+    return dense, enc.sparse.numpy(), enc.sparse_offsets.numpy()
+
+
+def from_records(
+    dense: np.ndarray, sparse: np.ndarray, offsets: np.ndarray, dim: int, config: OakenConfig
+) -> EncodedBatch:
+    """The inverse of :func:`to_records`: an :class:`EncodedBatch` of the records (decode it to validate the
+    streams). Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and
+    ``config``."""
+    check_dim_corrupt(dim)
+    size = record_size(dim, config)
+    for name, a, nd in (("dense", dense, 2), ("sparse", sparse, 1)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != nd:
+            raise CorruptDataError(f"{name} records must be a {nd}-D uint8 array, got {_describe(a)}")
+    if dense.shape[1] != size:
+        raise CorruptDataError(
+            f"dense records must be {size} bytes for D = {dim} and {config.scale_dtype} scales, got {dense.shape[1]}"
+        )
+    offsets = np.asarray(offsets)
+    if offsets.dtype.kind not in "iu" or offsets.shape != (dense.shape[0] + 1,):
+        raise CorruptDataError(f"offsets must be {dense.shape[0] + 1} integers, got {_describe(offsets)}")
+    sb = scale_bytes(config)
+    scales = np.ascontiguousarray(dense[:, :sb]).view(config.scale_np_dtype).reshape(-1, NUM_SCALES)
+    return EncodedBatch(
+        dense=torch.from_numpy(np.ascontiguousarray(dense[:, sb:])),
+        scales=torch.from_numpy(scales.copy()),
+        sparse=torch.from_numpy(np.ascontiguousarray(sparse)),
+        sparse_offsets=torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
+        dim=dim,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ paged view
+
+#: Page id of a released page (``PagePool.evict_before``: a sliding-window layer's tokens no query reaches), as a
+#: view's page lists carry it; a reader must never dereference it.
+EVICTED = -1
+
+
+class LayerView(NamedTuple):
+    """Where one layer's keys and values of every batch row lie in a page pool: what a decode kernel reads.
+
+    Built by ``oakenkv.store.paged.PagedKVStore.layer_view`` from the tables the store keeps current on every write (no
+    table is rebuilt per step); read by ``oakenkv.kernels.cpu.attention`` (and the backends to come). ``B``
+    batch rows, ``T = num_tokens`` tokens stored per row, kind 0 = keys, 1 = values. The table arrays have
+    capacity beyond what is live (they grow by doubling): a reader uses ``num_tokens`` and ``sparse_counts``,
+    never their shapes. Token ``t < T`` of row ``b``, kind ``k``:
+
+    * dense record: ``pool[p * page_size + (t % rpp) * record_size :][:record_size]`` with
+      ``p = dense_pages[b, k, t // rpp]`` and ``rpp = page_size // record_size`` (records never straddle pages);
+    * sparse record: ``sparse_lengths[b, k, t]`` bytes in the sparse page of its stream that holds it. The
+      stream's sparse pages are ``sparse_pages[b, k, :n]`` with first tokens ``sparse_first[b, k, :n]``,
+      ``n = sparse_counts[b, k]``; the record's offset in its page is the sum of the lengths of the tokens
+      before it in that page (readers walk a stream in token order).
+
+    Page ids of -1 (``oakenkv.store.pages.EVICTED``) are pages a sliding window released; a kernel must not read them.
+    The field order is the order of a kernel's trailing arguments: pass ``*view``.
+    """
+
+    #: uint8 ``[num_pages * page_size]``: the pool's storage, flat.
+    pool: np.ndarray
+    #: Bytes per page.
+    page_size: int
+    #: Bytes per dense record (:func:`record_size`).
+    record_size: int
+    #: Bytes of the scales at the start of a dense record (:func:`scale_bytes`).
+    scale_bytes: int
+    #: ``T``: tokens stored in every stream of the layer.
+    num_tokens: int
+    #: int32 ``[B, 2, >= ceil(T / rpp)]``: dense page ids per row and kind, in token order.
+    dense_pages: np.ndarray
+    #: int32 ``[B, 2, >= max(sparse_counts)]``: sparse page ids per row and kind, in token order.
+    sparse_pages: np.ndarray
+    #: int32 ``[B, 2, >= max(sparse_counts)]``: first token whose sparse record lies in each of those pages.
+    sparse_first: np.ndarray
+    #: int64 ``[B, 2]``: sparse pages of each stream.
+    sparse_counts: np.ndarray
+    #: uint16 ``[B, 2, >= T]``: sparse record length of every token (the row format's header).
+    sparse_lengths: np.ndarray
+    #: float32 ``[2, 4]``: the layer's key and value thresholds ``(to_lo, ti_lo, ti_hi, to_hi)``.
+    thresholds: np.ndarray
+    #: Bits of the inner and outer groups' codes (4 or 5).
+    inner_bits: int
+    outer_bits: int
+    #: KV heads: a row of ``D = num_kv_heads * head_dim`` values holds every head of the token.
+    num_kv_heads: int

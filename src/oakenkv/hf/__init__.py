@@ -1,0 +1,1 @@
+"""The transformers adapter: ``OakenCache``, the packed attention function, version compatibility."""

@@ -1,0 +1,392 @@
+"""`OakenCache`: a transformers 5.x ``Cache`` that stores keys and values in the Oaken format, in pages.
+
+The adapter between transformers and the paged store. Built on transformers' own cache types (``Cache`` /
+``CacheLayerMixin``, ``transformers/cache_utils.py``): one :class:`OakenLayer` per decoder layer, all sharing one
+:class:`~oakenkv.store.paged.PagedKVStore` (the page pool, the codec and the thresholds; ``oakenkv.store.paged``). Each
+batch row is one pool sequence with ``2 * num_layers`` streams (``stream = 2 * layer + 0`` for keys, ``+ 1`` for
+values); a token's vector is all KV heads of the layer (``D = num_kv_heads * head_dim``, granularity "token").
+
+What ``update`` returns
+-----------------------
+* **Prefill** (``S > 1``), or any step when the model does not use the ``"oaken"`` attention: the dequantized keys
+  and values of the whole history plus the new tokens (``[B, H, T, hd]``), so stock attention runs on exactly what
+  is stored (the paper's harness also attends over quantized K/V). The new tokens are encoded chunk by chunk
+  (``prefill_chunk`` tokens), so the encoder's temporaries stay small; on a first update the result is decoded
+  from those chunks directly, later ones read the pages back. The float tensors returned for one layer are the
+  size of that layer's unquantized cache and are dropped after its attention, so peak memory never exceeds that
+  of an unquantized cache.
+* **Decode** (``S == 1``) with the ``"oaken"`` attention (:func:`oakenkv.hf.attention.enable_oaken_attention`):
+  lightweight :class:`PackedKV` handles; the attention function reads the packed pages directly.
+
+With ``OakenCache(..., residual=R)`` each layer's newest tokens stay unquantized in a full-precision window beside
+the pages (``oakenkv.store.paged``): the float results above are the pages' tokens followed by the window's, and the
+packed attention adds the window's part to the pages'.
+
+Sliding-window layers (Gemma 3: 5 of every 6 layers, window 512) are quantized and paged like full layers; the
+sliding mask that transformers builds limits what attention sees, and each update releases the pages that hold
+only tokens no query can reach any more (``PagedKVStore.evict_before``, whole pages: a sliding layer keeps the
+window plus at most one page of records before it). The tables keep their per-token entries (2 bytes of
+sparse length per token and stream) and evicted tokens read as zeros in the float path; the kernel never reads
+them (the mask hides them). ``OakenCache(..., evict_sliding=False)`` keeps everything.
+
+Running out of the pool's budget raises :class:`~oakenkv.store.pages.PoolExhaustedError` from the layer that could not
+append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
+step's tokens, so a cache that raised must be ``reset()`` (or dropped) before it is used again.
+
+Beam search and batch selection are table operations: a reordered row is a :meth:`~oakenkv.store.pages.PagePool.fork`
+of its source sequence (pages shared, copied on write), never a copy of the KV bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
+from oakenkv.store.pages import PoolConfig, PoolStats
+
+#: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
+ATTN_IMPLEMENTATION = "oaken"
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """A handle ``OakenLayer.update`` returns at decode instead of float tensors: where one layer's keys or
+    values live. Only the ``"oaken"`` attention function accepts it."""
+
+    store: PagedKVStore
+    layer: int
+    #: ``KEY`` or ``VALUE``.
+    kind: int
+    #: Tokens stored (the current one included), in the pages and the full-precision window.
+    num_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The shape the float tensor would have: ``[B, H, T, hd]``."""
+        s = self.store
+        return (s.batch_size, s.num_kv_heads, self.num_tokens, s.head_dim)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+
+
+class OakenLayer(CacheLayerMixin):
+    """One decoder layer of an :class:`OakenCache`; its keys and values live in the shared store's pages."""
+
+    is_compileable = False
+    # Cropping would need truncating page tables; assisted decoding is not supported yet.
+    is_croppable = False
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        evict: bool = True,
+        model_config: Any = None,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.layer_idx = layer_idx
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        #: Sliding layers: release the pages of tokens that left the window (module docstring).
+        self.evict = evict
+        #: The model's config, whose attention implementation decides what a decode step returns.
+        self._model_config = model_config
+
+    @property
+    def packed_decode(self) -> bool:
+        """Whether decode steps return :class:`PackedKV` handles: the model runs the ``"oaken"`` attention.
+
+        Read at each decode step, not fixed once: a model may switch its attention between steps of one cache
+        (``oakenkv.hf.attention.oaken_attention``), and a float step must get float tensors."""
+        cfg = self._model_config
+        if cfg is None:
+            return False
+        # transformers' property reads this attribute; its config class's __getattribute__ costs ~2-3 us a call,
+        # once per layer and step (docs/perf-notes.md), so the attribute is read directly where it exists
+        impl = vars(cfg).get("_attn_implementation_internal", _MISSING)
+        return (cfg._attn_implementation if impl is _MISSING else impl) == ATTN_IMPLEMENTATION
+
+    def __repr__(self) -> str:
+        return f"OakenLayer(layer={self.layer_idx}, tokens={self.get_seq_length()}, sliding={self.sliding_window})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        if self.device.type != "cpu":
+            raise ValueError(f"OakenCache runs on CPU (its pages are host memory), got tensors on {self.device}")
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor | PackedKV, torch.Tensor | PackedKV]:
+        """Store new tokens ``[B, H, S, hd]``; return what the attention function needs (module docstring)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        store = self.store
+        if store.residual:
+            return self._update_with_window(key_states, value_states)
+        past = store.num_tokens(self.layer_idx)
+        s = key_states.shape[2]
+        decoded = []  # (keys, values) of each chunk as stored, while they are the whole history
+        chunk = store.prefill_chunk
+        packed = s == 1 and self.packed_decode
+        if s == 1 and past and store.fast:  # a decode step: the single-token path
+            store.append_token(self.layer_idx, key_states, value_states)
+        else:
+            for start in range(0, s, chunk):
+                ks, vs = key_states[:, :, start : start + chunk], value_states[:, :, start : start + chunk]
+                if past or packed:
+                    store.append(self.layer_idx, ks, vs)
+                else:  # the whole history is what we encode: keep it as decoded, not read from the pages
+                    decoded.append(store.append_decoded(self.layer_idx, ks, vs))
+        total = past + s
+        if packed:
+            result = (PackedKV(store, self.layer_idx, KEY, total), PackedKV(store, self.layer_idx, VALUE, total))
+        elif decoded:
+            result = tuple(self._as_read(kind, [d[kind] for d in decoded], key_states) for kind in (KEY, VALUE))
+        else:
+            result = (
+                store.read(self.layer_idx, KEY, key_states.dtype),
+                store.read(self.layer_idx, VALUE, key_states.dtype),
+            )
+        if self.is_sliding and self.evict:
+            # transformers' sliding mask lets a query at position p see keys above p - window. The next query
+            # (position ``total``) and all later ones see none below total - window + 1; this step's float tensors
+            # are already built, and its packed decode query (position total - 1) reads from total - window on.
+            store.evict_before(self.layer_idx, total - self.sliding_window)
+        return result
+
+    def _update_with_window(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor | PackedKV, torch.Tensor | PackedKV]:
+        """:meth:`update` with a full-precision window (``OakenCache(residual=R)``, ``oakenkv.store.paged``): the new
+        tokens join the window, whose oldest tokens the store encodes once it holds ``2 R``; the float result is
+        the pages' tokens (dequantized) followed by the window's."""
+        store = self.store
+        layer = self.layer_idx
+        past = store.num_tokens(layer)
+        chunks = store.window_update(layer, key_states, value_states)
+        paged = store.num_tokens(layer)
+        total = paged + store.window_tokens(layer)
+        if key_states.shape[2] == 1 and self.packed_decode:
+            result = (PackedKV(store, layer, KEY, total), PackedKV(store, layer, VALUE, total))
+        else:
+            parts = []
+            for kind in (KEY, VALUE):
+                if past == 0 and chunks:  # the pages hold only this update's chunks: decode them directly
+                    x = self._decode_chunks(kind, [c[kind] for c in chunks], key_states)
+                elif paged:
+                    x = store.read(layer, kind, key_states.dtype)
+                else:
+                    x = None
+                w = store.window(layer, kind, key_states.dtype)
+                parts.append(w.clone() if x is None else torch.cat([x.to(key_states.dtype), w], dim=2))
+            result = (parts[0], parts[1])
+        if self.is_sliding and self.evict:  # (see update; only pages are released, the window is kept)
+            store.evict_before(layer, min(paged, total - self.sliding_window))
+        return result
+
+    def _decode_chunks(self, kind: int, chunks: list[Any], like: torch.Tensor) -> torch.Tensor:
+        """Dequantize the encoded chunks of one kind (``KEY``/``VALUE``) of a first update, rows ordered ``(b, s)``
+        within each chunk, into ``[B, H, S, hd]`` of ``like``'s dtype as :meth:`PagedKVStore.read` would return
+        them (see :meth:`_as_read`)."""
+        store = self.store
+        b = like.shape[0]
+        parts = []
+        for enc in chunks:
+            with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
+                x = store.decode_encoded(self.layer_idx, kind, enc)
+            parts.append(x.numpy().reshape(b, enc.num_rows // b, store.dim))
+        return self._as_read(kind, parts, like)
+
+    def _as_read(self, kind: int, parts: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
+        """Decoded float32 rows ``[B, S_i, D]`` of one kind (consecutive chunks of a first update) as
+        :meth:`PagedKVStore.read` returns the history: ``[B, H, S, hd]`` of ``like``'s dtype, sink tokens put in,
+        keys restored (a view of the rows for one chunk, a concatenation for several)."""
+        store = self.store
+        x = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+        # [B, S, H * hd] -> a [B, H, S, hd] view (no copy; attention accepts strided inputs)
+        x = x.view(x.shape[0], x.shape[1], store.num_kv_heads, store.head_dim).permute(0, 2, 1, 3).to(like.dtype)
+        x = store.apply_sinks(self.layer_idx, kind, x)
+        return store.restore_keys(self.layer_idx, x) if kind == KEY else x
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Every stored token is returned (sliding layers too: the sliding mask hides what left the window).
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.num_tokens(self.layer_idx) + self.store.window_tokens(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError("reorder an OakenCache as a whole (OakenCache.reorder_cache), not one layer")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("OakenCache cannot be cropped yet (assisted decoding is not supported)")
+
+    def offload(self) -> None:  # pages are host memory already
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+def _check_transforms(thresholds: Thresholds, config: Any) -> None:
+    """Refuse a profile whose offline transforms the model does not carry, and the other way round: either would
+    quantize vectors the thresholds were not profiled for (silently wrong numbers)."""
+    from oakenkv.calibrate.transforms import FOLD_MARK
+
+    folded = getattr(config, FOLD_MARK, None)
+    t = thresholds.transforms
+    if t is None and folded is not None:
+        raise ValueError("this model carries oaken-plus transforms; use the oaken-plus profile they came from")
+    if t is not None and folded != t.digest():
+        raise ValueError(
+            "this profile has oaken-plus transforms the model does not carry"
+            + (" (it carries other ones)" if folded else "")
+            + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
+        )
+
+
+class OakenCache(Cache):
+    """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
+
+    Args:
+        thresholds: the model's profile (``oakenkv.calibrate.thresholds.Thresholds``); checked against ``config``.
+        config: the model's config (``model.config``); decides the layers (full or sliding) and whether decode
+            steps use the packed-page attention (``config._attn_implementation == "oaken"``).
+        pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
+        codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
+        prefill_chunk: tokens encoded per chunk during prefill (default ``oakenkv.store.paged.PREFILL_CHUNK``).
+        evict_sliding: release the pages of tokens that left a sliding layer's window (default); False keeps
+            them (the sliding mask still hides them).
+        residual: keep each layer's newest ``residual`` to ``2 * residual - 1`` tokens unquantized (float32) in a
+            full-precision window, encoding the oldest ``residual`` at a time (KIVI's and ``QuantizedCache``'s
+            residual; ``oakenkv.store.paged``). 0 (default): the paper's Oaken, every token quantized on arrival. A
+            window makes short contexts exact and cheap to decode (no encode per step) and costs 32 bits per
+            value of the tokens it holds.
+
+    A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.calibrate.plus``) is only valid on a model
+    that carries them: build the cache with :meth:`from_profile`, which folds them in first.
+
+    Example::
+
+        from oakenkv.hf.attention import enable_oaken_attention
+        enable_oaken_attention(model)           # optional: decode reads the packed pages directly
+        cache = OakenCache.from_profile(model, Thresholds.load("profile.json"))
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32)
+        print(cache.kv_bytes())
+    """
+
+    @classmethod
+    def from_profile(cls, model: Any, thresholds: Thresholds, **kwargs: Any) -> OakenCache:
+        """A cache for ``model`` with ``thresholds``, after folding the profile's transforms into ``model`` (in
+        place, once: ``oakenkv.calibrate.plus.apply_profile``). Keyword arguments as for the constructor."""
+        from oakenkv.calibrate.plus import apply_profile
+
+        apply_profile(model, thresholds)
+        return cls(thresholds, model.config, **kwargs)
+
+    def __init__(
+        self,
+        thresholds: Thresholds,
+        config: Any,
+        *,
+        pool_config: PoolConfig | None = None,
+        codec: str = "auto",
+        prefill_chunk: int = PREFILL_CHUNK,
+        evict_sliding: bool = True,
+        residual: int = 0,
+    ) -> None:
+        text = config.get_text_config(decoder=True)
+        thresholds.check_model(text)
+        _check_transforms(thresholds, config)
+        num_layers = text.num_hidden_layers
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.store = PagedKVStore(
+            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk, residual
+        )
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
+        layers: list[CacheLayerMixin] = []
+        for i, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                layers.append(OakenLayer(self.store, i, model_config=config))
+            elif kind == "sliding_attention":
+                window = text.sliding_window
+                layers.append(OakenLayer(self.store, i, window, evict=evict_sliding, model_config=config))
+            else:
+                raise ValueError(f"OakenCache supports full and sliding attention layers, layer {i} is {kind!r}")
+        super().__init__(layers=layers)
+
+    # The layers are views of one store: batch operations act on the store once, not once per layer.
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.reorder([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.store.reorder([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.store.reorder([j for j in range(self.store.batch_size) for _ in range(repeats)])
+
+    def reset(self) -> None:
+        self.store.reset()
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("OakenCache cannot be cropped yet (assisted decoding is not supported)")
+
+    def kv_bytes(self) -> int:
+        """Memory the KV cache holds: pages in use (whole pages) plus management tables."""
+        return self.store.stats().total_bytes
+
+    def bits_per_value(self) -> dict[str, float]:
+        """Bits per stored value: the format's bytes, and everything held (:meth:`PagedKVStore.bits_per_value`)."""
+        return self.store.bits_per_value()
+
+    def stats(self) -> PoolStats:
+        return self.store.stats()
+
+    @property
+    def batch_size(self) -> int:
+        return self.store.batch_size if self.store.seqs else -1
+
+
+def tensor_bytes(t: Any) -> int:
+    """Storage bytes of a tensor, recursing into wrapper tensors (quanto's packed tensors, scales, shifts)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of KV state any transformers cache holds (OakenCache: pages in use + tables; others: the tensors of
+    its layers, quantized ones included)."""
+    if isinstance(cache, OakenCache):
+        return cache.kv_bytes()
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += tensor_bytes(getattr(layer, name, None))
+    return total

@@ -1,0 +1,1 @@
+"""numba CPU kernels, each bit-exact with ``oakenkv.quant.quantizer``."""

@@ -1,0 +1,1 @@
+"""The reference in plain PyTorch: the quantizer (``quantizer``) and pack/unpack (``reference``)."""

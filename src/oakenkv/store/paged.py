@@ -1,0 +1,784 @@
+"""The paged K/V store: every layer's keys and values of a batch in one page pool, in the Oaken format.
+
+:class:`PagedKVStore` owns what a cache needs below the transformers adapter (``oakenkv.hf.cache``): the page pool
+(``oakenkv.store.pages``: one sequence per batch row, ``stream = 2 * layer + kind`` with kind ``KEY`` = 0 and ``VALUE``
+= 1), the codec (the fast numba pair or the plain PyTorch reference), the thresholds as kernels want them, the
+policy for when numba runs on one thread, and the per-layer :class:`~oakenkv.format.layout.LayerView` that a decode
+kernel reads (:meth:`PagedKVStore.layer_view`). A token's row is all KV heads of the layer (``D = num_kv_heads *
+head_dim``, granularity "token", the paper's); its bytes are the page records of ``oakenkv.format.layout``.
+
+Writes are atomic per layer: an append that the pool's budget cannot hold raises
+:class:`~oakenkv.store.pages.PoolExhaustedError` and changes nothing.
+
+Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` tokens of every row are
+encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
+transform, as the pages hold them) beside the pool; every read (:meth:`PagedKVStore.read`, the prefill's direct
+decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention) takes them from there.
+
+A full-precision window (``residual = R > 0``, KIVI's and transformers' ``QuantizedCache``'s residual, off by
+default: the paper's Oaken quantizes every token): every layer keeps its newest tokens unquantized, as float32
+values (keys after the online key transform: what the encoder would be handed) beside the pages, in
+:attr:`PagedKVStore.windows`. When an update leaves ``n >= 2 R`` tokens there, the oldest ``n - R`` are encoded
+into the pages (:meth:`PagedKVStore.window_update`), with the same bytes as if they had been encoded on arrival;
+the window then holds ``R``. The pages always hold a prefix of the sequence (tokens ``[0, num_tokens)``), the
+window the rest (``[num_tokens, num_tokens + window_tokens)``). A decode step then costs no encode (one copy into
+the window), and attention over the window is float attention merged with the pages' (``merge_window``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from numba import njit
+
+from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.calibrate.transforms import fwht
+from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import (
+    ERROR_MESSAGES,
+    HEADER_BITS,
+    EncodedBatch,
+    LayerView,
+    from_records,
+    record_size,
+    scale_bytes,
+    sparse_capacity,
+    to_records,
+)
+from oakenkv.kernels.cpu.codec import decode_records, decode_trusted, encode_records, encode_trusted, first_error
+from oakenkv.store.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
+
+KEY, VALUE = 0, 1
+#: Names of the two kinds, indexed by ``KEY`` / ``VALUE`` (as ``Thresholds.layer`` spells them).
+KINDS = ("key", "value")
+
+#: Tokens per chunk of a long update (a prefill): each chunk is one encode call over ``B * chunk`` rows. Small
+#: chunks cost a call's fixed work each and run below ``SERIAL_BELOW_ROWS`` on one thread: a 4096-token prefill
+#: layer took 20.6 ms with chunks of 256, 8.3 with 2048, 6.6 with 4096 (batch 1, docs/perf-notes.md). The
+#: encoder's temporaries are a few times the chunk's float rows: small next to the float tensors the prefill's
+#: attention gets.
+PREFILL_CHUNK = 4096
+
+#: Below this many rows a numba call runs on one thread: waking the thread pool costs more than the work
+#: (measured in ``docs/perf-notes.md``).
+SERIAL_BELOW_ROWS = 1024
+
+
+@contextlib.contextmanager
+def serial_numba(active: bool = True) -> Iterator[None]:
+    """Run the numba kernels called inside the block on the calling thread only (when ``active``)."""
+    if not active:
+        yield
+        return
+    import numba
+
+    previous = numba.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+Encoder = Callable[[torch.Tensor, Any, OakenConfig], EncodedBatch]
+Decoder = Callable[[EncodedBatch, Any, OakenConfig], torch.Tensor]
+
+
+def codec_functions(kind: str) -> tuple[Encoder, Decoder]:
+    """``(encode, decode)``: the fast numba pair (``"auto"``, ``"fast"``: ``oakenkv.kernels.codec``) or the plain
+    PyTorch reference pair (``"reference"``: ``oakenkv.quant.reference``). Both give identical bytes and numbers."""
+    if kind not in ("auto", "fast", "reference"):
+        raise ValueError(f"codec must be 'auto', 'fast' or 'reference', got {kind!r}")
+    if kind == "reference":
+        from oakenkv.quant import reference
+
+        return reference.encode, reference.decode
+    from oakenkv.kernels import codec
+
+    return codec.encode, codec.decode
+
+
+@njit(cache=True, nogil=True)
+def _set_lengths(sparse_lengths, t, counts):
+    """``sparse_lengths[:, KEY, t] = counts[:B]`` and ``[:, VALUE, t] = counts[B:]`` in one call (two numpy
+    assignments cost more than the rest of the mirror's update)."""
+    b = sparse_lengths.shape[0]
+    for r in range(b):
+        sparse_lengths[r, 0, t] = counts[r]
+        sparse_lengths[r, 1, t] = counts[b + r]
+
+
+@njit(cache=True, nogil=True)
+def _packed_sparse(sparse, counts):
+    """``(offsets int64 [n + 1], bytes uint8 [S])``: the first ``counts[r]`` bytes of every row of ``sparse`` back
+    to back (the records' sparse form :meth:`PagePool.append_many` takes)."""
+    n = counts.shape[0]
+    offsets = np.empty(n + 1, np.int64)
+    offsets[0] = 0
+    for r in range(n):
+        offsets[r + 1] = offsets[r] + counts[r]
+    flat = np.empty(offsets[n], np.uint8)
+    for r in range(n):
+        flat[offsets[r] : offsets[r + 1]] = sparse[r, : counts[r]]
+    return offsets, flat
+
+
+def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
+    """Raise ValueError naming the first row ``encode_records`` refused (``counts[r] < 0``, an ``-ERR_*``):
+    ``counts`` holds keys' rows, then values', each ``(row, token)`` with ``tokens`` tokens per row."""
+    if min(counts.tolist()) >= 0:  # (a list's min: faster than numpy's on a few values)
+        return
+    r = int(np.flatnonzero(counts < 0)[0])
+    n = counts.shape[0] // 2
+    where = f"row {r % n // tokens}" + (f", token {r % tokens}" if tokens > 1 else "")
+    raise ValueError(f"cannot encode the {'keys' if r < n else 'values'} of {where}: {ERROR_MESSAGES[int(-counts[r])]}")
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a`` with its last axis at least ``size`` long (doubling), contents kept."""
+    if a.shape[-1] >= size:
+        return a
+    new = np.zeros((*a.shape[:-1], max(size, 2 * a.shape[-1])), dtype=a.dtype)
+    new[..., : a.shape[-1]] = a
+    return new
+
+
+class LayerTables:
+    """One layer's page tables of every batch row, stacked the way a decode kernel reads them; kept current by
+    every write of :class:`PagedKVStore` (append, eviction, reorder), so a decode step hands the kernel these
+    arrays as they are: no table is rebuilt or copied per step.
+
+    A mirror of the pool's tables (``pages.StreamTable``, which stay the authority): each write copies what it
+    changed into the mirror: one sparse length per stream per token, and a page id when a page is added, copied
+    on write or released. :meth:`PagedKVStore.check_tables` compares the two. Capacities double as the layer
+    grows; entries past a stream's live part are meaningless. Shapes (``B`` rows, kind 0 keys / 1 values) are
+    those of :class:`~oakenkv.format.layout.LayerView`, which :meth:`view` builds from these arrays.
+    """
+
+    __slots__ = ("dense_pages", "num_tokens", "sparse_counts", "sparse_first", "sparse_lengths", "sparse_pages")
+
+    def __init__(self, batch: int) -> None:
+        #: Tokens stored in every stream of the layer.
+        self.num_tokens = 0
+        #: int32 ``[B, 2, >= ceil(T / rpp)]``: dense page ids in token order.
+        self.dense_pages = np.zeros((batch, 2, 4), np.int32)
+        #: int32 ``[B, 2, >= max sparse pages]``: sparse page ids, and the first token of each.
+        self.sparse_pages = np.zeros((batch, 2, 4), np.int32)
+        self.sparse_first = np.zeros((batch, 2, 4), np.int32)
+        #: int64 ``[B, 2]``: sparse pages of each stream.
+        self.sparse_counts = np.zeros((batch, 2), np.int64)
+        #: uint16 ``[B, 2, >= T]``: sparse record length of every token.
+        self.sparse_lengths = np.zeros((batch, 2, 64), np.uint16)
+
+    def sync(self, b: int, kind: int, table: StreamTable, dense_from: int, sparse_from: int, token_from: int) -> None:
+        """Copy stream ``(b, kind)``'s tables from dense page ``dense_from``, sparse page ``sparse_from`` and token
+        ``token_from`` on (what a write may have changed); the rest is already current."""
+        dp, sp, n = table.dense_pages, table.sparse_pages, table.num_tokens
+        self.dense_pages = _grown(self.dense_pages, dp.n)
+        self.dense_pages[b, kind, dense_from : dp.n] = dp.buf[dense_from : dp.n]
+        self.sparse_pages = _grown(self.sparse_pages, sp.n)
+        self.sparse_first = _grown(self.sparse_first, sp.n)
+        self.sparse_pages[b, kind, sparse_from : sp.n] = sp.buf[sparse_from : sp.n]
+        self.sparse_first[b, kind, sparse_from : sp.n] = table.sparse_first.buf[sparse_from : sp.n]
+        self.sparse_counts[b, kind] = sp.n
+        self.sparse_lengths = _grown(self.sparse_lengths, n)
+        self.sparse_lengths[b, kind, token_from:n] = table.sparse_len.buf[token_from:n]
+
+
+class PagedKVStore:
+    """The state all layers of one :class:`OakenCache` share: the page pool, one sequence per batch row, the codec.
+
+    Args:
+        thresholds: the model's profile (per layer and kind).
+        num_layers, num_kv_heads, head_dim: the decoder's KV shape.
+        pool_config: page size and memory budget.
+        codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
+        prefill_chunk: tokens encoded per chunk of a long update (``PREFILL_CHUNK``).
+        residual: tokens of the full-precision window (module doc): 0 (default) encodes every token on arrival.
+    """
+
+    def __init__(
+        self,
+        thresholds: Thresholds,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        pool_config: PoolConfig | None = None,
+        codec: str = "auto",
+        prefill_chunk: int = PREFILL_CHUNK,
+        residual: int = 0,
+    ) -> None:
+        if thresholds.num_layers != num_layers:
+            raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
+        config = thresholds.config
+        if config.granularity != "token":
+            raise ValueError("OakenCache stores one vector per token and layer: it needs granularity='token'")
+        if config.key_position != "post_rope":
+            raise ValueError(
+                "OakenCache stores keys after RoPE, but these thresholds were profiled before RoPE "
+                "(key_position='pre_rope'); profile with key_position='post_rope'"
+            )
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"residual must be an int >= 0 (tokens kept at full precision), got {residual!r}")
+        self.thresholds = thresholds
+        self.config = config
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dim = num_kv_heads * head_dim
+        #: Bytes of one dense page record, and of the scales at its start (``oakenkv.format.layout``).
+        self.rec_size = record_size(self.dim, config)
+        self.scale_bytes = scale_bytes(config)
+        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
+        self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
+        self.pool = PagePool(pool_config)
+        self.encode, self.decode = codec_functions(codec)
+        #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
+        self.fast = codec != "reference"
+        self._token_scratch: tuple[np.ndarray, ...] | None = None
+        self.prefill_chunk = prefill_chunk
+        #: Pool sequence id of each batch row.
+        self.seqs: list[int] = []
+        #: Per layer: the kernel's page tables of every row (:class:`LayerTables`), kept current by every write.
+        self.tables: list[LayerTables] = []
+        #: Per layer: ``append_token``'s targets, the (sequence, stream) of every row's keys, then its values.
+        self._targets: list[TokenTargets] = []
+        #: The pool's storage as one flat array (a view, renewed when the pool grows).
+        self._flat: tuple[np.ndarray, np.ndarray] = (self.pool.data, self.pool.data.reshape(-1))
+        #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
+        self.thr = np.array(
+            [[thresholds.layer(i, k).as_tuple() for k in KINDS] for i in range(num_layers)], dtype=np.float32
+        )
+        #: The online part of an ``oaken-plus`` profile (``oakenkv.calibrate.transforms``): None without one; else which
+        #: layers transform their keys, and the float32 key shifts ``[num_layers, D]``.
+        self.transforms = thresholds.transforms if thresholds.transforms and thresholds.transforms.online_keys else None
+        if self.transforms is not None:
+            t = self.transforms
+            self._key_online = [lt.key_shift is not None or lt.key_rotation for lt in t.layers]
+            self._key_shifts = t.key_shifts()
+        #: Tokens at the start of every row also kept at 16 bits (module doc); 0 without an oaken-plus profile.
+        self.sink_tokens = thresholds.transforms.sink_tokens if thresholds.transforms is not None else 0
+        #: Per layer: float16 ``[B, 2, sink_tokens, D]``, the sink tokens' key rows (transformed) and value rows.
+        self.sinks: list[np.ndarray] = []
+        #: Tokens of the full-precision window (module doc); 0: none.
+        self.residual = residual
+        #: Per layer (with ``residual``): the window's keys (transformed, as the encoder takes them) and values,
+        #: float32 ``([B, H, hd, 2 * residual], [B, H, 2 * residual, hd])``: keys transposed, so that scoring a query
+        #: against them sweeps contiguous tokens (``merge_window``). The first :attr:`window_len` ``[layer]``
+        #: tokens are held.
+        self.windows: list[tuple[np.ndarray, np.ndarray]] = []
+        self.window_len: list[int] = [0] * num_layers
+
+    def _transform_keys(self, layer: int, rows: np.ndarray) -> None:
+        """The profile's online key transform (``Transforms.key_rows``), in place, on float32 key rows ``[N, D]``.
+        No-op without an oaken-plus profile."""
+        if self.transforms is not None and self._key_online[layer]:
+            self.transforms.key_rows(layer, rows, self._key_shifts[layer], out=rows)
+
+    def restore_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Dequantized keys ``[..., hd]`` of ``layer`` as stock attention must see them next to the model's own
+        queries: an oaken-plus rotation undone (its shift stays: softmax ignores it)."""
+        return keys if self.transforms is None else self.transforms.keys_restore(layer, keys)
+
+    def rotate_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """Queries ``[..., hd]`` (float32) for a kernel that reads this layer's keys: rotated like them under an
+        oaken-plus key rotation (``q . k`` is unchanged because the rotation is orthogonal)."""
+        if self.transforms is None or not self.transforms.layers[layer].key_rotation:
+            return q
+        return fwht(q)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    def ensure_batch(self, batch_size: int) -> None:
+        if not self.seqs:
+            n = self.sink_tokens
+            self.sinks = [np.zeros((batch_size, 2, n, self.dim), np.float16) for _ in range(self.num_layers)]
+            if self.residual:  # (np.zeros: the pages of memory are only mapped as the window fills)
+                shape = (batch_size, self.num_kv_heads, self.head_dim, 2 * self.residual)
+                self.windows = [
+                    (np.zeros(shape, np.float32), np.zeros(shape[:2] + shape[:1:-1], np.float32))
+                    for _ in range(self.num_layers)
+                ]
+            self._set_rows([self.pool.new_sequence(2 * self.num_layers) for _ in range(batch_size)])
+        elif batch_size != len(self.seqs):
+            raise ValueError(f"the cache holds {len(self.seqs)} sequences but got a batch of {batch_size}")
+
+    def num_tokens(self, layer: int) -> int:
+        """Tokens of ``layer`` in the pages (the window's are :meth:`window_tokens`)."""
+        return self.tables[layer].num_tokens if self.seqs else 0
+
+    def window_tokens(self, layer: int) -> int:
+        """Tokens of ``layer`` in the full-precision window (module doc), after those in the pages."""
+        return self.window_len[layer]
+
+    def _set_rows(self, seqs: list[int]) -> None:
+        """Make ``seqs`` the batch rows and build every layer's tables from the pool (new rows, reorders)."""
+        self.seqs = seqs
+        self._targets = [
+            self.pool.token_targets(
+                [(seq, 2 * layer + KEY) for seq in seqs] + [(seq, 2 * layer + VALUE) for seq in seqs]
+            )
+            for layer in range(self.num_layers)
+        ]
+        self.tables = [LayerTables(len(seqs)) for _ in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            self._sync_layer(layer)
+
+    def _sync_layer(self, layer: int) -> None:
+        """Bring ``layer``'s tables up to the pool's after a write to every row: from the last dense and sparse page
+        and the first token the tables already held (those pages may have been copied on write)."""
+        lt = self.tables[layer]
+        t0 = lt.num_tokens
+        dense_from = max(0, -(-t0 // (self.pool.config.page_size // self.rec_size)) - 1)
+        counts = set()
+        for r, seq in enumerate(self.seqs):
+            for kind in (KEY, VALUE):
+                table = self.pool.table(seq, 2 * layer + kind)
+                lt.sync(r, kind, table, dense_from, max(0, int(lt.sparse_counts[r, kind]) - 1), t0)
+                counts.add(table.num_tokens)
+        if len(counts) > 1:
+            raise RuntimeError(f"layer {layer}: the rows' streams hold different numbers of tokens {sorted(counts)}")
+        lt.num_tokens = counts.pop() if counts else 0
+
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        _, h, _, hd = keys.shape
+        if (h, hd) != (self.num_kv_heads, self.head_dim) or values.shape != keys.shape:
+            raise ValueError(
+                f"expected keys and values [B, {self.num_kv_heads}, S, {self.head_dim}], got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+
+    def _float_rows(self, layer: int, kind: int, x: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        """``[B, H, S, hd]`` -> float32 ``[B, S, D]``: one row per token, all heads of the layer (granularity
+        "token"), as the encoder takes them (keys after the online key transform). Always the store's own array
+        (a new one, or ``out``: float32 ``[B * S, D]``, C order): the transform and the encoder work in it, never
+        in the caller's tensor.
+
+        The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors waits for
+        thread wake-ups on a loaded machine (docs/perf-notes.md)."""
+        b, _, s, _ = x.shape
+        x32 = x.detach().to(torch.float32).numpy()
+        rows = np.empty((b * s, self.dim), np.float32) if out is None else out
+        np.copyto(rows.reshape(b, s, self.num_kv_heads, self.head_dim), x32.transpose(0, 2, 1, 3))
+        if kind == KEY:
+            self._transform_keys(layer, rows)
+        return rows.reshape(b, s, self.dim)
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[EncodedBatch, EncodedBatch]:
+        """Encode and store new tokens of one layer for every row, atomically for the layer.
+
+        Args:
+            keys, values: ``[B, H, S, hd]`` float (any float dtype; quantized in float32).
+
+        Returns:
+            The encoded keys and values, rows ordered ``(b, s)``: ``[B * S]`` rows of ``D`` values.
+        """
+        self._check_kv(keys, values)
+        self.ensure_batch(keys.shape[0])
+        with serial_numba(keys.shape[0] * keys.shape[2] < SERIAL_BELOW_ROWS):
+            rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+            return self._append_rows(layer, rows[KEY], rows[VALUE])
+
+    def _append_rows(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray) -> tuple[EncodedBatch, ...]:
+        """:meth:`append` of float32 rows ``[B, S, D]`` (keys already transformed: :meth:`_float_rows`); the rows
+        may be overwritten (the encoder works in them)."""
+        b, s, _ = key_rows.shape
+        past = self.tables[layer].num_tokens
+        encoded = []
+        items = []
+        sink_rows = []
+        # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
+        with serial_numba(b * s < SERIAL_BELOW_ROWS):
+            for kind, x in ((KEY, key_rows), (VALUE, value_rows)):
+                rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
+                if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
+                    sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
+                enc = self._encode(layer, kind, rows_np)
+                encoded.append(enc)
+                dense, sparse, offs = to_records(enc)
+                for r in range(b):
+                    o = offs[r * s : (r + 1) * s + 1]
+                    items.append(
+                        (self.seqs[r], 2 * layer + kind, dense[r * s : (r + 1) * s], sparse[o[0] : o[-1]], o - o[0])
+                    )
+        self.pool.append_many(items)
+        self._sync_layer(layer)
+        for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
+            self.sinks[layer][:, kind, past : past + x.shape[1]] = x
+        return encoded[0], encoded[1]
+
+    def append_decoded(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`append`, returning the new tokens as stored instead of their encoding: float32 ``[B, S, D]`` key
+        rows (in the store's frame: an oaken-plus transform is still applied, see :meth:`restore_keys`) and value
+        rows, the values decoding the stored bytes gives (the attention of a first update reads them).
+
+        A short update (fewer than ``SERIAL_BELOW_ROWS`` rows, the fast codec) takes one fused path: keys and values
+        encoded straight into page records by one serial numba call (``encode_records``, as a decode step), decoded
+        from the records by another (``decode_records``): the same bytes and numbers as :meth:`append` and the
+        codec's decode, without their per-call work, which costs more than a short prefill's encoding
+        (docs/perf-notes.md)."""
+        self._check_kv(keys, values)
+        b, _, s, _ = keys.shape
+        if not self.fast or b * s >= SERIAL_BELOW_ROWS:
+            encoded = self.append(layer, keys, values)
+            return tuple(  # type: ignore[return-value]
+                self.decode_encoded(layer, kind, e).numpy().reshape(b, s, self.dim) for kind, e in enumerate(encoded)
+            )
+        self.ensure_batch(b)
+        n = b * s
+        rows = np.empty((2 * n, self.dim), np.float32)  # keys' rows, then values'
+        self._float_rows(layer, KEY, keys, rows[:n])
+        self._float_rows(layer, VALUE, values, rows[n:])
+        past = self.tables[layer].num_tokens
+        sinks = None
+        if past < self.sink_tokens:  # (a float16 copy now: the encoder works in the rows)
+            keep = min(s, self.sink_tokens - past)
+            sinks = rows.reshape(2, b, s, self.dim)[:, :, :keep].astype(np.float16)
+        thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds
+        records = np.empty((2 * n, self.rec_size), np.uint8)
+        sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
+        counts = np.empty(2 * n, np.int64)
+        encode_records(rows, thr, *self._record_format, records, sparse, counts)
+        _check_encoded_rows(counts, s)
+        offsets, flat = _packed_sparse(sparse, counts)
+        items = []
+        for kind in (KEY, VALUE):
+            for r in range(b):
+                a = (kind * b + r) * s
+                o = offsets[a : a + s + 1]
+                items.append((self.seqs[r], 2 * layer + kind, records[a : a + s], flat[o[0] : o[-1]], o - o[0]))
+        self.pool.append_many(items)
+        self._sync_layer(layer)
+        if sinks is not None:
+            self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
+        status = np.empty(2 * n, np.int64)
+        # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
+        decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
+        r = first_error(status)
+        if r >= 0:  # (our own records: this would be a bug)
+            raise RuntimeError(
+                f"layer {layer}: a record just written does not decode: {ERROR_MESSAGES[int(status[r])]}"
+            )
+        out = rows.reshape(2, b, s, self.dim)
+        return out[KEY], out[VALUE]
+
+    def _encode(self, layer: int, kind: int, rows: np.ndarray) -> EncodedBatch:
+        """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind``."""
+        if self.fast:  # the numba codec without the public wrapper's checks: rows and thresholds are ours
+            return encode_trusted(rows, self.thr[layer, kind], self.config)
+        return self.encode(torch.from_numpy(rows), self.thresholds.layer(layer, KINDS[kind]), self.config)
+
+    def decode_encoded(self, layer: int, kind: int, enc: EncodedBatch) -> torch.Tensor:
+        """float32 ``[N, D]``: ``enc`` decoded, a batch this store encoded for ``layer`` and ``kind`` (what
+        :meth:`append` returned): the codec's decode without its structural checks of foreign input."""
+        if self.fast:
+            return decode_trusted(enc, self.thr[layer, kind], self.config)
+        return self.decode(enc, self.thresholds.layer(layer, KINDS[kind]), self.config)
+
+    def window_update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> list[tuple[EncodedBatch, EncodedBatch]]:
+        """Add new tokens ``[B, H, S, hd]`` of one layer to its full-precision window (module doc), encoding the
+        oldest into the pages once the window would hold ``2 * residual`` or more; returns the encoded keys and
+        values of each chunk encoded (:meth:`append`'s results, in token order; empty when none was).
+
+        A flush of several chunks is not atomic as a whole (each chunk is): after a
+        :class:`~oakenkv.store.pages.PoolExhaustedError` the store must be reset, as after a long :meth:`append`.
+        """
+        if not self.residual:
+            raise RuntimeError("window_update needs a store with residual > 0")
+        self._check_kv(keys, values)
+        b, _, s, _ = keys.shape
+        if len(self.seqs) != b:  # (new rows, or the error for a batch the store does not hold)
+            self.ensure_batch(b)
+        kt, vw = self.windows[layer]
+        n = self.window_len[layer]
+        total = n + s
+        if total < 2 * self.residual and self.transforms is None:  # the usual case: the window takes the tokens
+            k, v = keys.detach(), values.detach()  # (float32's numpy view: a .to() call costs more than the copy)
+            kt[:, :, :, n:total] = (k if k.dtype == torch.float32 else k.float()).numpy().transpose(0, 1, 3, 2)
+            vw[:, :, n:total] = (v if v.dtype == torch.float32 else v.float()).numpy()
+            self.window_len[layer] = total
+            return []
+        with serial_numba(self.transforms is not None and b * s < SERIAL_BELOW_ROWS):
+            rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+        if total < 2 * self.residual:
+            self._window_write(layer, n, rows[KEY], rows[VALUE])
+            self.window_len[layer] = total
+            return []
+        if n:
+            held = self._window_rows(layer, 0, n)
+            rows = [np.concatenate([held[kind], rows[kind]], axis=1) for kind in (KEY, VALUE)]
+        flush = total - self.residual
+        chunks = []
+        for a in range(0, flush, self.prefill_chunk):
+            e = min(flush, a + self.prefill_chunk)
+            # (copies: the encoder may work in its rows, and the window's are still needed)
+            chunks.append(self._append_rows(layer, rows[KEY][:, a:e].copy(), rows[VALUE][:, a:e].copy()))
+        self._window_write(layer, 0, rows[KEY][:, flush:], rows[VALUE][:, flush:])
+        self.window_len[layer] = self.residual
+        return chunks
+
+    def _window_write(self, layer: int, at: int, key_rows: np.ndarray, value_rows: np.ndarray) -> None:
+        """Put float32 rows ``[B, S, D]`` (keys transformed) into the window from token ``at`` on."""
+        kt, vw = self.windows[layer]
+        b, s, _ = key_rows.shape
+        heads = (b, s, self.num_kv_heads, self.head_dim)
+        kt[:, :, :, at : at + s] = key_rows.reshape(heads).transpose(0, 2, 3, 1)
+        vw[:, :, at : at + s] = value_rows.reshape(heads).transpose(0, 2, 1, 3)
+
+    def _window_rows(self, layer: int, a: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """The window's tokens ``[a, e)`` as float32 rows ``[B, e - a, D]`` (keys as held: transformed); copies."""
+        kt, vw = self.windows[layer]
+        b = kt.shape[0]
+        keys = np.ascontiguousarray(kt[:, :, :, a:e].transpose(0, 3, 1, 2)).reshape(b, e - a, self.dim)
+        values = np.ascontiguousarray(vw[:, :, a:e].transpose(0, 2, 1, 3)).reshape(b, e - a, self.dim)
+        return keys, values
+
+    def window(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The window's keys or values of one layer as attention takes them: ``[B, H, n, hd]`` (keys restored to
+        the model's frame up to an oaken-plus shift, as :meth:`read` returns them)."""
+        n = self.window_len[layer]
+        if not self.seqs:
+            return torch.zeros(0, self.num_kv_heads, 0, self.head_dim, dtype=dtype)
+        kt, vw = self.windows[layer]
+        x = torch.from_numpy(kt[..., :n]).transpose(2, 3) if kind == KEY else torch.from_numpy(vw[:, :, :n])
+        return (self.restore_keys(layer, x) if kind == KEY else x).to(dtype)
+
+    def append_token(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one new token ``[B, H, 1, hd]`` of one layer for every row (a decode step), atomically.
+
+        Same bytes as :meth:`append`; one serial numba call encodes the ``2 B`` rows straight into page records
+        and the pool appends them with scalar bookkeeping (:meth:`PagePool.append_token`). The layer's tables
+        take the new sparse lengths, and a page id only where a page was added or copied. Needs the fast codec.
+        """
+        b, h, s, hd = keys.shape
+        if (h, s, hd) != (self.num_kv_heads, 1, self.head_dim) or values.shape != keys.shape:
+            raise ValueError(
+                f"append_token expects keys and values [B, {self.num_kv_heads}, 1, {self.head_dim}], got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if len(self.seqs) != b:  # (new rows, or the error for a batch the cache does not hold)
+            self.ensure_batch(b)
+        scratch = self._token_scratch
+        if scratch is None or scratch[0].shape[0] != 2 * b:
+            scratch = self._token_scratch = self._make_token_scratch(b)
+        rows, records, sparse, counts, thr = scratch
+        # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (the online key transform runs on
+        # the key rows, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
+        # it takes (a .to() call costs more than the copy).
+        k = keys.detach()
+        v = values.detach()
+        rows[:b] = (k if k.dtype == torch.float32 else k.float()).numpy().reshape(b, self.dim)
+        rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
+        self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
+        t = self.tables[layer].num_tokens
+        sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
+        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
+        _check_encoded_rows(counts, 1)
+        changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
+        if sink is not None:
+            self.sinks[layer][:, KEY, t] = sink[:b]
+            self.sinks[layer][:, VALUE, t] = sink[b:]
+        lt = self.tables[layer]
+        if t >= lt.sparse_lengths.shape[2]:
+            lt.sparse_lengths = _grown(lt.sparse_lengths, t + 1)
+        _set_lengths(lt.sparse_lengths, t, counts)
+        lt.num_tokens = t + 1
+        for i in changed:  # a page added or copied on write: its id (rarely: every page_size // record bytes)
+            r, kind = i % b, i // b
+            table = self.pool.table(self.seqs[r], 2 * layer + kind)
+            lt.sync(r, kind, table, table.dense_pages.n - 1, max(0, table.sparse_pages.n - 1), t + 1)
+
+    def _make_token_scratch(self, b: int) -> tuple[Any, ...]:
+        """append_token's buffers for ``2 b`` rows, and each layer's thresholds per row."""
+        m = 2 * b
+        thr = np.empty((self.num_layers, m, 4), np.float32)
+        thr[:, :b] = self.thr[:, None, KEY]
+        thr[:, b:] = self.thr[:, None, VALUE]
+        return (
+            np.empty((m, self.dim), np.float32),
+            np.empty((m, self.rec_size), np.uint8),
+            np.empty((m, sparse_capacity(self.dim)), np.uint8),
+            np.empty(m, np.int64),
+            thr,
+        )
+
+    def layer_view(self, layer: int) -> LayerView:
+        """Where ``layer``'s keys and values of every row lie in the pool: the :class:`LayerView` a decode kernel
+        reads (see its docstring for shapes and layout).
+
+        The arrays are the layer's :class:`LayerTables`, which every write keeps current: building the view
+        copies nothing. It is valid until the next write (append, eviction, reorder).
+        """
+        lt = self.tables[layer]
+        data = self.pool.data
+        if self._flat[0] is not data:  # the pool grew: its storage is a new array
+            self._flat = (data, data.reshape(-1))
+        cfg = self.config
+        return LayerView(
+            self._flat[1],
+            self.pool.config.page_size,
+            self.rec_size,
+            self.scale_bytes,
+            lt.num_tokens,
+            lt.dense_pages,
+            lt.sparse_pages,
+            lt.sparse_first,
+            lt.sparse_counts,
+            lt.sparse_lengths,
+            self.thr[layer],
+            cfg.inner_bits,
+            cfg.outer_bits,
+            self.num_kv_heads,
+        )
+
+    def check_tables(self) -> None:
+        """Assert that every layer's :class:`LayerTables` equal the pool's tables (for tests)."""
+        for layer, lt in enumerate(self.tables):
+            for r, seq in enumerate(self.seqs):
+                for kind in (KEY, VALUE):
+                    t = self.pool.table(seq, 2 * layer + kind)
+                    where = f"layer {layer} row {r} kind {kind}"
+                    assert lt.num_tokens == t.num_tokens, f"{where}: {lt.num_tokens} != {t.num_tokens} tokens"
+                    assert np.array_equal(lt.dense_pages[r, kind, : t.dense_pages.n], t.dense_pages.view), where
+                    assert lt.sparse_counts[r, kind] == t.sparse_pages.n, f"{where}: sparse page count"
+                    n = t.sparse_pages.n
+                    assert np.array_equal(lt.sparse_pages[r, kind, :n], t.sparse_pages.view), where
+                    assert np.array_equal(lt.sparse_first[r, kind, :n], t.sparse_first.view), where
+                    assert np.array_equal(lt.sparse_lengths[r, kind, : t.num_tokens], t.sparse_len.view), where
+
+    def bits_per_value(self) -> dict[str, float]:
+        """Bits per stored value, from the pages: ``format``: what the Oaken format stores (dense records,
+        sparse records and the 16-bit header per token; plus the sink tokens' 16 bits per value and the
+        full-precision window's 32); ``with_pages``: everything the store holds (whole pages in use + tables + sink
+        tokens + window)."""
+        pool = self.pool
+        tokens = dense = sparse = 0
+        for seq in self.seqs:
+            for stream in range(pool.num_streams(seq)):
+                t = pool.table(seq, stream)
+                tokens += t.num_tokens
+                dense += t.num_tokens * t.rec_size
+                sparse += int(t.sparse_len.view.sum())
+        values = (tokens + 2 * len(self.seqs) * sum(self.window_len)) * self.dim
+        if values == 0:
+            return {"format": float("nan"), "with_pages": float("nan")}
+        side = self.sink_bytes() + self.window_bytes()
+        return {
+            "format": 8.0 * (dense + sparse + HEADER_BITS // 8 * tokens + side) / values,
+            "with_pages": 8.0 * self.stats().total_bytes / values,
+        }
+
+    def read(self, layer: int, kind: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantize one layer's whole stored keys or values (the reference read path): ``[B, H, T, hd]``.
+
+        Tokens a sliding window evicted (:meth:`evict_before`) read as zeros; the sliding mask hides them. Keys
+        come back in the model's frame up to an oaken-plus shift (:meth:`restore_keys`).
+        """
+        out = []
+        for seq in self.seqs:
+            stream = 2 * layer + kind
+            table = self.pool.table(seq, stream)
+            start = table.evicted_before
+            if table.num_tokens == 0:  # (a full-precision window may hold every token so far)
+                out.append(torch.zeros(self.num_kv_heads, 0, self.head_dim))
+                continue
+            dense = self.pool.read_dense(seq, stream, start)
+            sparse, offs = self.pool.read_sparse(seq, stream, start)
+            enc = from_records(dense, sparse, offs, self.dim, self.config)
+            thr = self.thresholds.layer(layer, KINDS[kind])
+            with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
+                x = self.decode(enc, thr, self.config) if enc.num_rows else torch.zeros(0, self.dim)
+            if start:
+                x = torch.cat([torch.zeros(start, self.dim, dtype=x.dtype), x])
+            out.append(x.reshape(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2))
+        x = self.apply_sinks(layer, kind, torch.stack(out))
+        return (self.restore_keys(layer, x) if kind == KEY else x).to(dtype)
+
+    def apply_sinks(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """Put the layer's sink tokens (module doc) into ``x``, its dequantized keys (in the pages' frame, before
+        :meth:`restore_keys`) or values ``[B, H, T, hd]`` of the whole history, in place; returns ``x``. Positions
+        a sliding window evicted stay as they read. No-op without sink tokens."""
+        n = min(self.sink_tokens, x.shape[2])
+        if n == 0 or not self.seqs:
+            return x
+        start = self.pool.table(self.seqs[0], 2 * layer + kind).evicted_before
+        if start >= n:
+            return x
+        sink = torch.from_numpy(self.sinks[layer][:, kind, start:n])  # [B, n', D]
+        x[:, :, start:n] = sink.reshape(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return x
+
+    def sink_bytes(self) -> int:
+        """Bytes of the sink tokens held (16 bits per value of the tokens stored so far)."""
+        if not self.sink_tokens or not self.seqs:
+            return 0
+        return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
+
+    def evict_before(self, layer: int, token: int) -> int:
+        """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
+        returns the table slots released. For sliding-window layers: no query will attend to those tokens."""
+        released = 0
+        lt = self.tables[layer] if self.seqs else None
+        for r, seq in enumerate(self.seqs):
+            for kind in (KEY, VALUE):
+                table = self.pool.table(seq, 2 * layer + kind)
+                n = self.pool.evict_before(seq, 2 * layer + kind, token)
+                if n:  # released slots became EVICTED (a prefix of the page lists): copy the lists again
+                    lt.sync(r, kind, table, 0, 0, table.num_tokens)
+                released += n
+        return released
+
+    def reorder(self, index: list[int]) -> None:
+        """New row ``i`` = old row ``index[i]`` (beam search, batch selection): forks and frees, no KV copies."""
+        if not self.seqs:
+            return
+        if any(not 0 <= j < len(self.seqs) for j in index):
+            raise IndexError(f"reorder index {index} out of range for {len(self.seqs)} rows")
+        used: set[int] = set()
+        new = []
+        for j in index:
+            if j in used:
+                new.append(self.pool.fork(self.seqs[j]))
+            else:
+                used.add(j)
+                new.append(self.seqs[j])
+        for j, seq in enumerate(self.seqs):
+            if j not in used:
+                self.pool.free(seq)
+        self.sinks = [sink[index] for sink in self.sinks]
+        self.windows = [(kt[index], vw[index]) for kt, vw in self.windows]
+        self._set_rows(new)
+
+    def reset(self) -> None:
+        for seq in self.seqs:
+            self.pool.free(seq)
+        self.seqs = []
+        self.tables = []
+        self._targets = []
+        self.sinks = []
+        self.windows = []
+        self.window_len = [0] * self.num_layers
+
+    def window_bytes(self) -> int:
+        """Bytes of the full-precision window's tokens held (32 bits per value, keys and values, every row)."""
+        return 4 * 2 * self.dim * len(self.seqs) * sum(self.window_len)
+
+    def stats(self) -> PoolStats:
+        stats = self.pool.stats()
+        if self.sink_tokens or self.residual:
+            stats = dataclasses.replace(stats, sink_bytes=self.sink_bytes(), window_bytes=self.window_bytes())
+        return stats

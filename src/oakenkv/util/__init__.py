@@ -1,0 +1,1 @@
+"""Small shared helpers: paths and atomic writes, memory checks."""
