@@ -563,12 +563,16 @@ def cached_plus_profiles(
     out: list[Thresholds | None] = []
     missing: list[tuple[int, Path]] = []
     for j, search in enumerate(searches):
-        path = profile_cache_dir() / f"plus-{key.stem()}-{key.digest('oaken-plus', _search_dict(search))[:16]}.json"
+        digest = key.digest("oaken-plus", _search_dict(search))[:16]
+        path = profile_cache_dir() / f"plus-{key.stem()}-{digest}.json"
         wanted = json.loads(json.dumps(_search_dict(search)))  # as the file holds it
         found = None
-        for candidate, quiet in ((path, False), (SHIPPED_PROFILES / path.name, True)):  # the same name: the same
-            with warnings.catch_warnings():  # model weights, windows and search; a shipped file that does not
-                if quiet:  # fit is simply not used
+        # A shipped file is found by the content digest its name ends with (the same model weights, windows and
+        # search), whatever name the model was loaded by; one that does not fit is simply not used.
+        shipped = sorted(SHIPPED_PROFILES.glob(f"plus-*-{digest}.json"))
+        for candidate, quiet in [(path, False), *((f, True) for f in shipped)]:
+            with warnings.catch_warnings():
+                if quiet:
                     warnings.simplefilter("ignore")
                 th = load_cached_thresholds(candidate, key, OakenConfig())
             if th is not None and th.transforms is not None and th.transforms.notes.get("search") == wanted:

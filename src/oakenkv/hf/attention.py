@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,8 @@ import torch
 from numba import get_num_threads
 
 from oakenkv.format.layout import ERROR_MESSAGES, CorruptDataError
-from oakenkv.hf.cache import ATTN_IMPLEMENTATION, KEY, VALUE, PackedKV
 from oakenkv.kernels.cpu import attention as attention_cpu
+from oakenkv.store.paged import KEY, VALUE, PagedKVStore
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
 #: layer of an attention type; converting it once instead of once per layer saves time every step. The entry holds a
@@ -37,6 +38,28 @@ _KEEP_CACHE: list[Any] = [None, -1, 0, 0, None]
 
 #: All ones, for a step without a mask (:func:`_keep_mask` returns views of it; grown as needed).
 _ONES = np.ones(4096, np.uint8)
+
+#: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
+ATTN_IMPLEMENTATION = "oaken"
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """A handle ``OakenLayer.update`` returns at decode instead of float tensors: where one layer's keys or
+    values live. Only the ``"oaken"`` attention function accepts it."""
+
+    store: PagedKVStore
+    layer: int
+    #: ``KEY`` or ``VALUE``.
+    kind: int
+    #: Tokens stored (the current one included), in the pages and the full-precision window.
+    num_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The shape the float tensor would have: ``[B, H, T, hd]``."""
+        s = self.store
+        return (s.batch_size, s.num_kv_heads, self.num_tokens, s.head_dim)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -39,7 +39,6 @@ of its source sequence (pages shared, copied on write), never a copy of the KV b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,35 +46,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
 from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.store.pages import PoolConfig, PoolStats
 
-#: Name under which the packed-page attention is registered in transformers' ``AttentionInterface``.
-ATTN_IMPLEMENTATION = "oaken"
+# ------------------------------------------------------------------------------------------------ layers
 
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class PackedKV:
-    """A handle ``OakenLayer.update`` returns at decode instead of float tensors: where one layer's keys or
-    values live. Only the ``"oaken"`` attention function accepts it."""
-
-    store: PagedKVStore
-    layer: int
-    #: ``KEY`` or ``VALUE``.
-    kind: int
-    #: Tokens stored (the current one included), in the pages and the full-precision window.
-    num_tokens: int
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The shape the float tensor would have: ``[B, H, T, hd]``."""
-        s = self.store
-        return (s.batch_size, s.num_kv_heads, self.num_tokens, s.head_dim)
-
-
-# ------------------------------------------------------------------------------------------------ layers
 
 
 class OakenLayer(CacheLayerMixin):
@@ -264,6 +241,39 @@ def _check_transforms(thresholds: Thresholds, config: Any) -> None:
         )
 
 
+_GUARDED = "_oakenkv_cache_keyword_guard"
+
+
+def _guard_cache_keyword(model: Any) -> None:
+    """Make ``model`` take an :class:`OakenCache` under either keyword (``cache=`` or ``past_key_values=``):
+    transformers 5.x renamed it, and a model swallows the other one in its ``**kwargs`` and silently runs its
+    own unquantized cache. A forward pre-hook moves our cache to the keyword ``model.forward`` takes. When that
+    keyword already holds another cache: an empty one is ``generate``'s own, made because it did not see ours
+    under the old keyword, and ours replaces it (the model returns ours, which ``generate`` passes on from then);
+    one holding tokens is the caller's, and the hook raises. Installed once per model."""
+    from oakenkv.util.compat import cache_keyword
+
+    if getattr(model, _GUARDED, False):
+        return
+    keyword = cache_keyword(model)
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for name in ("cache", "past_key_values"):
+            if name != keyword and isinstance(kwargs.get(name), OakenCache):
+                ours = kwargs.pop(name)
+                other = kwargs.get(keyword)
+                if other is not None and other is not ours and other.get_seq_length() > 0:
+                    raise TypeError(
+                        f"the OakenCache was passed as {name}=, which {type(module).__name__} in this transformers "
+                        f"version does not take ({keyword}= does, and holds another cache): pass {keyword}=cache"
+                    )
+                kwargs[keyword] = ours
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(model, _GUARDED, True)
+
+
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
 
@@ -293,6 +303,41 @@ class OakenCache(Cache):
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         print(cache.kv_bytes())
     """
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        preset: str = "oaken-plus",
+        *,
+        tokenizer: Any = None,
+        profile: Any = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> OakenCache:
+        """A cache for ``model`` with everything it needs, in one call::
+
+            cache = OakenCache.for_model(model, preset="oaken-plus")
+            model.generate(**inputs, past_key_values=cache)   # or cache=cache where transformers takes it
+
+        Finds or makes the model's profile for ``preset`` (``"oaken-plus"``, the default, or the paper's
+        ``"oaken"``; ``oakenkv.calibrate.presets.find_profile``): ``profile`` (a path or a loaded profile) when
+        given, else one shipped for an embedded model, one cached on disk by content, or a new one profiled on the
+        calibration text (a progress bar when ``progress``; ``tokenizer`` only for that, default the one saved
+        with the model). Then folds the profile's transforms into ``model`` (in place, once), switches its decode
+        steps to the packed-page attention (``oakenkv.hf.attention``), and makes a cache handed to ``model``
+        under the keyword this transformers version does not take go where it does (or raise, when another
+        cache is there): a cache the model ignores would run unquantized. Other keyword arguments go to the
+        constructor (``pool_config``, ``residual``, ...). Call it once per generation: a cache holds one batch.
+        """
+        from oakenkv.calibrate.presets import find_profile, remember
+
+        thresholds = find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
+        cache = cls.from_profile(model, thresholds, **kwargs)
+        remember(model, thresholds)
+        enable_oaken_attention(model)
+        _guard_cache_keyword(model)
+        return cache
 
     @classmethod
     def from_profile(cls, model: Any, thresholds: Thresholds, **kwargs: Any) -> OakenCache:

@@ -1,1 +1,20 @@
-"""Storage: the page pool (``pages``, the software MMU) and the paged K/V store (``paged``)."""
+"""Storage: every layer's keys and values of a batch in one page pool, in the Oaken format.
+
+- ``pages``: :class:`PagePool`, the software MMU (dense and sparse pages per sequence and stream, tables,
+  ask-then-commit allocation, copy on write, eviction, fork); knows nothing of quantization (docs/pages.md).
+- ``paged``: :class:`PagedKVStore`, the codec and thresholds over the pool, sink tokens, the optional
+  full-precision window, and the per-layer tables a decode kernel reads (``layer_view``).
+"""
+
+from oakenkv._lazy import exports
+
+__getattr__, __dir__, __all__ = exports(
+    __name__,
+    {
+        "PagePool": "store.pages",
+        "PoolConfig": "store.pages",
+        "PoolExhaustedError": "store.pages",
+        "PoolStats": "store.pages",
+        "PagedKVStore": "store.paged",
+    },
+)

@@ -1,0 +1,150 @@
+"""The two presets a real cache runs, and how a model's profile for one is found or made.
+
+- ``oaken``: the paper's method as published: per-layer thresholds at 4% outer / 6% inner, no transforms.
+- ``oaken-plus``: the same online quantizer and bytes after offline transforms chosen per layer on calibration
+  text (a key shift, key smoothing folded into the weights, per-layer group ratios, a 16-bit sink token;
+  ``oakenkv.calibrate.plus``, docs/plus.md).
+
+:func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
+names (checked against the model), else one shipped with the package for an embedded model, else one cached on
+disk by content, else a new one profiled on the calibration text (with a progress bar) and cached. The method
+registry (``oakenkv.methods``) declares the ``oaken`` and ``oaken-plus`` methods from these presets.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from oakenkv.calibrate.spec import CalibrationSpec
+
+__all__ = ["OAKEN", "OAKEN_PLUS", "PRESETS", "Preset", "find_profile", "get_preset"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One preset: its name, what it is, and the calibration its profile is made on by default."""
+
+    name: str
+    description: str
+    #: Calibration windows of a profile made on demand.
+    calibration: CalibrationSpec
+    #: Whether the profile carries oaken-plus transforms (found by the oaken-plus search).
+    transforms: bool
+
+
+#: The paper's Oaken. 16 windows of 256 tokens keep a first profile to about a minute on 2 CPU cores (the paper
+#: averages ~100 runs: ``oakenkv profile --samples 100`` makes such a profile, which ``profile=`` then takes).
+OAKEN = Preset(
+    "oaken",
+    "the paper's Oaken: profiled thresholds at 4% outer / 6% inner, 4-bit middle and 5-bit outliers",
+    CalibrationSpec(samples=16, window=256),
+    transforms=False,
+)
+#: oaken-plus: long windows matter, the key shift is the mean of post-RoPE keys over the positions it is taken at.
+OAKEN_PLUS = Preset(
+    "oaken-plus",
+    "Oaken after per-layer offline transforms (key shift, key smoothing, group ratios, a 16-bit sink token)",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS)}
+
+#: The profile each model object was prepared with (``find_profile`` on a model it already folded returns it).
+_PREPARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; ValueError naming the known ones otherwise."""
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def remember(model: Any, thresholds: Any) -> None:
+    """Record that ``model`` was prepared with ``thresholds`` (its transforms folded in)."""
+    _PREPARED[model] = thresholds
+
+
+def model_name(model: Any) -> str:
+    """A readable name of ``model`` for cache file names: the last part of its name or path, else its class."""
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    return os.path.basename(path.rstrip("/\\")) or type(model).__name__
+
+
+def _tokenizer(model: Any) -> Any:
+    """The tokenizer saved with ``model`` (local files only: nothing downloads)."""
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    try:
+        from transformers import AutoTokenizer
+
+        if not path:
+            raise OSError("the model records no name or path")
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"no tokenizer found for this model ({e}); making its profile needs one: pass tokenizer=..., or "
+            "profile=... (a profile made with `oakenkv profile`)"
+        ) from e
+
+
+def _loaded(profile: Any) -> Any:
+    from oakenkv.calibrate.thresholds import Thresholds
+
+    if isinstance(profile, Thresholds):
+        return profile
+    if isinstance(profile, (str, os.PathLike)):
+        return Thresholds.load(profile)
+    raise TypeError(f"profile must be a Thresholds or a path to a profile file, got {type(profile).__name__}")
+
+
+def find_profile(
+    model: Any, preset: str = "oaken-plus", *, tokenizer: Any = None, profile: Any = None, progress: bool = True
+) -> Any:
+    """The profile (:class:`~oakenkv.calibrate.thresholds.Thresholds`) of ``model`` for ``preset``.
+
+    ``profile`` (a path or a loaded profile) is used when given: it must be a profile of ``preset``'s kind (with
+    transforms for ``oaken-plus``, without for ``oaken``) and of this model (shape and weights; checked by the
+    cache). Otherwise, in order: the profile this model was already prepared with (its transforms are folded in),
+    one shipped for an embedded model, one cached on disk for the same weights and calibration text, or a new one
+    profiled on the calibration text (``preset``'s calibration; a progress bar when ``progress``) and cached.
+    ``tokenizer`` is needed for that last step only (default: the one saved with the model, local files only).
+    """
+    p = get_preset(preset)
+    if profile is not None:
+        thresholds = _loaded(profile)
+        has = thresholds.transforms is not None
+        if has != p.transforms:
+            which = "oaken-plus transforms" if has else "no transforms"
+            raise ValueError(
+                f"this profile has {which}, so it is not a profile of the {preset!r} preset; use preset="
+                f"{'oaken-plus' if has else 'oaken'!r}, or a profile made with `oakenkv profile --preset {preset}`"
+            )
+        return thresholds
+    prepared = _PREPARED.get(model)
+    if prepared is not None:
+        if (prepared.transforms is not None) != p.transforms:
+            raise ValueError(
+                f"this model was prepared for another preset than {preset!r} (its weights carry that preset's "
+                "transforms); load the model again to use another preset"
+            )
+        return prepared
+    from oakenkv.calibrate.transforms import is_folded
+
+    if is_folded(model) is not None:
+        raise ValueError(
+            "this model carries oaken-plus transforms folded in elsewhere: pass profile=... (the profile they came "
+            "from), or load the model again"
+        )
+    tok = tokenizer if tokenizer is not None else _tokenizer(model)
+    name = model_name(model)
+    if p.transforms:
+        from oakenkv.calibrate.plus import PlusSearch, cached_plus_profile
+
+        return cached_plus_profile(model, tok, name, p.calibration, PlusSearch(), progress=progress)
+    from oakenkv.calibrate.profile import cached_thresholds
+    from oakenkv.format.config import OakenConfig
+
+    return cached_thresholds(model, tok, name, OakenConfig(), p.calibration, progress=progress)

@@ -1,0 +1,126 @@
+"""The two-line way in: ``OakenCache.for_model`` (src/oakenkv/hf/cache.py, src/oakenkv/calibrate/presets.py).
+
+The README's first Python example runs here as it is written; the rest checks what ``for_model`` promises: the
+preset's profile found or taken from ``profile=``, the model prepared once, either cache keyword reaching the
+cache, and a clear error for a profile of the other preset or a cache the model would ignore.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_helpers import quick_thresholds
+from oakenkv import OakenCache
+from oakenkv.calibrate.presets import PRESETS, find_profile, get_preset
+from oakenkv.util.compat import cache_keyword
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _first_python_block(text: str) -> str:
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_readme_opens_with_the_two_line_example_and_it_runs(capsys):
+    code = _first_python_block(README.read_text(encoding="utf-8"))
+    assert "from oakenkv import OakenCache" in code and "OakenCache.for_model(" in code
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)  # the embedded model, loaded afresh (folded in place)
+    cache, out = namespace["cache"], namespace["out"]
+    assert cache.store.thresholds.transforms is not None  # oaken-plus, the shipped profile
+    assert cache.get_seq_length() == out.shape[1] - 1  # every prompt and decode token went through the cache
+    assert cache.store.num_tokens(0) == cache.get_seq_length()
+    assert namespace["model"].config._attn_implementation == "oaken"  # decode read the packed pages
+    assert "Paris" in capsys.readouterr().out
+
+
+@pytest.fixture
+def model_copy(default_model):
+    """A copy of the default model: for_model folds transforms into the model it is given."""
+    return copy.deepcopy(default_model.model)
+
+
+def test_for_model_takes_a_profile_and_generates_as_the_constructor_does(default_model, model_copy):
+    thresholds = quick_thresholds(default_model)
+    tok = default_model.tokenizer
+    inputs = tok("The capital of France is", return_tensors="pt")
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": model_copy.config.eos_token_id}
+    cache = OakenCache.for_model(model_copy, preset="oaken", profile=thresholds)
+    assert cache.store.thresholds is thresholds
+    with torch.no_grad():
+        got = model_copy.generate(**inputs, cache=cache, **kw)
+        # the same model and profile through the documented constructor (packed decode too: for_model switched it)
+        want = model_copy.generate(**inputs, cache=OakenCache(thresholds, model_copy.config), **kw)
+    assert torch.equal(got, want)
+    # a second cache for the same model reuses what it was prepared with
+    assert find_profile(model_copy, "oaken") is thresholds
+
+
+def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(default_model, model_copy):
+    with pytest.raises(ValueError, match="unknown preset 'oaken-pro'; known: oaken, oaken-plus"):
+        OakenCache.for_model(model_copy, preset="oaken-pro")
+    with pytest.raises(ValueError, match="not a profile of the 'oaken-plus' preset"):
+        OakenCache.for_model(model_copy, preset="oaken-plus", profile=quick_thresholds(default_model))
+    with pytest.raises(TypeError, match="profile must be a Thresholds or a path"):
+        OakenCache.for_model(model_copy, profile=3)
+    assert model_copy.config._attn_implementation != "oaken"  # nothing was changed
+
+
+def test_presets_are_declared_once():
+    assert list(PRESETS) == ["oaken", "oaken-plus"]
+    assert get_preset("oaken-plus").transforms and not get_preset("oaken").transforms
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+        intermediate_size=32, vocab_size=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _tiny_profile(model):
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
+
+    layers = tuple(GroupThresholds(-1.0 - i, -0.05, 0.05, 1.0 + i) for i in range(2))
+    fp = ModelFingerprint.from_model_config(model.config, name="tiny")
+    return Thresholds(config=OakenConfig(), fingerprint=fp, keys=layers, values=layers)
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_either_cache_keyword_reaches_the_cache(keyword):
+    model = _tiny_llama()
+    cache = OakenCache.for_model(model, preset="oaken", profile=_tiny_profile(model))
+    ids = torch.arange(5)[None]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{keyword: cache})
+    assert cache.get_seq_length() == 5  # the model stored its keys and values in our cache, whichever keyword
+    cache = OakenCache.for_model(model, preset="oaken", profile=cache.store.thresholds)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **{keyword: cache})
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_a_cache_under_the_other_keyword_beside_a_filled_cache_raises():
+    from transformers import DynamicCache
+
+    model = _tiny_llama()
+    cache = OakenCache.for_model(model, preset="oaken", profile=_tiny_profile(model))
+    keyword = cache_keyword(model)
+    other = "past_key_values" if keyword == "cache" else "cache"
+    ids = torch.arange(4)[None]
+    filled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{keyword: filled})
+        with pytest.raises(TypeError, match=f"passed as {other}=.*pass {keyword}=cache"):
+            model(input_ids=ids, use_cache=True, **{keyword: filled, other: cache})
+    assert cache.get_seq_length() == 0
