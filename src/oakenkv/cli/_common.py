@@ -1,0 +1,176 @@
+"""What every command shares: the ``app``, the user-error rule (one ``error:`` line, exit code 2), argument
+checks made before any work, and the options several commands take."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    name="oakenkv",
+    help="Oaken KV-cache quantization (ISCA 2025): profile thresholds, quantize the KV cache of a transformers "
+    "model into a fused dense-and-sparse 4.8-bit format, evaluate it against its peers and simulate the "
+    "Oaken accelerator. Add --debug to any command to see a traceback with its error.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+#: Exit code of an error the user can fix (click's code for a usage error).
+USER_ERROR = 2
+
+
+#: Exception types a user causes: bad values (ValueError: every library validation, ThresholdsFileError,
+#: ModelMismatchError, ModelFileError, CorruptDataError, ResourceLimitError), files (OSError: FileNotFoundError,
+#: MissingModelError, DataNotFoundError, IsADirectoryError, PermissionError), memory (MemoryError, the page
+#: pool's PoolExhaustedError) and a model the library cannot handle (NotImplementedError).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, MemoryError, NotImplementedError)
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.strerror}: {e.filename}"
+    if isinstance(e, MemoryError) and not str(e):
+        return "out of memory"
+    return str(e) or type(e).__name__
+
+
+def print_error(text: str) -> None:
+    print(f"error: {one_line(text)}", file=sys.stderr, flush=True)
+
+
+def show_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None):
+    """Warnings as one ``warning: ...`` line each (no file name and source line: they are for the user)."""
+    print(f"warning: {one_line(str(message))}", file=sys.stderr, flush=True)
+
+
+def bad_option(option: str, message: str) -> typer.BadParameter:
+    """A usage error naming the option (it becomes one ``error:`` line)."""
+    return typer.BadParameter(message, param_hint=f"'{option}'")
+
+
+def check_out(path: Path | None, option: str) -> None:
+    """Refuse an output path that cannot be written, before any work: an existing directory, a parent that is a
+    file, or a directory without write permission."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise bad_option(option, f"{path} is a directory; give a file name")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise bad_option(option, f"cannot create {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise bad_option(option, f"cannot write {path}: no permission to write in {parent}")
+
+
+def check_model(model: str, option: str = "--model") -> None:
+    """Resolve a model name without loading it (a missing package or path, a file that is no model)."""
+    from oakenkv.assets.models import locate_model
+
+    locate_model(model)
+
+
+def load_thresholds(path: Path | None) -> Any:
+    """Read and validate a thresholds file before anything expensive (None stays None)."""
+    if path is None:
+        return None
+    from oakenkv.calibrate.thresholds import Thresholds
+
+    return Thresholds.load(path)
+
+
+#: ``--residual`` of the commands that build an OakenCache (``OakenCache(residual=...)``, docs/pages.md).
+ResidualOption = Annotated[
+    int,
+    typer.Option(
+        help="OakenCache's full-precision window: its newest RESIDUAL to 2*RESIDUAL-1 tokens per layer stay "
+        "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
+        "0: every token quantized on arrival, the paper's Oaken.",
+        min=0,
+    ),
+]
+
+
+def check_decode_contexts(model: str, contexts: list[int], batch: int = 1, option: str = "--context") -> None:
+    """``bench decode --context`` (and ``bench generate``'s prompts): every method's cache of the longest context
+    is held at once (fp32 K/V for DynamicCache, about a third of that for the others), so check the memory before
+    loading anything."""
+    from oakenkv.assets.models import model_kv_shape
+    from oakenkv.util.resources import check_memory
+
+    shape = model_kv_shape(model)
+    if shape is None:  # a model not converted yet: its shape is known only once it loads
+        return
+    layers, dim = shape
+    need = int(max(contexts) * batch * layers * dim * 2 * 4 * 1.5)
+    what = f"{option} {max(contexts)}" + (f" at batch {batch}" if batch > 1 else "")
+    check_memory(need, what, "give shorter contexts")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import numba
+        import torch
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def calib_spec(
+    calib_text: str | None,
+    calib_samples: int | None,
+    calib_window: int | None,
+    calib_path: str | None,
+    *,
+    method: str = "oaken",
+    thresholds: Path | None = None,
+):
+    """The calibration spec from the --calib-* options (None: the default), validated; refused with --thresholds
+    for Oaken, whose thresholds then come from the file (the options would be recorded and ignored)."""
+    from oakenkv.calibrate.spec import DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_TEXT, DEFAULT_CALIB_WINDOW, CalibrationSpec
+    from oakenkv.methods.spec import parse_spec
+
+    given = [
+        o
+        for o, v in (
+            ("--calib-text", calib_text),
+            ("--calib-samples", calib_samples),
+            ("--calib-window", calib_window),
+            ("--calib-path", calib_path),
+        )
+        if v is not None
+    ]
+    if thresholds is not None and given and parse_spec(method)[0] in ("oaken", "oaken-plus"):
+        raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
+    if calib_path is not None and calib_text is None:
+        calib_text = "file"
+    return CalibrationSpec(
+        DEFAULT_CALIB_TEXT if calib_text is None else calib_text,
+        DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples,
+        DEFAULT_CALIB_WINDOW if calib_window is None else calib_window,
+        calib_path,
+    )
+
+
+def write_json(obj: dict, path: Path | None) -> None:
+    import json
+
+    text = json.dumps(obj, indent=2)
+    if path is None:
+        typer.echo(text)
+        return
+    from oakenkv.util.paths import atomic_write
+
+    atomic_write(path, text + "\n")
+    typer.echo(f"wrote {path}")

@@ -1,0 +1,161 @@
+"""Commands of the offline half: ``profile`` (thresholds, oaken-plus transforms) and ``inspect``."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from oakenkv.cli._common import app, bad_option, check_model, check_out
+
+
+@app.command("profile")
+def profile_cmd(
+    model: Annotated[
+        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
+    ] = "default",
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="'oaken': the paper's thresholds at fixed group ratios. 'oaken-plus': offline transforms (key "
+            "shift, key smoothing folded into the weights, per-head rotations) and group ratios chosen per layer by "
+            "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md)."
+        ),
+    ] = "oaken",
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn. "
+            "Default: 100 for oaken, 16 for oaken-plus.",
+            min=1,
+        ),
+    ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per calibration window. Default: 256 for oaken (about 1-2 s per run for the default model "
+            "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
+            "the positions it sees (about 10-20 minutes for the default model).",
+            min=2,
+        ),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Calibration text: 'wikipedia' (the default calibration excerpt) or 'wikitext2' (the "
+            "evaluation text; warned about, since perplexity on it is then not held-out)."
+        ),
+    ] = "wikipedia",
+    data_path: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read the calibration text from this file instead of the built-in source.",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    outer_ratio: Annotated[float, typer.Option(help="Fraction of values in the outer group.")] = 0.04,
+    inner_ratio: Annotated[float, typer.Option(help="Fraction of values in the inner group.")] = 0.06,
+    pre_rope: Annotated[
+        bool,
+        typer.Option(
+            "--pre-rope/--post-rope",
+            help="Profile keys before RoPE (as the official harness) instead of after it (what the cache stores).",
+        ),
+    ] = False,
+    kurtosis_tuning: Annotated[
+        bool,
+        typer.Option(
+            help="Per layer, raise the outer ratio by 0.5 points where kurtosis > 20 and lower the inner ratio by "
+            "0.3 points where kurtosis < 5; the adjustments are recorded in the file."
+        ),
+    ] = False,
+    inner_center: Annotated[
+        str,
+        typer.Option(
+            help="'median': the inner group is the values around the median (default); 'zero': the values of "
+            "smallest magnitude."
+        ),
+    ] = "median",
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass (speed only).", min=1)] = 1,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch CPU threads (default: torch's choice). On a machine shared with other jobs, 1 is much "
+            "faster than oversubscribed threads (measured: 100 runs of the default model on a busy 2-core box "
+            "take 2.8 min with 1 thread, 20 min with 2).",
+            min=1,
+        ),
+    ] = None,
+) -> None:
+    """Profile the per-layer Oaken thresholds of a model on calibration text and save them as JSON."""
+    from oakenkv.assets.data import TEXTS
+    from oakenkv.format.config import OakenConfig
+
+    if preset not in ("oaken", "oaken-plus"):
+        raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
+    plus = preset == "oaken-plus"
+    samples = samples or (16 if plus else 100)
+    window = window or (2048 if plus else 256)
+    config = OakenConfig(
+        outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
+    )
+    if plus and (pre_rope or kurtosis_tuning or (outer_ratio, inner_ratio) != (0.04, 0.06)):
+        raise bad_option(
+            "--preset", "oaken-plus chooses its own group ratios on post-RoPE keys; drop the ratio options"
+        )
+    if data not in TEXTS:
+        raise bad_option("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
+    if inner_center not in ("median", "zero"):
+        raise bad_option("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
+    check_out(out, "--out")
+    check_model(model)
+    from oakenkv.calibrate.profile import profile_model
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source = {"data": data, "data_path": None if data_path is None else str(data_path)}
+        if plus:
+            from oakenkv.calibrate.plus import profile_plus_model
+
+            th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
+        else:
+            th = profile_model(
+                model,
+                samples=samples,
+                window=window,
+                config=config,
+                kurtosis_tuning=kurtosis_tuning,
+                inner_center=inner_center,  # type: ignore[arg-type]
+                batch_size=batch_size,
+                progress=True,
+                **source,
+            )
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            typer.secho(f"warning: {w.message}", fg="yellow", err=True)
+    path = th.save(out)
+    typer.echo(
+        f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "
+        f"{data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv inspect {path}`)"
+    )
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="A thresholds JSON file written by `oakenkv profile`.")],
+    layers: Annotated[bool, typer.Option(help="Print the per-layer table (--no-layers: header only).")] = True,
+) -> None:
+    """Print a thresholds file: model, config, how it was profiled and the per-layer thresholds and kurtosis."""
+    from oakenkv.calibrate.thresholds import Thresholds, print_thresholds
+
+    print_thresholds(Thresholds.load(path), layers=layers)
