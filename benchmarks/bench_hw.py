@@ -32,7 +32,7 @@ def run_ppl(windows: int, window: int) -> dict:
     from oakenkv.format.config import OakenConfig
     from oakenkv.hw.fakequant import HwOakenQuantizer
     from oakenkv.methods.fakequant import FakeQuantCache
-    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer
 
     torch.set_num_threads(1)  # the machine is shared; a single thread keeps timings honest
     loaded = load_model("default")

@@ -47,13 +47,52 @@ def test_parse_spec_aliases_defaults_and_errors():
     fam, p = parse_spec("oaken:outer=0.06,inner=0.09")
     assert fam == "oaken" and p["outer"] == 0.06 and p["inner"] == 0.09
     assert canonical(fam, p) == "oaken:outer=0.06,inner=0.09"
-    assert canonical("oaken", dict(FAMILIES["oaken"])) == "oaken"
+    assert canonical("oaken", FAMILIES["oaken"].defaults()) == "oaken"
     with pytest.raises(ValueError, match="unknown method"):
         parse_spec("nope")
-    with pytest.raises(ValueError, match="bad parameter"):
+    with pytest.raises(ValueError, match="unknown parameter 'width'"):
         parse_spec("int:width=4")
-    with pytest.raises(ValueError, match="not a int"):
+    with pytest.raises(ValueError, match="not an int"):
         parse_spec("int:bits=four")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("int:bits=1.5", "bits='1.5' is not an int"),
+        ("int:bits=true", "bits='true' is not an int"),
+        ("int:bits=1e3", "bits='1e3' is not an int"),
+        ("int:bits=0", "must be >= 2 and <= 8"),
+        ("oaken:outer=nan", "must be a finite number"),
+        ("oaken:outer=inf", "must be a finite number"),
+        ("oaken:outer=-0.1", "must be >= 0"),
+        ("oaken:outer=0.6,inner=0.5", "outer \\+ inner must be below 1"),
+        ("oaken:outer=0.04,outer=0.05", "outer is given twice"),
+        ("oaken:granularity=channel", "use one of token, head"),
+        ("oaken-plus:sink=65", "must be >= 0 and <= 64"),
+        ("oaken-plus:rot_k=2", "must be >= 0 and <= 1"),
+        ("kivi:residual=-1", "must be >= 0"),
+        ("int:bits", "bad parameter 'bits' \\(use key=value\\)"),
+    ],
+)
+def test_parse_spec_takes_exact_types_in_range_once(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_spec(spec)
+
+
+def test_the_registry_declares_every_method_once():
+    from oakenkv.apps.diagnose import METHODS
+    from oakenkv.methods.registry import ALIASES, NAMES, methods_help
+
+    for name, fam in FAMILIES.items():
+        assert fam.name == name and parse_spec(name) == (name, fam.defaults())
+        assert fam.name in methods_help()
+        assert fam.key_position in ("post_rope", "pre_rope")
+        for p in fam.params.values():  # every default parses as its own type
+            assert type(p.parse(name, "x", str(p.default))) is type(p.default)
+    for alias, spec in ALIASES.items():
+        assert parse_spec(alias) == parse_spec(spec) and alias in methods_help()
+    assert set(METHODS) <= set(vars(NAMES).values())  # the diagnosis names registry methods only
 
 
 def test_sweep_config_keeps_paper_split():
@@ -162,7 +201,7 @@ def test_kivi_residual_covers_short_windows(default_model):
 
 def test_oaken_method_bits_follow_the_format(default_model):
     from oakenkv.eval.ppl import perplexity
-    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -454,7 +493,7 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
     """The eval counts 4 n + 8 m + 112 bits per token vector; the real fused format adds only rare escapes."""
     from oakenkv.format.config import OakenConfig
     from oakenkv.kernels.codec import effective_bits, encode
-    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -474,7 +513,7 @@ def test_oaken_bit_formula_matches_the_codec_bytes():
 def test_oaken_method_is_the_reference_quantizer_bit_for_bit(changes):
     """The eval runs the codec kernels' round trip; it must be quant.quantize_dequantize exactly."""
     from oakenkv.format.config import OakenConfig
-    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer
     from oakenkv.quant.quantizer import quantize_dequantize
 
     thr = (-1.6, -0.08, 0.08, 1.6)
@@ -497,7 +536,7 @@ def test_oaken_method_is_the_reference_quantizer_bit_for_bit(changes):
 
 def test_oaken_ablation_quantizes_only_one_kind():
     from oakenkv.format.config import OakenConfig
-    from oakenkv.methods.registry import OakenQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -595,7 +634,7 @@ def _tiny_thresholds(model, sink=None):
 def _quantizer(model, which):
     """Oaken post-RoPE, Oaken pre-RoPE, or oaken-plus (key shift and rotation, 2 sink tokens)."""
     from oakenkv.format.config import OakenConfig
-    from oakenkv.methods.registry import OakenQuantizer, PlusQuantizer
+    from oakenkv.methods.oaken import OakenQuantizer, PlusQuantizer
 
     class Fixed:
         def layer(self, i, kind):
@@ -740,16 +779,16 @@ def test_residual_flush_reaches_a_sliding_layer_that_dropped_window_tokens(span)
 
 
 def test_residual_spec_is_checked_and_round_trips():
-    from oakenkv.methods.spec import check_spec_with_thresholds
+    from oakenkv.methods.registry import check_spec_with_thresholds
 
     for family in ("oaken", "oaken-plus"):
         assert parse_spec(family)[1]["residual"] == 0
         fam, p = parse_spec(f"{family}:residual=128")
         assert p["residual"] == 128 and canonical(fam, p) == f"{family}:residual=128"
         assert parse_spec(canonical(fam, p)) == (fam, p)
-        with pytest.raises(ValueError, match=r"residual must be 0 .* got -1"):
+        with pytest.raises(ValueError, match="residual='-1': must be >= 0"):
             parse_spec(f"{family}:residual=-1")
-        with pytest.raises(ValueError, match="not a int"):
+        with pytest.raises(ValueError, match="not an int"):
             parse_spec(f"{family}:residual=1.5")
     assert canonical("oaken", parse_spec("oaken:only=k,residual=64")[1]) == "oaken:only=k,residual=64"
 

@@ -234,7 +234,7 @@ def test_greedy_generation_matches_the_evaluation_cache(default_model, profile, 
     summation order: ``kv_helpers.assert_same_greedy``)."""
     from kv_helpers import assert_same_greedy
     from oakenkv.methods.fakequant import FakeQuantCache
-    from oakenkv.methods.registry import PlusQuantizer
+    from oakenkv.methods.oaken import PlusQuantizer
 
     tok = default_model.tokenizer
     tok.padding_side = "left"

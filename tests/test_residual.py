@@ -194,7 +194,7 @@ def test_the_evaluation_cache_reads_what_the_store_holds(sink):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oakenkv.methods.fakequant import FakeQuantCache
-    from oakenkv.methods.registry import PlusQuantizer
+    from oakenkv.methods.oaken import PlusQuantizer
 
     config = LlamaConfig(
         num_hidden_layers=2, num_attention_heads=HQ, num_key_value_heads=H, hidden_size=HQ * HD, head_dim=HD,

@@ -714,7 +714,7 @@ BAD = [
     ("profile --outer-ratio 2", "outer_ratio"),
     ("profile --outer-ratio 0.6 --inner-ratio 0.5", "leave a middle group"),
     ("profile --inner-center middle", "'median' or 'zero'"),
-    ("profile --preset nope", "'oaken' or 'oaken-plus'"),
+    ("profile --preset nope", "must be one of oaken, oaken-plus"),
     ("profile --preset oaken-plus --outer-ratio 0.1", "oaken-plus chooses its own group ratios"),
     ("profile --out {d}/adir", "is a directory"),
     ("profile --out {d}/text.txt/x.json", "is not a directory"),
@@ -752,11 +752,11 @@ BAD = [
     ("bench attention --rounds 0", "'--rounds'"),
     ("bench attention --thresholds {d}/deep.json", "nested too deeply"),
     ("eval ppl --method bogus", "unknown method 'bogus'"),
-    ("eval ppl --method oaken:outer=x", "is not a float"),
+    ("eval ppl --method oaken:outer=x", "outer='x' is not a number"),
     ("eval ppl --window 1", "'--window'"),
     ("eval ppl --stride 0", "'--stride'"),
     ("eval ppl --chunk 0", "'--chunk'"),
-    ("eval ppl --method oaken:residual=-1", "residual must be 0"),
+    ("eval ppl --method oaken:residual=-1", "residual='-1': must be >= 0"),
     ("eval ppl --max-windows 0", "'--max-windows'"),
     ("eval ppl --dataset nope", "unknown dataset 'nope'"),
     ("eval ppl --calib-samples 0", "'--calib-samples'"),
@@ -770,7 +770,7 @@ BAD = [
     ("eval ppl --method int4 --thresholds {d}/thr.json", "applies to the 'oaken' and 'oaken-plus' methods only"),
     ("eval ppl --thresholds {d}/thr.json --calib-samples 8", "calibration options do not apply"),
     ("eval ppl --method oaken-plus --thresholds {d}/thr.json", "holds no oaken-plus transforms"),
-    ("eval ppl --method oaken-plus:shift=2", "shift must be 0 or 1"),
+    ("eval ppl --method oaken-plus:shift=2", "shift='2': must be >= 0 and <= 1"),
     ("eval ppl --json {d}/adir", "is a directory"),
     ("eval zeroshot --tasks piqa,nope", "give tasks among"),
     ("eval zeroshot --limit 0", "'--limit'"),
@@ -946,7 +946,7 @@ def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
     in an oaken-plus spec would be recorded but not run (the file's transforms decide)."""
     from types import SimpleNamespace
 
-    from oakenkv.methods.spec import check_spec_with_thresholds
+    from oakenkv.methods.registry import check_spec_with_thresholds
 
     plus_profile = SimpleNamespace(transforms=object(), config=OakenConfig(), profile={})
     with pytest.raises(ValueError, match="use --method oaken-plus"):

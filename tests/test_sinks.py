@@ -155,18 +155,18 @@ def test_transforms_without_sink_tokens_keep_their_old_form():
 
 
 def test_the_method_spec_takes_a_sink_count():
-    from oakenkv.methods.spec import parse_spec
+    from oakenkv.methods.registry import parse_spec
 
     assert parse_spec("oaken-plus")[1]["sink"] == 1
     assert parse_spec("oaken-plus:sink=4")[1]["sink"] == 4
-    with pytest.raises(ValueError, match="sink must be 0 to 64"):
+    with pytest.raises(ValueError, match="sink='65': must be >= 0 and <= 64"):
         parse_spec("oaken-plus:sink=65")
 
 
 def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
     """FakeQuantCache with oaken-plus's quantizer: the first tokens as OakenCache reads them, and 16 bits each
     on top of the codes."""
-    from oakenkv.methods.registry import PlusQuantizer
+    from oakenkv.methods.oaken import PlusQuantizer
 
     th = _profile(2)
     q = PlusQuantizer(th)

@@ -42,6 +42,7 @@ import torch
 from oakenkv.calibrate.profile import CalibrationSpec, KVRecorder, ProgressLog, RunAccumulator, run_thresholds
 from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
 from oakenkv.format.config import OakenConfig
+from oakenkv.methods.registry import NAMES
 
 #: Default calibration of a diagnosis: 4 windows of 512 tokens of the Wikipedia excerpt (about a minute for the
 #: default model on 2 busy cores without the oaken-plus search).
@@ -60,18 +61,19 @@ OFFSET_POWER = 0.1
 #: A channel counts as constant-sign when its mean is at least this fraction of its absmax (reported, not a rule).
 CONSTANT_SIGN = 0.5
 
-#: The methods whose round trip is measured, with what is measured (key frame, grouping, bits).
+#: The methods whose round trip is measured (registry names), with how the diagnosis measures each (key frame,
+#: grouping, bits): in-sample on the diagnosis windows, not through the evaluation's cache.
 METHODS: dict[str, str] = {
-    "oaken": "the paper's Oaken: per-token groups over all KV heads, the model's profiled thresholds, the codec's "
-    "bytes",
-    "oaken-plus": "Oaken after the oaken-plus profile's transforms (key scale, shift and rotation, value rotation; "
-    "per-layer ratios); key error in the model's frame up to the shift, which softmax ignores",
-    "int4": "per-token per-head asymmetric INT4 (QServe / Atom style), post-RoPE keys",
-    "kivi4": "KIVI-style INT4: keys per channel in groups of 32 tokens of a window, values per token in groups of "
-    "32 channels; no fp16 residual window",
-    "kvquant4": "KVQuant-style 4-bit + 1% fp16 outliers: pre-RoPE keys per channel with ranges from these same "
+    NAMES.oaken: "the paper's Oaken: per-token groups over all KV heads, the model's profiled thresholds, the "
+    "codec's bytes",
+    NAMES.oaken_plus: "Oaken after the oaken-plus profile's transforms (key scale, shift and rotation, value "
+    "rotation; per-layer ratios); key error in the model's frame up to the shift, which softmax ignores",
+    NAMES.int4: "per-token per-head asymmetric INT4 (QServe / Atom style), post-RoPE keys",
+    NAMES.kivi4: "KIVI-style INT4: keys per channel in groups of 32 tokens of a window, values per token in groups "
+    "of 32 channels; no fp16 residual window",
+    NAMES.kvquant4: "KVQuant-style 4-bit + 1% fp16 outliers: pre-RoPE keys per channel with ranges from these same "
     "windows (in-sample), values per token",
-    "fp8": "FP8 e4m3, per-tensor scale 1.0 (vLLM's default)",
+    NAMES.fp8: "FP8 e4m3, per-tensor scale 1.0 (vLLM's default)",
 }
 KINDS = ("key", "value")
 
@@ -474,9 +476,9 @@ def diagnose(
     if thresholds is None:
         notes.append(f"paper thresholds profiled on the {windows.shape[0]} diagnosis windows")
     choices = plus_choices(plus_profile) if plus_profile is not None else None
-    methods = ["oaken", *(["oaken-plus"] if plus_profile is not None else []), "int4", "kivi4"]
-    methods += ["kvquant4"] if pre is not None else []
-    methods += ["fp8"]
+    methods = [NAMES.oaken, *([NAMES.oaken_plus] if plus_profile is not None else []), NAMES.int4, NAMES.kivi4]
+    methods += [NAMES.kvquant4] if pre is not None else []
+    methods += [NAMES.fp8]
     tally = {(m, kind): _Tally() for m in methods for kind in KINDS}
     int4, fp8 = PerTokenIntQuantizer(4), Fp8Quantizer()
     kivi_bits = 4 + GROUP_SCALE_BITS / 32
@@ -499,11 +501,11 @@ def diagnose(
             key_power[1] += float((k.double() - k.double().mean(dim=(0, 2), keepdim=True)).pow(2).sum())
             # round trips: keys post-RoPE unless stated
             for kind, x, thr in (("key", k, kthr), ("value", v, vthr)):
-                tally["oaken", kind].add(x, *oaken_round_trip(x, thr, paper))
-                tally["int4", kind].add(x, *int4.quantize(i, kind, x))
-                tally["fp8", kind].add(x, *fp8.quantize(i, kind, x))
-            tally["kivi4", "key"].add(k, _kivi_keys(k), kivi_bits * k.numel())
-            tally["kivi4", "value"].add(
+                tally[NAMES.oaken, kind].add(x, *oaken_round_trip(x, thr, paper))
+                tally[NAMES.int4, kind].add(x, *int4.quantize(i, kind, x))
+                tally[NAMES.fp8, kind].add(x, *fp8.quantize(i, kind, x))
+            tally[NAMES.kivi4, "key"].add(k, _kivi_keys(k), kivi_bits * k.numel())
+            tally[NAMES.kivi4, "value"].add(
                 v, kivi_quantize_values(v, 4, 32), (4 + GROUP_SCALE_BITS / min(32, hd)) * v.numel()
             )
             if pre is not None:
@@ -511,8 +513,8 @@ def diagnose(
                 lo, hi = (torch.quantile(q, t, dim=-1) for t in (0.005, 0.995))
                 kvq = KVQuantQuantizer([(lo, hi)])  # this layer's ranges only: quantized as layer 0
                 # RoPE is a rotation per position: the pre-RoPE error and signal are the post-RoPE ones
-                tally["kvquant4", "key"].add(pre[i], *kvq.quantize(0, "key", pre[i]))
-                tally["kvquant4", "value"].add(v, *kvq.quantize(0, "value", v))
+                tally[NAMES.kvquant4, "key"].add(pre[i], *kvq.quantize(0, "key", pre[i]))
+                tally[NAMES.kvquant4, "value"].add(v, *kvq.quantize(0, "value", v))
             if plus_profile is not None:
                 _plus_round_trips(plus_profile, i, k, v, tally)
             layers.append(
@@ -581,10 +583,10 @@ def _plus_round_trips(
     yk, bits = oaken_round_trip(xk, profile.layer(i, "key"), profile.config)
     k_hat = t.keys_restore(i, yk) * lam
     target = k if lt.key_shift is None else k - torch.tensor(lt.key_shift).reshape(1, h, 1, hd) * lam
-    tally["oaken-plus", "key"].add(target, k_hat, bits, signal=k)
+    tally[NAMES.oaken_plus, "key"].add(target, k_hat, bits, signal=k)
     xv = torch.from_numpy(fwht(v.numpy())) if lt.value_rotation else v
     yv, bits = oaken_round_trip(xv, profile.layer(i, "value"), profile.config)
-    tally["oaken-plus", "value"].add(xv, yv, bits, signal=v)
+    tally[NAMES.oaken_plus, "value"].add(xv, yv, bits, signal=v)
 
 
 def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing: str | None) -> dict[str, Any]:

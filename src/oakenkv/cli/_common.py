@@ -139,7 +139,7 @@ def calib_spec(
     """The calibration spec from the --calib-* options (None: the default), validated; refused with --thresholds
     for Oaken, whose thresholds then come from the file (the options would be recorded and ignored)."""
     from oakenkv.calibrate.spec import DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_TEXT, DEFAULT_CALIB_WINDOW, CalibrationSpec
-    from oakenkv.methods.spec import parse_spec
+    from oakenkv.methods.registry import FAMILIES, parse_spec
 
     given = [
         o
@@ -151,7 +151,7 @@ def calib_spec(
         )
         if v is not None
     ]
-    if thresholds is not None and given and parse_spec(method)[0] in ("oaken", "oaken-plus"):
+    if thresholds is not None and given and FAMILIES[parse_spec(method)[0]].profile is not None:
         raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"

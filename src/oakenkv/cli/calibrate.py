@@ -94,13 +94,17 @@ def profile_cmd(
 ) -> None:
     """Profile the per-layer Oaken thresholds of a model on calibration text and save them as JSON."""
     from oakenkv.assets.data import TEXTS
+    from oakenkv.calibrate.presets import PRESETS
     from oakenkv.format.config import OakenConfig
 
-    if preset not in ("oaken", "oaken-plus"):
-        raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
-    plus = preset == "oaken-plus"
-    samples = samples or (16 if plus else 100)
-    window = window or (2048 if plus else 256)
+    if preset not in PRESETS:
+        raise bad_option("--preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
+    from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW
+
+    plus = PRESETS[preset].transforms
+    # oaken-plus: its preset's calibration; the paper's thresholds: the paper's ~100 runs
+    samples = samples or (PRESETS[preset].calibration.samples if plus else DEFAULT_SAMPLES)
+    window = window or (PRESETS[preset].calibration.window if plus else DEFAULT_WINDOW)
     config = OakenConfig(
         outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
     )

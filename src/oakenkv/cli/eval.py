@@ -8,13 +8,11 @@ from typing import Annotated
 import typer
 
 from oakenkv.cli._common import app, bad_option, calib_spec, check_model, check_out, write_json
+from oakenkv.methods.registry import methods_help
 
 eval_app = typer.Typer(
-    help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. "
-    "Methods: fp, oaken[:outer=..,inner=..,key_position=pre,granularity=head,kurtosis=1], "
-    "oaken-plus[:shift=0,rot_k=1,rot_v=1,smooth=0,ratios=0,sink=N] (offline transforms chosen per layer; each "
-    "switch turns one remedy on or off; sink: first tokens kept at 16 bits, default 1), oaken-official, int4, "
-    "int5, int:bits=N, kivi4, kvquant4, fp8, quanto4.",
+    help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. METHOD is "
+    "family[:key=value,...] or an alias. " + methods_help(),
     no_args_is_help=True,
 )
 
@@ -70,7 +68,7 @@ def eval_ppl(
     ] = True,
 ) -> None:
     """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
-    from oakenkv.methods.spec import check_run_args
+    from oakenkv.eval.args import check_run_args
 
     check_out(json_out, "--json")
     calibration = calib_spec(calib_text, calib_samples, calib_window, calib_path, method=method, thresholds=thresholds)
@@ -113,7 +111,7 @@ def eval_zeroshot(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
     """Zero-shot accuracy (lm-evaluation-harness, local task data) with METHOD's cache."""
-    from oakenkv.methods.spec import ZEROSHOT_TASKS, check_run_args
+    from oakenkv.eval.args import ZEROSHOT_TASKS, check_run_args
 
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not names or any(t not in ZEROSHOT_TASKS for t in names):
@@ -152,7 +150,7 @@ def eval_calibrate(
 ) -> None:
     """Profile, in one pass, every Oaken configuration the report uses and the baselines' calibrated ranges."""
     from oakenkv.format.config import OakenConfig
-    from oakenkv.methods.spec import sweep_config
+    from oakenkv.methods.registry import sweep_config
 
     base = OakenConfig()
     configs = [(base, False), (base, True), (base.replace(key_position="pre_rope"), False)]

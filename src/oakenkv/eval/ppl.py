@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from oakenkv.calibrate.thresholds import weights_digest
+from oakenkv.eval.args import check_run_args
 from oakenkv.methods.base import BitCounter
 from oakenkv.methods.fakequant import stored_bits
-from oakenkv.methods.spec import check_run_args
 from oakenkv.util.paths import atomic_write
 
 

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from oakenkv.eval.args import ZEROSHOT_TASKS
 from oakenkv.methods.base import BitCounter
 from oakenkv.methods.fakequant import stored_bits
-from oakenkv.methods.spec import ZEROSHOT_TASKS
+from oakenkv.methods.registry import FAMILIES
 
 #: lm-eval task name -> (oakenkv.assets.data task name, the metric the paper reports).
 TASKS = ZEROSHOT_TASKS
@@ -147,7 +148,7 @@ def zeroshot(
         task.set_config(key="num_fewshot", value=0)
         task_objs[t] = task
     if batch_size is None:
-        batch_size = 1 if method.family in ("kivi", "quanto", "oaken-official") else 8
+        batch_size = 8 if FAMILIES[method.family].batchable else 1
     if getattr(method, "model", None) is not None:
         model = method.model  # oaken-plus: the copy with its transforms folded in
     lm = _cache_lm_class()(method, pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu")
@@ -199,8 +200,8 @@ def run_zeroshot(
     """Load ``model``, build ``method`` and evaluate it on ``tasks`` (the CLI's body); every argument is validated
     before the model loads."""
     from oakenkv.assets.models import load_model
+    from oakenkv.eval.args import check_run_args
     from oakenkv.methods.registry import build_method
-    from oakenkv.methods.spec import check_run_args
 
     for t in tasks:
         if t not in TASKS:

@@ -1,151 +1,419 @@
-"""The KV-cache methods the evaluation compares, behind one interface.
+"""The method registry: every KV-cache method oakenkv runs, ours and the peers', declared once.
 
 A method is named by a spec string ``family[:key=value,...]``, e.g. ``oaken``, ``oaken:outer=0.06,inner=0.09``,
-``int:bits=5``, ``kivi:bits=4,group=32,residual=128``. Aliases: ``int4``, ``int5``, ``kivi4``, ``kvquant4``,
-``quanto4``, ``oaken-kurtosis``.
+``int:bits=5``, ``kivi:bits=4,group=32,residual=128``, or an alias (``int4``, ``kivi4``, ...). Each family is one
+:class:`Family` below: its parameters with their types, defaults and ranges, its bits per value, where it
+quantizes keys, what it simplifies against the method it stands for, and the function that builds it. Spec
+parsing (:func:`parse_spec`), the command line's help (:func:`methods_help`), the evaluation (:func:`build_method`),
+the diagnosis and the tests read this table; no other module spells a method's name.
+
+This module imports no torch: the command line checks a spec before anything loads. The builders (each family's
+``build``, in ``oakenkv.methods.build``) import what they need when called.
 
 | family | what the attention reads | keys quantized |
 |---|---|---|
 | ``fp`` | unquantized (16 bits counted) | - |
-| ``oaken`` | :func:`oakenkv.quant.quantizer.quantize_dequantize` per token vector, profiled thresholds | post (or
-``pre``) |
-| ``oaken-official`` | Oaken, calibrated global min/max per layer (``baselines.oaken_official``) | pre-RoPE |
+| ``oaken`` | Oaken per token vector, profiled thresholds (the paper's method) | post (or ``pre``) |
+| ``oaken-plus`` | Oaken after per-layer offline transforms (``oakenkv.calibrate.plus``) | post |
+| ``oaken-official`` | Oaken as the authors' harness computes it: calibrated per-layer min/max | pre-RoPE |
 | ``int`` | per-token-per-head asymmetric INT-n, QServe / Atom style | post-RoPE |
 | ``kivi`` | KIVI: keys per channel in token groups, values per token, fp16 residual | post-RoPE |
-| ``kvquant`` | KVQuant-style 4-bit + 1% fp16 outliers (uniform grid, see its module) | pre-RoPE, per channel |
-| ``fp8`` | FP8 e4m3, per-tensor scale 1.0 (vLLM default) | post-RoPE |
+| ``kvquant`` | KVQuant-style n-bit + 1% fp16 outliers (uniform grid) | pre-RoPE, per channel |
+| ``fp8`` | FP8 e4m3, per-tensor scale 1.0 (vLLM's default) | post-RoPE |
 | ``quanto`` | transformers' ``QuantizedCache(backend="quanto")``, unchanged | post-RoPE |
-
-``oaken:only=k`` (or ``only=v``) is an ablation: only the keys (values) are quantized, the other kind is read
-unquantized and counted at 16 bits; it shows which side costs Oaken its perplexity.
-
-``oaken:residual=R`` (and ``oaken-plus:residual=R``) keeps each layer's newest tokens unquantized, in a window of R
-to 2R - 1 tokens once the sequence is that long, as ``OakenCache``'s window does (semantics:
-:mod:`oakenkv.methods.fakequant`); they count 32 bits per value (float32, as the cache holds them). 0, the default, is
-the paper's Oaken. A thresholds file does not decide it.
-
-Oaken's thresholds come from a thresholds file (``thresholds=``) or are profiled on the calibration text
-(:mod:`oakenkv.calibrate.ranges`; never WikiText-2 by default).
 """
 
 from __future__ import annotations
 
+import importlib
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-import torch
-
-from oakenkv.format.config import OakenConfig
-from oakenkv.methods.base import Kind, KVFakeQuantizer, check_kv
-
-# The method specs (parsed without torch, for the CLI's checks) live in oakenkv.methods.spec; re-exported here.
-from oakenkv.methods.spec import (
-    ALIASES,
-    FAMILIES,
-    SIMPLIFIED,
-    canonical,
-    check_spec_with_thresholds,
-    given_params,
-    parse_spec,
-    sweep_config,
-)
+from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS
+from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig
 
 __all__ = [
     "ALIASES",
     "FAMILIES",
-    "SIMPLIFIED",
+    "NAMES",
+    "Family",
     "Method",
-    "OakenQuantizer",
+    "Param",
     "build_method",
     "canonical",
     "check_spec_with_thresholds",
     "given_params",
+    "methods_help",
     "parse_spec",
     "sweep_config",
 ]
 
+_INT = re.compile(r"[+-]?\d+")
 
-class OakenQuantizer(KVFakeQuantizer):
-    """Oaken's quantize-dequantize (:mod:`oakenkv.quant.quantizer`, run through the codec's kernels), one vector per
-    token.
 
-    Token granularity: ``[B, H, S, D] -> [B*S, H*D]`` (one token's keys of all KV heads of a layer, the paper's
-    vector); head granularity: ``[B*S*H, D]``. Stored bits are the bytes the codec produced for those rows
-    (dense nibbles, COO entries, six per-token scales, 16-bit header; ``oakenkv.format.layout``), less the rare escape
-    bytes: the evaluation has always reported the format's cost without escapes (its committed results), and
-    ``codec.effective_bits`` gives the figure with them (+0.004 bits per value on the default model).
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a family: its default (whose type is the parameter's: int, float or str), the range or
+    choices it accepts, and what it means."""
+
+    default: int | float | str
+    help: str
+    #: Inclusive bounds of an int or float parameter (None: unbounded on that side).
+    low: float | None = None
+    high: float | None = None
+    #: The values a str parameter accepts (empty: any).
+    choices: tuple[str, ...] = ()
+
+    def parse(self, family: str, key: str, text: str) -> int | float | str:
+        """``text`` as this parameter's type, checked; ValueError naming the family, the key and what is wrong.
+        Exact types: an int parameter takes digits only (not ``1.5``, ``true`` or ``1e3``), a float a finite
+        number."""
+        where = f"method {family!r}: {key}={text!r}"
+        d = self.default
+        if isinstance(d, str):
+            if self.choices and text not in self.choices:
+                raise ValueError(f"{where}: use one of {', '.join(self.choices)}")
+            return text
+        if isinstance(d, int):
+            if not _INT.fullmatch(text.strip()):
+                raise ValueError(f"{where} is not an int")
+            v: int | float = int(text)
+        else:
+            try:
+                v = float(text)
+            except ValueError:
+                raise ValueError(f"{where} is not a number") from None
+            if not math.isfinite(v):
+                raise ValueError(f"{where}: must be a finite number")
+        if (self.low is not None and v < self.low) or (self.high is not None and v > self.high):
+            lo = "" if self.low is None else f">= {self.low:g}"
+            hi = "" if self.high is None else f"<= {self.high:g}"
+            raise ValueError(f"{where}: must be {' and '.join(filter(None, (lo, hi)))}")
+        return v
+
+    def describe(self) -> str:
+        if self.choices:
+            return "|".join(self.choices)
+        rng = [f"{self.low:g}" if self.low is not None else "", f"{self.high:g}" if self.high is not None else ""]
+        kind = "int" if isinstance(self.default, int) else "float"
+        return kind if not any(rng) else f"{kind} {rng[0]}..{rng[1]}"
+
+
+def _switch(help: str, default: int = 1) -> Param:
+    return Param(default, help + " (1 on, 0 off)", 0, 1)
+
+
+def _residual(default: int, what: str) -> Param:
+    return Param(default, f"newest tokens of each layer kept unquantized ({what})", 0)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One method family: everything about it that is not its implementation."""
+
+    name: str
+    description: str
+    #: Its parameters, in the order a canonical spec lists them.
+    params: dict[str, Param]
+    #: Bits stored per value, as a formula of its parameters (D: values per token vector; the measured figure is
+    #: the evaluation's ``effective_bits``).
+    bits: str
+    #: Where keys are quantized: "post_rope" or "pre_rope" (``oaken``'s follows its ``key_position`` parameter).
+    key_position: str
+    #: ``module:function`` (under ``oakenkv.``) that builds it: ``(context, params) -> Method``.
+    build: str
+    #: What the implementation simplifies relative to the method it stands for (printed in reports).
+    simplified: str = ""
+    #: What a thresholds file is to it: None (it takes none), "paper" (the paper's thresholds) or "plus" (an
+    #: oaken-plus profile, whose transforms decide its switches).
+    profile: str | None = None
+    #: Whether its caches can run a batch of sequences of different lengths (zero-shot tasks batch 8 at a time).
+    batchable: bool = True
+    #: Whether a non-default calibration changes it (then its name in results says which).
+    calibrated: bool = False
+
+    def defaults(self) -> dict[str, Any]:
+        return {k: p.default for k, p in self.params.items()}
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("fp", "no quantization: the model's own float cache", {}, "16", "post_rope", "methods.build:build_fp"),
+        Family(
+            OAKEN.name,
+            OAKEN.description,
+            {
+                "outer": Param(0.04, "share of values in the outer group", 0.0, 1.0),
+                "inner": Param(0.06, "share of values in the inner group", 0.0, 1.0),
+                "granularity": Param(
+                    "token", "one vector per token (all KV heads) or per head", choices=("token", "head")
+                ),
+                "key_position": Param("post", "keys quantized after or before RoPE", choices=("post", "pre")),
+                "kurtosis": _switch("per-layer ratios tuned by kurtosis", 0),
+                "only": Param("kv", "ablation: quantize keys and values, or only one kind", choices=("kv", "k", "v")),
+                "residual": _residual(0, "OakenCache's window; 0: the paper's Oaken"),
+            },
+            "4 + 8 x outlier share + 96/D (scales) + 16/D (header)",
+            "post_rope",
+            "methods.build:build_oaken",
+            profile="paper",
+            calibrated=True,
+        ),
+        Family(
+            OAKEN_PLUS.name,
+            OAKEN_PLUS.description,
+            {
+                "shift": _switch("key shift (the mean of post-RoPE keys)"),
+                "rot_k": _switch("per-head Hadamard rotation of keys", 0),
+                "rot_v": _switch("per-head Hadamard rotation of values", 0),
+                "smooth": _switch("key smoothing folded into the weights"),
+                "ratios": _switch("per-layer group ratios (else the paper's 4% / 6%)"),
+                "sink": Param(1, "first tokens of a sequence kept at 16 bits", 0, MAX_SINK_TOKENS),
+                "residual": _residual(0, "OakenCache's window; 0: every token quantized"),
+            },
+            "as oaken, plus 16 bits x sink tokens",
+            "post_rope",
+            "methods.build:build_oaken_plus",
+            profile="plus",
+        ),
+        Family(
+            "oaken-official",
+            "Oaken as the authors' evaluation harness computes it (per-layer calibrated min/max, pre-RoPE keys)",
+            {
+                "outer": Param(0.04, "share of values in the outer group", 0.0, 1.0),
+                "inner": Param(0.06, "share of values in the inner group", 0.0, 1.0),
+            },
+            "as oaken",
+            "pre_rope",
+            "methods.build:build_oaken_official",
+            batchable=False,
+            calibrated=True,
+        ),
+        Family(
+            "int",
+            "per-token per-head asymmetric INT-n (QServe / Atom style)",
+            {
+                "bits": Param(4, "bits per value", 2, 8),
+                "group": Param(0, "channels per group (0: the whole head vector)", 0),
+            },
+            "bits + 32/group (fp16 min and max per group)",
+            "post_rope",
+            "methods.build:build_int",
+            simplified="KV format only (no SmoothAttention / weight quantization of QServe, no reordering of Atom)",
+        ),
+        Family(
+            "kivi",
+            "KIVI: keys per channel in groups of tokens, values per token, a full-precision residual window",
+            {
+                "bits": Param(4, "bits per value", 2, 8),
+                "group": Param(32, "tokens per key group and channels per value group", 1),
+                "residual": _residual(128, "fp16"),
+            },
+            "bits + 32/group, the residual window at 16",
+            "post_rope",
+            "methods.build:build_kivi",
+            batchable=False,
+        ),
+        Family(
+            "kvquant",
+            "KVQuant-style: pre-RoPE keys per channel, values per token, a share of fp16 outliers kept apart",
+            {
+                "bits": Param(4, "bits per value", 2, 8),
+                "outliers": Param(0.01, "share of values kept at fp16 as sparse outliers", 0.0, 0.5),
+            },
+            "bits + outliers x (16 + 32 index)",
+            "pre_rope",
+            "methods.build:build_kvquant",
+            simplified="uniform n-bit grid instead of KVQuant's non-uniform nuq; no attention-sink token; ranges from "
+            "calibration quantiles",
+            calibrated=True,
+        ),
+        Family(
+            "fp8",
+            "FP8 e4m3 with a per-tensor scale (vLLM's kv_cache_dtype='fp8')",
+            {"scale": Param(1.0, "the per-tensor scale", 1e-30)},
+            "8",
+            "post_rope",
+            "methods.build:build_fp8",
+            simplified="per-tensor scale 1.0 (vLLM's uncalibrated default)",
+        ),
+        Family(
+            "quanto",
+            "transformers' QuantizedCache (optimum-quanto backend), unchanged",
+            {
+                "bits": Param(4, "bits per value", 2, 4),
+                "group": Param(64, "values per quantization group", 1),
+                "residual": _residual(128, "QuantizedCache's residual_length"),
+            },
+            "bits + scales per group, the residual window at 16",
+            "post_rope",
+            "methods.build:build_quanto",
+            simplified="transformers' QuantizedCache: the first update (the whole prefill) is returned unquantized",
+            batchable=False,
+        ),
+    )
+}
+
+#: The familiar names, each a spec.
+ALIASES: dict[str, str] = {
+    "int4": "int:bits=4",
+    "int5": "int:bits=5",
+    "int8": "int:bits=8",
+    "kivi2": "kivi:bits=2",
+    "kivi4": "kivi:bits=4",
+    "kvquant3": "kvquant:bits=3",
+    "kvquant4": "kvquant:bits=4",
+    "quanto2": "quanto:bits=2",
+    "quanto4": "quanto:bits=4",
+    "oaken-kurtosis": "oaken:kurtosis=1",
+}
+
+
+#: Every family and alias under an attribute name (``NAMES.oaken_plus == "oaken-plus"``, ``NAMES.int4``): how other
+#: modules refer to a method without spelling its name (a typo is an AttributeError, not a silent miss).
+NAMES = SimpleNamespace(**{n.replace("-", "_"): n for n in (*FAMILIES, *ALIASES)})
+
+
+def _split(spec: str) -> tuple[str, str]:
+    if not isinstance(spec, str):
+        raise TypeError(f"a method spec is a string, got {type(spec).__name__}")
+    spec = ALIASES.get(spec.strip(), spec.strip())
+    family, _, rest = spec.partition(":")
+    return family.strip(), rest
+
+
+def _items(family: str, rest: str) -> list[tuple[str, str]]:
+    """The spec's ``key=value`` pairs in order; ValueError for a pair without ``=`` or a key given twice."""
+    pairs, seen = [], set()
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        k, eq, v = item.partition("=")
+        k = k.strip()
+        if not eq:
+            raise ValueError(f"method {family!r}: bad parameter {item!r} (use key=value)")
+        if k in seen:
+            raise ValueError(f"method {family!r}: {k} is given twice")
+        seen.add(k)
+        pairs.append((k, v.strip()))
+    return pairs
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join([*FAMILIES, *ALIASES])}")
+    return FAMILIES[name]
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"family:k=v,..."`` (or an alias) -> ``(family, params)`` with defaults filled in, each value of its
+    parameter's exact type and range."""
+    name, rest = _split(spec)
+    fam = get_family(name)
+    params = fam.defaults()
+    for k, v in _items(name, rest):
+        if k not in fam.params:
+            raise ValueError(f"method {name!r}: unknown parameter {k!r}; accepted: {', '.join(fam.params) or 'none'}")
+        params[k] = fam.params[k].parse(name, k, v)
+    if name == OAKEN.name and params["outer"] + params["inner"] >= 1.0:
+        raise ValueError(f"method {name!r}: outer + inner must be below 1, got {params['outer'] + params['inner']:g}")
+    return name, params
+
+
+def given_params(spec: str) -> set[str]:
+    """The parameters ``spec`` sets itself (an alias counts as setting its own), as opposed to defaults."""
+    name, rest = _split(spec)
+    return {k for k, _ in _items(name, rest)}
+
+
+def canonical(family: str, params: dict[str, Any]) -> str:
+    """The spec string with only non-default parameters (used as the method's name in results)."""
+    defaults = get_family(family).defaults()
+    diff = [f"{k}={v}" for k, v in params.items() if v != defaults[k]]
+    return family + (":" + ",".join(diff) if diff else "")
+
+
+def methods_help() -> str:
+    """One line per family and its parameters (defaults and ranges), then the aliases: the command line's help."""
+    lines = []
+    for f in FAMILIES.values():
+        ps = ", ".join(f"{k}={p.default} ({p.describe()})" for k, p in f.params.items())
+        lines.append(f"{f.name}{'[:' + ps + ']' if ps else ''}: {f.description}.")
+    lines.append("Aliases: " + ", ".join(f"{a} = {s}" for a, s in ALIASES.items()) + ".")
+    return " ".join(lines)
+
+
+#: The spec parameters of ``oaken`` that a thresholds file decides, and how to read each from the file.
+_FROM_FILE: dict[str, Callable[[Any], Any]] = {
+    "outer": lambda th: th.config.outer_ratio,
+    "inner": lambda th: th.config.inner_ratio,
+    "granularity": lambda th: th.config.granularity,
+    "key_position": lambda th: "pre" if th.config.key_position == "pre_rope" else "post",
+    "kurtosis": lambda th: int(bool(th.profile.get("kurtosis_tuning", False))),
+}
+#: Parameters a thresholds file never decides: how the cache holds tokens, not how the file quantizes them.
+_NOT_FROM_FILE = ("only", "residual")
+
+
+def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the thresholds file") -> dict[str, Any]:
+    """Refuse a method spec that contradicts a thresholds file; return the spec's parameters as they will run.
+
+    A thresholds file decides Oaken's ratios, granularity, key position and kurtosis tuning: a spec that sets one
+    of them to another value (``oaken:outer=0.1`` with a file profiled at 0.04) would record one setting and run
+    another, and a family that takes no thresholds would ignore the file. A profile made after oaken-plus
+    transforms needs the family that takes one, whose switches the file's transforms then decide. All raise
+    ValueError. The returned parameters are the file's for everything it decides (what the result records), the
+    spec's for the rest (``only``, ``residual``).
     """
+    name, params = parse_spec(spec)
+    fam = FAMILIES[name]
+    has_transforms = getattr(thresholds, "transforms", None) is not None
+    if fam.profile is None:
+        raise ValueError(
+            f"a thresholds file applies to the {OAKEN.name!r} and {OAKEN_PLUS.name!r} methods only, not "
+            f"{spec.strip()!r}: drop --thresholds, or use --method {OAKEN.name}"
+        )
+    if fam.profile == "plus":
+        if not has_transforms:
+            raise ValueError(
+                f"{source} holds no oaken-plus transforms: profile with `oakenkv profile --preset {OAKEN_PLUS.name}`, "
+                f"or use --method {OAKEN.name}"
+            )
+        given = sorted(given_params(spec) - set(_NOT_FROM_FILE))
+        if given:
+            raise ValueError(f"--method sets {', '.join(given)}, but with a thresholds file its transforms decide them")
+        return params
+    if has_transforms:
+        raise ValueError(
+            f"{source} was profiled after oaken-plus transforms, which --method {OAKEN.name} does not apply: use "
+            f"--method {OAKEN_PLUS.name}"
+        )
+    given = given_params(spec)
+    for key, read in _FROM_FILE.items():
+        value = read(thresholds)
+        if key in given and params[key] != value:
+            raise ValueError(
+                f"--method sets {key}={params[key]} but {source} was profiled with {key}={value}: drop {key} from "
+                "the method (the file decides it) or profile again with the setting you want"
+            )
+        params[key] = value
+    return params
 
-    def __init__(self, thresholds: Any, config: OakenConfig, kinds: tuple[str, ...] = ("key", "value")) -> None:
-        if not kinds or any(k not in ("key", "value") for k in kinds):
-            raise ValueError(f"kinds must be a non-empty subset of ('key', 'value'), got {kinds!r}")
-        self.thresholds = thresholds
-        self.config = config
-        self.key_position = config.key_position
-        #: The kinds that are quantized; the other one (an ablation) stays unquantized, counted at 16 bits.
-        self.kinds = tuple(kinds)
 
-    def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from oakenkv.kernels.cpu.codec import decode_batch, encode_batch, sparse_stream_stats
+def sweep_config(outlier_share: float) -> OakenConfig:
+    """The paper's configuration with the outlier share (outer + inner) scaled, keeping outer:inner = 4:6.
 
-        check_kv(x, kind)
-        if kind not in self.kinds:
-            return x, 16.0 * x.numel()
-        b, h, s, d = x.shape
-        rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)  # [B*S, H*D]: one token vector per row
-        if self.config.granularity == "head":
-            rows = rows.reshape(b * s * h, d)
-        thr = self.thresholds.layer(layer_idx, kind)
-        # The numba codec's round trip: bit-identical to quant.quantize_dequantize (tests/test_eval.py checks it)
-        # and much faster than the reference.
-        enc = encode_batch(rows, thr, self.config)
-        y = decode_batch(enc, thr, self.config)
-        _, escape_bytes = sparse_stream_stats(enc)
-        bits = 8 * (enc.nbytes() - escape_bytes)
-        return y.reshape(b, s, h, d).permute(0, 2, 1, 3).contiguous(), bits
-
-
-class PlusQuantizer(OakenQuantizer):
-    """``oaken-plus``: Oaken's quantizer after the profile's online key transform (a shift, a rotation), on a
-    model that carries the profile's folded transforms (``oakenkv.calibrate.transforms``). Returns keys in the model's
-    frame up to the shift, which softmax ignores, exactly as ``OakenCache`` hands them to attention."""
-
-    def __init__(self, thresholds: Any) -> None:
-        super().__init__(thresholds, thresholds.config)
-        self.transforms = thresholds.transforms
-
-    def quantize(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        if kind != "key":
-            return super().quantize(layer_idx, kind, x)
-        y, bits = super().quantize(layer_idx, kind, self.transforms.keys_forward(layer_idx, x))
-        return self.transforms.keys_restore(layer_idx, y).to(x.dtype), bits
-
-    @property
-    def sink_tokens(self) -> int:
-        """The first tokens of a sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``)."""
-        return self.transforms.sink_tokens
-
-    def unquantized(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
-        """Keys of the full-precision window as ``OakenCache`` hands them to attention: after the online transform
-        (in float32, as the store holds its window) and restored like the dequantized ones, so that every key
-        carries the shift; values as they are."""
-        if kind != "key":
-            return x
-        return self.transforms.keys_restore(layer_idx, self.transforms.keys_forward(layer_idx, x)).to(x.dtype)
-
-    def sink(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
-        """Sink tokens ``[B, H, n, hd]`` as ``OakenCache`` hands them to attention: float16 (keys after the online
-        transform, then restored like the dequantized ones). The cache's bits count them (``FakeQuantCache``)."""
-        if kind != "key":
-            return x.to(torch.float16).to(x.dtype)
-        k = self.transforms.keys_forward(layer_idx, x).to(torch.float16).to(torch.float32)
-        return self.transforms.keys_restore(layer_idx, k).to(x.dtype)
+    Figure 12(a) of the paper varies the share of values that go to the sparse (inner + outer) groups.
+    """
+    return OakenConfig(outer_ratio=round(0.4 * outlier_share, 6), inner_ratio=round(0.6 * outlier_share, 6))
 
 
 @dataclass
 class Method:
-    """One evaluated method: how to make a fresh cache for a sequence, and what it is."""
+    """One method, built for a model: how to make a fresh cache for a sequence, and what it is."""
 
     name: str
     family: str
@@ -156,6 +424,19 @@ class Method:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The model to run instead of the one passed in (``oaken-plus``: a copy with its transforms folded in).
     model: Any = None
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a family's builder gets besides its parameters (see :func:`build_method`)."""
+
+    spec: str
+    model: Any
+    tokenizer: Any
+    model_name: str
+    thresholds: Any
+    calibration: Any
+    progress: bool
 
 
 def build_method(
@@ -174,174 +455,18 @@ def build_method(
         spec: method spec string (module doc).
         model, tokenizer: the transformers model and tokenizer.
         model_name: name used for the calibration cache and the results.
-        thresholds: a :class:`~oakenkv.calibrate.thresholds.Thresholds` (or a path to one) for ``oaken``: the file
-        decides
-            the ratios, granularity, key position and tuning, and a spec that sets them otherwise, or another
-            family, is refused (:func:`check_spec_with_thresholds`); default: profiled on the calibration text.
-        calibration: a :class:`~oakenkv.calibrate.ranges.CalibrationSpec` (default: Wikipedia, 32 x 256).
+        thresholds: a :class:`~oakenkv.calibrate.thresholds.Thresholds` (or a path to one) for the families that
+            take one (``oaken``, ``oaken-plus``): the file decides what it profiled, and a spec that sets it
+            otherwise, or another family, is refused (:func:`check_spec_with_thresholds`); default: profiled on
+            the calibration text.
+        calibration: a :class:`~oakenkv.calibrate.spec.CalibrationSpec` (default: the calibration text, 16 x 256;
+            oaken-plus: its preset's 16 x 2048).
     """
-    from transformers import DynamicCache
-
-    from oakenkv.calibrate import ranges as cal
-    from oakenkv.calibrate.rope import RopeTable
-    from oakenkv.methods.fakequant import FakeQuantCache, KiviCache
-
-    family, params = parse_spec(spec)
-    # Aliases are the familiar names (int4, kivi4, ...): keep them in results.
-    name = spec.strip() if spec.strip() in ALIASES else canonical(family, params)
-    spec_obj = calibration or cal.CalibrationSpec()
-    note = SIMPLIFIED.get(family, "")
-    extra: dict[str, Any] = {}
-    if family in ("oaken", "oaken-official", "kvquant") and spec_obj != cal.CalibrationSpec():
-        name += f"@{spec_obj.tag()}"  # a non-default calibration is part of what is compared
-
-    def fq(quantizer: KVFakeQuantizer, residual: int = 0) -> Callable[[], Any]:
-        rope = RopeTable(model) if quantizer.key_position == "pre_rope" else None
-        return lambda: FakeQuantCache(model, quantizer, rope, residual)
-
-    if family == "fp":
-        return Method(name, family, params, lambda: DynamicCache(config=model.config), "post_rope")
-    if thresholds is not None and family not in ("oaken", "oaken-plus"):
+    name, params = parse_spec(spec)
+    fam = FAMILIES[name]
+    if thresholds is not None and fam.profile is None:
         check_spec_with_thresholds(spec, thresholds)  # raises: a thresholds file is for oaken only
-    if family == "oaken-plus" and thresholds is not None:
-        from oakenkv.calibrate.thresholds import Thresholds
-
-        loaded = thresholds if hasattr(thresholds, "layer") else Thresholds.load(thresholds)
-        check_spec_with_thresholds(spec, loaded, "the thresholds" if loaded is thresholds else str(thresholds))
-    if family == "oaken":
-        if thresholds is not None:
-            if not hasattr(thresholds, "layer"):
-                from oakenkv.calibrate.thresholds import Thresholds
-
-                extra["thresholds_file"] = str(thresholds)
-                thresholds = Thresholds.load(thresholds)
-            # record what runs: the file's settings, refusing a spec that says otherwise
-            params = check_spec_with_thresholds(spec, thresholds, extra.get("thresholds_file", "the thresholds"))
-            thresholds.check_model(model)  # shape and weights
-            config = thresholds.config
-            name = f"oaken[{extra.get('thresholds_file', 'thresholds')}]"
-            given = [f"{k}={params[k]}" for k in ("only", "residual") if params[k] != FAMILIES["oaken"][k]]
-            if given:  # what the file does not decide
-                name += ":" + ",".join(given)
-        else:
-            config = OakenConfig(
-                outer_ratio=params["outer"],
-                inner_ratio=params["inner"],
-                granularity=params["granularity"],
-                key_position="pre_rope" if params["key_position"] == "pre" else "post_rope",
-            )
-            thresholds = cal.oaken_thresholds(
-                model,
-                tokenizer,
-                model_name,
-                config,
-                spec_obj,
-                kurtosis_tuning=bool(params["kurtosis"]),
-                progress=progress,
-            )
-            extra["calibration"] = spec_obj.tag()
-        extra["config"] = config.to_dict()
-        extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
-        only = {"kv": ("key", "value"), "k": ("key",), "v": ("value",)}.get(params["only"])
-        if only is None:
-            raise ValueError(f"method 'oaken': only={params['only']!r}; use kv (default), k or v")
-        if only != ("key", "value"):
-            note = f"ablation: only the {only[0]}s are quantized, the other kind stays at 16 bits"
-        q = OakenQuantizer(thresholds, config, only)
-        return Method(name, family, params, fq(q, params["residual"]), config.key_position, note, extra)
-    if family == "oaken-plus":
-        return _oaken_plus(name, params, model, tokenizer, model_name, thresholds, calibration, progress)
-    if family == "oaken-official":
-        from oakenkv.methods.oaken_official import OakenOfficialQuantizer
-
-        config = OakenConfig(outer_ratio=params["outer"], inner_ratio=params["inner"], key_position="pre_rope")
-        thr = cal.oaken_thresholds(model, tokenizer, model_name, config, spec_obj, progress=progress)
-        rng = cal.kv_ranges(model, tokenizer, model_name, spec_obj)
-        n = thr.num_layers
-        q = OakenOfficialQuantizer(
-            {"key": [thr.layer(i, "key") for i in range(n)], "value": [thr.layer(i, "value") for i in range(n)]},
-            {"key": rng.key_extremes, "value": rng.value_extremes},
-        )
-        extra["calibration"] = spec_obj.tag()
-        extra["thresholds_sha256"], extra["ranges_sha256"] = thr.sha256(), rng.sha256()
-        return Method(name, family, params, fq(q), "pre_rope", note, extra)
-    if family == "int":
-        from oakenkv.methods.uniform import PerTokenIntQuantizer
-
-        q = PerTokenIntQuantizer(params["bits"], params["group"] or None)
-        return Method(name, family, params, fq(q), "post_rope", note)
-    if family == "kivi":
-        b, g, r = params["bits"], params["group"], params["residual"]
-        return Method(name, family, params, lambda: KiviCache(model, b, g, r), "post_rope", note)
-    if family == "kvquant":
-        from oakenkv.methods.kvquant import KVQuantQuantizer
-
-        rng = cal.kv_ranges(model, tokenizer, model_name, spec_obj, q=params["outliers"] / 2)
-        q = KVQuantQuantizer(
-            list(zip(rng.key_channel_lo, rng.key_channel_hi, strict=True)), params["bits"], params["outliers"]
-        )
-        extra["calibration"] = spec_obj.tag()
-        extra["ranges_sha256"] = rng.sha256()
-        return Method(name, family, params, fq(q), "pre_rope", note, extra)
-    if family == "fp8":
-        from oakenkv.methods.fp8 import Fp8Quantizer
-
-        return Method(name, family, params, fq(Fp8Quantizer(params["scale"])), "post_rope", note)
-    if family == "quanto":
-        from transformers import QuantizedCache
-
-        b, g, r = params["bits"], params["group"], params["residual"]
-
-        def make() -> Any:
-            return QuantizedCache(backend="quanto", config=model.config, nbits=b, q_group_size=g, residual_length=r)
-
-        return Method(name, family, params, make, "post_rope", note)
-    raise AssertionError(family)  # parse_spec only returns known families
-
-
-def _oaken_plus(
-    name: str,
-    params: dict[str, Any],
-    model: Any,
-    tokenizer: Any,
-    model_name: str,
-    thresholds: Any,
-    calibration: Any,
-    progress: bool,
-) -> Method:
-    import copy
-
-    from oakenkv.calibrate.plus import PLUS_CALIBRATION, PlusSearch, apply_profile, cached_plus_profile
-    from oakenkv.calibrate.thresholds import Thresholds
-    from oakenkv.methods.fakequant import FakeQuantCache
-
-    extra: dict[str, Any] = {}
-    if thresholds is not None:
-        if not hasattr(thresholds, "layer"):
-            extra["thresholds_file"] = str(thresholds)
-            thresholds = Thresholds.load(thresholds)
-        if thresholds.transforms is None:
-            raise ValueError("oaken-plus needs a profile with transforms (`oakenkv profile --preset oaken-plus`)")
-        name = f"oaken-plus[{extra.get('thresholds_file', 'thresholds')}]"
-        if params["residual"]:  # the one parameter the file does not decide
-            name += f":residual={params['residual']}"
-    else:
-        search = PlusSearch.from_flags(
-            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"]
-        )  # (parse_spec checked the values)
-        from oakenkv.calibrate.profile import CalibrationSpec
-
-        # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
-        # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on 16 x 2048 unless told otherwise.
-        spec = PLUS_CALIBRATION if calibration in (None, CalibrationSpec()) else calibration
-        thresholds = cached_plus_profile(model, tokenizer, model_name, spec, search, progress=progress)
-        extra["calibration"] = spec.tag()
-        if spec != PLUS_CALIBRATION:
-            name += f"@{spec.tag()}"
-    folded = apply_profile(copy.deepcopy(model), thresholds)
-    extra["transforms"] = thresholds.transforms.digest()[:16]
-    extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
-    q, residual = PlusQuantizer(thresholds), params["residual"]
-    return Method(
-        name, "oaken-plus", params, lambda: FakeQuantCache(folded, q, residual=residual), "post_rope", "", extra, folded
-    )
+    module, _, function = fam.build.partition(":")
+    builder = getattr(importlib.import_module(f"oakenkv.{module}"), function)
+    ctx = BuildContext(spec.strip(), model, tokenizer, model_name, thresholds, calibration, progress)
+    return builder(ctx, params)
