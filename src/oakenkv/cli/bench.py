@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,8 +14,10 @@ from oakenkv.cli._common import (
     check_decode_contexts,
     check_model,
     check_out,
+    emit_result,
     load_thresholds,
     set_threads,
+    start_run,
 )
 
 bench_app = typer.Typer(
@@ -30,6 +32,10 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("codec")
 def bench_codec(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     threads: Annotated[int, typer.Option(help="CPU threads for the kernels, torch and quanto.", min=1)] = 2,
     reps: Annotated[int, typer.Option(help="Timed repetitions per measurement (the best is kept).", min=1)] = 5,
     quanto: Annotated[bool, typer.Option(help="Also time optimum-quanto's int4 quantize/dequantize.")] = True,
@@ -43,6 +49,7 @@ def bench_codec(
     """Encode/decode throughput of the fused dense-and-sparse format next to memcpy and quanto int4, effective
     bits, and pure dense vs pure sparse vs fused storage of the default model's real K/V."""
     check_out(json_out, "--json")
+    start_run()
     if real_kv:
         _check_real_tokens(real_tokens)
     from rich.console import Console
@@ -57,10 +64,10 @@ def bench_codec(
             quanto=quanto,
             real_kv=real_kv,
             real_tokens=real_tokens,
-            json_out=json_out,
             progress=lambda msg: status.update(f"benchmarking the codec: {msg}"),
         )
     print_codec_bench(result)
+    emit_result(result, json_out, save, "codec", f"threads{threads}")
 
 
 #: Bytes the codec benchmark keeps per recorded token and per (layer, K/V value): float32 K and V of two texts
@@ -90,6 +97,10 @@ _BENCH_CACHES_HELP = (
 def bench_decode(
     context: Annotated[str, typer.Option(help="Comma-separated context lengths in tokens.")] = "1024,4096,16384",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
     batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
@@ -104,8 +115,6 @@ def bench_decode(
 ) -> None:
     """Time one decode step and count KV-cache bytes at long contexts for OakenCache, transformers'
     DynamicCache (fp32) and QuantizedCache (quanto int4), all in one run."""
-    import json
-
     from oakenkv.sim.report import parse_int_list
 
     contexts = parse_int_list(context, "--context")
@@ -115,6 +124,7 @@ def bench_decode(
     if residual and "oaken" not in names:
         raise bad_option("--residual", "the window is the 'oaken' method's, which --methods does not include")
     check_out(json_out, "--json")
+    start_run()
     check_model(model)
     check_decode_contexts(model, contexts, batch)
     thr_file = load_thresholds(thresholds)
@@ -141,14 +151,19 @@ def bench_decode(
             progress=lambda m: status.update(m),
         )
     print_decode_bench(result)
-    if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+    emit_result(result, json_out, save, "decode", _point(contexts, batch=batch, residual=residual))
 
 
 _BENCH_METHODS = ("oaken", "dynamic", "quanto")
+
+
+def _point(values: list[int], **axes: Any) -> str:
+    """A result's point name: ``ctx1024-4096_batch1`` from the lists and values a run covers."""
+    parts = ["ctx" + "-".join(map(str, values))]
+    for name, v in axes.items():
+        if v:
+            parts.append(name + "-".join(map(str, v if isinstance(v, list) else [v])))
+    return "_".join(parts)
 
 
 def _check_methods(methods: str) -> list[str]:
@@ -166,6 +181,10 @@ def bench_attention(
     threads: Annotated[str, typer.Option(help="Comma-separated thread counts (torch and numba).")] = "1,2",
     rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (the best time is reported).", min=1)] = 5,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     thresholds: Annotated[
         Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
     ] = None,
@@ -173,8 +192,6 @@ def bench_attention(
 ) -> None:
     """Time the packed decode-attention kernel on one layer's real K/V and report the packed bytes it reads per
     second next to memcpy (same threads) and fp32 SDPA, measured in the same rounds."""
-    import json
-
     from oakenkv.sim.report import parse_int_list
 
     contexts = parse_int_list(context, "--context")
@@ -185,6 +202,7 @@ def bench_attention(
     if max(counts) > numba.config.NUMBA_NUM_THREADS:
         raise bad_option("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
     check_out(json_out, "--json")
+    start_run()
     check_model(model)
     thr_file = load_thresholds(thresholds)
     from rich.console import Console
@@ -200,11 +218,7 @@ def bench_attention(
             contexts, batches, counts, model=model, thresholds=thr, rounds=rounds, progress=status.update
         )
     print_attention_bench(result)
-    if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+    emit_result(result, json_out, save, "attention", _point(contexts, batch=batches, threads=counts))
 
 
 @bench_app.command("generate")
@@ -225,6 +239,10 @@ def bench_generate(
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     thresholds: Annotated[
         Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
     ] = None,
@@ -234,8 +252,6 @@ def bench_generate(
     DynamicCache (fp32) and QuantizedCache (quanto int4) at several prompt lengths and batch sizes, in interleaved
     rounds with paired ratios. The full grid (16K-token prompts at batch 8) takes hours on a 2-core machine:
     select a subset with --prompts/--batches or --points."""
-    import json
-
     from oakenkv.sim.report import parse_int_list
 
     names = _check_methods(methods)
@@ -253,6 +269,7 @@ def bench_generate(
     else:
         grid = [(p, b) for p in parse_int_list(prompts, "--prompts") for b in parse_int_list(batches, "--batches")]
     check_out(json_out, "--json")
+    start_run()
     check_model(model)
     p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
     check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
@@ -280,8 +297,5 @@ def bench_generate(
             residual=residual, progress=progress,
         )  # fmt: skip
     print_generate_bench(result)
-    if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+    point = "-".join(f"{p}x{b}" for p, b in grid) + (f"_residual{residual}" if residual else "")
+    emit_result(result, json_out, save, "generate", point)
