@@ -11,7 +11,10 @@ taken over all windows of the layer, so a layer is scored once all of them are r
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,18 +98,36 @@ def attention_output(
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of the last ``positions`` queries: q ``[R, Hq, S, hd]``,
     k/v ``[R, H, S, hd]`` -> ``[R, Hq, positions, hd]``."""
-    s = q.shape[2]
-    positions = min(positions, s)
-    group = q.shape[1] // k.shape[1]
-    qq = q[:, :, s - positions :]
-    kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (qq @ kk.transpose(-1, -2)) * scaling
-    pq = torch.arange(s - positions, s)[:, None]
-    pk = torch.arange(s)[None, :]
-    hide = pk > pq
-    if window is not None:
-        hide |= pk <= pq - window
-    return torch.softmax(scores.masked_fill(hide, float("-inf")), dim=-1) @ vv
+    return _attend(q, k, v, scaling, window, positions)[0]
+
+
+def _attend(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    v: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    positions: int,
+    probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_output` and its attention probabilities ``[R, Hq, positions, S]``; given ``probs`` (of the
+    same queries and keys), only ``probs @ v``: scoring values against exact keys needs no new scores. The scores
+    are scaled and masked in place (the same numbers, without two more tensors of the scores' size)."""
+    group = probs.shape[1] // v.shape[1] if probs is not None else q.shape[1] // k.shape[1]
+    vv = v.repeat_interleave(group, dim=1)
+    if probs is None:
+        s = q.shape[2]
+        positions = min(positions, s)
+        qq = q[:, :, s - positions :]
+        scores = qq @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
+        scores.mul_(scaling)
+        pq = torch.arange(s - positions, s)[:, None]
+        pk = torch.arange(s)[None, :]
+        hide = pk > pq
+        if window is not None:
+            hide |= pk <= pq - window
+        probs = torch.softmax(scores.masked_fill_(hide, float("-inf")), dim=-1)
+    return probs @ vv, probs
 
 
 def _fake_quant(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig, sink_tokens: int = 0) -> torch.Tensor:
@@ -129,15 +150,20 @@ Profiled = tuple[GroupThresholds, LayerStats]
 def _thresholds(x: torch.Tensor, configs: Sequence[OakenConfig], layer: int, kind: str) -> dict[OakenConfig, Profiled]:
     """Thresholds of ``x [R, H, S, hd]`` (one run per window) for each of ``configs``, exactly as
     ``oakenkv.calibrate.profile`` averages them. One pass over the runs serves every config: a run's quantiles at
-    several ratios come from one partition, and each is the same number as alone (exact order statistics)."""
+    several ratios come from one partition, and each is the same number as alone (exact order statistics). The
+    runs are taken on two threads (numpy's partition releases the GIL) and averaged in their order."""
     configs = list(dict.fromkeys(configs))
     outer, inner = tuple(c.outer_ratio for c in configs), tuple(c.inner_ratio for c in configs)
     accs = [RunAccumulator() for _ in configs]
-    for r in range(x.shape[0]):
-        o, i, k = run_thresholds(x[r], outer, inner)
+    for r, (o, i, k) in enumerate(_pool().map(lambda r: run_thresholds(x[r], outer, inner), range(x.shape[0]))):
         for j, acc in enumerate(accs):
             acc.add(o[j : j + 1], i[j : j + 1], k, x[r].numel())
     return {c: acc.finish(c, False, layer, kind) for c, acc in zip(configs, accs, strict=True)}
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1)), thread_name_prefix="oakenkv-thresholds")
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +231,7 @@ def choose_layer(
     rq = q.shape[0]
     k_q, v_q = k_all[:rq], v_all[:rq]
     sc, win, pos = layer.scaling, layer.sliding_window, search.query_positions
-    ref = attention_output(q, k_q, v_q, sc, win, pos)
+    ref, probs = _attend(q, k_q, v_q, sc, win, pos)
     energy = float(ref.pow(2).sum())
 
     def err(kh: torch.Tensor, vh: torch.Tensor) -> float:
@@ -269,7 +295,8 @@ def choose_layer(
             vq = _fake_quant(x[:rq], profiled[cfg][0], cfg, search.sink_tokens)
             vh = _rotate(vq) if rot else vq
             name = f"rot={int(rot)},outer={cfg.outer_ratio:g},inner={cfg.inner_ratio:g}"
-            val_errs[name] = err(k_q, vh)
+            # exact keys: the reference's attention probabilities, so the error of P @ vh (the same numbers)
+            val_errs[name] = float((_attend(None, None, vh, sc, win, pos, probs)[0] - ref).pow(2).sum()) / energy
             if vbest is None or val_errs[name] < val_errs[vbest.name]:
                 vbest = _Candidate(name, LayerTransforms(value_rotation=rot), cfg, profiled, vq)
             if progress:
