@@ -89,6 +89,13 @@ def child(args: argparse.Namespace) -> dict:
     weights_digest(lm.model)
     with torch.inference_mode():
         lm.model(input_ids=windows[:1, :8])
+    # the codec's numba kernels (the search's fake quantization) load from their cache, or compile, untimed
+    from oakenkv.calibrate.thresholds import GroupThresholds
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.kernels.codec import decode, encode
+
+    thr, cfg = GroupThresholds(-2.0, -0.1, 0.1, 2.0), OakenConfig()
+    decode(encode(torch.randn(4, 64), thr, cfg), thr, cfg)
     gc.collect()
     rss_loaded = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS

@@ -44,7 +44,7 @@ DEFAULT_RATIOS: tuple[tuple[float, float], ...] = ((0.04, 0.06), (0.08, 0.02), (
 
 @dataclass(frozen=True)
 class PlusSearch:
-    """What :func:`choose_transforms` tries per layer (every candidate is scored; the least error wins)."""
+    """What :func:`choose_layer` tries per layer (every candidate is scored; the least error wins)."""
 
     #: Key smoothing exponents (0: none): ``lam = absmax(k - shift) ** alpha`` per channel, RoPE-pair tied.
     alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
