@@ -108,3 +108,32 @@ def test_a_model_that_cannot_run_layer_by_layer_is_refused_before_any_layer_runs
     with pytest.raises(StreamingUnsupported, match="order"):
         stream_attention(model, _windows(1, 8), 1)
     assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_a_model_that_does_more_between_its_layers_is_refused():
+    """A forward that changes the hidden states between two decoder layers is not what running the layers one
+    at a time computes: the check against a whole forward pass on a few tokens refuses it."""
+    model = _tiny_llama()
+    layers = model.model.layers
+    real = type(model.model).forward
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.inner = layer
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs) * 1.5
+
+    def scales_between_layers(self, *args, **kwargs):
+        self.layers = torch.nn.ModuleList([Scaled(layer) for layer in layers])
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            self.layers = layers
+
+    model.model.forward = scales_between_layers.__get__(model.model)
+    with pytest.raises(StreamingUnsupported, match="does not reproduce its forward pass"):
+        stream_attention(model, _windows(2, 40), 1)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert model.config._attn_implementation != "oakenkv_record"

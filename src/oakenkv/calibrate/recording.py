@@ -28,9 +28,11 @@ layer's recording and the hidden states between layers, never every layer's:
    states in place of its own.
 
 Every layer thus runs once per window on the inputs it has in a whole forward pass, so the recorded tensors are
-the same bits (``tests/test_recording.py``), and the decoder layers cost one forward pass in all. A model whose
-forward does more between its decoder layers than pass the hidden states on is not supported by the stand-ins;
-:func:`stream_attention` then raises :class:`StreamingUnsupported` and the caller records all layers at once.
+the same bits (``tests/test_recording.py``), and the decoder layers cost one forward pass in all. That holds for
+a model whose forward only passes the hidden states from one decoder layer to the next; :func:`stream_attention`
+checks it on a few tokens against a whole forward pass and raises :class:`StreamingUnsupported` when it does not
+hold (or the stand-ins see the layers called otherwise than once each, in order); the caller then records all
+layers at once.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 __all__ = [
+    "CHECK_TOKENS",
     "AttentionRecord",
     "KVRecorder",
     "LayerRecord",
@@ -425,24 +428,43 @@ def _shared(value: Any, first: Any) -> Any:
     return first if _same(value, first) else value
 
 
+#: Tokens of the first window on which running the layers one at a time is checked against a whole forward pass.
+CHECK_TOKENS = 32
+
+
 def stream_attention(
     model: Any, windows: torch.Tensor, query_runs: int, progress: Callable[[int], None] | None = None
 ) -> Iterator[LayerRecord]:
     """What :func:`record_attention` records, one :class:`LayerRecord` at a time in layer order, holding one
-    layer's recording and every window's hidden states (module doc). The stand-in pass runs here, so a model it
-    does not support raises :class:`StreamingUnsupported` before anything is yielded; the layers run as the
-    iterator is consumed (``progress(1)`` per window and layer). Consume it to the end or close it: until then
-    the model's attention records."""
+    layer's recording and every window's hidden states (module doc). The stand-in pass runs here, and the
+    layer-by-layer run is checked against a whole forward pass on the first :data:`CHECK_TOKENS` tokens (all
+    queries, keys and values, bit for bit), so a model it does not fit raises :class:`StreamingUnsupported` before
+    anything is yielded; the layers run as the iterator is consumed (``progress(1)`` per window and layer).
+    Consume it to the end or close it: until then the model's attention records."""
     traits = _traits(model)
     layers = decoder_layers(model, traits.modules)
     device = next(model.parameters()).device
+    probe = windows[:1, :CHECK_TOKENS].to(device)
+    whole = record_attention(model, probe, 1)
     inputs: list[tuple[torch.Tensor, list[tuple[tuple, dict]]]] = []
     with _recording_attention(model, lambda *a: None), torch.inference_mode():
+        probe_inputs = _layer_inputs(model, layers, probe)
         for r in range(windows.shape[0]):
             hidden, calls = _layer_inputs(model, layers, windows[r : r + 1].to(device))
             if inputs:
                 calls = [(_shared(a, a0), _shared(k, k0)) for (a, k), (a0, k0) in zip(calls, inputs[0][1], strict=True)]
             inputs.append((hidden, calls))
+    check = _run_layers(model, layers, [probe_inputs], traits, 1, None)
+    try:
+        for got in check:
+            want = whole.layer(got.index)
+            if not all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("queries", "keys", "values")):
+                raise StreamingUnsupported(
+                    f"running {type(model).__name__}'s decoder layers one at a time does not reproduce its forward "
+                    f"pass (layer {got.index} receives other inputs)"
+                )
+    finally:
+        check.close()
     return _run_layers(model, layers, inputs, traits, query_runs, progress)
 
 
