@@ -202,7 +202,7 @@ def test_the_command_prints_and_writes_the_diagnosis(default_model, tmp_path, mo
     made here (instead of the default 16 x 256), and nothing is written to the real cache."""
     from oakenkv.calibrate.profile import CalibrationSpec, calibration_windows, profile_thresholds
 
-    monkeypatch.setattr("oakenkv.calibrate.profile.profile_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("oakenkv.calibrate.diskcache.profile_cache_dir", lambda: tmp_path)
     tok = default_model.tokenizer
     w = calibration_windows(tok, CalibrationSpec(samples=2, window=64))
     with pytest.warns(UserWarning):  # few runs

@@ -81,22 +81,28 @@ def test_ranges_cache_refuses_code_and_survives_a_torn_file(tmp_path):
         def __reduce__(self):
             return (ran.append, ("executed",))
 
+    from oakenkv.calibrate.diskcache import CalibrationKey
+    from oakenkv.calibrate.identity import ModelFingerprint
+    from oakenkv.calibrate.spec import CalibrationSpec
+
+    key = CalibrationKey("m", ModelFingerprint("llama", 1, 1, 4), CalibrationSpec(), "0" * 64)
+    entry, other = cal._ranges_entry(key, 0.005), cal._ranges_entry(key, 0.01)
     bad = tmp_path / "ranges-code.pt"
     torch.save({"key_extremes": Payload()}, bad)
-    with pytest.warns(UserWarning, match="unreadable calibration cache"):
-        assert cal._load_ranges(bad, "id") is None
+    with pytest.warns(UserWarning, match="unreadable cached ranges"):
+        assert cal._load_ranges(entry, bad) is None
     assert ran == []
     good = cal.KVRanges([(-1.0, 1.0)], [(-2.0, 2.0)], [torch.zeros(1, 2)], [torch.ones(1, 2)], 0.005)
     path = tmp_path / "ranges.pt"
-    cal._save_ranges(good, path, "id")
-    back = cal._load_ranges(path, "id")
+    cal._save_ranges(good, entry, path)
+    back = cal._load_ranges(entry, path)
     assert back.key_extremes == good.key_extremes and torch.equal(back.key_channel_hi[0], good.key_channel_hi[0])
     assert back.sha256() == good.sha256()
-    with pytest.warns(UserWarning, match="another model or calibration"):
-        assert cal._load_ranges(path, "other id") is None
+    with pytest.warns(UserWarning, match="made for another q"):
+        assert cal._load_ranges(other, path) is None
     path.write_bytes(path.read_bytes()[:50])  # torn
     with pytest.warns(UserWarning, match="unreadable"):
-        assert cal._load_ranges(path, "id") is None
+        assert cal._load_ranges(entry, path) is None
 
 
 # ------------------------------------------------------------------------------------------------ the rule

@@ -195,6 +195,54 @@ def test_folding_preserves_logits_on_other_families(family):
             assert torch.equal(lam[0], lam[1])
 
 
+def _decided(th: Thresholds) -> tuple[str, list]:
+    """Everything a profile decides (thresholds, statistics, transforms, model), and every candidate's error."""
+    return th.sha256(), th.profile["choices"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
+    """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
+    profile exactly what the search over all layers recorded at once chooses, every candidate's error included.
+    A model the stream does not support is recorded all at once, with a warning, to the same profile."""
+    import oakenkv.calibrate.plus as plus
+    from oakenkv.calibrate.recording import StreamingUnsupported, record_attention
+
+    model = _tiny(family)
+    if family == "qwen2":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.5)
+    windows = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(2))
+    search = PlusSearch(query_positions=16, key_rotation=True, value_rotation=True)  # every kind of candidate
+    streamed = profile_plus(model, windows, search)
+    record = record_attention(model, windows, search.query_runs)
+    at_once = plus.profile_from_record(record, streamed.fingerprint, search, rope_partners(model))
+    assert _decided(streamed) == _decided(at_once)
+    assert len(streamed.profile["choices"][0]["key_errors"]) == 2 * 2 * 4 + 2  # shift x rotation x alpha, ratios
+
+    def unsupported(*a, **k):
+        raise StreamingUnsupported("test")
+
+    monkeypatch.setattr(plus, "stream_attention", unsupported)
+    with pytest.warns(UserWarning, match="every layer at once"):
+        fallback = profile_plus(model, windows, search)
+    assert _decided(fallback) == _decided(streamed)
+
+
+def test_the_streamed_search_on_the_default_model(default_model, profile):
+    import oakenkv.calibrate.plus as plus
+    from oakenkv.calibrate.profile import CalibrationSpec, calibration_windows
+    from oakenkv.calibrate.recording import record_attention
+
+    w = calibration_windows(default_model.tokenizer, CalibrationSpec(samples=2, window=160))
+    search = PlusSearch(alphas=(0.0, 0.5), query_positions=32)  # the fixture's
+    record = record_attention(default_model.model, w, search.query_runs)
+    at_once = plus.profile_from_record(record, profile.fingerprint, search, rope_partners(default_model.model))
+    assert _decided(profile) == _decided(at_once)
+
+
 def test_profile_round_trip_and_refusals(default_model, profile, folded, tmp_path):
     t = profile.transforms
     assert t is not None and t.num_layers == default_model.model.config.num_hidden_layers

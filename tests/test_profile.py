@@ -1,4 +1,5 @@
-"""Tests of oakenkv.calibrate.profile: exact quantiles, kurtosis, KV recording, and profiling the real default model."""
+"""Tests of oakenkv.calibrate.profile: KV recording and profiling the real default model (the statistics:
+tests/test_stats.py)."""
 
 from __future__ import annotations
 
@@ -8,85 +9,10 @@ import warnings
 import pytest
 import torch
 
-from oakenkv.calibrate.profile import (
-    FewRunsWarning,
-    exact_quantiles,
-    kurtosis,
-    profile_thresholds,
-    record_kv,
-    run_thresholds,
-)
+from oakenkv.calibrate.profile import FewRunsWarning, profile_thresholds, record_kv
 from oakenkv.calibrate.thresholds import DuplicateThresholdsWarning, ModelFingerprint, Thresholds, weights_digest
 from oakenkv.format.config import OakenConfig
 from oakenkv.util.compat import cache_kwargs
-
-# ---------------------------------------------------------------------------------------------- statistics
-
-
-@pytest.mark.parametrize("n", [1, 2, 7, 1000, 50_001])
-def test_exact_quantiles_match_torch_quantile(n):
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=g) * 3 + 0.5
-    q = torch.tensor([0.0, 0.02, 0.47, 0.5, 0.53, 0.98, 1.0], dtype=torch.float64)
-    ours = exact_quantiles(x, q)
-    ref = torch.quantile(x.double(), q)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
-
-
-def test_exact_quantiles_rejects_empty_and_bad_levels_and_widens_bf16():
-    with pytest.raises(ValueError, match="empty"):
-        exact_quantiles(torch.empty(0), torch.tensor([0.5]))
-    with pytest.raises(ValueError, match="levels"):
-        exact_quantiles(torch.ones(4), [1.5])
-    x = torch.randn(1001, dtype=torch.bfloat16)
-    ref = torch.quantile(x.double(), torch.tensor([0.1, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(exact_quantiles(x, [0.1, 0.5]), ref, rtol=0, atol=1e-12)
-
-
-def test_run_thresholds_rejects_non_finite():
-    x = torch.randn(100)
-    x[7] = float("nan")
-    with pytest.raises(ValueError, match="1 recorded values are NaN"):
-        run_thresholds(x, (0.04,), (0.06,))
-
-
-def test_kurtosis_of_known_distributions():
-    g = torch.Generator().manual_seed(0)
-    assert kurtosis(torch.randn(400_000, generator=g)) == pytest.approx(3.0, abs=0.05)
-    lap = torch.distributions.Laplace(0.0, 1.0).sample((400_000,))
-    assert kurtosis(lap) == pytest.approx(6.0, abs=0.25)
-    assert kurtosis(torch.tensor([-1.0, 1.0] * 10)) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="all recorded values are equal"):
-        kurtosis(torch.ones(10))
-
-
-def test_run_thresholds_give_the_requested_fractions():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 128, 64, generator=g) * 0.7 + 0.2  # one run [H, S, D], off-centre on purpose
-    outer, inner, k = run_thresholds(x, (0.04, 0.045), (0.06, 0.057), "median")
-    assert outer.shape == (2, 2) and inner.shape == (2, 2)
-    n = x.numel()
-    for c, o in enumerate((0.04, 0.045)):
-        frac = ((x < outer[c, 0]) | (x > outer[c, 1])).sum().item() / n
-        assert frac == pytest.approx(o, abs=2 / n)
-    for c, i in enumerate((0.06, 0.057)):
-        frac = ((x >= inner[c, 0]) & (x <= inner[c, 1])).sum().item() / n
-        assert frac == pytest.approx(i, abs=2 / n)
-    # Median-centred: the inner band sits around the median (0.2), not around 0.
-    assert inner[0].mean().item() == pytest.approx(0.2, abs=0.02)
-    assert k == pytest.approx(3.0, abs=0.2)
-
-
-def test_run_thresholds_zero_center_is_symmetric():
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(20_000, generator=g) + 0.3
-    _, inner, _ = run_thresholds(x, (0.04,), (0.06,), "zero")
-    assert inner[0, 0].item() == -inner[0, 1].item() < 0
-    frac = (x.abs() <= inner[0, 1]).sum().item() / x.numel()
-    assert frac == pytest.approx(0.06, abs=1e-3)
-    with pytest.raises(ValueError, match="inner_center"):
-        run_thresholds(x, (0.04,), (0.06,), "mean")
-
 
 # ---------------------------------------------------------------------------------------------- real model
 

@@ -4,83 +4,67 @@ Oaken (Kim et al., ISCA 2025, Section 4.2) profiles the thresholds once per mode
 calibration text, per decoder layer and separately for keys and values, the thresholds that split the values into
 the configured group ratios (default 4% outer / 90% middle / 6% inner), averaged over the runs.
 
-What is recorded
-----------------
-Exactly the tensors the cache will store: a :class:`KVRecorder` (a ``transformers.DynamicCache`` subclass) sees the
-``key_states`` / ``value_states`` ``[B, H, S, D]`` that every attention layer hands to ``cache.update``. For Llama-style
-models those keys are post-RoPE (``OakenConfig.key_position == "post_rope"``, the default). For ``"pre_rope"`` (what
-the official harness quantizes) the recorder rotates the keys back: a forward pre-hook on every attention module
-captures the ``position_embeddings`` ``(cos, sin)`` it is called with, and ``k = k_rot * cos - rotate_half(k_rot) *
-sin`` inverts ``k_rot = k * cos + rotate_half(k) * sin`` exactly up to float rounding (RoPE rotates each pair of
-dimensions by an angle; the inverse rotates by minus that angle). This is more faithful than hooking ``k_proj``
-because models with a key norm (Gemma 3, Qwen 3) apply it between ``k_proj`` and RoPE. Values have no RoPE.
-
-Thresholds of one run
----------------------
-Over all values of one run (all tokens x KV heads x head_dim of one window, flattened), with outer ratio ``o`` and
-inner ratio ``i``, exact order statistics (``np.partition`` + linear interpolation, the same definition as
-``torch.quantile``; no sampling, so no sampling error; no 16M-element limit)::
-
-    to_lo = q(o / 2)           to_hi = q(1 - o / 2)
-    ti_lo = q(0.5 - i / 2)     ti_hi = q(0.5 + i / 2)      (inner_center="median", the default)
-
-The inner group is the ``i`` of values around the median. The paper describes it as the values "near zero"; for
-these activations the median of a layer's flattened values is close to 0 (default model, 4 x 256 Wikipedia tokens:
-on average 0.02 and at most 0.08 standard deviations away, layer 4 keys), and centring on the median gives exactly
-the requested fraction in every run, whereas a band symmetric around 0 is lopsided in an off-centre layer.
-``inner_center="zero"`` gives that band instead: ``ti_hi = -ti_lo = q_|x|(i)``, the ``i`` of values of smallest
-magnitude. Each of the four thresholds is then averaged over runs, and the standard deviation over runs is
-recorded (:class:`~oakenkv.calibrate.thresholds.LayerStats.run_std`).
-
-Kurtosis tuning (optional)
---------------------------
-Heavy-tailed layers have more outliers than the nominal ratio. With ``kurtosis_tuning=True``, per layer and kind,
-Pearson kurtosis (3 for a Gaussian; per run, averaged over runs) above ``KURTOSIS_HIGH`` = 20 raises the outer ratio by
-0.5 points, and below ``KURTOSIS_LOW`` = 5 lowers the inner ratio by 0.3 points. The quantiles for both the nominal
-and the adjusted ratios are collected in the same pass, so tuning costs no second pass; the ratios used and the
-reason are recorded in the layer's :class:`~oakenkv.calibrate.thresholds.LayerStats`.
+One window at a time: the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``), their
+per-run quantiles and kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds one window's
+recording, whatever the number of windows.
 
 Entry points
 ------------
 - :func:`profile_thresholds` (given windows) and :func:`profile_model` (load a model and its calibration text):
   what ``oakenkv profile`` runs.
 - :func:`cached_thresholds`: a profile over the windows of a :class:`CalibrationSpec`, made once and then read
-  from the disk cache (:func:`thresholds_cache_path`, keyed by content: :class:`CalibrationKey`); what
-  ``oakenkv generate``/``demo`` and the evaluation use.
+  from the calibration disk cache (``oakenkv.calibrate.diskcache``, keyed by content); what ``oakenkv
+  generate``/``demo`` and the evaluation use.
 - The parts, for a profiler that records K/V its own way (``oakenkv.calibrate.ranges.calibrate_all`` profiles
-  several configs in one pass): :class:`KVRecorder` / :func:`record_kv`, :func:`run_thresholds` per run,
-  :func:`candidate_ratios` and :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds`.
+  several configs in one pass), are re-exported here from the modules that define them: :class:`KVRecorder` /
+  :func:`record_kv` (``recording``), :func:`run_thresholds` per run, :func:`candidate_ratios` and
+  :class:`RunAccumulator` to average runs exactly as :func:`profile_thresholds` (``stats``), and the cache's
+  :class:`CalibrationKey`, :func:`calibration_key`, :func:`thresholds_cache_path`, :func:`load_cached_thresholds`
+  and :func:`profile_cache_dir` (``diskcache``).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
-import json
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 
-from oakenkv.calibrate.rope import rotate_half
+from oakenkv.calibrate.diskcache import (
+    CalibrationKey,
+    calibration_key,
+    load_cached_thresholds,
+    load_profile,
+    profile_cache_dir,
+    thresholds_cache_path,
+    thresholds_entry,
+)
+from oakenkv.calibrate.identity import ModelFingerprint
+from oakenkv.calibrate.recording import KVRecorder, record_kv
 from oakenkv.calibrate.spec import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_CALIB_TEXT,
     DEFAULT_CALIB_WINDOW,
     CalibrationSpec,
+    calibration_windows,
 )
-from oakenkv.calibrate.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
+from oakenkv.calibrate.stats import (
+    INNER_DELTA,
+    KURTOSIS_HIGH,
+    KURTOSIS_LOW,
+    OUTER_DELTA,
+    InnerCenter,
+    RunAccumulator,
+    candidate_ratios,
+    exact_quantiles,
+    kurtosis,
+    run_thresholds,
+)
+from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.config import OakenConfig
-from oakenkv.util.paths import cache_root
-
-if TYPE_CHECKING:
-    from transformers import DynamicCache
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
@@ -97,6 +81,7 @@ __all__ = [
     "CalibrationSpec",
     "FewRunsWarning",
     "KVRecorder",
+    "ProgressLog",
     "RunAccumulator",
     "cached_thresholds",
     "calibration_key",
@@ -105,6 +90,7 @@ __all__ = [
     "exact_quantiles",
     "kurtosis",
     "load_cached_thresholds",
+    "load_calibration",
     "profile_cache_dir",
     "profile_model",
     "profile_thresholds",
@@ -120,313 +106,10 @@ DEFAULT_SAMPLES = 100
 #: Default tokens per calibration window: 256 keeps 100 runs of the default model at a few minutes on 2 CPU cores
 #: while the first (attention-sink) token, whose keys are atypical, is under 0.4% of a run's values.
 DEFAULT_WINDOW = 256
-#: Kurtosis tuning: above this kurtosis the outer ratio is raised by OUTER_DELTA.
-KURTOSIS_HIGH = 20.0
-#: Kurtosis tuning: below this kurtosis the inner ratio is lowered by INNER_DELTA.
-KURTOSIS_LOW = 5.0
-#: Kurtosis tuning: +0.5 percentage points of outer ratio.
-OUTER_DELTA = 0.005
-#: Kurtosis tuning: -0.3 percentage points of inner ratio.
-INNER_DELTA = 0.003
-
-InnerCenter = Literal["median", "zero"]
-Kind = Literal["key", "value"]
 
 
 class FewRunsWarning(UserWarning):
     """Fewer calibration runs than RECOMMENDED_RUNS: the averaged thresholds may be noisy."""
-
-
-# ---------------------------------------------------------------------------------------------- statistics
-
-
-def _as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """All elements of ``x`` as a flat float32 (or float64) numpy array on the CPU (bf16/fp16 widened exactly)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.to(torch.float32)
-        x = x.cpu().numpy()
-    return np.ascontiguousarray(x).reshape(-1)
-
-
-# The statistics run in numpy on purpose: they are single-threaded there, and torch's multi-threaded sort of a
-# 50k-element run costs far more CPU time than numpy's on a busy 2-core machine (OpenMP threads spin while they
-# wait), which made the statistics cost as much as the model's forward pass (docs/perf-notes.md).
-
-
-def exact_quantiles(x: torch.Tensor | np.ndarray, q: Sequence[float] | torch.Tensor) -> torch.Tensor:
-    """Exact quantiles of all elements of ``x`` at levels ``q``, as ``torch.quantile(..., interpolation="linear")``.
-
-    The needed order statistics are found with one ``np.partition`` (O(n), exact), so there is no element-count
-    limit (``torch.quantile`` refuses more than 2^24 elements) and no sampling error.
-
-    Args:
-        x: float tensor or array of any shape (flattened).
-        q: levels in [0, 1], ``[L]``.
-
-    Returns:
-        float64 tensor ``[L]``: ``s[lo] + (s[hi] - s[lo]) * (pos - lo)`` with ``pos = q * (n - 1)``, ``s`` sorted.
-    """
-    flat = _as_numpy(x)
-    n = flat.size
-    if n == 0:
-        raise ValueError("cannot take quantiles of an empty tensor")
-    qs = np.asarray(q.tolist() if isinstance(q, torch.Tensor) else q, dtype=np.float64)
-    if qs.ndim != 1 or not ((qs >= 0) & (qs <= 1)).all():
-        raise ValueError(f"quantile levels must be a 1-D sequence in [0, 1], got {qs!r}")
-    pos = qs * (n - 1)
-    lo = np.clip(np.floor(pos).astype(np.int64), 0, n - 1)
-    hi = np.clip(np.ceil(pos).astype(np.int64), 0, n - 1)
-    part = np.partition(flat, np.unique(np.concatenate([lo, hi])))
-    s_lo, s_hi = part[lo].astype(np.float64), part[hi].astype(np.float64)
-    return torch.from_numpy(s_lo + (s_hi - s_lo) * (pos - lo))
-
-
-def kurtosis(x: torch.Tensor | np.ndarray) -> float:
-    """Pearson kurtosis E[(x-mu)^4] / var^2 of all elements of ``x`` (3 for a Gaussian), in float64.
-
-    Raises ValueError for a constant tensor (kurtosis undefined): a layer whose values are all equal means the
-    recording is broken, and silently returning a number would hide it.
-    """
-    x64 = _as_numpy(x).astype(np.float64)
-    c = x64 - x64.mean()
-    c2 = c * c
-    var = c2.mean()
-    if not var > 0:
-        raise ValueError("cannot compute kurtosis: all recorded values are equal (broken recording?)")
-    return float((c2 * c2).mean() / (var * var))
-
-
-def run_thresholds(
-    x: torch.Tensor,
-    outer_ratios: tuple[float, ...],
-    inner_ratios: tuple[float, ...],
-    inner_center: InnerCenter = "median",
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The thresholds of one run for several candidate ratios, and the run's kurtosis.
-
-    Args:
-        x: float tensor, all values of one layer's keys (or values) in one run, any shape (e.g. ``[H, S, D]``).
-        outer_ratios: candidate outer ratios.
-        inner_ratios: candidate inner ratios.
-        inner_center: "median" (quantiles around the median) or "zero" (smallest magnitudes); see module doc.
-
-    Returns:
-        ``outer`` float64 ``[len(outer_ratios), 2]`` (to_lo, to_hi) per candidate, ``inner`` float64
-        ``[len(inner_ratios), 2]`` (ti_lo, ti_hi) per candidate, and the Pearson kurtosis.
-
-    Raises:
-        ValueError: ``x`` holds NaN or Inf, or all its values are equal.
-    """
-    flat = _as_numpy(x)
-    if not np.isfinite(flat).all():
-        raise ValueError(f"{int((~np.isfinite(flat)).sum())} recorded values are NaN or infinite")
-    outer_levels = [lv for o in outer_ratios for lv in (o / 2, 1 - o / 2)]
-    if inner_center == "median":
-        inner_levels = [lv for i in inner_ratios for lv in (0.5 - i / 2, 0.5 + i / 2)]
-        q = exact_quantiles(flat, outer_levels + inner_levels)
-        outer = q[: len(outer_levels)].reshape(-1, 2)
-        inner = q[len(outer_levels) :].reshape(-1, 2)
-    elif inner_center == "zero":
-        outer = exact_quantiles(flat, outer_levels).reshape(-1, 2)
-        t = exact_quantiles(np.abs(flat), list(inner_ratios))
-        inner = torch.stack([-t, t], dim=1)
-    else:
-        raise ValueError(f"inner_center must be 'median' or 'zero', got {inner_center!r}")
-    return outer, inner, kurtosis(flat)
-
-
-# ---------------------------------------------------------------------------------------------- recording
-
-
-@functools.cache
-def _cache_class() -> type[DynamicCache]:
-    from transformers import DynamicCache
-
-    class _Recorder(DynamicCache):
-        """A DynamicCache that also hands every layer's new key/value states to a callback."""
-
-        def __init__(self, sink: Callable[[int, torch.Tensor, torch.Tensor], None], **kw: Any) -> None:
-            super().__init__(**kw)
-            self._sink = sink
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            self._sink(layer_idx, key_states, value_states)
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    return _Recorder
-
-
-class KVRecorder:
-    """Runs a transformers causal LM and returns, per decoder layer, the keys and values its cache would store.
-
-    Keys are post-RoPE (what ``cache.update`` receives) or, with ``key_position="pre_rope"``, rotated back to
-    pre-RoPE (see the module doc). Use as a context manager so the attention pre-hooks are removed afterwards.
-    """
-
-    def __init__(self, model: Any, key_position: Literal["post_rope", "pre_rope"] = "post_rope") -> None:
-        if key_position not in ("post_rope", "pre_rope"):
-            raise ValueError(f"key_position must be 'post_rope' or 'pre_rope', got {key_position!r}")
-        self.model = model
-        self.key_position = key_position
-        self.num_layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._hooks: list[Any] = []
-        self._keys: list[torch.Tensor | None] = []
-        self._values: list[torch.Tensor | None] = []
-        if key_position == "pre_rope":
-            attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
-            if len(attn) != self.num_layers:
-                raise NotImplementedError(
-                    f"pre-RoPE recording found {len(attn)} attention modules (with k_proj and layer_idx) for "
-                    f"{self.num_layers} layers in {type(model).__name__}; use key_position='post_rope'"
-                )
-            for m in attn:
-                self._hooks.append(m.register_forward_pre_hook(self._capture_rope, with_kwargs=True))
-
-    def _capture_rope(self, module: Any, args: tuple, kwargs: dict) -> None:
-        pe = kwargs.get("position_embeddings")
-        if pe is None and len(args) > 1:
-            pe = args[1]
-        if pe is None:
-            raise NotImplementedError(
-                f"{type(module).__name__} is not called with position_embeddings=(cos, sin); cannot undo RoPE"
-            )
-        self._rope[module.layer_idx] = pe
-
-    def _sink(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [B, H, S, D]
-        if self.key_position == "pre_rope":
-            cos, sin = self._rope[layer_idx]  # [B, S, D] (or [1, S, D])
-            if cos.shape[-1] != k.shape[-1]:
-                raise NotImplementedError(
-                    f"layer {layer_idx} applies RoPE to {cos.shape[-1]} of {k.shape[-1]} head dims (partial "
-                    "rotary); pre-RoPE recording supports full-width RoPE only"
-                )
-            cos, sin = cos.unsqueeze(1).to(k.dtype), sin.unsqueeze(1).to(k.dtype)
-            k = k * cos - rotate_half(k) * sin
-        self._keys[layer_idx] = k.detach()
-        self._values[layer_idx] = v.detach()
-
-    def __enter__(self) -> KVRecorder:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    @torch.inference_mode()
-    def record(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One forward pass (prefill) over ``input_ids`` int64 ``[B, S]``.
-
-        Returns:
-            ``(keys, values)``: lists with one tensor ``[B, H_kv, S, D]`` per decoder layer (model dtype).
-        """
-        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
-            raise ValueError(f"input_ids must be int64 [B, S], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        self._keys = [None] * self.num_layers
-        self._values = [None] * self.num_layers
-        self._rope.clear()
-        cache = _cache_class()(self._sink, config=self.model.config)
-        params = inspect.signature(self.model.forward).parameters
-        kw: dict[str, Any] = {"use_cache": True}
-        kw["cache" if "cache" in params else "past_key_values"] = cache
-        if "logits_to_keep" in params:
-            kw["logits_to_keep"] = 1  # we need no logits: skip most of the LM head
-        device = next(self.model.parameters()).device
-        self.model(input_ids.to(device), **kw)
-        missing = [i for i, k in enumerate(self._keys) if k is None]
-        if missing:
-            raise RuntimeError(f"layers {missing} never called cache.update: cannot record their keys/values")
-        return self._keys, self._values  # type: ignore[return-value]
-
-
-def record_kv(
-    model: Any, input_ids: torch.Tensor, key_position: Literal["post_rope", "pre_rope"] = "post_rope"
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Convenience: the per-layer keys and values ``[B, H_kv, S, D]`` the cache stores for ``input_ids [B, S]``."""
-    with KVRecorder(model, key_position) as rec:
-        return rec.record(input_ids)
-
-
-# ---------------------------------------------------------------------------------------------- profiling
-
-
-def candidate_ratios(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The outer and inner ratios whose thresholds a run records: the config's, plus with kurtosis ``tuning`` the
-    raised outer and lowered inner ratio (``OUTER_DELTA``, ``INNER_DELTA``), so tuning costs no second pass."""
-    if not tuning:
-        return (config.outer_ratio,), (config.inner_ratio,)
-    raised = config.outer_ratio + OUTER_DELTA
-    lowered = max(config.inner_ratio - INNER_DELTA, 0.0)
-    if raised + config.inner_ratio >= 1.0:
-        raise ValueError(f"kurtosis tuning would raise outer_ratio to {raised}, leaving no middle group")
-    return (config.outer_ratio, raised), (config.inner_ratio, lowered)
-
-
-@dataclass
-class RunAccumulator:
-    """The per-run results of one (layer, kind) over a profile, and the averaged thresholds they give.
-
-    Feed it :func:`run_thresholds`' output for the ratios of :func:`candidate_ratios`, one run at a time
-    (:meth:`add`), then :meth:`finish`. Any profiler that records K/V its own way (the evaluation's one-pass
-    calibration of several configs) uses it to get exactly :func:`profile_thresholds`' numbers.
-    """
-
-    #: Each float64 ``[num_outer_candidates, 2]``: ``(to_lo, to_hi)`` per candidate ratio.
-    outer: list[torch.Tensor] = field(default_factory=list)
-    #: Each float64 ``[num_inner_candidates, 2]``: ``(ti_lo, ti_hi)`` per candidate ratio.
-    inner: list[torch.Tensor] = field(default_factory=list)
-    #: Pearson kurtosis of each run.
-    kurt: list[float] = field(default_factory=list)
-    #: Values recorded over all runs.
-    num_samples: int = 0
-
-    def add(self, outer: torch.Tensor, inner: torch.Tensor, kurt: float, num_values: int) -> None:
-        """One run's candidate thresholds and kurtosis (:func:`run_thresholds`), over ``num_values`` values."""
-        self.outer.append(outer)
-        self.inner.append(inner)
-        self.kurt.append(kurt)
-        self.num_samples += num_values
-
-    def finish(self, config: OakenConfig, tuning: bool, layer: int, kind: str) -> tuple[GroupThresholds, LayerStats]:
-        """The thresholds averaged over runs (for the ratios kurtosis ``tuning`` picks) and their statistics."""
-        runs = len(self.kurt)
-        k = sum(self.kurt) / runs
-        oi, ii, notes = 0, 0, []
-        if tuning and k > KURTOSIS_HIGH:
-            oi = 1
-            notes.append(f"kurtosis {k:.2f} > {KURTOSIS_HIGH:g}: outer_ratio +{OUTER_DELTA:g}")
-        if tuning and k < KURTOSIS_LOW:
-            ii = 1
-            notes.append(f"kurtosis {k:.2f} < {KURTOSIS_LOW:g}: inner_ratio -{INNER_DELTA:g}")
-        outer_ratios, inner_ratios = candidate_ratios(config, tuning)
-        per_run = torch.stack(
-            [torch.stack([o[oi, 0], i[ii, 0], i[ii, 1], o[oi, 1]]) for o, i in zip(self.outer, self.inner, strict=True)]
-        )  # [runs, 4]
-        mean = per_run.mean(dim=0)
-        std = per_run.std(dim=0, correction=0)
-        try:
-            thr = GroupThresholds(*(float(v) for v in mean))
-        except ValueError as e:
-            raise ValueError(
-                f"layer {layer} {kind}: profiled thresholds are invalid ({e}); is the model degenerate?"
-            ) from e
-        stats = LayerStats(
-            kurtosis=k,
-            num_samples=self.num_samples,
-            num_runs=runs,
-            outer_ratio=outer_ratios[oi],
-            inner_ratio=inner_ratios[ii],
-            run_std=tuple(float(s) for s in std),
-            adjustments=tuple(notes),
-        )
-        return thr, stats
 
 
 def profile_thresholds(
@@ -626,119 +309,6 @@ def profile_model(
     )
 
 
-# ---------------------------------------------------------------------------------------------- calibration
-
-
-def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
-    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
-    from oakenkv.assets.data import load_text, token_windows
-
-    if spec.text == "wikitext2":
-        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
-    if spec.text == "file":  # any plain UTF-8 text file
-        if spec.text_path is None:
-            raise ValueError("calibration text 'file' needs a path (--calib-path)")
-        text = Path(spec.text_path).read_text(encoding="utf-8")
-    else:
-        text = load_text(spec.text, spec.text_path)
-    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
-
-
-def profile_cache_dir() -> Path:
-    """Where profiles made on demand are kept: ``oakenkv.util.paths.cache_root() / "eval"`` (named after the evaluation,
-    which kept them there first; the name stays so that existing caches stay valid)."""
-    d = cache_root() / "eval"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-@dataclass(frozen=True)
-class CalibrationKey:
-    """What a cached calibration result depends on, by content: the model's shape and weights
-    (:class:`~oakenkv.calibrate.thresholds.ModelFingerprint` with :func:`~oakenkv.calibrate.thresholds.weights_digest`)
-    and the token
-    ids of the calibration windows (which carry the text's content, the tokenizer, BOS, the window count and
-    length). ``model_name`` and ``spec`` only make the cache's file names readable: two models loaded by one name,
-    or one text file edited in place, get different keys.
-    """
-
-    model_name: str
-    fingerprint: ModelFingerprint
-    spec: CalibrationSpec
-    #: sha256 of the windows' int64 token ids.
-    windows_sha256: str
-
-    def digest(self, *extra: Any) -> str:
-        """sha256 (hex) of the key's content and ``extra`` (JSON-able: the config, tuning, ...)."""
-        fp = {k: v for k, v in self.fingerprint.to_dict().items() if k != "name"}
-        payload = json.dumps([fp, self.windows_sha256, *extra], sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode()).hexdigest()
-
-    def stem(self) -> str:
-        """The readable part of a cache file's name: ``<model>-<spec tag>``."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model_name)[-60:]
-        return f"{safe}-{self.spec.tag()}"
-
-
-def calibration_key(model: Any, model_name: str, spec: CalibrationSpec, windows: torch.Tensor) -> CalibrationKey:
-    """The :class:`CalibrationKey` of ``model`` (shape and :func:`~oakenkv.calibrate.thresholds.weights_digest`) over
-    the calibration ``windows`` (:func:`calibration_windows` of ``spec``)."""
-    ids = windows.detach().to(torch.int64).contiguous()
-    return CalibrationKey(
-        model_name,
-        ModelFingerprint.from_model(model, name=model_name),
-        spec,
-        hashlib.sha256(ids.numpy().tobytes() + repr(tuple(ids.shape)).encode()).hexdigest(),
-    )
-
-
-def thresholds_cache_path(
-    key: CalibrationKey,
-    config: OakenConfig,
-    kurtosis_tuning: bool = False,
-    cache_dir: Path | None = None,
-) -> Path:
-    """The file :func:`cached_thresholds` keeps a profile in: named by the model, the calibration, and a digest of
-    the :class:`CalibrationKey`'s content, the config and the tuning."""
-    digest = key.digest(config.to_dict(), bool(kurtosis_tuning))[:16]
-    directory = profile_cache_dir() if cache_dir is None else cache_dir
-    return directory / f"thr-{key.stem()}-{digest}.json"
-
-
-def load_cached_thresholds(
-    path: Path, key: CalibrationKey, config: OakenConfig, kurtosis_tuning: bool = False
-) -> Thresholds | None:
-    """The profile cached at ``path`` if it is the one ``key``, ``config`` and ``kurtosis_tuning`` ask for, else
-    None (no file, an unreadable one, or one whose recorded model, weights, windows, config or tuning differ: a
-    warning says which, and the caller profiles again and overwrites it)."""
-    if not path.is_file():
-        return None
-    try:
-        thr = Thresholds.load(path)
-    except (OSError, ValueError) as e:
-        warnings.warn(f"ignoring the unreadable cached profile {path} ({e}); profiling again", stacklevel=3)
-        return None
-    recorded = {
-        "model": (thr.fingerprint, thr.fingerprint.weights),
-        "calibration windows": thr.profile.get("windows_sha256"),
-        "config": thr.config,
-        "kurtosis tuning": bool(thr.profile.get("kurtosis_tuning")),
-    }
-    wanted = {
-        "model": (key.fingerprint, key.fingerprint.weights),
-        "calibration windows": key.windows_sha256,
-        "config": config,
-        "kurtosis tuning": bool(kurtosis_tuning),
-    }
-    differ = [k for k in wanted if recorded[k] != wanted[k]]
-    if differ:
-        warnings.warn(
-            f"the cached profile {path} was made for another {', '.join(differ)}; profiling again", stacklevel=3
-        )
-        return None
-    return thr
-
-
 def cached_thresholds(
     model: Any,
     tokenizer: Any,
@@ -751,9 +321,8 @@ def cached_thresholds(
     cache_dir: Path | None = None,
 ) -> Thresholds:
     """The :class:`~oakenkv.calibrate.thresholds.Thresholds` of :func:`profile_thresholds` over the calibration windows
-    of
-    ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the disk cache
-    (:func:`thresholds_cache_path`; ``cache_dir`` defaults to :func:`profile_cache_dir`).
+    of ``spec`` (default :class:`CalibrationSpec`), profiled once and then read from the calibration disk cache
+    (``oakenkv.calibrate.diskcache.thresholds_entry``; ``cache_dir`` defaults to :func:`profile_cache_dir`).
 
     The cache is keyed by content (:class:`CalibrationKey`: the model's weights and the windows' tokens, with the
     config and tuning) and a cached file is checked against that key when read: a model changed at the same
@@ -761,8 +330,8 @@ def cached_thresholds(
     spec = spec or CalibrationSpec()
     ids = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, ids)
-    path = thresholds_cache_path(key, config, kurtosis_tuning, cache_dir)
-    cached = load_cached_thresholds(path, key, config, kurtosis_tuning)
+    entry = thresholds_entry(key, config, kurtosis_tuning, cache_dir)
+    cached = load_profile(entry)
     if cached is not None:
         return cached
     with warnings.catch_warnings():
@@ -782,5 +351,5 @@ def cached_thresholds(
                 "windows_sha256": key.windows_sha256,
             },
         )
-    thr.save(path)
+    entry.store(thr.to_json())
     return thr

@@ -1,11 +1,9 @@
 """Calibration for the evaluation: Oaken thresholds and baseline ranges, from calibration text only.
 
 Nothing here reads the evaluation text unless asked: the default calibration text is the Wikipedia excerpt
-(``oakenkv.assets.data.load_text("wikipedia")``), not WikiText-2. Results are cached on disk under
-``oakenkv.calibrate.profile.profile_cache_dir()`` keyed by content (``oakenkv.calibrate.profile.CalibrationKey``: the
-model's weights
-and the calibration windows' tokens) and the config, so a report run profiles each model once, and a model
-changed at the same path is calibrated again.
+(``oakenkv.assets.data.load_text("wikipedia")``), not WikiText-2. Results are kept in the calibration disk cache
+(``oakenkv.calibrate.diskcache``), keyed by content (the model's weights and the calibration windows' tokens) and the
+config, so a report run profiles each model once, and a model changed at the same path is calibrated again.
 
 - :func:`oaken_thresholds`: ``oakenkv.calibrate.profile.cached_thresholds`` in this module's cache directory (the
   calibration spec, windows and profile cache are ``oakenkv.calibrate.profile``'s, re-exported here).
@@ -18,33 +16,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from oakenkv.calibrate.profile import (
+from oakenkv.calibrate.diskcache import (
+    CacheEntry,
+    CalibrationKey,
+    calibration_key,
+    load_profile,
+    profile_cache_dir,
+    thresholds_entry,
+)
+from oakenkv.calibrate.profile import cached_thresholds
+from oakenkv.calibrate.recording import record_kv
+from oakenkv.calibrate.spec import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_CALIB_TEXT,
     DEFAULT_CALIB_WINDOW,
-    CalibrationKey,
     CalibrationSpec,
-    RunAccumulator,
-    cached_thresholds,
-    calibration_key,
     calibration_windows,
-    candidate_ratios,
-    load_cached_thresholds,
-    profile_cache_dir,
-    record_kv,
-    run_thresholds,
-    thresholds_cache_path,
 )
+from oakenkv.calibrate.stats import RunAccumulator, candidate_ratios, run_thresholds
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.config import OakenConfig
-from oakenkv.util.paths import atomic_write
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
@@ -120,8 +117,8 @@ def kv_ranges(
     spec = spec or CalibrationSpec()
     ids = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, ids)
-    path, ident = _ranges_path(key, q), _ranges_identity(key, q)
-    cached = _load_ranges(path, ident)
+    entry = _ranges_entry(key, q)
+    cached = _load_ranges(entry)
     if cached is not None:
         return cached
     kmin = kmax = vmin = vmax = None
@@ -157,47 +154,46 @@ def kv_ranges(
         key_channel_hi=[x / n for x in hi_sum],
         q=q,
     )
-    _save_ranges(out, path, ident)
+    _save_ranges(out, entry)
     return out
 
 
-def _save_ranges(ranges: KVRanges, path: Path, identity: str) -> None:
-    """Write the ranges cache atomically (a torn file would break every later run), with the identity (a digest of
-    the :class:`~oakenkv.calibrate.profile.CalibrationKey` and ``q``) it was computed for."""
-    atomic_write(path, lambda f: torch.save({"identity": identity, **ranges.__dict__}, f))
+def _ranges_entry(key: CalibrationKey, q: float) -> CacheEntry:
+    """The ranges' entry in the calibration disk cache (``oakenkv.calibrate.diskcache``)."""
+    return CacheEntry(
+        key, "ranges", {"q": float(q)}, ("kv_ranges", float(q)), suffix=".pt", label=f"-q{q:g}", directory=_cache_dir()
+    )
 
 
-def _load_ranges(path: Path, identity: str) -> KVRanges | None:
-    """The cached ranges at ``path`` if they were computed for ``identity``, else None: no file, another model or
-    calibration (warned), or an unreadable file (warned; then recomputed and overwritten). ``weights_only=True``:
-    tensors and plain containers only, never code (torch < 2.6 defaults to unpickling anything)."""
-    if not path.is_file():
-        return None
-    try:
-        d = torch.load(path, weights_only=True)
-        if d.pop("identity", None) != identity:
-            warnings.warn(
-                f"the cached ranges {path} were computed for another model or calibration; recomputing", stacklevel=3
-            )
-            return None
-        return KVRanges(**d)
-    except Exception as e:  # any unreadable file: recompute rather than fail every later run
-        warnings.warn(
-            f"ignoring the unreadable calibration cache {path} ({type(e).__name__}: {e}); recomputing", stacklevel=3
-        )
-        return None
+def _save_ranges(ranges: KVRanges, entry: CacheEntry, path: Path | None = None) -> None:
+    """Write the ranges atomically (a torn file would break every later run), with the identity
+    (:meth:`~oakenkv.calibrate.diskcache.CacheEntry.identity`) they were computed for."""
+    entry.store(lambda f: torch.save({"identity": entry.identity(), **ranges.__dict__}, f), path)
+
+
+def _read_ranges(path: Path) -> tuple[Any, KVRanges]:
+    """``(identity, ranges)`` of a ranges file; ``weights_only=True``: tensors and plain containers only, never code
+    (torch < 2.6 defaults to unpickling anything)."""
+    d = torch.load(path, weights_only=True)
+    ident = d.pop("identity", None)
+    return ident, KVRanges(**d)
+
+
+def _load_ranges(entry: CacheEntry, path: Path | None = None) -> KVRanges | None:
+    """The cached ranges at ``path`` (default the entry's) if they were computed for ``entry``, else None
+    (:meth:`~oakenkv.calibrate.diskcache.CacheEntry.load`: no file; an unreadable one, or one computed for another
+    model or calibration, which warns; then recomputed and overwritten)."""
+
+    def recorded(got: tuple[Any, KVRanges]) -> Any:
+        # a file written before the cache was one module records the digest of the same identity
+        return entry.identity() if isinstance(got[0], str) and got[0] == entry.digest else got[0]
+
+    got = entry.load(_read_ranges, recorded, "ranges", "recomputing", path=path)
+    return None if got is None else got[1]
 
 
 def _pos(config: OakenConfig) -> str:
     return "pre" if config.key_position == "pre_rope" else "post"
-
-
-def _ranges_identity(key: CalibrationKey, q: float) -> str:
-    return key.digest("kv_ranges", float(q))
-
-
-def _ranges_path(key: CalibrationKey, q: float) -> Path:
-    return _cache_dir() / f"ranges-{key.stem()}-q{q:g}-{_ranges_identity(key, q)[:16]}.pt"
 
 
 def calibrate_all(
@@ -229,14 +225,14 @@ def calibrate_all(
     n_layers = fp.num_layers
     todo = []
     for config, tuning in configs:
-        path = thresholds_cache_path(key, config, tuning, _cache_dir())
-        if load_cached_thresholds(path, key, config, tuning) is None:
+        entry = thresholds_entry(key, config, tuning, _cache_dir())
+        if load_profile(entry) is None:
             cand = candidate_ratios(config, tuning)
             accs = {(i, k): RunAccumulator() for i in range(n_layers) for k in ("key", "value")}
-            todo.append((config, tuning, path, cand, accs))
+            todo.append((config, tuning, entry, cand, accs))
     q = 0.005
-    ranges_path, ranges_ident = _ranges_path(key, q), _ranges_identity(key, q)
-    need_ranges = _load_ranges(ranges_path, ranges_ident) is None
+    ranges_entry = _ranges_entry(key, q)
+    need_ranges = _load_ranges(ranges_entry) is None
     if not todo and not need_ranges:
         return
     union_outer = tuple(sorted({r for *_, (oc, _ic), _a in todo for r in oc}))
@@ -283,14 +279,14 @@ def calibrate_all(
                             kurt,
                             tensors[name].numel(),
                         )
-    for config, tuning, path, _cand, accs in todo:
+    for config, tuning, entry, _cand, accs in todo:
         kt, vt, ks, vs = [], [], [], []
         for i in range(n_layers):
             for kind, tl, sl in (("key", kt, ks), ("value", vt, vs)):
                 thr, st = accs[(i, kind)].finish(config, tuning, i, kind)
                 tl.append(thr)
                 sl.append(st)
-        Thresholds(
+        th = Thresholds(
             config=config,
             fingerprint=fp,
             keys=tuple(kt),
@@ -306,7 +302,8 @@ def calibrate_all(
                 "windows_sha256": key.windows_sha256,
                 "profiler": "oakenkv.calibrate.ranges.calibrate_all (oakenkv.calibrate.profile quantiles, one pass)",
             },
-        ).save(path)
+        )
+        entry.store(th.to_json())
     if need_ranges:
         n = ids.shape[0]
         _save_ranges(
@@ -317,6 +314,5 @@ def calibrate_all(
                 key_channel_hi=[x / n for x in hi_sum],
                 q=q,
             ),
-            ranges_path,
-            ranges_ident,
+            ranges_entry,
         )

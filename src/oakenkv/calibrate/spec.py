@@ -1,15 +1,28 @@
-"""Which calibration text, and how much of it, a profile is made from: :class:`CalibrationSpec`.
+"""Which calibration text, and how much of it, a profile is made from: :class:`CalibrationSpec`, and the token
+windows it gives (:func:`calibration_windows`).
 
-Validated on construction and importable without torch, so that the command line checks ``--calib-*`` options
-before anything loads; ``oakenkv.calibrate.profile`` (which cuts the windows and profiles) re-exports it.
+Validated on construction and importable without torch (the windows import it when cut), so that the command line
+checks ``--calib-*`` options before anything loads; ``oakenkv.calibrate.profile`` re-exports both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DEFAULT_CALIB_SAMPLES", "DEFAULT_CALIB_TEXT", "DEFAULT_CALIB_WINDOW", "CalibrationSpec"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_CALIB_SAMPLES",
+    "DEFAULT_CALIB_TEXT",
+    "DEFAULT_CALIB_WINDOW",
+    "CalibrationSpec",
+    "calibration_windows",
+]
 
 #: Default calibration of a cached profile: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages
 #: ~100 runs; 16 keep calibration to minutes on 2 shared CPU cores (``oakenkv profile`` defaults to 100 runs).
@@ -46,3 +59,18 @@ class CalibrationSpec:
     def tag(self) -> str:
         path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
         return f"{self.text}{path}-{self.samples}x{self.window}"
+
+
+def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
+    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
+    from oakenkv.assets.data import load_text, token_windows
+
+    if spec.text == "wikitext2":
+        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
+    if spec.text == "file":  # any plain UTF-8 text file
+        if spec.text_path is None:
+            raise ValueError("calibration text 'file' needs a path (--calib-path)")
+        text = Path(spec.text_path).read_text(encoding="utf-8")
+    else:
+        text = load_text(spec.text, spec.text_path)
+    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)

@@ -32,7 +32,8 @@ non-finite thresholds and a layer count that contradicts the model fingerprint, 
 :class:`ThresholdsFileError` naming the file; loading for another model raises :class:`ModelMismatchError`.
 
 The model's identity is its shape (:class:`ModelFingerprint`) and, since the profiler records it, the digest of
-its weights (:func:`weights_digest`, the ``"weights"`` entry of ``"model"``): thresholds profiled for a base model
+its weights (:func:`weights_digest`, the ``"weights"`` entry of ``"model"``; both defined in
+``oakenkv.calibrate.identity`` and re-exported here): thresholds profiled for a base model
 are refused for its fine-tune. Files written before the digest existed have ``"weights"`` absent (or null); they
 still load, and checking them against a model compares the shape only and says so
 (:class:`UnverifiedWeightsWarning`).
@@ -40,17 +41,17 @@ still load, and checking them against a model compares the shape only and says s
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import re
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# ModelFingerprint and weights_digest live in oakenkv.calibrate.identity; they are re-exported here, where users have
+# always imported them from.
+from oakenkv.calibrate.identity import ModelFingerprint, short_digest, weights_digest
 from oakenkv.format.config import OakenConfig
 from oakenkv.quant.groups import FLOAT32_MAX, GroupThresholds, as_float32, finite_float
 from oakenkv.util.paths import atomic_write
@@ -69,7 +70,6 @@ __all__ = [
     "ThresholdsFileError",
     "UnverifiedWeightsWarning",
     "as_float32",
-    "print_thresholds",
     "weights_digest",
 ]
 
@@ -103,205 +103,6 @@ class UnverifiedWeightsWarning(UserWarning):
 class DuplicateThresholdsWarning(UserWarning):
     """Two decoder layers have bit-identical thresholds: almost surely a broken profile (e.g. one layer
     recorded twice, or the same tensor captured for every layer)."""
-
-
-#: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
-WEIGHTS_DIGEST_PREFIX = "sha256:"
-_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-
-
-#: Per model object: the tensors' identity and version counters when :func:`weights_digest` last hashed them, and
-#: the digest (weak keys: a model's entry goes with it).
-_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
-
-
-def _versions(state: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What torch changes whenever a tensor of ``state`` is written or replaced: each one's storage, layout and
-    version counter (bumped by every in-place op, ``load_state_dict`` included); None where a tensor keeps no
-    counter (inference-mode tensors)."""
-    try:
-        return tuple(
-            (
-                n,
-                t.device,
-                t.untyped_storage().data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                t.stride(),
-                t.dtype,
-                t._version,
-            )
-            for n, t in state.items()
-        )
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def weights_digest(model: Any, *, reuse: bool = True) -> str:
-    """The identity of a model's weights by content: ``"sha256:<64 hex digits>"``, cheap enough to take per run.
-
-    Over every entry of ``model.state_dict()`` (parameters and persistent buffers) in name order, one line
-    ``name, dtype, shape, sha256 of the tensor's bytes`` (native byte order, row-major); the digest is the sha256
-    of those lines. Tied tensors (one storage under two names, e.g. ``lm_head.weight``) are hashed once and listed
-    under both names. Two models have the same digest iff they hold the same numbers under the same names (up to
-    sha256 collisions): a fine-tune, another checkpoint of one family, or the same weights loaded in another
-    dtype all differ. The config is not part of it (its shape is in :class:`ModelFingerprint`).
-
-    Every byte is hashed, no sampling: the tensors are hashed in parallel threads (hashlib releases the GIL), about
-    0.4-0.7 s for the 135M fp32 parameters (538 MB) of the default model on 2 busy cores, and linear in the bytes
-    beyond (docs/robustness.md).
-
-    The digest is remembered per model object, with each tensor's storage and version counter: a model whose
-    tensors were neither replaced nor written in place since (torch counts every in-place op, an optimizer step
-    and ``load_state_dict`` included) gets it back without hashing, so making a cache per request costs ~1 ms,
-    not a hash of every weight. Writes torch does not count (through ``param.data``, or a numpy view of the
-    memory) are not seen: pass ``reuse=False`` after those.
-
-    Args:
-        model: a ``torch.nn.Module`` (anything with ``state_dict()`` returning tensors); tensors on another
-            device are copied to the CPU one at a time.
-        reuse: return the remembered digest when no tensor changed (above); False hashes every byte again.
-
-    Raises:
-        ValueError: a tensor without data (the ``meta`` device).
-    """
-    import torch
-
-    state = model.state_dict()
-    versions = _versions(state)
-    if reuse and versions is not None:
-        try:
-            known = _DIGESTS.get(model)
-        except TypeError:  # (not weakly referenceable)
-            known = None
-        if known is not None and known[0] == versions:
-            return known[1]
-    names = sorted(state)
-    # one digest per distinct tensor view (tied weights share it)
-    views: dict[tuple[Any, ...], list[str]] = {}
-    for name in names:
-        t = state[name]
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        if t.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        views.setdefault(key, []).append(name)
-
-    def digest_of(name: str) -> str:
-        t = state[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        flat = t.contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
-        return hashlib.sha256(data).hexdigest()
-
-    firsts = [group[0] for group in views.values()]
-    workers = max(1, min(4, os.cpu_count() or 1, len(firsts)))
-    if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        # the largest tensors first, so that the threads finish together
-        order = sorted(firsts, key=lambda n: -state[n].numel() * state[n].element_size())
-        with ThreadPoolExecutor(workers) as pool:
-            per_first = dict(zip(order, pool.map(digest_of, order), strict=True))
-    else:
-        per_first = {n: digest_of(n) for n in firsts}
-    per_name = {n: per_first[group[0]] for group in views.values() for n in group}
-    h = hashlib.sha256()
-    for name in names:
-        t = state[name]
-        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{per_name[name]}\n".encode())
-    digest = WEIGHTS_DIGEST_PREFIX + h.hexdigest()
-    if versions is not None:
-        with contextlib.suppress(TypeError):
-            _DIGESTS[model] = (versions, digest)
-    return digest
-
-
-def _short(digest: str) -> str:
-    return digest[: len(WEIGHTS_DIGEST_PREFIX) + 12]
-
-
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """What identifies the model a profile belongs to: thresholds of another shape, architecture or weights are
-    wrong.
-
-    The shape fields are always compared. ``weights`` (:func:`weights_digest`) tells apart two checkpoints of
-    one shape (a base model and its fine-tune); it is compared when both sides have one (:meth:`Thresholds.
-    check_fingerprint`), and a profile without it (an older file) is checked on its shape only, with a warning.
-    ``name`` is informational and not compared.
-    """
-
-    #: ``config.model_type`` of the decoder ("llama", "gemma3_text"): always set, unlike ``architectures``.
-    architecture: str
-    #: Number of decoder layers (= entries per kind in the profile).
-    num_layers: int
-    #: Key/value heads per layer.
-    num_kv_heads: int
-    #: Dimension of one head.
-    head_dim: int
-    #: The name the model was loaded by (not compared).
-    name: str | None = field(default=None, compare=False)
-    #: :func:`weights_digest` of the model, or None when unknown (compared by ``Thresholds.check_fingerprint``).
-    weights: str | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.architecture, str) or not self.architecture:
-            raise ValueError(f"architecture must be a non-empty string, got {self.architecture!r}")
-        for n in ("num_layers", "num_kv_heads", "head_dim"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
-        if self.name is not None and not isinstance(self.name, str):
-            raise ValueError(f"name must be a string or None, got {self.name!r}")
-        if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):
-            raise ValueError(f"weights must be 'sha256:' and 64 lowercase hex digits, or None, got {self.weights!r}")
-
-    @classmethod
-    def from_model_config(cls, hf_config: Any, name: str | None = None, weights: str | None = None) -> ModelFingerprint:
-        """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config); the shape
-        only unless the ``weights`` digest is given."""
-        cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
-        try:
-            num_layers = int(cfg.num_hidden_layers)
-            num_heads = int(cfg.num_attention_heads)
-        except AttributeError as e:
-            raise ValueError(f"{type(cfg).__name__} does not describe a decoder (missing {e.name})") from e
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        arch = getattr(cfg, "model_type", None) or type(cfg).__name__
-        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights)
-
-    @classmethod
-    def from_model(cls, model: Any, name: str | None = None) -> ModelFingerprint:
-        """From a transformers model: its config's shape and :func:`weights_digest` of its weights."""
-        return cls.from_model_config(model.config, name, weights_digest(model))
-
-    def describe(self) -> str:
-        who = f"{self.name!r}: " if self.name else ""
-        weights = f", weights {_short(self.weights)}..." if self.weights else ""
-        return (
-            f"{who}{self.architecture}, {self.num_layers} layers, {self.num_kv_heads} KV heads, "
-            f"head_dim {self.head_dim}{weights}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "architecture": self.architecture,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "name": self.name,
-            "weights": self.weights,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
-        return cls(
-            d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"), d.get("weights")
-        )
 
 
 @dataclass(frozen=True)
@@ -471,8 +272,8 @@ class Thresholds:
         if mine is not None and theirs is not None and mine != theirs:
             raise ModelMismatchError(
                 f"these thresholds were profiled for other weights of the same shape ({self.fingerprint.describe()}):"
-                f" weights {_short(mine)}... in the profile, {_short(theirs)}... in the model (another checkpoint, a "
-                "fine-tune, or another dtype); profile this model with `oakenkv profile --model ...`"
+                f" weights {short_digest(mine)}... in the profile, {short_digest(theirs)}... in the model (another "
+                "checkpoint, a fine-tune, or another dtype); profile this model with `oakenkv profile --model ...`"
             )
         if mine is None and theirs is not None:
             self._warn_unverified()
@@ -609,12 +410,15 @@ class Thresholds:
         except (TypeError, ValueError, AttributeError) as e:
             raise fail(f"invalid content: {e}") from e
 
+    def to_json(self) -> str:
+        """The file's text (what :meth:`save` writes)."""
+        # allow_nan=False: a NaN can only come from a bug upstream, and "NaN" is not JSON.
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the JSON file atomically (``oakenkv.util.paths.atomic_write``: temp file + rename, no reader sees half
         a file; the umask's permissions, so a shared cache stays readable)."""
-        # allow_nan=False: a NaN can only come from a bug upstream, and "NaN" is not JSON.
-        text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
-        return atomic_write(path, text)
+        return atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], expect: ModelFingerprint | None = None) -> Thresholds:
@@ -660,37 +464,3 @@ class Thresholds:
         if expect is not None:
             th.check_fingerprint(expect)
         return th
-
-
-def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -> None:
-    """Print a profile for people: model, config, how it was profiled, and (``layers``) a per-layer table.
-
-    ``console`` is a ``rich.console.Console`` (default: a new one on stdout).
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console() if console is None else console
-    c = th.config
-    console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
-    console.print(
-        f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
-        f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
-        f"granularity {c.granularity}, scales {c.scale_dtype}"
-    )
-    if th.profile:
-        console.print("[bold]profile[/] " + ", ".join(f"{k}={v}" for k, v in th.profile.items() if v is not None))
-    if not layers:
-        return
-    for kind in _KINDS:
-        table = Table(title=f"{kind} thresholds per decoder layer")
-        for col in ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs", "notes"):
-            table.add_column(col, justify="left" if col == "notes" else "right")
-        for i in range(th.num_layers):
-            st = th.stats(i, kind)
-            cells = [f"{v:+.4f}" for v in th.layer(i, kind).as_tuple()]
-            extra = (
-                ["-", "-", ""] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs), "; ".join(st.adjustments)]
-            )
-            table.add_row(str(i), *cells, *extra)
-        console.print(table)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from oakenkv.cli._common import app, bad_option, check_model, check_out
+
+if TYPE_CHECKING:
+    from oakenkv.calibrate.thresholds import Thresholds
 
 
 @app.command("profile")
@@ -160,6 +163,40 @@ def inspect_cmd(
     layers: Annotated[bool, typer.Option(help="Print the per-layer table (--no-layers: header only).")] = True,
 ) -> None:
     """Print a thresholds file: model, config, how it was profiled and the per-layer thresholds and kurtosis."""
-    from oakenkv.calibrate.thresholds import Thresholds, print_thresholds
+    from oakenkv.calibrate.thresholds import Thresholds
 
     print_thresholds(Thresholds.load(path), layers=layers)
+
+
+def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -> None:
+    """Print a profile for people: model, config, how it was profiled, and (``layers``) a per-layer table.
+
+    ``console`` is a ``rich.console.Console`` (default: a new one on stdout).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if console is None else console
+    c = th.config
+    console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
+    console.print(
+        f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
+        f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
+        f"granularity {c.granularity}, scales {c.scale_dtype}"
+    )
+    if th.profile:
+        console.print("[bold]profile[/] " + ", ".join(f"{k}={v}" for k, v in th.profile.items() if v is not None))
+    if not layers:
+        return
+    for kind in ("key", "value"):
+        table = Table(title=f"{kind} thresholds per decoder layer")
+        for col in ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs", "notes"):
+            table.add_column(col, justify="left" if col == "notes" else "right")
+        for i in range(th.num_layers):
+            st = th.stats(i, kind)
+            cells = [f"{v:+.4f}" for v in th.layer(i, kind).as_tuple()]
+            extra = (
+                ["-", "-", ""] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs), "; ".join(st.adjustments)]
+            )
+            table.add_row(str(i), *cells, *extra)
+        console.print(table)
