@@ -28,7 +28,6 @@ from oakenkv.integrations.vllm.layout import (
     BlockWriter,
     clip_outliers,
     decode_attention,
-    decode_tables,
     dequantize,
     pool_view,
     read_rows,
@@ -171,8 +170,7 @@ def test_decode_attention_on_blocks_is_attention_over_the_stored_values(lengths,
         BlockWriter(lay, thr, "error").write(pool, upb, slots, k, v)
         data.append(dequantize(pool, upb, lay, table[r], t, thr))
     q = rng.standard_normal((len(lengths), hq, hd)).astype(np.float32)
-    tables = decode_tables(table, np.array(lengths), lay, upb)
-    out = decode_attention(q, pool, upb, lay, tables, thr, hkv, 0.125, softcap)
+    out = decode_attention(q, pool, upb, lay, table, np.array(lengths), thr, hkv, 0.125, softcap)
     for r, (kd, vd) in enumerate(data):
         t = lengths[r]
         ref = float_attention(
@@ -190,7 +188,7 @@ def test_triton_attention_reads_the_plugins_blocks_like_the_numba_kernel():
     """The blocks' LayerView is what the GPU backend's Triton kernels read too: ``from_layer_view`` of the plugin's
     view and ``paged_decode_attention`` (under the Triton interpreter without a GPU) give the numba kernel's output."""
     pytest.importorskip("triton", reason="triton is not installed (pip install 'oakenkv[triton]')")
-    from oakenkv.integrations.vllm.layout import DecodeBatch
+    from oakenkv.integrations.vllm.layout import BlockTables, LayerParams, decode_attention_rows
     from oakenkv.kernels.triton import attention as tattn
     from oakenkv.kernels.triton.view import from_layer_view
 
@@ -212,10 +210,12 @@ def test_triton_attention_reads_the_plugins_blocks_like_the_numba_kernel():
         BlockWriter(lay, thr, "error").write(pool, upb, slots, k0[start : start + t], v0[start : start + t])
         start += t
     q = rng.standard_normal((len(lengths), hq, hd)).astype(np.float32)
-    batch = DecodeBatch(table, np.array(lengths), lay, upb, hq, hd)
-    want = batch.attend(q, pool, thr, hkv, 0.125, 0.0).copy()
-    view = from_layer_view(batch.layer_view(pool, thr, hkv), hd, "cpu")
-    keep = torch.from_numpy(batch.tables.keep.copy())
+    tables = BlockTables(lay, upb)
+    tables.update(0, table, np.array(lengths), np.ones(len(lengths), np.int64))
+    want = decode_attention_rows(tables, 0, pool, q, LayerParams(thr, hkv, 0.125))
+    lt = tables.layer(0, pool)
+    view = from_layer_view(lt.view(pool, lay.unit, lay.unit, lay.scale_bytes, thr, 5, 5, hkv), hd, "cpu")
+    keep = torch.from_numpy(tables.keep[:, : max(lengths)].copy())
     got = tattn.paged_decode_attention(torch.from_numpy(q), view, keep, 0.125)
     np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-6)
 
@@ -234,9 +234,8 @@ def test_decode_attention_parallel_split_matches_serial():
     for r in range(3):
         BlockWriter(lay, thr).write(pool, upb, table[r][np.arange(t) // bs] * bs + np.arange(t) % bs, k, v)
     q = np.repeat(rng.standard_normal((1, 9, hd)).astype(np.float32), 3, axis=0)  # three rows, same data
-    tables = decode_tables(table, np.array([t, t, t]), lay, upb)
-    both = decode_attention(q, pool, upb, lay, tables, thr, hkv, 0.125, threads=2)
-    one = decode_attention(q[:1], pool, upb, lay, decode_tables(table[:1], np.array([t]), lay, upb), thr, hkv, 0.125)
+    both = decode_attention(q, pool, upb, lay, table, np.array([t, t, t]), thr, hkv, 0.125, threads=2)
+    one = decode_attention(q[:1], pool, upb, lay, table[:1], np.array([t]), thr, hkv, 0.125)
     for r in range(3):  # 3 x 2100 tokens split over two threads, 2100 serially
         np.testing.assert_allclose(both[r], one[0], rtol=1e-5, atol=1e-6)
 
