@@ -116,6 +116,12 @@ def warm_up(layout: BlockLayout, num_heads: int, num_kv_heads: int, head_size: i
         for shift, rot in ((None, False), (np.zeros(d, np.float32), head_size & (head_size - 1) == 0)):
             w = BlockWriter(layout, thr, "clip", key_shift=shift, key_rotation=rot, head_dim=head_size)
             w.write(pool, upb, np.arange(n), torch.from_numpy(x[0]), torch.from_numpy(x[1]))
+        # the overflow policy's path (a record that does not fit its block: clipped, encoded again, written on)
+        tight = replace(layout, sparse_units=1)
+        raw_tight = torch.zeros(blocks, tight.block_bytes, dtype=torch.uint8)
+        pool_tight, upb_tight = pool_view(raw_tight, tight)
+        w = BlockWriter(tight, thr, "clip", head_dim=head_size)
+        w.write(pool_tight, upb_tight, np.arange(n), torch.from_numpy(4 * x[0]), torch.from_numpy(4 * x[1]))
         table = np.array([[0, 1]], np.int32)
         tables = BlockTables(layout, upb)
         tables.update(0, table, np.array([n]), np.array([n]))
@@ -336,6 +342,10 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         if model_config is not None:
             self.profile.check_model(model_config.hf_config)
         self._state: _LayerState | None = None
+        #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
+        #: step's time goes (``worker_stats``).
+        self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
+                      "prefill_calls": 0}  # fmt: skip
         # Compile (or load) the kernels now, while the engine starts: with a block size of vLLM's default for this
         # platform; the layer's real layout, if it differs, is warmed when its cache is bound (_layer).
         cache_config = config.cache_config
@@ -397,10 +407,13 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         """Transform the step's new keys and encode them and the values (``[N, H_kv, hd]``) into their slots."""
         if kv_cache.numel() == 0:
             return
+        t0 = time.perf_counter()
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         before = sum(st.writer.stats.tokens)
         st.writer.write(st.pool, st.units_per_block, slot_mapping.cpu().numpy(), key[:n], value[:n])
+        self.times["write"] += time.perf_counter() - t0
+        self.times["write_calls"] += 1
         over = sum(st.writer.stats.tokens)
         if over != before:
             logger.warning(
@@ -429,6 +442,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         md = attn_metadata
+        t0 = time.perf_counter()
         st = self._layer(layer, kv_cache)
         tables = md.tables(st.layout, st.units_per_block)
         hd = self.head_size
@@ -441,12 +455,19 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
                 tables, st.layer_index, st.pool, q.reshape(nd, self.num_heads, hd), st.params, self.threads
             )
             output[:nd] = torch.from_numpy(out).reshape(output[:nd].shape).to(output.dtype)
+            t1 = time.perf_counter()
+            self.times["decode"] += t1 - t0
+            self.times["decode_calls"] += 1
+            t0 = t1
         for r in md.prefill_reqs:
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
             out = prefill_attention(
                 tables, st.layer_index, st.pool, int(r), query[a:b].reshape(b - a, self.num_heads, hd), st.params
             )
             output[a:b] = out.reshape(output[a:b].shape).to(output.dtype)
+        if md.prefill_reqs.size:
+            self.times["prefill"] += time.perf_counter() - t0
+            self.times["prefill_calls"] += 1
         return output
 
     @property
@@ -469,6 +490,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
             continue
         out["backend"] = BACKEND_NAME
         out["attention_threads"] = impl.threads
+        out["profile"] = str(impl.settings.profile)
         st = impl._state
         if st is None:
             continue
@@ -481,4 +503,11 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         for k, v in s.items():
             totals[k] = totals.get(k, 0) + v
     out["totals"] = totals
+    times: dict[str, float] = {}
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, OakenAttentionImpl):
+            for k, v in impl.times.items():
+                times[k] = times.get(k, 0) + v
+    out["times_s"] = times
     return out

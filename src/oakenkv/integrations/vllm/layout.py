@@ -802,6 +802,12 @@ def decode_attention_rows(
     return out
 
 
+def _flash_with_lse():
+    """torch's CPU flash attention that also returns each query's log-sum-exp (``aten::
+    _scaled_dot_product_flash_attention_for_cpu``), or None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def prefill_attention(
     tables: BlockTables,
     layer: int,
@@ -812,31 +818,30 @@ def prefill_attention(
     tile: int = PREFILL_TILE,
 ) -> torch.Tensor:
     """Causal attention of row ``row``'s ``S`` query tokens (``query`` ``[S, Hq, hd]``, the last ``S`` positions of
-    its ``L`` stored tokens) over its stored tokens, the chunk's own included: the tokens are dequantized from the
-    blocks ``tile`` at a time into two small float32 buffers (the attention kernel's block decoder: the codec's
-    numbers; sink tokens from their 16-bit copies) and folded into an online softmax (flash attention); the history
-    is never held in floats as a whole. Returns float32 ``[S, Hq, hd]``."""
+    its ``L`` stored tokens) over its stored tokens, the chunk's own included. Returns float32 ``[S, Hq, hd]``.
+
+    The tokens are dequantized from the blocks (the attention kernel's block decoder: the codec's numbers; sink
+    tokens from their 16-bit copies) into small float32 buffers: the history ``tile`` tokens at a time, each tile
+    attended without a mask, then the chunk's own ``S`` tokens, attended causally; the parts are merged by their
+    log-sum-exp (torch's CPU flash attention returns it), so the history is never held in floats as a whole. With a
+    logit soft cap (or a torch without that kernel) the same tiles go through a plain online-softmax loop."""
     lay = tables.layout
     lt = tables.layer(layer, pool)
     length = int(tables.seq_lens[row])
     s, hq, hd = query.shape
     hkv = params.num_kv_heads
     group = hq // hkv
+    history = length - s
     q = torch.from_numpy(_rotate(query.detach().to(torch.float32).numpy(), params))
-    qg = q.reshape(s, hkv, group, hd).permute(1, 2, 0, 3).reshape(hkv, group * s, hd)  # query g * S + i
-    qpos = torch.arange(length - s, length).repeat(group)  # [G S]
-    m = torch.full((hkv, group * s), float("-inf"))
-    ell = torch.zeros(hkv, group * s)
-    acc = torch.zeros(hkv, group * s, hd)
     n_sink = min(lay.sink_tokens, length)
     sinks = tables.sinks(pool, 1, row)[0] if n_sink else np.zeros((2, 0, lay.dim), np.uint16)
     ones = np.ones(length, np.uint8)
-    tile = max(1, min(tile, length))
-    kbuf = np.empty((tile, lay.dim), np.float32)
-    vbuf = np.empty((tile, lay.dim), np.float32)
-    scale = params.scale
-    for t0 in range(0, length, tile):
-        n = min(tile, length - t0)
+    width = max(1, min(tile, history), s)
+    kbuf = np.empty((width, lay.dim), np.float32)
+    vbuf = np.empty((width, lay.dim), np.float32)
+
+    def load(t0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``t0 .. t0 + n - 1`` as float32 keys and values ``[1, Hq, n, hd]`` (KV heads repeated for GQA)."""
         for kind, buf in ((0, kbuf), (1, vbuf)):
             st = _decode_span(
                 pool, lay.unit, lay.scale_bytes, lt.dense_pages[row, kind], lt.sparse_pages[row, kind],
@@ -845,23 +850,45 @@ def prefill_attention(
             )  # fmt: skip
             if st:
                 raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[int(st)]}")
-        k = torch.from_numpy(kbuf[:n]).view(n, hkv, hd).transpose(0, 1)  # [Hkv, n, hd]
-        v = torch.from_numpy(vbuf[:n]).view(n, hkv, hd).transpose(0, 1)
-        sc = torch.bmm(qg, k.transpose(1, 2))
-        sc.mul_(scale)
+        k = torch.from_numpy(kbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
+        v = torch.from_numpy(vbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    spans = [(t0, min(tile, history - t0), False) for t0 in range(0, history, tile)] + [(history, s, True)]
+    qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, S, hd]
+    flash = _flash_with_lse() if not params.softcap else None
+    if flash is not None:
+        outs, lses = [], []
+        for t0, n, causal in spans:
+            k, v = load(t0, n)
+            o, lse = flash(qh, k, v, 0.0, causal, scale=params.scale)  # causal: queries and keys start together
+            outs.append(o[0])
+            lses.append(lse[0])
+        if len(outs) == 1:
+            out = outs[0]
+        else:
+            lse_all = torch.logsumexp(torch.stack(lses), dim=0)
+            out = sum(o * torch.exp(lse - lse_all)[..., None] for o, lse in zip(outs, lses, strict=True))
+        return out.transpose(0, 1)  # [S, Hq, hd]
+    # the plain loop: a running max, sum and accumulator per query and head
+    qpos = torch.arange(history, length)
+    m = torch.full((hq, s), float("-inf"))
+    ell = torch.zeros(hq, s)
+    acc = torch.zeros(hq, s, hd)
+    for t0, n, causal in spans:
+        k, v = load(t0, n)
+        sc = torch.matmul(qh[0], k[0].transpose(1, 2)) * params.scale
         if params.softcap:
             sc = torch.tanh(sc / params.softcap) * params.softcap
-        if t0 + n - 1 > length - s:  # keys past some query's position: the causal mask
-            visible = torch.arange(t0, t0 + n)[None, :] <= qpos[:, None]
-            sc.masked_fill_(~visible, float("-inf"))
+        if causal:
+            sc.masked_fill_(~(torch.arange(t0, t0 + n)[None, :] <= qpos[:, None]), float("-inf"))
         m_new = torch.maximum(m, sc.amax(-1))
         corr = torch.exp(m - m_new)
         p = torch.exp(sc - m_new[..., None])
         ell = ell * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.bmm(p, v)
+        acc = acc * corr[..., None] + torch.matmul(p, v[0])
         m = m_new
-    out = acc / ell[..., None]  # [Hkv, G S, hd]
-    return out.reshape(hkv, group, s, hd).permute(2, 0, 1, 3).reshape(s, hq, hd)
+    return (acc / ell[..., None]).transpose(0, 1)
 
 
 def decode_attention(

@@ -25,9 +25,12 @@ def backend_class() -> type:
     model_config = getattr(config, "model_config", None)
     model_dir = getattr(model_config, "model", None)
     hf_config = getattr(model_config, "hf_config", None)
-    if activate(model_dir, hf_config) is None:
+    settings = activate(model_dir, hf_config)
+    if settings is None:
         return resolve_obj_by_qualname(AttentionBackendEnum.CPU_ATTN.value)
-    from oakenkv.integrations.vllm.backend import OakenAttentionBackend
+    from oakenkv.integrations.vllm.backend import OakenAttentionBackend, logger
+
+    logger.info("Oaken KV cache: profile %s checked against the served model %s", settings.profile, model_dir)
 
     return OakenAttentionBackend
 
