@@ -59,10 +59,12 @@ DEFAULT_PLUS_DIR = Path("~/.cache/oakenkv/exports/default-oaken-plus").expanduse
 
 
 def _model_dir(kind: str = "bf16", args: argparse.Namespace | None = None) -> str:
-    """The directory a kind serves: the exported oaken-plus directory, else the default model's."""
+    """The directory a kind serves: the exported oaken-plus directory, else ``--model``'s (the default model's)."""
     if kind == "oaken-plus":
         assert args is not None
         return str(args.plus_dir)
+    if args is not None and args.model:
+        return str(args.model)
     from oakenkv.assets.models import load_model
 
     return str(load_model("default").source)
@@ -115,6 +117,9 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
         configure(overflow="clip")  # the profile is the exported directory's
     from vllm import LLM
 
+    if args.tp > 1:  # one core per rank (vLLM's automatic binding refuses two workers on one NUMA node)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
+        extra["tensor_parallel_size"] = args.tp
     return LLM(
         model=_model_dir(kind, args),
         dtype=dtype,
@@ -127,11 +132,13 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
     )
 
 
-def _windows(tokens: int, count: int) -> list[list[int]]:
+def _windows(tokens: int, count: int, model: Path | None = None) -> list[list[int]]:
+    """WikiText-2 windows in the tokens of ``model`` (default: the default model)."""
     from oakenkv.assets.data import load_text, token_windows
     from oakenkv.assets.models import load_tokenizer
 
-    return token_windows(load_tokenizer("default"), load_text("wikitext2"), window=tokens, max_windows=count).tolist()
+    tok = load_tokenizer(str(model) if model else "default")
+    return token_windows(tok, load_text("wikitext2"), window=tokens, max_windows=count).tolist()
 
 
 def _overflow(llm: Any, kind: str) -> dict[str, int] | None:
@@ -162,7 +169,7 @@ def one_serve_load(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     blocks = llm.collective_rpc(_num_blocks)[0]
     seq = args.prompt_tokens + args.output_tokens
     per_seq_blocks = math.ceil(seq / blocks["block_size"])
-    prompts = [TokensPrompt(prompt_token_ids=w) for w in _windows(args.prompt_tokens, args.requests)]
+    prompts = [TokensPrompt(prompt_token_ids=w) for w in _windows(args.prompt_tokens, args.requests, args.model)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up (numba, first-call costs)
     t0 = time.perf_counter()
@@ -196,7 +203,7 @@ def one_ppl(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     llm = _engine(kind, args, "float32", 256 << 20, enable_prefix_caching=False)
-    windows = _windows(args.window, args.windows)
+    windows = _windows(args.window, args.windows, args.model)
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=w) for w in windows],
         SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
@@ -387,6 +394,8 @@ def main() -> None:
         "--plus-dir", type=Path, default=DEFAULT_PLUS_DIR, help="`oakenkv export --preset oaken-plus` directory"
     )
     ap.add_argument("--kinds", default=None, help="KV formats, comma-separated (default per mode)")
+    ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the default model)")
+    ap.add_argument("--tp", type=int, default=1, help="ppl / serve-load: tensor_parallel_size (one core per rank)")
     ap.add_argument("--kv-mib", type=int, default=48, help="serve-load / serve: KV memory budget (MiB)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -491,8 +500,9 @@ def main() -> None:
         refs = {}
         if "oaken" in kinds:
             refs["oaken"] = run_ppl(
-                "default", "oaken", thresholds=str(args.thresholds), window=args.window, max_windows=args.windows
-            )
+                str(args.model) if args.model else "default", "oaken", thresholds=str(args.thresholds),
+                window=args.window, max_windows=args.windows,
+            )  # fmt: skip
         if "oaken-plus" in kinds:
             from oakenkv.integrations.vllm import PROFILE_FILE
 
