@@ -976,14 +976,16 @@ def test_impl_refuses_what_it_does_not_support():
 
 @pytest.fixture(scope="module")
 def plus_dir(default_model, tmp_path_factory):
-    """``oakenkv export --preset oaken-plus`` of the default model (the profile shipped for it)."""
+    """``oakenkv export --model default --preset oaken-plus --out DIR`` (the profile shipped for the default model)."""
     _skip_without_vllm()
-    from oakenkv.assets.models import load_model
-    from oakenkv.integrations.vllm.export import export_model
+    from oakenkv.cli import run
+    from oakenkv.integrations.vllm import PROFILE_FILE
 
-    loaded = load_model("default")  # a fresh copy: the export folds the weights in place
     out = tmp_path_factory.mktemp("export") / "smollm2-oaken-plus"
-    export_model(loaded.model, loaded.tokenizer, out, "oaken-plus", progress=False)
+    assert run(["export", "--model", "default", "--preset", "oaken-plus", "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", PROFILE_FILE
+    }  # fmt: skip
     return out
 
 

@@ -357,14 +357,16 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
     # ------------------------------------------------------------------------------------------ helpers
 
     def _rank_slice(self) -> slice:
-        """The KV-head values of this tensor-parallel rank within a token's full row (the profile's)."""
+        """The values of this tensor-parallel rank's KV heads within a token's full row (the profile's): its share of
+        the heads, or the one head it holds a copy of when vLLM replicates KV heads over more ranks than heads."""
         if self.tp_size == 1:
             return slice(None)
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        d = self.num_kv_heads * self.head_size
+        total = self.profile.fingerprint.num_kv_heads
         r = get_tensor_model_parallel_rank()
-        return slice(r * d, (r + 1) * d)
+        first = r * self.num_kv_heads if total >= self.tp_size else r * total // self.tp_size
+        return slice(first * self.head_size, (first + self.num_kv_heads) * self.head_size)
 
     def _layer(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> _LayerState:
         st = self._state
