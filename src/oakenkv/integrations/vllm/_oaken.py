@@ -2,27 +2,37 @@
 
 Keep it that way: the rest of ``oakenkv.integrations.vllm`` imports oakenkv only through this module (one
 exception: the package's ``load_profile`` imports ``oakenkv.calibrate.thresholds`` itself, to load a profile at
-registration
-without importing numba; it says why), so moving oakenkv's internals changes this file alone. What is used, and why:
+registration without importing numba; it says why), so moving oakenkv's internals changes this file alone. What is
+used, and why:
 
-- the profile: :class:`~oakenkv.calibrate.thresholds.Thresholds` (loaded from the file named by the plugin's config) and
-its
-  :class:`~oakenkv.format.config.OakenConfig` (group bits, ratios, scale dtype);
+- the profile: :class:`~oakenkv.calibrate.thresholds.Thresholds` and its
+  :class:`~oakenkv.format.config.OakenConfig` (group bits, ratios, scale dtype); an oaken-plus profile's
+  :class:`~oakenkv.calibrate.transforms.Transforms` (the online key shift and rotation, ``fwht`` for the queries,
+  the sink tokens) and, for ``oakenkv export``, ``find_profile`` / ``apply_profile`` (made and folded as
+  ``OakenCache.for_model`` does) and the fold mark ``FOLD_MARK``;
 - the format (``oakenkv.format.layout``): :func:`record_size` / :func:`scale_bytes` (dense record = scales + nibbles),
   :func:`sparse_capacity` (longest COO record of a row), :func:`from_records` (records -> ``EncodedBatch``),
-  ``CorruptDataError``, ``ERROR_MESSAGES`` and :class:`LayerView`, the fields a decode kernel reads (the plugin
-  builds one per layer and step over vLLM's blocks);
+  ``CorruptDataError``, ``ERROR_MESSAGES`` and :class:`LayerView`, the fields a decode kernel reads;
+- the store's one record writer (``oakenkv.store.records.put_record``: a token's dense record and COO bytes to
+  their addresses, the pool's writer too) and its one view builder (``oakenkv.store.view.LayerTables``, filled from
+  vLLM's block tables);
 - the encoder that writes page records (:func:`encode_records`, a serial numba call: the decode step's path of
-  ``OakenCache``) and the codec's decoder (:func:`decode`, the public API), both bit-exact with the reference;
-- the packed-page decode-attention kernel (``packed_decode_attention`` and its serial twin), run unchanged on
-  vLLM's blocks, and its rule for splitting rows over threads (``split_work``).
+  ``OakenCache``), the codec's decoder (:func:`decode`, the public API), the row transform ``shift_rotate_rows``
+  and the fp16 rounding of the sink tokens (``f32_to_f16_bits``), all bit-exact with the reference;
+- the packed-page decode-attention kernels (``packed_decode_attention`` and its serial twin, ``merge_sinks`` for
+  the 16-bit sink tokens), run unchanged on vLLM's blocks, their rule for splitting rows over threads
+  (``split_work``), and their block decoder (``decode_rows``, ``sparse_start``) for prefill tiles.
 
-Importing this module compiles nothing; numba compiles (or loads from its cache) on the first call.
+Importing this module compiles nothing; numba compiles (or loads from its cache) on the first call, which the
+backend makes while the engine starts (``backend.warm_up``).
 """
 
 from __future__ import annotations
 
+from oakenkv.calibrate.plus import apply_profile
+from oakenkv.calibrate.presets import PRESETS, find_profile
 from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.calibrate.transforms import FOLD_MARK, Transforms, fwht
 from oakenkv.format.config import OakenConfig
 from oakenkv.format.layout import (
     ERROR_MESSAGES,
@@ -35,27 +45,49 @@ from oakenkv.format.layout import (
     sparse_capacity,
 )
 from oakenkv.kernels.codec import decode
+from oakenkv.kernels.cpu.attention import _decode_rows as decode_rows
+from oakenkv.kernels.cpu.attention import _sparse_start as sparse_start
 from oakenkv.kernels.cpu.attention import (
+    merge_sinks,
     packed_decode_attention,
     packed_decode_attention_serial,
     split_work,
 )
 from oakenkv.kernels.cpu.codec import encode_records
+from oakenkv.kernels.cpu.helpers import f16_widen, f32_to_f16_bits
+from oakenkv.kernels.cpu.rotate import shift_rotate_rows
+from oakenkv.store.records import put_record
+from oakenkv.store.view import LayerTables, grown
 
 __all__ = [
     "ERROR_MESSAGES",
+    "FOLD_MARK",
+    "PRESETS",
     "CorruptDataError",
     "EncodedBatch",
+    "LayerTables",
     "LayerView",
     "OakenConfig",
     "Thresholds",
+    "Transforms",
+    "apply_profile",
     "decode",
+    "decode_rows",
     "encode_records",
+    "f16_widen",
+    "f32_to_f16_bits",
+    "find_profile",
     "from_records",
+    "fwht",
+    "grown",
+    "merge_sinks",
     "packed_decode_attention",
     "packed_decode_attention_serial",
+    "put_record",
     "record_size",
     "scale_bytes",
+    "shift_rotate_rows",
     "sparse_capacity",
+    "sparse_start",
     "split_work",
 ]

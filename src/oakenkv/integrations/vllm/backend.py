@@ -3,17 +3,23 @@
 - :class:`OakenAttentionBackend`: declares what it supports and, through ``customize_spec``, makes each layer's
   KV page a ``uint8`` block of exactly :class:`~oakenkv.integrations.vllm.layout.BlockLayout`'s bytes, so vLLM's
   block count is computed from Oaken's real size.
-- :class:`OakenMetadataBuilder`: per step, the requests' query ranges, lengths and block tables; the decode
-  kernel's page tables are built once per step and shared by every layer.
-- :class:`OakenAttentionImpl`: ``do_kv_cache_update`` encodes the step's new keys and values with the codec into
-  their block slots; ``forward`` runs the packed-page decode kernel for one-token queries and, for longer queries
-  (prefill, chunked prefill, prefix-cache hits), dequantizes the request's blocks with the codec and runs SDPA.
+- :class:`OakenMetadataBuilder`: per step, the requests' query ranges, lengths and block tables; the kernels' page
+  tables (``layout.BlockTables``) live on the builder across steps and are refilled only where a row changed.
+- :class:`OakenAttentionImpl`: ``do_kv_cache_update`` transforms (an oaken-plus profile's key shift and rotation)
+  and encodes the step's new keys and values into their block slots with one numba call per layer; ``forward``
+  runs the packed-page decode kernel for one-token queries (multi-threaded over (row, token range) work items,
+  16-bit sink tokens merged) and, for longer queries (prefill, chunked prefill, prefix-cache hits), a flash loop over
+  tiles of the row's tokens dequantized from the blocks.
 
-Everything runs on the CPU, in the worker process; ``docs/vllm.md`` has the design.
+The numba kernels are compiled (or loaded from numba's on-disk cache) by :func:`warm_up` while the engine starts
+(the first attention layer built in the worker), never inside a request. Everything runs on the CPU, in the worker
+process; ``docs/vllm.md`` has the design.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -33,33 +39,122 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
-from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, load_profile
-from oakenkv.integrations.vllm.layout import BlockLayout, BlockWriter, DecodeBatch, dequantize, pool_view
+from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, load_profile, settings
+from oakenkv.integrations.vllm.layout import (
+    BlockLayout,
+    BlockTables,
+    BlockWriter,
+    LayerParams,
+    decode_attention_rows,
+    pool_view,
+    prefill_attention,
+)
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.oakenkv")  # (a child of vLLM's logger: its handlers print our lines with its own)
 
 
 def _settings() -> Settings:
-    settings = Settings.from_env()
-    if settings is None:
-        raise RuntimeError(f"the Oaken attention backend needs {ENV_PROFILE} (a profile from `oakenkv profile`)")
-    return settings
+    s = settings()
+    if s is None:
+        raise RuntimeError(
+            f"the Oaken attention backend needs a profile: {ENV_PROFILE}, or an `oakenkv export` directory"
+        )
+    return s
+
+
+def _threads(s: Settings) -> int:
+    """Threads of the decode-attention kernel: the setting, else torch's thread count (vLLM's CPU worker sets it
+    to the cores it was given), within numba's pool."""
+    import numba
+
+    n = s.attention_threads or torch.get_num_threads()
+    return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 def _numba_threads(n: int) -> None:
-    """Run this thread's numba kernels on ``n`` threads (the codec's batch decode is a parallel kernel): one by
-    default, beside vLLM's torch thread, instead of numba's OpenMP pool of one thread per core."""
+    """Run this thread's parallel numba kernels on ``n`` threads."""
     import numba
 
     if numba.get_num_threads() != n:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(n)
 
 
 def layout_for(num_kv_heads: int, head_size: int, block_size: int) -> BlockLayout:
     """The block layout of a layer with ``num_kv_heads x head_size`` values per token (this rank's heads)."""
-    settings = _settings()
-    thr = load_profile(settings.profile)
-    return BlockLayout.make(num_kv_heads * head_size, block_size, thr.config, settings.sparse_bytes_per_token)
+    s = _settings()
+    thr = load_profile(s.profile)
+    sink = thr.transforms.sink_tokens if thr.transforms is not None else 0
+    return BlockLayout.make(num_kv_heads * head_size, block_size, thr.config, s.sparse_bytes_per_token, sink)
+
+
+_WARM = threading.Lock()
+_WARMED: set[tuple[Any, ...]] = set()
+
+
+def warm_up(layout: BlockLayout, num_heads: int, num_kv_heads: int, head_size: int, threads: int) -> float:
+    """Run every kernel the backend calls once on a few synthetic tokens of ``layout`` (the write with a key
+    transform and sink copies, the tables, both decode kernels, the sink merge, a prefill tile), so that numba
+    compiles them, or loads them from its cache, now and not in a user's request. Once per process and shape;
+    returns the seconds it took."""
+    key = (layout, num_heads, num_kv_heads, head_size)
+    with _WARM:
+        if key in _WARMED:
+            return 0.0
+        t0 = time.perf_counter()
+        import numba
+
+        from oakenkv.integrations.vllm import _oaken
+
+        rng = np.random.default_rng(0)
+        bs, d = layout.block_size, layout.dim
+        n = min(bs + 3, 2 * bs)
+        blocks = 2
+        raw = torch.zeros(blocks, layout.block_bytes, dtype=torch.uint8)
+        pool, upb = pool_view(raw, layout)
+        x = rng.standard_normal((2, n, d)).astype(np.float32)
+        thr = np.array([[-2.0, -0.1, 0.1, 2.0]] * 2, np.float32)
+        for shift, rot in ((None, False), (np.zeros(d, np.float32), head_size & (head_size - 1) == 0)):
+            w = BlockWriter(layout, thr, "clip", key_shift=shift, key_rotation=rot, head_dim=head_size)
+            w.write(pool, upb, np.arange(n), torch.from_numpy(x[0]), torch.from_numpy(x[1]))
+        # the overflow policy's path (a record that does not fit its block: clipped, encoded again, written on)
+        tight = replace(layout, sparse_units=1)
+        raw_tight = torch.zeros(blocks, tight.block_bytes, dtype=torch.uint8)
+        pool_tight, upb_tight = pool_view(raw_tight, tight)
+        w = BlockWriter(tight, thr, "clip", head_dim=head_size)
+        w.write(pool_tight, upb_tight, np.arange(n), torch.from_numpy(4 * x[0]), torch.from_numpy(4 * x[1]))
+        table = np.array([[0, 1]], np.int32)
+        tables = BlockTables(layout, upb)
+        tables.update(0, table, np.array([n]), np.array([n]))
+        tables.update(1, table, np.array([n]), np.array([1]))  # the incremental path
+        params = LayerParams(thr, num_kv_heads, 0.125)
+        q = rng.standard_normal((1, num_heads, head_size)).astype(np.float32)
+        decode_attention_rows(tables, 0, pool, q, params, 1)
+        if threads > 1:  # the parallel kernel, on the same view types
+            lt = tables.layer(0, pool)
+            view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
+                           layout.outer_bits, num_kv_heads, rows=1)  # fmt: skip
+            _numba_threads(threads)
+            out = np.empty((1, num_heads, head_size), np.float32)
+            _oaken.packed_decode_attention(
+                q, tables.keep[:1], np.float32(0.125), np.float32(0.0), 2, out, np.zeros(2, np.int64),
+                np.empty((1, num_heads), np.float32), *view,
+            )  # fmt: skip
+        sinks = np.zeros((1, 2, 1, d), np.uint16)
+        _oaken.merge_sinks(q, np.ones((1, 1), np.uint8), sinks, np.float32(0.125), np.float32(0.0),
+                           np.zeros_like(q), np.zeros((1, num_heads), np.float32))  # fmt: skip
+        prefill_attention(tables, 0, pool, 0, torch.from_numpy(rng.standard_normal((3, num_heads, head_size))),
+                          params)  # fmt: skip
+        if head_size & (head_size - 1) == 0:
+            _oaken.fwht(q)
+        _WARMED.add(key)
+        spent = time.perf_counter() - t0
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # (no parallel kernel has run in this process)
+            layer = "not started"
+        logger.info("Oaken KV: kernels ready in %.1f s (%d attention threads; numba threading layer %s)", spent,
+                    threads, layer)  # fmt: skip
+        return spent
 
 
 class OakenAttentionBackend(AttentionBackend):
@@ -125,26 +220,19 @@ class OakenMetadata:
     seq_lens: np.ndarray
     #: int32 ``[R, max blocks]``.
     block_table: np.ndarray
-    #: Requests with one query token (decode attention kernel) and with more (dequantize + SDPA).
-    decode_reqs: np.ndarray
+    #: Requests with one query token (decode attention kernel), leading the batch, and the others (prefill tiles).
+    num_decodes: int
     prefill_reqs: np.ndarray
-    #: The decode requests' query tokens: ``slice(0, n)`` when they lead the batch (vLLM reorders it so), else
-    #: their indices.
-    decode_tokens: slice | torch.Tensor
-    _batch: DecodeBatch | None = field(default=None, repr=False)
+    #: The builder's step counter (the tables are updated once per step).
+    step: int
+    _builder: OakenMetadataBuilder | None = field(default=None, repr=False)
 
-    def decode_batch(
-        self, layout: BlockLayout, units_per_block: int, num_heads: int, head_size: int, threads: int
-    ) -> DecodeBatch:
-        """The decode kernel's tables and buffers for this step (built by the first layer that asks)."""
-        b = self._batch
-        if b is None or b.units_per_block != units_per_block or b.out.shape[1:] != (num_heads, head_size):
-            r = self.decode_reqs
-            b = DecodeBatch(
-                self.block_table[r], self.seq_lens[r], layout, units_per_block, num_heads, head_size, threads
-            )
-            self._batch = b
-        return b
+    def tables(self, layout: BlockLayout, units_per_block: int) -> BlockTables:
+        """The kernels' tables for this step (updated by the first layer that asks; the builder keeps them)."""
+        assert self._builder is not None
+        t = self._builder.block_tables(layout, units_per_block)
+        t.update(self.step, self.block_table, self.seq_lens, np.diff(self.query_start_loc))
+        return t
 
 
 class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
@@ -156,8 +244,16 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if device.type != "cpu":
             raise NotImplementedError(f"the Oaken vLLM backend runs on the CPU, not on {device}")
-        # Decodes first: their query tokens are then one contiguous slice.
+        # Decodes first: their query tokens are then one contiguous slice, their rows the tables' first ones.
         self._init_reorder_batch_threshold(1)
+        self._tables: BlockTables | None = None
+        self._step = 0
+
+    def block_tables(self, layout: BlockLayout, units_per_block: int) -> BlockTables:
+        t = self._tables
+        if t is None or t.layout != layout or t.units_per_block != units_per_block:
+            t = self._tables = BlockTables(layout, units_per_block)
+        return t
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -169,16 +265,18 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
         block_table = cm.block_table_tensor[:n].cpu().numpy()
         qlen = np.diff(qsl)
         decode = np.flatnonzero(qlen == 1)
-        starts = qsl[decode]
-        leading = decode.size == 0 or (decode[-1] == decode.size - 1 and starts[-1] == decode.size - 1)
+        if decode.size and decode[-1] != decode.size - 1:
+            raise RuntimeError("the Oaken backend expects vLLM to put one-token queries first (reorder_batch)")
+        self._step += 1
         return OakenMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_table=np.ascontiguousarray(block_table, dtype=np.int32),
-            decode_reqs=decode,
+            num_decodes=int(decode.size),
             prefill_reqs=np.flatnonzero(qlen > 1),
-            decode_tokens=slice(0, decode.size) if leading else torch.from_numpy(starts),
+            step=self._step,
+            _builder=self,
         )
 
 
@@ -186,9 +284,8 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
 class _LayerState:
     layer_index: int
     layout: BlockLayout
-    #: float32 ``[2, 4]``: key and value thresholds of the layer.
-    thresholds: np.ndarray
     writer: BlockWriter
+    params: LayerParams
     pool_key: tuple[int, int, int] | None = None
     pool: np.ndarray | None = None
     units_per_block: int = 0
@@ -236,13 +333,40 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.settings = _settings()
+        self.threads = _threads(self.settings)
         self.profile = load_profile(self.settings.profile)
-        model_config = get_current_vllm_config().model_config
+        config = get_current_vllm_config()
+        model_config = config.model_config
+        parallel = config.parallel_config
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         if model_config is not None:
             self.profile.check_model(model_config.hf_config)
         self._state: _LayerState | None = None
+        #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
+        #: step's time goes (``worker_stats``).
+        self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
+                      "prefill_calls": 0}  # fmt: skip
+        # Compile (or load) the kernels now, while the engine starts: with a block size of vLLM's default for this
+        # platform; the layer's real layout, if it differs, is warmed when its cache is bound (_layer).
+        cache_config = config.cache_config
+        block_size = int(getattr(cache_config, "block_size", None) or 128)
+        warm_up(
+            layout_for(self.num_kv_heads, head_size, block_size), num_heads, self.num_kv_heads, head_size, self.threads
+        )
 
     # ------------------------------------------------------------------------------------------ helpers
+
+    def _rank_slice(self) -> slice:
+        """The values of this tensor-parallel rank's KV heads within a token's full row (the profile's): its share of
+        the heads, or the one head it holds a copy of when vLLM replicates KV heads over more ranks than heads."""
+        if self.tp_size == 1:
+            return slice(None)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        total = self.profile.fingerprint.num_kv_heads
+        r = get_tensor_model_parallel_rank()
+        first = r * self.num_kv_heads if total >= self.tp_size else r * total // self.tp_size
+        return slice(first * self.head_size, (first + self.num_kv_heads) * self.head_size)
 
     def _layer(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> _LayerState:
         st = self._state
@@ -252,8 +376,20 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
             index = extract_layer_index(layer.layer_name)  # type: ignore[attr-defined]
             block_size = kv_cache.shape[2]
             layout = layout_for(self.num_kv_heads, self.head_size, block_size)
+            warm_up(layout, self.num_heads, self.num_kv_heads, self.head_size, self.threads)
             thr = np.array([self.profile.layer(index, kind).as_tuple() for kind in ("key", "value")], dtype=np.float32)
-            st = self._state = _LayerState(index, layout, thr, BlockWriter(layout, thr, self.settings.overflow))
+            shift, rotation = None, False
+            t = self.profile.transforms
+            if t is not None:
+                lt = t.layers[index]
+                rotation = lt.key_rotation
+                if lt.key_shift is not None:
+                    shift = np.asarray(lt.key_shift, np.float32)[self._rank_slice()]
+            writer = BlockWriter(
+                layout, thr, self.settings.overflow, key_shift=shift, key_rotation=rotation, head_dim=self.head_size
+            )
+            params = LayerParams(thr, self.num_kv_heads, self.scale, self.softcap, rotation)
+            st = self._state = _LayerState(index, layout, writer, params)
         key = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0))
         if st.pool_key != key:
             st.pool, st.units_per_block = pool_view(kv_cache, st.layout)
@@ -270,14 +406,16 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Encode the step's new keys and values (``[N, H_kv, hd]``) into their slots."""
+        """Transform the step's new keys and encode them and the values (``[N, H_kv, hd]``) into their slots."""
         if kv_cache.numel() == 0:
             return
-        _numba_threads(self.settings.attention_threads)
+        t0 = time.perf_counter()
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         before = sum(st.writer.stats.tokens)
         st.writer.write(st.pool, st.units_per_block, slot_mapping.cpu().numpy(), key[:n], value[:n])
+        self.times["write"] += time.perf_counter() - t0
+        self.times["write_calls"] += 1
         over = sum(st.writer.stats.tokens)
         if over != before:
             logger.warning(
@@ -306,61 +444,37 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         md = attn_metadata
-        _numba_threads(self.settings.attention_threads)
+        t0 = time.perf_counter()
         st = self._layer(layer, kv_cache)
+        tables = md.tables(st.layout, st.units_per_block)
         hd = self.head_size
-        if md.decode_reqs.size:
-            batch = md.decode_batch(st.layout, st.units_per_block, self.num_heads, hd, self.settings.attention_threads)
-            q = query[md.decode_tokens].detach()
-            if q.dtype != torch.float32:
-                q = q.to(torch.float32)
-            out = batch.attend(
-                q.numpy().reshape(-1, self.num_heads, hd),
-                st.pool,
-                st.thresholds,
-                self.num_kv_heads,
-                self.scale,
-                self.softcap,
+        nd = md.num_decodes
+        if nd:
+            _numba_threads(self.threads)
+            q = query[:nd].detach()
+            q = q.numpy() if q.dtype == torch.float32 else q.to(torch.float32).numpy()
+            out = decode_attention_rows(
+                tables, st.layer_index, st.pool, q.reshape(nd, self.num_heads, hd), st.params, self.threads
             )
-            output[md.decode_tokens] = torch.from_numpy(out)
+            output[:nd] = torch.from_numpy(out).reshape(output[:nd].shape).to(output.dtype)
+            t1 = time.perf_counter()
+            self.times["decode"] += t1 - t0
+            self.times["decode_calls"] += 1
+            t0 = t1
         for r in md.prefill_reqs:
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
-            length = int(md.seq_lens[r])
-            k, v = dequantize(st.pool, st.units_per_block, st.layout, md.block_table[r], length, st.thresholds)
-            output[a:b] = self._prefill(query[a:b], k, v, length).to(output.dtype)
+            out = prefill_attention(
+                tables, st.layer_index, st.pool, int(r), query[a:b].reshape(b - a, self.num_heads, hd), st.params
+            )
+            output[a:b] = out.reshape(output[a:b].shape).to(output.dtype)
+        if md.prefill_reqs.size:
+            self.times["prefill"] += time.perf_counter() - t0
+            self.times["prefill_calls"] += 1
         return output
-
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
-        """Causal attention of ``q [S, Hq, hd]`` (the last ``S`` positions) over ``k, v [length, D]`` float32."""
-        s, hd = q.shape[0], self.head_size
-        qh = q.detach().to(torch.float32).transpose(0, 1)[None]  # [1, Hq, S, hd]
-        kh = k.view(length, self.num_kv_heads, hd).transpose(0, 1)[None]
-        vh = v.view(length, self.num_kv_heads, hd).transpose(0, 1)[None]
-        if self.softcap:
-            group = self.num_heads // self.num_kv_heads
-            kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-            scores = torch.tanh((qh @ kh.transpose(-1, -2)) * self.scale / self.softcap) * self.softcap
-            mask = _causal_mask(s, length)
-            out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vh
-        elif s == length:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
-            )
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=_causal_mask(s, length), scale=self.scale, enable_gqa=True
-            )
-        return out[0].transpose(0, 1)  # [S, Hq, hd]
 
     @property
     def overflow_stats(self) -> dict[str, int]:
         return self._state.writer.stats.to_dict() if self._state else {}
-
-
-def _causal_mask(s: int, length: int) -> torch.Tensor:
-    """bool ``[S, length]``: query ``i`` (position ``length - S + i``) sees keys up to its position."""
-    pos = torch.arange(length - s, length)[:, None]
-    return torch.arange(length)[None, :] <= pos
 
 
 def worker_stats(worker: Any) -> dict[str, Any]:
@@ -377,6 +491,8 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         if not isinstance(impl, OakenAttentionImpl):
             continue
         out["backend"] = BACKEND_NAME
+        out["attention_threads"] = impl.threads
+        out["profile"] = str(impl.settings.profile)
         st = impl._state
         if st is None:
             continue
@@ -389,4 +505,11 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         for k, v in s.items():
             totals[k] = totals.get(k, 0) + v
     out["totals"] = totals
+    times: dict[str, float] = {}
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, OakenAttentionImpl):
+            for k, v in impl.times.items():
+                times[k] = times.get(k, 0) + v
+    out["times_s"] = times
     return out

@@ -1,4 +1,4 @@
-"""Oaken records inside vLLM's KV-cache blocks: the block layout, writing, reading and the decode-kernel tables.
+"""Oaken records inside vLLM's KV-cache blocks: the block layout, writing, the kernels' tables, and attention.
 
 No vLLM import: everything here works on a plain ``uint8`` array holding one layer's blocks, so it is tested
 without vLLM (``tests/test_vllm_plugin.py``). ``docs/vllm.md`` has the diagram; in short, one block of ``B``
@@ -9,12 +9,17 @@ tokens of one layer, in units of ``rec = record_size(D)`` bytes (a dense record:
     unit 2B          K sparse area (cS units): the block's K COO records back to back, in token order
     unit 2B + cS     V sparse area (cS units)
     unit 2B + 2cS    header: the sparse length of every token, K then V (``len_bytes`` each, little-endian)
+    then             sink area (oaken-plus profiles with ``n`` sink tokens): the block's first ``n`` tokens' K and
+                     V rows at 16 bits (fp16 ``[2, n, D]``, keys after the online transform); read only in a
+                     sequence's first block, whose first ``n`` tokens are the sequence's sink tokens
 
 A token's sparse record starts after those of the tokens before it in its block, so a reader walks a block in
 token order; writes happen in token order too (vLLM fills a block front to back, and a rewritten slot is always
 followed by rewrites of the later ones). Seen as a page pool of ``page_size = rec``, the layer's cache is
 exactly what ``oakenkv.kernels.cpu.attention.packed_decode_attention`` reads: one dense page per token, one
-sparse page per block and kind (:func:`decode_tables`).
+sparse page per block and kind. The tables are ``oakenkv.store.view.LayerTables``, filled from vLLM's block tables
+(:class:`BlockTables`), and the bytes are copied by ``oakenkv.store.records.put_record``: the store's writer and
+view builder, not copies of them.
 
 Blocks need not be contiguous: block ``b`` starts at byte ``b * stride`` of the pool, ``stride`` a multiple of
 ``rec`` (``units_per_block = stride // rec``), so layouts that interleave layers work as well.
@@ -33,6 +38,8 @@ from oakenkv.integrations.vllm import _oaken
 
 #: Default sparse capacity per token and kind, as a multiple of the expected COO bytes ``D x outlier ratio``.
 DEFAULT_HEADROOM = 1.35
+#: Tokens of history a prefill dequantizes at a time (a tile of keys and one of values, float32, per layer).
+PREFILL_TILE = 512
 
 
 class BlockOverflowError(RuntimeError):
@@ -60,14 +67,23 @@ class BlockLayout:
     scale_bytes: int
     inner_bits: int = 5
     outer_bits: int = 5
+    #: Tokens at the start of a sequence also kept at 16 bits (an oaken-plus profile's ``sink_tokens``); 0: none.
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.dim < 1 or self.sparse_units < 1:
             raise ValueError(f"invalid block layout {self}")
+        if not 0 <= self.sink_tokens <= self.block_size:
+            raise ValueError(f"{self.sink_tokens} sink tokens do not fit in a block of {self.block_size} tokens")
 
     @classmethod
     def make(
-        cls, dim: int, block_size: int, config: _oaken.OakenConfig, sparse_bytes_per_token: float | None = None
+        cls,
+        dim: int,
+        block_size: int,
+        config: _oaken.OakenConfig,
+        sparse_bytes_per_token: float | None = None,
+        sink_tokens: int = 0,
     ) -> BlockLayout:
         """The layout for rows of ``dim`` values in blocks of ``block_size`` tokens.
 
@@ -75,6 +91,7 @@ class BlockLayout:
             config: the profile's config (needs fp16 scales; the ratios set the default sparse capacity).
             sparse_bytes_per_token: sparse capacity per token and kind (bytes), shared by the block's tokens;
                 default ``DEFAULT_HEADROOM x dim x (outer_ratio + inner_ratio)``.
+            sink_tokens: the profile's sink tokens (16-bit copies kept in every block's sink area).
         """
         if config.scale_dtype != "float16":
             raise ValueError("the vLLM plugin stores fp16 scales; this profile uses scale_dtype='float32'")
@@ -96,6 +113,7 @@ class BlockLayout:
             scale_bytes=_oaken.scale_bytes(config),
             inner_bits=config.inner_bits,
             outer_bits=config.outer_bits,
+            sink_tokens=int(sink_tokens),
         )
 
     @property
@@ -108,9 +126,19 @@ class BlockLayout:
         return 2 * self.block_size + 2 * self.sparse_units
 
     @property
+    def sink_unit(self) -> int:
+        """First unit of the sink area."""
+        return self.header_unit + self.header_units
+
+    @property
+    def sink_units(self) -> int:
+        """Units of the sink area: fp16 ``[2, sink_tokens, dim]``."""
+        return -(-4 * self.sink_tokens * self.dim // self.unit)
+
+    @property
     def units(self) -> int:
         """Units of one block."""
-        return self.header_unit + self.header_units
+        return self.sink_unit + self.sink_units
 
     @property
     def block_bytes(self) -> int:
@@ -138,6 +166,8 @@ class BlockLayout:
             "dense_bytes_per_token": 2 * self.unit,
             "sparse_capacity_per_token_and_kind": self.sparse_area_bytes / self.block_size,
             "len_bytes": self.len_bytes,
+            "sink_tokens": self.sink_tokens,
+            "sink_bytes_per_block": self.sink_units * self.unit,
         }
 
 
@@ -174,13 +204,16 @@ def _length(pool, h, o, w):
 @njit(cache=True, nogil=True)
 def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, sparse, counts, start, info):
     """Write rows ``kind * n + i`` (keys ``kind = 0``, values 1) of token ``i`` into slot ``slots[i]``, tokens in
-    the order ``order``, pairs ``(j, kind)`` from flat index ``start = 2 j + kind`` on.
+    the order ``order``, pairs ``(j, kind)`` from flat index ``start = 2 j + kind`` on: the addresses from the block
+    layout, the bytes by the store's record writer (``put_record``), the length into the block's header.
 
     Returns 0 when everything is written; 1 at the first record that does not fit in its block's sparse area
     (``info = (flat index, sparse bytes before it in its block)``; nothing of that record written).
     """
     n = slots.shape[0]
     cap = cs * unit
+    width = sparse.shape[1]
+    rows = sparse.reshape(-1)
     for q in range(start, 2 * order.shape[0]):
         j = q >> 1
         kind = q & 1
@@ -201,12 +234,10 @@ def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, spars
             info[0] = q
             info[1] = off
             return 1
-        d0 = base + (kind * bs + o) * unit
-        for k in range(unit):
-            pool[d0 + k] = records[r, k]
-        s0 = base + (2 * bs + kind * cs) * unit + off
-        for k in range(cnt):
-            pool[s0 + k] = sparse[r, k]
+        _oaken.put_record(
+            pool, records, r, base + (kind * bs + o) * unit, rows, r * width, cnt,
+            base + (2 * bs + kind * cs) * unit + off,
+        )  # fmt: skip
         if w == 1:
             pool[h + o] = np.uint8(cnt)
         else:
@@ -217,16 +248,20 @@ def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, spars
 
 @njit(cache=True, nogil=True)
 def _encode_and_write(
-    pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, sb, thr2, slots, x, thr, records, sparse, counts, info
-):
-    """The decode step's write in one call: encode the ``2 n`` rows of ``x`` (keys of the ``n`` tokens, then their
-    values) with the codec's ``encode_records``, then :func:`_write_records` in slot order.
+    pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, sb, thr2, slots, x, thr, records, sparse, counts, info,
+    shift, rotate, head_dim, rscale, n_sink, sink_unit,
+):  # fmt: skip
+    """The step's write of one layer in one call: the online key transform of the ``n`` key rows of ``x`` (keys of
+    the ``n`` tokens, then their values; ``shift`` float32 ``[D]`` or empty, ``rotate``: per-head Hadamard), the
+    16-bit copies of tokens in a block's first ``n_sink`` slots, then the codec's ``encode_records`` of the ``2 n``
+    rows and :func:`_write_records` in slot order.
 
     Returns 0 (done), 1 (a record overflowed: ``info`` as :func:`_write_records`, with ``info[2]`` = 1 when the
     tokens were not in slot order: the caller then goes on with ``argsort(slots)``), 2 (the codec refused row
     ``info[0]``: ``counts`` holds ``-ERR_*``) or 3 (slot of token ``info[0]`` is past the cache).
     """
     n = slots.shape[0]
+    d = x.shape[1]
     for i in range(n):
         if slots[i] >= num_slots:
             info[0] = i
@@ -234,6 +269,24 @@ def _encode_and_write(
         for k in range(4):
             thr[i, k] = thr2[0, k]
             thr[n + i, k] = thr2[1, k]
+    if shift.shape[0] or rotate:
+        _oaken.shift_rotate_rows(x[:n], shift, rotate, head_dim, rscale)
+    if n_sink:
+        for i in range(n):
+            s = np.int64(slots[i])
+            if s < 0:
+                continue
+            blk = s // bs
+            o = s - blk * bs
+            if o >= n_sink:
+                continue
+            base = blk * upb * unit + sink_unit * unit
+            for kind in range(2):
+                at = base + (kind * n_sink + o) * d * 2
+                for j in range(d):
+                    bits = np.int64(_oaken.f32_to_f16_bits(x[kind * n + i, j]))
+                    pool[at + 2 * j] = np.uint8(bits & 0xFF)
+                    pool[at + 2 * j + 1] = np.uint8((bits >> 8) & 0xFF)
     _oaken.encode_records(x, thr, ib, ob, True, sb, records, sparse, counts)
     for r in range(2 * n):
         if counts[r] < 0:
@@ -282,48 +335,52 @@ def _gather_rows(pool, unit, upb, bs, cs, hdr, w, maxlen, blocks, length, kind, 
 
 
 @njit(cache=True, nogil=True)
-def _decode_tables(block_table, seq_lens, upb, bs, cs, dense_pages, sparse_pages, sparse_first, sparse_ptr, keep):
-    """The page tables ``packed_decode_attention`` reads, for rows with block tables ``block_table`` and
-    ``seq_lens`` tokens (``rec``-byte pages: one dense page per token, one sparse page per block and kind)."""
-    num_rows = seq_lens.shape[0]
-    t_max = dense_pages.shape[2]
-    p = 0
-    for r in range(num_rows):
-        length = np.int64(seq_lens[r])
-        nb = (length + bs - 1) // bs
-        for kind in range(2):
-            sparse_ptr[2 * r + kind] = p
-            for j in range(nb):
-                sparse_pages[p] = np.int64(block_table[r, j]) * upb + 2 * bs + kind * cs
-                sparse_first[p] = j * bs
-                p += 1
-        for t in range(t_max):
-            if t < length:
-                u = np.int64(block_table[r, t // bs]) * upb + t % bs
-                dense_pages[r, 0, t] = u
-                dense_pages[r, 1, t] = u + bs
-                keep[r, t] = 1
-            else:
-                dense_pages[r, 0, t] = 0
-                dense_pages[r, 1, t] = 0
-                keep[r, t] = 0
-    sparse_ptr[2 * num_rows] = p
+def _from_tokens(block_table, seq_lens, query_lens, prev_table, prev_lens, bs, out):
+    """``out[r]``: the first token of row ``r`` whose tables may differ from the previous step's row ``r``: its
+    previous length when the row kept every block that held those tokens and writes no token before that length
+    (the same request going on, or one sharing its full prefix blocks: the same bytes either way), else 0."""
+    prev_rows = prev_lens.shape[0]
+    for r in range(seq_lens.shape[0]):
+        f = np.int64(0)
+        if r < prev_rows:
+            p = np.int64(prev_lens[r])
+            if 0 < p <= seq_lens[r] - query_lens[r]:
+                same = True
+                for j in range((p + bs - 1) // bs):
+                    if block_table[r, j] != prev_table[r, j]:
+                        same = False
+                        break
+                if same:
+                    f = p
+        out[r] = f
 
 
 @njit(cache=True, nogil=True)
-def _gather_lengths(pool, unit, upb, bs, cs, hdr, w, maxlen, block_table, seq_lens, out):
-    """``out [rows, 2, T]``: every token's sparse length (0 past a row's end). Returns 0, or ``-(r + 1)`` when a
-    length of row ``r`` is impossible (corrupt header)."""
-    num_rows, _, t_max = out.shape
+def _fill_keep(seq_lens, from_tokens, n_sink, keep):
+    """``keep[r, t]`` = 1 for ``n_sink <= t < seq_lens[r]`` (the tokens a decode query reads from the pages; sink
+    tokens are merged at 16 bits), from ``from_tokens[r]`` on; a row filled from 0 is cleared past its length."""
+    width = keep.shape[1]
+    for r in range(seq_lens.shape[0]):
+        length = seq_lens[r]
+        t0 = min(from_tokens[r], length)
+        for t in range(t0, length):
+            keep[r, t] = 1 if t >= n_sink else 0
+        if t0 == 0:
+            for t in range(length, width):
+                keep[r, t] = 0
+
+
+@njit(cache=True, nogil=True)
+def _gather_lengths(pool, unit, upb, bs, cs, hdr, w, maxlen, block_table, seq_lens, from_tokens, out):
+    """``out[r, kind, t]``: every token's sparse length, from ``from_tokens[r]`` on (the earlier ones are current).
+    Returns 0, or ``-(r + 1)`` when a length of row ``r`` is impossible (corrupt header)."""
     cap = cs * unit
-    for r in range(num_rows):
+    for r in range(seq_lens.shape[0]):
         length = np.int64(seq_lens[r])
+        t0 = min(np.int64(from_tokens[r]), length)
         for kind in range(2):
             off = np.int64(0)
-            for t in range(t_max):
-                if t >= length:
-                    out[r, kind, t] = 0
-                    continue
+            for t in range(t0 - t0 % bs, length):
                 j = t // bs
                 o = t - j * bs
                 if o == 0:
@@ -335,6 +392,36 @@ def _gather_lengths(pool, unit, upb, bs, cs, hdr, w, maxlen, block_table, seq_le
                     return -(r + 1)
                 out[r, kind, t] = ln
     return 0
+
+
+@njit(cache=True, nogil=True)
+def _gather_sinks(pool, unit, upb, sink_unit, n_sink, block_table, rows, out):
+    """``out [rows, 2, n_sink, D]`` (uint16 fp16 bits): the sink tokens of each row, from its first block."""
+    d = out.shape[3]
+    for r in range(rows):
+        base = np.int64(block_table[r, 0]) * upb * unit + sink_unit * unit
+        for kind in range(2):
+            for o in range(n_sink):
+                at = base + (kind * n_sink + o) * d * 2
+                for j in range(d):
+                    out[r, kind, o, j] = np.uint16(pool[at + 2 * j]) | (np.uint16(pool[at + 2 * j + 1]) << 8)
+
+
+@njit(cache=True, nogil=True)
+def _decode_span(pool, unit, sb, dense_pages, sparse_pages, sparse_first, sparse_count, lens, thr, ib, ob, ones,
+                 sinks, n_sink, kind, t0, out):  # fmt: skip
+    """Decode tokens ``t0 .. t0 + len(out)`` of one stream (one row and kind of a ``LayerView`` over blocks) into the
+    float32 rows ``out``, with the attention kernel's block decoder (the codec's numbers); tokens below ``n_sink``
+    are the 16-bit sink rows (``sinks [2, n_sink, D]`` uint16) instead. Returns ``ERR_OK`` or an ``ERR_*`` code."""
+    sp, off = _oaken.sparse_start(sparse_first, sparse_count, lens, t0)
+    st, sp, off = _oaken.decode_rows(
+        pool, unit, unit, sb, dense_pages, sparse_pages, sparse_first, sparse_count, lens, thr, ib, ob, ones, t0, sp,
+        off, out,
+    )  # fmt: skip
+    for t in range(t0, min(n_sink, t0 + out.shape[0])):
+        for j in range(out.shape[1]):
+            out[t - t0, j] = _oaken.f16_widen(sinks[kind, t, j])
+    return st
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -380,22 +467,45 @@ class OverflowStats:
         }
 
 
+_NO_SHIFT = np.zeros(0, np.float32)
+
+
 class BlockWriter:
     """Encodes new tokens with the codec and writes them into their block slots (one instance per layer).
 
     Args:
-        layout: the block layout.
+        layout: the block layout (its ``sink_tokens``: 16-bit copies of each block's first tokens).
         thresholds: float32 ``[2, 4]``: the layer's key and value thresholds.
         overflow: ``"clip"`` (default) or ``"error"`` (module docstring of ``oakenkv.integrations.vllm``).
+        key_shift: float32 ``[D]`` subtracted from every key row before it is encoded (an oaken-plus profile's
+            online shift), or None.
+        key_rotation: rotate each key head by the normalised Hadamard matrix after the shift (``head_dim`` values).
     """
 
-    def __init__(self, layout: BlockLayout, thresholds: np.ndarray, overflow: str = "clip") -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        thresholds: np.ndarray,
+        overflow: str = "clip",
+        *,
+        key_shift: np.ndarray | None = None,
+        key_rotation: bool = False,
+        head_dim: int | None = None,
+    ) -> None:
         if overflow not in ("clip", "error"):
             raise ValueError(f"overflow policy must be 'clip' or 'error', got {overflow!r}")
         self.layout = layout
         self.thr = np.ascontiguousarray(thresholds, dtype=np.float32).reshape(2, 4)
         self.overflow = overflow
         self.stats = OverflowStats()
+        self.shift = _NO_SHIFT if key_shift is None else np.ascontiguousarray(key_shift, np.float32).reshape(-1)
+        if self.shift.size not in (0, layout.dim):
+            raise ValueError(f"key_shift must hold {layout.dim} values, got {self.shift.size}")
+        self.rotate = bool(key_rotation)
+        self.head_dim = int(head_dim or layout.dim)
+        if self.rotate and (self.head_dim & (self.head_dim - 1) or layout.dim % self.head_dim):
+            raise ValueError(f"a key rotation needs a power-of-two head_dim dividing {layout.dim}, got {head_dim}")
+        self.rscale = np.float32(1.0 / math.sqrt(self.head_dim))
         self._scratch: tuple[np.ndarray, ...] | None = None
 
     def _buffers(self, n: int) -> tuple[np.ndarray, ...]:
@@ -429,7 +539,8 @@ class BlockWriter:
         status = _encode_and_write(
             pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
             num_blocks * lay.block_size, lay.inner_bits, lay.outer_bits, lay.scale_bytes, self.thr, slots, x, thr,
-            records, sparse, counts, info,
+            records, sparse, counts, info, self.shift, self.rotate, self.head_dim, self.rscale, lay.sink_tokens,
+            lay.sink_unit,
         )  # fmt: skip
         if status == 3:
             raise IndexError(f"slot {int(slots[info[0]])} is past the cache's {num_blocks} blocks")
@@ -518,6 +629,16 @@ def read_rows(
     return _oaken.from_records(dense, sparse[:total], offsets, lay.dim, config)
 
 
+def read_sinks(pool: np.ndarray, units_per_block: int, layout: BlockLayout, block: int) -> np.ndarray:
+    """float16 ``[2, sink_tokens, D]``: the 16-bit key and value rows kept in block ``block``'s sink area."""
+    out = np.empty((1, 2, layout.sink_tokens, layout.dim), np.uint16)
+    _gather_sinks(
+        pool, layout.unit, units_per_block, layout.sink_unit, layout.sink_tokens, np.array([[block]], np.int32), 1,
+        out,
+    )  # fmt: skip
+    return out[0].view(np.float16)
+
+
 def dequantize(
     pool: np.ndarray,
     units_per_block: int,
@@ -526,7 +647,8 @@ def dequantize(
     length: int,
     thresholds: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``[length, D]`` keys and values of one request, decoded by the codec from its blocks."""
+    """float32 ``[length, D]`` keys and values of one request, decoded by the codec from its blocks (the Oaken
+    rows: the sink area is not read)."""
     config = _oaken.OakenConfig(inner_bits=layout.inner_bits, outer_bits=layout.outer_bits)
     out = []
     for kind in (0, 1):
@@ -535,132 +657,238 @@ def dequantize(
     return out[0], out[1]
 
 
-@dataclass
-class DecodeTables:
-    """The page tables of :func:`packed_decode_attention` for a set of rows; the same for every layer."""
-
-    dense_pages: np.ndarray
-    sparse_pages: np.ndarray
-    sparse_first: np.ndarray
-    sparse_ptr: np.ndarray
-    keep: np.ndarray
-    block_table: np.ndarray
-    seq_lens: np.ndarray
+# ------------------------------------------------------------------------------------------------ the step's tables
 
 
-def decode_tables(
-    block_table: np.ndarray, seq_lens: np.ndarray, layout: BlockLayout, units_per_block: int
-) -> DecodeTables:
-    """Tables for rows with ``block_table [rows, >= blocks]`` and ``seq_lens [rows]`` stored tokens."""
-    seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
-    block_table = np.ascontiguousarray(block_table, dtype=np.int32)
-    rows = seq_lens.shape[0]
-    t_max = int(seq_lens.max()) if rows else 0
-    bs = layout.block_size
-    nblocks = int(((seq_lens + bs - 1) // bs).sum())
-    tables = DecodeTables(
-        dense_pages=np.empty((rows, 2, t_max), np.int32),
-        sparse_pages=np.empty(2 * nblocks, np.int32),
-        sparse_first=np.empty(2 * nblocks, np.int32),
-        sparse_ptr=np.empty(2 * rows + 1, np.int64),
-        keep=np.empty((rows, t_max), np.uint8),
-        block_table=block_table,
-        seq_lens=seq_lens,
-    )
-    if rows:
-        _decode_tables(
-            block_table, seq_lens, units_per_block, bs, layout.sparse_units, tables.dense_pages,
-            tables.sparse_pages, tables.sparse_first, tables.sparse_ptr, tables.keep,
-        )  # fmt: skip
-    return tables
+class BlockTables:
+    """Every request's page tables over vLLM's blocks, for the decode kernel and the prefill tiles: one
+    ``LayerTables`` whose page ids all layers share (a layer's blocks sit at the same ids in its own pool) and one
+    per layer for its sparse lengths (read from its blocks' headers).
 
+    Kept across steps by the metadata builder: :meth:`update` refills a row only from the first token that can have
+    changed (``_from_tokens``: a decode step adds one token per row), and a layer's lengths are read from the same
+    token on when that layer was synced at the previous update; a row whose blocks changed is filled again whole.
+    Rows are the step's requests in vLLM's order.
+    """
 
-class DecodeBatch:
-    """One step's decode rows: the page tables and the buffers every layer reuses (the tables depend only on
-    vLLM's block tables, the same for all layers; the sparse lengths are gathered per layer)."""
-
-    def __init__(
-        self,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        layout: BlockLayout,
-        units_per_block: int,
-        num_heads: int,
-        head_size: int,
-        threads: int = 1,
-    ) -> None:
+    def __init__(self, layout: BlockLayout, units_per_block: int) -> None:
         self.layout = layout
         self.units_per_block = units_per_block
-        self.tables = t = decode_tables(block_table, seq_lens, layout, units_per_block)
-        rows, _, t_max = t.dense_pages.shape
-        self.num_tokens = t_max
-        # the format's LayerView takes each stream's sparse pages padded to [rows, 2, max count] with counts
-        counts = np.diff(t.sparse_ptr).reshape(rows, 2) if rows else np.zeros((0, 2), np.int64)
-        width = max(1, int(counts.max())) if rows else 1
-        self.sparse_counts = np.ascontiguousarray(counts, dtype=np.int64)
-        self.sparse_pages = np.zeros((rows, 2, width), np.int32)
-        self.sparse_first = np.zeros((rows, 2, width), np.int32)
-        if rows:
-            stream = np.repeat(np.arange(2 * rows), counts.reshape(-1))
-            slot = np.arange(t.sparse_ptr[-1]) - t.sparse_ptr[stream]
-            self.sparse_pages.reshape(2 * rows, width)[stream, slot] = t.sparse_pages[: t.sparse_ptr[-1]]
-            self.sparse_first.reshape(2 * rows, width)[stream, slot] = t.sparse_first[: t.sparse_ptr[-1]]
-        self.lens = np.empty((rows, 2, t_max), np.uint16)
-        self.out = np.empty((rows, num_heads, head_size), np.float32)
-        #: the kernel's log-sum-exp per row and head (written, not read: the plugin stores no sink tokens)
-        self.lse = np.empty((rows, num_heads), np.float32)
-        import numba
+        self.shared = _oaken.LayerTables(0)
+        self.keep = np.zeros((0, 64), np.uint8)
+        self.step = -1
+        self.prev_step = -2
+        self._table = np.zeros((0, 1), np.int32)
+        self.block_table = self._table
+        self.seq_lens = np.zeros(0, np.int64)
+        self.from_tokens = np.zeros(0, np.int64)
+        self._layers: dict[int, tuple[_oaken.LayerTables, int]] = {}
 
-        threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-        parallel, self.splits = _oaken.split_work(rows, t_max, threads)
-        if parallel:
-            self.threads, self.kernel = threads, _oaken.packed_decode_attention
-        else:
-            self.threads, self.kernel = 1, _oaken.packed_decode_attention_serial
-        self.status = np.zeros(rows * self.splits, np.int64)
+    @property
+    def rows(self) -> int:
+        return self.seq_lens.shape[0]
 
-    def layer_view(self, pool: np.ndarray, thresholds: np.ndarray, num_kv_heads: int) -> _oaken.LayerView:
-        """The rows' tokens in one layer's blocks (``pool``) as the format's ``LayerView``: what the decode kernels
-        read (numba's ``packed_decode_attention``; the Triton kernels through ``from_layer_view``). Dense pages are
-        single records (``page_size = record_size``); each block adds one sparse page per kind."""
-        lay, t = self.layout, self.tables
+    def update(self, step: int, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray) -> None:
+        """The tables of step ``step`` (``block_table`` int32 ``[R, >= blocks]``, ``seq_lens`` stored tokens after
+        the step, ``query_lens`` tokens the step writes); a second call for the same step does nothing."""
+        if step == self.step:
+            return
+        lay = self.layout
+        bs = lay.block_size
+        block_table = np.ascontiguousarray(block_table, np.int32)
+        seq_lens = np.ascontiguousarray(seq_lens, np.int64)
+        rows = seq_lens.shape[0]
+        from_tokens = np.zeros(rows, np.int64)
+        if self.seq_lens.shape[0]:
+            _from_tokens(
+                block_table, seq_lens, np.ascontiguousarray(query_lens, np.int64), self._table, self.seq_lens, bs,
+                from_tokens,
+            )  # fmt: skip
+        self.shared.fill_blocks(
+            block_table, seq_lens, from_tokens, self.units_per_block, bs, (2 * bs, 2 * bs + lay.sparse_units)
+        )
+        t_max = int(seq_lens.max()) if rows else 0
+        self.keep = _oaken.grown(_oaken.grown(self.keep, rows, 0), t_max)
+        _fill_keep(seq_lens, from_tokens, lay.sink_tokens, self.keep)
+        # the previous step's block table, kept whole: the next update compares its rows
+        self._table = block_table = block_table.copy()
+        self.block_table = block_table
+        self.seq_lens = seq_lens
+        self.from_tokens = from_tokens
+        self.prev_step, self.step = self.step, step
+
+    def layer(self, layer: int, pool: np.ndarray) -> _oaken.LayerTables:
+        """Layer ``layer``'s tables (over its blocks ``pool``) for this step: its sparse lengths brought up to date."""
+        lt, synced = self._layers.get(layer, (None, -3))
+        if lt is None:
+            lt = _oaken.LayerTables(0)
+        if synced == self.step:
+            return lt
+        lt.share_pages(self.shared)
+        lay = self.layout
+        start = self.from_tokens if synced == self.prev_step else np.zeros_like(self.from_tokens)
         bad = _gather_lengths(
             pool, lay.unit, self.units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
-            lay.max_record, t.block_table, t.seq_lens, self.lens,
+            lay.max_record, self.block_table, self.seq_lens, start, lt.sparse_lengths,
         )  # fmt: skip
         if bad < 0:
             raise _oaken.CorruptDataError(f"row {-bad - 1}: a stored sparse length does not fit its block")
-        return _oaken.LayerView(
-            pool, lay.unit, lay.unit, lay.scale_bytes, self.num_tokens, t.dense_pages, self.sparse_pages,
-            self.sparse_first, self.sparse_counts, self.lens, thresholds, lay.inner_bits, lay.outer_bits, num_kv_heads,
-        )  # fmt: skip
+        self._layers[layer] = (lt, self.step)
+        return lt
 
-    def attend(
-        self,
-        query: np.ndarray,
-        pool: np.ndarray,
-        thresholds: np.ndarray,
-        num_kv_heads: int,
-        scale: float,
-        softcap: float = 0.0,
-    ) -> np.ndarray:
-        """Attention of the rows' query tokens (float32 ``[rows, Hq, hd]``) over one layer's blocks (``pool``);
-        returns float32 ``[rows, Hq, hd]`` (a buffer the next call overwrites)."""
-        view = self.layer_view(pool, thresholds, num_kv_heads)
-        if self.threads > 1:
-            import numba
+    def sinks(self, pool: np.ndarray, rows: int, start: int = 0) -> np.ndarray:
+        """uint16 ``[rows, 2, sink_tokens, D]``: the sink tokens (fp16 bits) of rows ``start .. start + rows - 1``
+        in this layer, from each row's first block."""
+        lay = self.layout
+        out = np.empty((rows, 2, lay.sink_tokens, lay.dim), np.uint16)
+        _gather_sinks(
+            pool, lay.unit, self.units_per_block, lay.sink_unit, lay.sink_tokens, self.block_table[start:], rows, out
+        )
+        return out
 
-            if numba.get_num_threads() != self.threads:
-                numba.set_num_threads(self.threads)
-        self.status[:] = 0
-        self.kernel(
-            np.ascontiguousarray(query, dtype=np.float32), self.tables.keep, np.float32(scale), np.float32(softcap),
-            self.splits, self.out, self.status, self.lse, *view,
-        )  # fmt: skip
-        if self.status.any():
-            code = int(self.status[np.flatnonzero(self.status)[0]])
-            raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[code]}")
-        return self.out
+
+@dataclass
+class LayerParams:
+    """What attention needs of one layer besides its blocks."""
+
+    #: float32 ``[2, 4]``: key and value thresholds.
+    thresholds: np.ndarray
+    num_kv_heads: int
+    scale: float
+    softcap: float = 0.0
+    #: Keys are rotated per head in the blocks (an oaken-plus key rotation): queries are rotated alike.
+    key_rotation: bool = False
+
+
+def _rotate(q: np.ndarray, params: LayerParams) -> np.ndarray:
+    return _oaken.fwht(q) if params.key_rotation else q
+
+
+def decode_attention_rows(
+    tables: BlockTables,
+    layer: int,
+    pool: np.ndarray,
+    query: np.ndarray,
+    params: LayerParams,
+    threads: int = 1,
+) -> np.ndarray:
+    """Attention of one query token for each of the first ``rows = len(query)`` rows (float32 ``[rows, Hq, hd]``)
+    over their stored tokens in one layer's blocks: ``packed_decode_attention`` on the blocks' ``LayerView`` (split
+    over threads from ``PARALLEL_MIN_TOKENS`` (row, token) pairs: ``split_work``), sink tokens merged at 16 bits.
+    Returns float32 ``[rows, Hq, hd]``."""
+    lay = tables.layout
+    rows, hq, hd = query.shape
+    lt = tables.layer(layer, pool)
+    t_max = int(tables.seq_lens[:rows].max()) if rows else 0
+    view = lt.view(
+        pool, lay.unit, lay.unit, lay.scale_bytes, params.thresholds, lay.inner_bits, lay.outer_bits,
+        params.num_kv_heads, rows=rows,
+    )._replace(num_tokens=t_max)  # fmt: skip
+    q = np.ascontiguousarray(_rotate(query, params), dtype=np.float32)
+    parallel, splits = _oaken.split_work(rows, t_max, threads)
+    kernel = _oaken.packed_decode_attention if parallel else _oaken.packed_decode_attention_serial
+    out = np.empty((rows, hq, hd), np.float32)
+    lse = np.empty((rows, hq), np.float32)
+    status = np.zeros(rows * splits, np.int64)
+    scale, softcap = np.float32(params.scale), np.float32(params.softcap)
+    kernel(q, tables.keep[:rows], scale, softcap, splits, out, status, lse, *view)
+    if status.any():
+        code = int(status[np.flatnonzero(status)[0]])
+        raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[code]}")
+    n = lay.sink_tokens
+    if n:
+        sink_keep = (np.arange(n)[None, :] < tables.seq_lens[:rows, None]).astype(np.uint8)
+        _oaken.merge_sinks(q, sink_keep, tables.sinks(pool, rows), scale, softcap, out, lse)
+    return out
+
+
+def _flash_with_lse():
+    """torch's CPU flash attention that also returns each query's log-sum-exp (``aten::
+    _scaled_dot_product_flash_attention_for_cpu``), or None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefill_attention(
+    tables: BlockTables,
+    layer: int,
+    pool: np.ndarray,
+    row: int,
+    query: torch.Tensor,
+    params: LayerParams,
+    tile: int = PREFILL_TILE,
+) -> torch.Tensor:
+    """Causal attention of row ``row``'s ``S`` query tokens (``query`` ``[S, Hq, hd]``, the last ``S`` positions of
+    its ``L`` stored tokens) over its stored tokens, the chunk's own included. Returns float32 ``[S, Hq, hd]``.
+
+    The tokens are dequantized from the blocks (the attention kernel's block decoder: the codec's numbers; sink
+    tokens from their 16-bit copies) into small float32 buffers: the history ``tile`` tokens at a time, each tile
+    attended without a mask, then the chunk's own ``S`` tokens, attended causally; the parts are merged by their
+    log-sum-exp (torch's CPU flash attention returns it), so the history is never held in floats as a whole. With a
+    logit soft cap (or a torch without that kernel) the same tiles go through a plain online-softmax loop."""
+    lay = tables.layout
+    lt = tables.layer(layer, pool)
+    length = int(tables.seq_lens[row])
+    s, hq, hd = query.shape
+    hkv = params.num_kv_heads
+    group = hq // hkv
+    history = length - s
+    q = torch.from_numpy(_rotate(query.detach().to(torch.float32).numpy(), params))
+    n_sink = min(lay.sink_tokens, length)
+    sinks = tables.sinks(pool, 1, row)[0] if n_sink else np.zeros((2, 0, lay.dim), np.uint16)
+    ones = np.ones(length, np.uint8)
+    width = max(1, min(tile, history), s)
+    kbuf = np.empty((width, lay.dim), np.float32)
+    vbuf = np.empty((width, lay.dim), np.float32)
+
+    def load(t0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``t0 .. t0 + n - 1`` as float32 keys and values ``[1, Hq, n, hd]`` (KV heads repeated for GQA)."""
+        for kind, buf in ((0, kbuf), (1, vbuf)):
+            st = _decode_span(
+                pool, lay.unit, lay.scale_bytes, lt.dense_pages[row, kind], lt.sparse_pages[row, kind],
+                lt.sparse_first[row, kind], lt.sparse_counts[row, kind], lt.sparse_lengths[row, kind],
+                params.thresholds[kind], lay.inner_bits, lay.outer_bits, ones, sinks, n_sink, kind, t0, buf[:n],
+            )  # fmt: skip
+            if st:
+                raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[int(st)]}")
+        k = torch.from_numpy(kbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
+        v = torch.from_numpy(vbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    spans = [(t0, min(tile, history - t0), False) for t0 in range(0, history, tile)] + [(history, s, True)]
+    qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, S, hd]
+    flash = _flash_with_lse() if not params.softcap else None
+    if flash is not None:
+        outs, lses = [], []
+        for t0, n, causal in spans:
+            k, v = load(t0, n)
+            o, lse = flash(qh, k, v, 0.0, causal, scale=params.scale)  # causal: queries and keys start together
+            outs.append(o[0])
+            lses.append(lse[0])
+        if len(outs) == 1:
+            out = outs[0]
+        else:
+            lse_all = torch.logsumexp(torch.stack(lses), dim=0)
+            out = sum(o * torch.exp(lse - lse_all)[..., None] for o, lse in zip(outs, lses, strict=True))
+        return out.transpose(0, 1)  # [S, Hq, hd]
+    # the plain loop: a running max, sum and accumulator per query and head
+    qpos = torch.arange(history, length)
+    m = torch.full((hq, s), float("-inf"))
+    ell = torch.zeros(hq, s)
+    acc = torch.zeros(hq, s, hd)
+    for t0, n, causal in spans:
+        k, v = load(t0, n)
+        sc = torch.matmul(qh[0], k[0].transpose(1, 2)) * params.scale
+        if params.softcap:
+            sc = torch.tanh(sc / params.softcap) * params.softcap
+        if causal:
+            sc.masked_fill_(~(torch.arange(t0, t0 + n)[None, :] <= qpos[:, None]), float("-inf"))
+        m_new = torch.maximum(m, sc.amax(-1))
+        corr = torch.exp(m - m_new)
+        p = torch.exp(sc - m_new[..., None])
+        ell = ell * corr + p.sum(-1)
+        acc = acc * corr[..., None] + torch.matmul(p, v[0])
+        m = m_new
+    return (acc / ell[..., None]).transpose(0, 1)
 
 
 def decode_attention(
@@ -668,21 +896,18 @@ def decode_attention(
     pool: np.ndarray,
     units_per_block: int,
     layout: BlockLayout,
-    tables: DecodeTables,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
     thresholds: np.ndarray,
     num_kv_heads: int,
     scale: float,
     softcap: float = 0.0,
     threads: int = 1,
 ) -> np.ndarray:
-    """Attention of one query token per row (``query`` float32 ``[rows, Hq, hd]``) over the rows' stored tokens:
-    ``packed_decode_attention`` on the blocks. Returns float32 ``[rows, Hq, hd]``.
-
-    ``threads > 1`` runs numba's parallel kernel (split over rows and token ranges) once there are at least
-    ``PARALLEL_MIN_TOKENS`` (row, token) pairs (``oakenkv.kernels.cpu.attention.split_work``); the default is the
-    serial kernel on the calling thread.
-    """
-    _, hq, hd = query.shape
-    batch = DecodeBatch(tables.block_table, tables.seq_lens, layout, units_per_block, hq, hd, threads)
+    """Attention of one query token per row (``query`` float32 ``[rows, Hq, hd]``) over the rows' stored tokens
+    (``block_table`` / ``seq_lens``): :func:`decode_attention_rows` on fresh tables. Returns float32
+    ``[rows, Hq, hd]``."""
+    tables = BlockTables(layout, units_per_block)
+    tables.update(0, block_table, seq_lens, np.ones(len(seq_lens), np.int64))
     thr = np.ascontiguousarray(thresholds, dtype=np.float32).reshape(2, 4)
-    return batch.attend(query, pool, thr, num_kv_heads, scale, softcap).copy()
+    return decode_attention_rows(tables, 0, pool, query, LayerParams(thr, num_kv_heads, scale, softcap), threads)

@@ -1,0 +1,59 @@
+"""``oakenkv export``: a model directory vLLM serves with Oaken's KV cache (docs/vllm.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from oakenkv.cli._common import app, bad_option, check_model, load_thresholds
+
+
+@app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Option(help="The directory to write (new, or a previous export, which is replaced).")],
+    model: Annotated[
+        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
+    ] = "default",
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="'oaken-plus' (default): the profile's weight transforms folded into the written weights, its "
+            "online parts applied by the vLLM plugin. 'oaken': the paper's thresholds, weights unchanged."
+        ),
+    ] = "oaken-plus",
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="A profile of the preset for this model (`oakenkv profile`); default: the one OakenCache.for_model "
+            "uses (shipped for an embedded model, cached by content, or made now on the calibration text).",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+) -> None:
+    """Write a Hugging Face model directory (folded safetensors weights, config, generation config, tokenizer)
+    with its Oaken profile inside (oakenkv-profile.json): `python -m vllm.entrypoints.openai.api_server --model
+    OUT` then serves it with Oaken's KV cache (the oakenkv vLLM plugin finds the profile there)."""
+    from oakenkv.calibrate.presets import PRESETS
+    from oakenkv.integrations.vllm.export import check_export_dir
+
+    if preset not in PRESETS:
+        raise bad_option("--preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
+    try:
+        check_export_dir(out)
+    except ValueError as e:
+        raise bad_option("--out", str(e).removeprefix(f"--out {out} ").strip()) from None
+    check_model(model)
+    thr = load_thresholds(profile)
+    from oakenkv.assets.models import load_model
+    from oakenkv.integrations.vllm.export import export_model
+
+    loaded = load_model(model)
+    path = export_model(loaded.model, loaded.tokenizer, out, preset, profile=thr, source=str(loaded.source))
+    typer.echo(
+        f"wrote {out} ({preset}; profile {path.name}); serve it with: python -m vllm.entrypoints.openai.api_server "
+        f"--model {out.resolve()} --dtype bfloat16 --enforce-eager"
+    )
