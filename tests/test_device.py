@@ -133,7 +133,7 @@ def test_a_decode_step_reserves_the_largest_record_and_settles_once():
     """A decode step writes each stream's sparse record at its tail only when the largest record fits there, and
     the host learns the lengths at the next step (one copy for every layer): until then the pending tokens'
     lengths read 0 on the host and the tail has not moved."""
-    cpu, dev = _pair()
+    _, dev = _pair()
     k, v = _kv(1, 3, seed=2)
     for layer in (0, 1):
         dev.append(layer, k.to(DEV), v.to(DEV))
@@ -164,7 +164,7 @@ def test_failed_writes_change_nothing_and_decode_errors_surface_at_settle():
         dev.append(1, bad.expand(1, H, 2, HD), bad.expand(1, H, 2, HD))  # a chunk: raised before any change
     assert dev.num_tokens(1) == 2
     dev.append(1, bad, bad)  # a decode step: the encoder's code is read at the next settle
-    with pytest.raises(ValueError, match="layer 1: cannot encode the keys of row 0.*must be reset"):
+    with pytest.raises(ValueError, match=r"layer 1: cannot encode the keys of row 0.*must be reset"):
         dev.settle()
 
 
@@ -216,6 +216,10 @@ def test_backend_selection_and_refusals(monkeypatch):
     k, v = _kv(1, 2, seed=9)
     cache.update(k, v, 0)
     assert type(cache.store) is PagedKVStore and all(layer.store is cache.store for layer in cache.layers)
+    meta = torch.zeros(1, H, 2, HD, device="meta")
+    for backend in ("auto", "numba"):  # a device that is neither the CPU nor CUDA: the host store refuses it
+        with pytest.raises(ValueError, match="host store .* got tensors on meta"):
+            OakenCache(thr, cfg, backend=backend).update(meta, meta, 0)
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

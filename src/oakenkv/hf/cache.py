@@ -29,6 +29,12 @@ window plus at most one page of records before it). The tables keep their per-to
 sparse length per token and stream) and evicted tokens read as zeros in the float path; the kernel never reads
 them (the mask hides them). ``OakenCache(..., evict_sliding=False)`` keeps everything.
 
+Where the pages live (``OakenCache(backend=...)``): ``"auto"`` (default) decides at the first update from the key
+states' device: CPU tensors keep the host store (``PagedKVStore``, numba kernels), CUDA tensors get a device store on
+that device (``oakenkv.store.device.DeviceKVStore``: the same bytes, written and read by the Triton kernels; with the
+``"oaken"`` attention, prefill chunks too attend over its pages: ``docs/gpu.md``). ``"numba"`` and ``"triton"`` force
+one; ``"triton"`` on CPU tensors runs the kernels under the Triton interpreter (``TRITON_INTERPRET=1``), for tests.
+
 Running out of the pool's budget raises :class:`~oakenkv.store.pages.PoolExhaustedError` from the layer that could not
 append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
 step's tokens, so a cache that raised must be ``reset()`` (or dropped) before it is used again.
@@ -105,8 +111,8 @@ class OakenLayer(CacheLayerMixin):
         self.dtype = key_states.dtype
         if self.device.type != "cpu" and not getattr(self.store, "on_device", False):
             raise ValueError(
-                f"OakenCache(backend='numba') keeps its pages in host memory, got tensors on {self.device}: use "
-                "backend='auto' (the default) or 'triton' for a model on a GPU"
+                f"OakenCache's host store (numba) keeps its pages in host memory, got tensors on {self.device}: a "
+                "model on a CUDA GPU gets the device store with backend='auto' (the default) or 'triton'"
             )
         self.is_initialized = True
 
@@ -438,7 +444,7 @@ class OakenCache(Cache):
     ) -> tuple[Any, Any]:
         if not self._store_chosen:  # backend "auto": CUDA tensors get the device store, CPU ones keep the host's
             self._store_chosen = True
-            if key_states.device.type != "cpu":
+            if key_states.device.type == "cuda":
                 self.store = self._make_store("triton", key_states.device)
                 for layer in self.layers:
                     layer.store = self.store

@@ -34,6 +34,9 @@ from oakenkv.kernels.triton.view import DeviceLayerView
 QUERY_BLOCK = 16
 #: Key tokens per tile.
 TILE_TOKENS = 16
+#: Warps per program: with 4, ptxas for sm_90a spills 196-3948 bytes (``benchmarks/triton_sm90_check.py``); with
+#: 8, none for MHA and 20 bytes for GQA groups of 4 with 16-bit products (868 with float32 ones).
+NUM_WARPS = 8
 #: ``tl.dot`` operand types: float32 (IEEE), float16, bfloat16 (float32 accumulation for all).
 DOT_FP32, DOT_FP16, DOT_BF16 = 0, 1, 2
 
@@ -240,7 +243,7 @@ def paged_prefill_attention(
         DOT=dot_kind(q.dtype) if dot is None else dot,
         E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
         E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, lse, status
 

@@ -38,9 +38,8 @@ def _shift_rotate_kernel(
         x = x - tl.load(shift_ptr + col, mask=(hh < H) & (c < HD), other=0.0)
     if ROTATE:
         # round h: value j pairs with j + h inside blocks of 2h; as [blocks, 2, h] the pair is the middle axis
-        for i in tl.static_range(LOG_HD):
-            h: tl.constexpr = 1 << i
-            y = tl.reshape(x, [BR * H_P * HD // (2 * h), 2, h])
+        for i in tl.static_range(LOG_HD):  # (h = 1 << i inline: a shape must stay a compile-time int)
+            y = tl.reshape(x, [BR * H_P * HD // (2 << i), 2, 1 << i])
             a, b = tl.split(tl.permute(y, (0, 2, 1)))
             y = tl.permute(tl.join(a + b, a - b), (0, 2, 1))
             x = tl.reshape(y, [BR, H_P, HD])
