@@ -218,7 +218,7 @@ def test_backend_selection_and_refusals(monkeypatch):
     assert type(cache.store) is PagedKVStore and all(layer.store is cache.store for layer in cache.layers)
     meta = torch.zeros(1, H, 2, HD, device="meta")
     for backend in ("auto", "numba"):  # a device that is neither the CPU nor CUDA: the host store refuses it
-        with pytest.raises(ValueError, match="host store .* got tensors on meta"):
+        with pytest.raises(ValueError, match=r"host store .* got tensors on meta"):
             OakenCache(thr, cfg, backend=backend).update(meta, meta, 0)
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")

@@ -24,8 +24,9 @@ the same bytes (the Triton encoder is bit-exact with the reference), the same pa
   the stats report; bigger pages waste less);
 * **prefill and chunked prefill** per chunk and layer: the rows encoded into scratch, their lengths copied to the
   host once (prefill is not latency-bound), placed by the pool exactly as on the CPU, and the bytes moved into the
-  pages by one gather; attention then reads the pages only (:mod:`oakenkv.kernels.triton.prefill`: tiles
-  dequantized inside a flash-attention loop), so a long history is never materialized in floats;
+  pages by ``copy_spans`` (one program per record); attention then reads the pages only
+  (:mod:`oakenkv.kernels.triton.prefill`: tiles dequantized inside a flash-attention loop), so a long history is
+  never materialized in floats;
 * the ``oaken-plus`` online key transform (shift, per-head Hadamard rotation) and the query rotation by a Triton
   kernel (:mod:`oakenkv.kernels.triton.rotate`: the CPU kernel's bits), and the sink tokens at 16 bits on the
   device, merged into attention through its log-sum-exp.
@@ -639,8 +640,8 @@ class DeviceKVStore:
 
     def _append_chunk(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a chunk of tokens ``[B, H, S, hd]`` of one layer, atomically: encode on the device into scratch,
-        one copy of the lengths to the host, placement by the pool (the CPU store's), one gather into the pages."""
-        from oakenkv.kernels.triton.encode import encode_records
+        one copy of the lengths to the host, placement by the pool (the CPU store's), the bytes copied into place."""
+        from oakenkv.kernels.triton.encode import copy_spans, encode_records
 
         self.settle()
         b, _, s, _ = keys.shape
@@ -665,15 +666,11 @@ class DeviceKVStore:
         placed = self.pool.place_many(items)  # atomic: raises PoolExhaustedError before any change
         dense_at = torch.from_numpy(np.concatenate([p[0] for p in placed])).to(dev)
         sparse_at = torch.from_numpy(np.concatenate([p[1] for p in placed])).to(dev)
-        rec = self.rec_size
-        self.bytes[(dense_at[:, None] + torch.arange(rec, device=dev)).view(-1)] = records.view(-1)
-        total = int(counts_h.sum())
-        if total:
-            lens = counts.to(torch.int64)
-            row = torch.repeat_interleave(torch.arange(2 * n, device=dev), lens, output_size=total)
-            start = torch.cumsum(lens, 0) - lens
-            pos = torch.arange(total, device=dev) - start[row]
-            self.bytes[sparse_at[row] + pos] = sparse.view(-1)[row * sparse.shape[1] + pos]
+        # the records and the streams into their pages: one program per record (copy_spans)
+        rec, cap = self.rec_size, sparse.shape[1]
+        src = torch.arange(2 * n, dtype=torch.int64, device=dev)
+        copy_spans(records.view(-1), src * rec, self.bytes, dense_at, torch.full_like(counts, rec))
+        copy_spans(sparse.view(-1), src * cap, self.bytes, sparse_at, counts)
         lt.ensure(past + s, self.rpp)
         lt.sparse_addr[:, :, past : past + s] = sparse_at.view(2, b, s).transpose(0, 1)
         lt.sparse_lengths[:, :, past : past + s] = counts.view(2, b, s).transpose(0, 1)
@@ -881,6 +878,10 @@ class DeviceKVStore:
         device tables mark their slots and addresses ``EVICTED``. Returns the table slots released."""
         released = 0
         lt = self.tables[layer] if self.seqs else None
+        if layer in self._pending_layers:
+            # the pending token's sparse page may be given back at settle (an empty record): the page before it
+            # must then stay, as the stream's last
+            token = min(token, lt.num_tokens - 1)
         for r, seq in enumerate(self.seqs):
             for kind in (KEY, VALUE):
                 stream = 2 * layer + kind
