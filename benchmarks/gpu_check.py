@@ -716,7 +716,7 @@ def stage_store(run: Run) -> None:
     dec = dev.attention(q[:, :, -1:].to(run.dev), 0, None, hd**-0.5).cpu()
     dec_want = float_attention(q[:, :, -1:], kr, vr, None, hd**-0.5)
     dev.settle()
-    released = [st.evict_before(0, n // 2) for st in (cpu, dev)]
+    released = [st.evict_before(0, n - 3) for st in (cpu, dev)]
     after_evict = _records_equal(cpu, dev, 0)
     out.update(
         read_bit_exact=bool(read_same),
@@ -921,7 +921,7 @@ def stage_step(run: Run) -> None:
         case = {"batch": b, "context": ctx}
         for label in ("dynamic_fp16", "oaken"):
             if label == "oaken":
-                budget = (4 << 20) if dry else (24 << 30)
+                budget = (4 << 20) if dry else (4 << 30)
                 cache = OakenCache(thr, model.config, pool_config=PoolConfig(page_size=16384 if not dry else 4096,
                                    budget_bytes=budget), backend="auto" if not dry else "triton")  # fmt: skip
             else:

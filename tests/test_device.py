@@ -12,6 +12,7 @@ same tables as its host pool, read back the same floats, and attend to float32 r
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -276,11 +277,19 @@ def test_generate_with_the_triton_backend_gives_the_numba_backends_tokens():
     cache.store.pool.check_invariants()
 
 
+#: How far the default model's logits may drift between the backends with the packed attention. Unlike the CPU
+#: backend's packed path (SDPA at prefill, tests/kv_helpers.GREEDY_DRIFT), the device store's prefill attention sums
+#: in another order too, so 4-bit codes next to a rounding boundary flip from the prompt's forward on, in every one of
+#: the 30 layers: measured 0.33 at the prompt and up to 2.66 over 16 steps under the interpreter (the same tokens).
+DEVICE_DRIFT = 3.0
+
+
 @pytest.mark.slow
 def test_default_model_generates_the_numba_backends_greedy_tokens(default_model):
-    """The default model (30 layers), 16 new tokens, packed attention, under the interpreter: the Triton backend's
-    greedy tokens are the numba backend's (``assert_same_greedy``: the kernels sum in other orders). Slow: about
-    10 minutes on the 2-core development machine (the interpreter runs ~500 layer-steps of Python programs)."""
+    """The default model (30 layers), 16 new tokens, under the interpreter. The float read path stores and reads
+    back the same floats with both backends (the device store's bytes are the CPU store's): identical logits at every
+    step. The packed attention: the numba backend's greedy tokens, logits within ``DEVICE_DRIFT``
+    (``assert_same_greedy``). Slow: about 15 CPU-minutes per backend pass of the interpreter (~500 layer-steps)."""
     from kv_helpers import assert_same_greedy, quick_thresholds
     from oakenkv.hf.attention import oaken_attention
     from oakenkv.hf.cache import OakenCache
@@ -291,9 +300,12 @@ def test_default_model_generates_the_numba_backends_greedy_tokens(default_model)
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     kw = {"max_new_tokens": 16, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     outs = {}
-    with oaken_attention(model), torch.no_grad():
+    for packed in (False, True):
         for backend in ("numba", "triton"):
             cache = OakenCache(thr, model.config, backend=backend, pool_config=PoolConfig(budget_bytes=64 << 20))
-            outs[backend] = model.generate(input_ids=ids, **cache_kwargs(model, cache), **kw)
-    assert_same_greedy(outs["numba"], outs["triton"])
-    assert torch.equal(outs["numba"].sequences, outs["triton"].sequences)
+            with torch.no_grad(), oaken_attention(model) if packed else contextlib.nullcontext():
+                outs[packed, backend] = model.generate(input_ids=ids, **cache_kwargs(model, cache), **kw)
+    want, got = outs[False, "numba"], outs[False, "triton"]
+    assert torch.equal(want.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(want.logits, got.logits, strict=True))
+    assert_same_greedy(outs[True, "numba"], outs[True, "triton"], first_atol=DEVICE_DRIFT, drift=DEVICE_DRIFT)
