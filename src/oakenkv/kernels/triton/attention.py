@@ -381,8 +381,9 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     query ``[B, Hq, 1, hd]``, mask ``[B, 1, 1, T]`` -> ``[B, 1, Hq, hd]`` in the query's dtype.
 
     The layer's view is the store's ``layer_view`` moved to the device on every call (:func:`view_from_store`:
-    sparse addresses derived on the host); a device store keeps it there instead (``docs/gpu.md``). Under an
-    ``oaken-plus`` profile the queries are rotated as the store's keys are (``PagedKVStore.rotate_queries``)."""
+    sparse addresses derived on the host): the path for a CPU store (``oakenkv.store.device.DeviceKVStore`` keeps its
+    view on the device and runs its own attention). Under an ``oaken-plus`` profile the queries are rotated as the
+    store's keys are (``PagedKVStore.rotate_queries``)."""
     store = key.store
     if (key.kind, value.kind) != (0, 1) or value.store is not store or value.layer != key.layer:  # LayerView's kinds
         raise ValueError("packed_decode_attention needs the key and value handles of one layer")
@@ -406,7 +407,7 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     q = query[:, :, 0, :]
     if store.transforms is not None:
         # oaken-plus: the pages hold keys rotated per head; the store rotates the queries alike, as for the CPU
-        # kernel (on the host for now: a device store would run that Hadamard transform on the device).
+        # kernel (on the host: a CPU store's; the device store rotates on the device, kernels.triton.rotate).
         q32 = q.detach().to(torch.float32).cpu().numpy()
         q = torch.from_numpy(store.rotate_queries(key.layer, q32)).to(query.device)
     out = paged_decode_attention(q, view, keep, scaling, softcap)
