@@ -1,20 +1,31 @@
-"""One prepared check of the Triton backend on a GPU (issue 24): correctness on real shapes, then timings.
+"""One prepared check of the Triton backend and the device store on a GPU (issues 24 and 33): correctness on real
+shapes, then timings.
 
 Run through ``benchmarks/gpu_check.sh`` on a CUDA machine (no network, nothing installed: the repository's
-``src`` on ``PYTHONPATH``; torch and triton of the machine). ``--dry-run`` runs every stage on the CPU under the
-Triton interpreter with tiny shapes, so that the one GPU run works the first time (``tests/test_gpu_check.py``).
+``src`` on ``PYTHONPATH``; torch, triton and transformers of the machine). ``--dry-run`` runs every stage on the CPU
+under the Triton interpreter with tiny shapes, so that the one GPU run works the first time
+(``tests/test_gpu_check.py``). ``--stages a,b`` runs some stages only.
 
 Stages (the JSON is rewritten after each, so a run cut short still leaves what it measured):
 
-1. correctness: the Triton encode against ``codec.pack(quant.quantize(x))`` byte for byte (fp16, bf16, fp32 input,
-   Llama-2-7B and GQA row widths), the Triton decode against ``quant.dequantize`` bit for bit, and decode
-   attention on a synthetic paged pool against float32 attention over the same tokens decoded (rtol 1e-4);
-2. the device-to-device copy bandwidth (bytes read + written per second), the ceiling of everything below;
-3. encode throughput against a copy of the same fp16 input, and the encode time of one decode step's K/V;
-4. decode attention, one query token per sequence: a Llama-2-7B-shaped layer (32 heads x 128) and a GQA layer
-   (32 query / 8 KV heads x 128), batch 1/16/64, context 4K/32K/128K: the Triton kernel (and its variant with FMA
-   contraction), ``torch.nn.functional.scaled_dot_product_attention`` over fp16 K/V of the same shape, and
-   FlashAttention's ``flash_attn_with_kvcache`` when installed; achieved bandwidth in packed bytes per second.
+1. ``correctness``: the Triton encode against ``codec.pack(quant.quantize(x))`` byte for byte (fp16, bf16, fp32
+   input, Llama-2-7B and GQA row widths), the Triton decode against ``quant.dequantize`` bit for bit (decode
+   attention on a synthetic pool is checked in stage ``attention``, rtol 1e-4);
+   ``store``: ``DeviceKVStore`` on the GPU against ``PagedKVStore`` (numba) on a GQA layer's rows with an oaken-plus
+   rotation and sink tokens: every record's bytes through prefill chunks, decode steps, a fork and an eviction,
+   the tables, ``read`` bit for bit, decode and prefill attention against float attention;
+   ``model``: the default model (or a random-weight stand-in of its architecture, where its file is absent)
+   through ``OakenCache`` on CUDA (``backend="auto"``, the packed attention) against the CPU backend: greedy tokens
+   and logits, perplexity on 4 windows (chunked prefill) within 0.5%;
+2. ``copy``: the device-to-device copy bandwidth (bytes read + written per second), the ceiling of what follows;
+3. ``encode``: encode throughput against a copy of the same fp16 input, and the encode time of one step's K/V;
+4. ``attention``: decode attention, one query token per sequence: a Llama-2-7B-shaped layer (32 heads x 128) and a
+   GQA layer (32 query / 8 KV heads x 128), batch 1/16/64, context 4K/32K: the Triton kernel (and its variant with
+   FMA contraction), ``torch.nn.functional.scaled_dot_product_attention`` over fp16 K/V of the same shape, and
+   FlashAttention's ``flash_attn_with_kvcache`` when installed; achieved bandwidth in packed bytes per second;
+5. ``step``: a whole decode step of the model in fp16, ``OakenCache`` against ``DynamicCache``, batch 1/16 at 1K/4K;
+6. ``vllm``: recorded as skipped (the plugin has no CUDA backend yet); ``tuning``: splits, tiles, warps, FMA;
+   ``goals``: the issues' goals read off the measurements.
 
 The paged pool of a layer shape is built once at its largest batch and context (rows encoded on the GPU by the
 Triton encoder, copied into randomly permuted dense pages; each stream's sparse records back to back) and the
@@ -28,6 +39,7 @@ L2 cache is flushed (a 256 MiB write) before every timed launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -54,13 +66,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes (tests the driver)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64; dry run 1,2)")
-    p.add_argument("--contexts", default=None, help="comma-separated contexts (default 4096,32768,131072)")
+    p.add_argument("--contexts", default=None, help="comma-separated contexts (default 4096,32768)")
     p.add_argument("--layers", default=None, help="comma-separated layer shapes (default: all of LAYERS)")
     p.add_argument("--mem-gib", type=float, default=None, help="device memory to plan with (default: 92%% of total)")
     p.add_argument("--budget-s", type=float, default=400.0, help="start no new case after this many seconds")
     p.add_argument("--case-cap-s", type=float, default=20.0, help="stop timing one case after this many seconds")
     p.add_argument("--reps", type=int, default=20, help="timed launches per case (fewer if the cap is reached)")
     p.add_argument("--rows", type=int, default=4096, help="distinct encoded rows the synthetic pool repeats")
+    p.add_argument("--model", default="default", help="'default' (the embedded model if installed) or 'random'")
+    p.add_argument("--stages", default=None, help="comma-separated stages to run (default: all)")
     return p.parse_args(argv)
 
 
@@ -590,6 +604,371 @@ def stage_tuning(run: Run, layers: dict) -> None:
     run.save()
 
 
+# ------------------------------------------------------------------------------------- the device store and a model
+
+
+def _store_pair(run: Run, thr, layers: int, kv: int, hd: int, page_size: int, budget: int, chunk: int):
+    """A CPU store (numba) and a device store of one profile: the reference and the store under test."""
+    from oakenkv.store.device import DeviceKVStore
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
+
+    pc = PoolConfig(page_size=page_size, budget_bytes=budget)
+    return (
+        PagedKVStore(thr, layers, kv, hd, pc, prefill_chunk=chunk),
+        DeviceKVStore(thr, layers, kv, hd, pc, prefill_chunk=chunk, device=run.dev),
+    )
+
+
+def _synthetic_thresholds(torch, layers: int, kv: int, hd: int, transforms=None):
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
+
+    x = _kv_rows(torch, 512, kv * hd, seed=5, dev="cpu", dtype=torch.float32)
+    t = GroupThresholds(*_thresholds(torch, x))
+    keys = tuple(GroupThresholds(t.to_lo - 0.01 * i, t.ti_lo, t.ti_hi, t.to_hi + 0.01 * i) for i in range(layers))
+    values = tuple(GroupThresholds(t.to_lo - 0.02 * i, t.ti_lo, t.ti_hi, t.to_hi + 0.02 * i) for i in range(layers))
+    fp = ModelFingerprint("llama", layers, kv, hd)
+    return Thresholds(OakenConfig(), fp, keys, values, transforms=transforms)
+
+
+def _records_equal(cpu, dev, layer: int) -> dict:
+    """Every stored token's dense and sparse record in the device store's pages (where its tables say) against the
+    CPU store's bytes; the device tables against the host tables, the pool's invariants."""
+    import numpy as np
+
+    from oakenkv.store.device import stream_addresses
+
+    dev.settle()
+    ps, rpp, rec = dev.pool.config.page_size, dev.rpp, dev.rec_size
+    data = dev.bytes.cpu().numpy()
+    tokens = dense_bad = sparse_bad = 0
+    for r in range(len(cpu.seqs)):
+        for kind in (0, 1):
+            stream = 2 * layer + kind
+            ct, dt = cpu.pool.table(cpu.seqs[r], stream), dev.pool.table(dev.seqs[r], stream)
+            start, n = ct.evicted_before, ct.num_tokens
+            dense = cpu.pool.read_dense(cpu.seqs[r], stream, start)
+            sparse, offs = cpu.pool.read_sparse(cpu.seqs[r], stream, start)
+            addr = stream_addresses(dt, ps, start, n)
+            pages = dt.dense_pages.view.astype(np.int64)
+            for t in range(start, n):
+                tokens += 1
+                a = int(pages[t // rpp]) * ps + (t % rpp) * rec
+                dense_bad += not np.array_equal(data[a : a + rec], dense[t - start])
+                length = int(dt.sparse_len.view[t])
+                want = sparse[offs[t - start] : offs[t - start + 1]]
+                sparse_bad += not np.array_equal(data[addr[t - start] : addr[t - start] + length], want)
+    dev.check_tables()
+    dev.pool.check_invariants()
+    return {"tokens": tokens, "dense_mismatch": dense_bad, "sparse_mismatch": sparse_bad}
+
+
+def stage_store(run: Run) -> None:
+    """The device store against the CPU store on a GQA layer's rows (8 x 128; the dry run: 2 x 16): a prefill in
+    chunks, decode steps, a fork (copy on write), more steps, a sliding-window eviction; every record's bytes, the
+    tables, the floats read back, decode and prefill attention against float attention over the CPU store's read.
+    With an oaken-plus key shift and rotation and two sink tokens."""
+    import numpy as np
+
+    torch = run.torch
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.hf.attention import float_attention
+
+    dry = run.args.dry_run
+    kv, hd, hq = (2, 16, 4) if dry else (8, 128, 32)
+    prefill, steps, page_size = (7, 3, 256) if dry else (300, 24, 16384)
+    shift = tuple(float(v) for v in np.random.default_rng(3).standard_normal(kv * hd) * 0.3)
+    plus = Transforms((LayerTransforms(key_shift=shift, key_rotation=True), LayerTransforms()), kv, hd, 2)
+    thr = _synthetic_thresholds(torch, 2, kv, hd, plus)
+    cpu, dev = _store_pair(run, thr, 2, kv, hd, page_size, 256 << 20 if not dry else 1 << 20, 128 if not dry else 4)
+    g = torch.Generator().manual_seed(0)
+
+    def kv_pair(b, s):
+        k = torch.randn(b, kv, s, hd, generator=g) * 1.3
+        k[..., 3] *= 4.0
+        return k, torch.randn(b, kv, s, hd, generator=g)
+
+    def both(b, s, layer=0):
+        k, v = kv_pair(b, s)
+        cpu.append(layer, k, v)
+        dev.append(layer, k.to(run.dev), v.to(run.dev))
+
+    t = time.perf_counter()
+    out: dict = {}
+    both(1, prefill)
+    for _ in range(steps):
+        both(1, 1)
+    for st in (cpu, dev):
+        st.reorder([0, 0])
+    for _ in range(steps):
+        both(2, 1)
+    both(2, prefill // 3)
+    out["records"] = _records_equal(cpu, dev, 0)
+    read_same = all(torch.equal(dev.read(0, kind).cpu(), cpu.read(0, kind)) for kind in (0, 1))
+    n = cpu.num_tokens(0)
+    s = min(n, 17 if dry else 96)
+    q = torch.randn(2, hq, s, hd, generator=g)
+    mask = torch.ones(2, 1, s, n, dtype=torch.bool).tril(n - s)
+    kr, vr = cpu.read(0, 0), cpu.read(0, 1)
+    pre = dev.attention(q.to(run.dev), 0, None, hd**-0.5).cpu()
+    pre_want = float_attention(q, kr, vr, mask, hd**-0.5)
+    dec = dev.attention(q[:, :, -1:].to(run.dev), 0, None, hd**-0.5).cpu()
+    dec_want = float_attention(q[:, :, -1:], kr, vr, None, hd**-0.5)
+    dev.settle()
+    released = [st.evict_before(0, n - 3) for st in (cpu, dev)]
+    after_evict = _records_equal(cpu, dev, 0)
+    out.update(
+        read_bit_exact=bool(read_same),
+        prefill_attention_max_abs_err=float((pre - pre_want).abs().max()),
+        decode_attention_max_abs_err=float((dec - dec_want).abs().max()),
+        attention_allclose=bool(
+            torch.allclose(pre, pre_want, rtol=1e-4, atol=1e-5) and torch.allclose(dec, dec_want, rtol=1e-4, atol=1e-5)
+        ),
+        evicted_slots=released,
+        records_after_eviction=after_evict,
+        tokens=n,
+        D=kv * hd,
+        seconds=round(time.perf_counter() - t, 2),
+    )
+    out["bytes_equal"] = (
+        out["records"]["dense_mismatch"] == out["records"]["sparse_mismatch"] == 0
+        and after_evict["dense_mismatch"] == after_evict["sparse_mismatch"] == 0
+        and released[0] == released[1]
+    )
+    run.res["store"] = out
+    print(f"  device store vs CPU store: {json.dumps(out)}")
+    run.save()
+
+
+#: The default model's architecture (SmolLM2-135M-Instruct), for a random-weight stand-in where its file is absent.
+DEFAULT_ARCH = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)  # fmt: skip
+DRY_ARCH = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def _load_model(run: Run):
+    """``(model fp32 on the CPU, name, tokenizer or None)``: the embedded default model where its package is
+    installed, else a random-weight model of its architecture (the GGUF, 98 MB, does not fit what a device call
+    carries: 64 MiB), recorded in the JSON. The dry run: a 2-layer random Llama."""
+    torch = run.torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not run.args.dry_run and run.args.model == "default":
+        try:
+            from oakenkv.assets.models import load_model
+
+            loaded = load_model("default")
+            return loaded.model.float().eval(), "default (SmolLM2-135M-Instruct)", loaded.tokenizer
+        except Exception as e:  # the package is not there: the stand-in
+            run.res["notes"].append(f"default model not available ({type(e).__name__}): random-weight stand-in")
+    torch.manual_seed(0)
+    arch = DRY_ARCH if run.args.dry_run else DEFAULT_ARCH
+    model = LlamaForCausalLM(LlamaConfig(**arch)).float().eval()
+    return model, ("tiny random Llama" if run.args.dry_run else "random weights, SmolLM2-135M architecture"), None
+
+
+def _model_thresholds(torch, model, ids):
+    """A quick profile: per-layer quantiles of one forward pass's keys (post-RoPE) and values (4% outer, 6% inner;
+    ``tests/kv_helpers.quick_thresholds``' rule)."""
+    from transformers import DynamicCache
+
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.format.config import OakenConfig
+    from oakenkv.util.compat import cache_kwargs
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+    qs = torch.tensor([0.02, 0.47, 0.53, 0.98], dtype=torch.float64)
+    keys, values = [], []
+    for layer in cache.layers:
+        for x, out in ((layer.keys, keys), (layer.values, values)):
+            t = torch.quantile(x.double().flatten()[: 1 << 22], qs).tolist()
+            t[0] = min(t[0], t[1] - 1e-3)
+            t[3] = max(t[3], t[2] + 1e-3)
+            out.append(GroupThresholds(*t))
+    fp = ModelFingerprint.from_model_config(model.config)
+    return Thresholds(config=OakenConfig(), fingerprint=fp, keys=tuple(keys), values=tuple(values))
+
+
+def _nll(torch, model, ids, cache, chunk: int) -> float:
+    """Summed NLL of ``ids[1:]`` (one window) fed ``chunk`` tokens per forward through ``cache``."""
+    from oakenkv.util.compat import cache_kwargs
+
+    nll, s = 0.0, ids.numel()
+    kw = cache_kwargs(model, cache)
+    with torch.no_grad():
+        for a in range(0, s - 1, chunk):
+            b = min(a + chunk, s - 1)
+            pos = torch.arange(a, b, device=ids.device)[None]
+            logits = model(input_ids=ids[a:b][None], position_ids=pos, use_cache=True, **kw).logits[0].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[a + 1 : b + 1], reduction="sum"))
+    return nll
+
+
+def stage_model(run: Run) -> None:
+    """The default model through ``OakenCache`` on the device (``backend="auto"``: the Triton device store, the
+    packed attention for prefill and decode) against the CPU backend (numba; the model in float32 on the CPU):
+    greedy tokens and their logits, then perplexity on 4 windows (chunked prefill through the cache)."""
+    import copy
+
+    torch = run.torch
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.store.pages import PoolConfig
+    from oakenkv.util.compat import cache_kwargs
+
+    dry = run.args.dry_run
+    t0 = time.perf_counter()
+    model_cpu, name, tok = _load_model(run)
+    g = torch.Generator().manual_seed(1)
+    vocab = model_cpu.config.vocab_size
+    if tok is not None:
+        prompt = tok("The tower is 324 metres tall, about the same height as", return_tensors="pt").input_ids
+        text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text(encoding="utf-8")
+        corpus = tok(text * 4, return_tensors="pt").input_ids[0]
+    else:
+        prompt = torch.randint(3, vocab, (1, 12 if not dry else 5), generator=g)
+        corpus = torch.randint(3, vocab, (8192,), generator=g)
+    thr = _model_thresholds(torch, model_cpu, corpus[None, : 512 if not dry else 32])
+    model_dev = copy.deepcopy(model_cpu).to(run.dev)
+    res: dict = {"model": name, "layers": model_cpu.config.num_hidden_layers}
+    pc = PoolConfig(budget_bytes=(1 << 30) if not dry else (4 << 20))
+    new = 3 if dry else 16
+    kw = {"max_new_tokens": new, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    # the dry run's "device" is the CPU: the Triton backend is forced there (under the interpreter)
+    runs = (("cpu", model_cpu, "cpu", "numba"), ("device", model_dev, run.dev, "triton" if dry else "auto"))
+    outs = {}
+    for label, model, dev, backend in runs:
+        cache = OakenCache(thr, model.config, pool_config=pc, backend=backend)
+        with oaken_attention(model), torch.no_grad():
+            outs[label] = model.generate(input_ids=prompt.to(dev), **cache_kwargs(model, cache), **kw)
+        res[f"{label}_store"] = type(cache.store).__name__
+    a, b = outs["cpu"], outs["device"]
+    first = [float((x.cpu() - y).abs().max()) for x, y in zip(a.logits, [t.cpu() for t in b.logits], strict=True)]
+    same = a.sequences.cpu() == b.sequences.cpu()
+    diverge = None if bool(same.all()) else int((~same[0]).nonzero()[0, 0]) - prompt.shape[1]
+    top = a.logits[diverge].topk(2).values[0] if diverge is not None else None
+    res["greedy"] = {
+        "new_tokens": new, "same_tokens": diverge is None, "first_divergence": diverge,
+        "margin_at_divergence": None if top is None else float(top[0] - top[1]),
+        "logits_max_abs_diff_per_step": [round(x, 6) for x in first],
+        "tokens_cpu": a.sequences[0, prompt.shape[1] :].tolist(),
+        "tokens_device": b.sequences[0, prompt.shape[1] :].tolist(),
+    }  # fmt: skip
+    print(f"  greedy ({name}): same tokens {diverge is None}, logits diff per step {first}")
+    run.res["model"] = res
+    run.save()
+    # perplexity on 4 windows: prefill chunks through the cache
+    w, chunk = (256, 64) if not dry else (10, 5)
+    windows = [corpus[i * w : (i + 1) * w] for i in range(4 if not dry else 1)]
+    ppl = {}
+    for label, model, dev, backend in runs:
+        total = 0.0
+        with oaken_attention(model):
+            for ids in windows:
+                cache = OakenCache(thr, model.config, pool_config=pc, backend=backend)
+                total += _nll(torch, model, ids.to(dev), cache, chunk)
+        ppl[label] = math.exp(total / (len(windows) * (w - 1)))
+    rel = abs(ppl["device"] - ppl["cpu"]) / ppl["cpu"]
+    res["perplexity"] = {"windows": len(windows), "window": w, "chunk": chunk, "cpu": ppl["cpu"],
+                         "device": ppl["device"], "rel_diff": rel, "within_0.5%": rel <= 0.005}  # fmt: skip
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"  perplexity {len(windows)} x {w} (chunks of {chunk}): CPU {ppl['cpu']:.4f}, device "
+          f"{ppl['device']:.4f}, rel diff {rel:.2e}")  # fmt: skip
+    run.res["model"] = res
+    run.save()
+
+
+def stage_step(run: Run) -> None:
+    """A whole decode step of the model in float16 on the device: ``OakenCache`` (device store, packed attention)
+    against ``DynamicCache`` (fp16 K/V, SDPA), batch 1 and 16 at 1K and 4K tokens of context; CUDA events around
+    each step's forward (the host's work included: both caches run eagerly)."""
+    import copy
+
+    torch = run.torch
+    from transformers import DynamicCache
+
+    from oakenkv.hf.attention import oaken_attention
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.store.pages import PoolConfig
+    from oakenkv.util.compat import cache_kwargs
+
+    dry = run.args.dry_run
+    model_cpu, name, _ = _load_model(run)
+    model = copy.deepcopy(model_cpu).to(device=run.dev, dtype=torch.float32 if dry else torch.float16)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    thr = _model_thresholds(torch, model_cpu, torch.randint(3, vocab, (1, 512 if not dry else 32), generator=g))
+    del model_cpu
+    cases = [(1, 16)] if dry else [(1, 1024), (16, 1024), (1, 4096), (16, 4096)]
+    steps = 2 if dry else 8
+    out = []
+    run.res["step"] = {"model": name, "dtype": str(next(model.parameters()).dtype), "cases": out}
+    for b, ctx in cases:
+        if run.over_budget():
+            run.res["skipped"].append(f"step B={b} T={ctx}: time budget")
+            continue
+        ids = torch.randint(3, vocab, (b, ctx), generator=g).to(run.dev)
+        nxt = torch.randint(3, vocab, (b, steps), generator=g).to(run.dev)
+        case = {"batch": b, "context": ctx}
+        for label in ("dynamic_fp16", "oaken"):
+            if label == "oaken":
+                budget = (4 << 20) if dry else (4 << 30)
+                cache = OakenCache(thr, model.config, pool_config=PoolConfig(page_size=16384 if not dry else 4096,
+                                   budget_bytes=budget), backend="auto" if not dry else "triton")  # fmt: skip
+            else:
+                cache = DynamicCache(config=model.config)
+            kw = cache_kwargs(model, cache)
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=True, **kw)  # the prefill (float path for OakenCache)
+                times = []
+                ctxm = oaken_attention(model) if label == "oaken" else contextlib.nullcontext()
+                with ctxm:
+                    for i in range(steps):
+                        if run.cuda:
+                            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            e0.record()
+                            model(input_ids=nxt[:, i : i + 1], use_cache=True, **kw)
+                            e1.record()
+                            e1.synchronize()
+                            times.append(e0.elapsed_time(e1))
+                        else:
+                            t = time.perf_counter()
+                            model(input_ids=nxt[:, i : i + 1], use_cache=True, **kw)
+                            times.append(1e3 * (time.perf_counter() - t))
+            warm = times[1:] or times  # the first step loads and compiles kernels
+            case[label] = {"median_ms": statistics.median(warm), "min_ms": min(warm), "steps": len(warm)}
+            if label == "oaken":
+                case["oaken_kv_bytes"] = cache.kv_bytes()
+                case["oaken_store"] = type(cache.store).__name__
+            del cache
+            if run.cuda:
+                torch.cuda.empty_cache()
+        case["oaken_over_dynamic"] = round(case["oaken"]["median_ms"] / case["dynamic_fp16"]["median_ms"], 3)
+        out.append(case)
+        print(f"  decode step B={b} T={ctx}: DynamicCache fp16 {case['dynamic_fp16']['median_ms']:.2f} ms, "
+              f"OakenCache {case['oaken']['median_ms']:.2f} ms ({case['oaken_over_dynamic']}x)")  # fmt: skip
+        run.save()
+
+
+def stage_vllm(run: Run) -> None:
+    """vLLM's serve-load on CUDA with bf16, fp8 and Oaken KV: needs the plugin's CUDA backend, not built yet."""
+    run.res["vllm"] = {
+        "skipped": "oakenkv's vLLM plugin has no CUDA backend yet (integrations/vllm runs on vLLM's CPU engine only; "
+        "docs/gpu.md): the serve-load comparison of bf16, fp8 and Oaken KV on CUDA is not run"
+    }
+    print(f"  vllm: {run.res['vllm']['skipped']}")
+    run.save()
+
+
 def stage_goals(run: Run) -> None:
     """The issue's goals read off the measurements: speed against SDPA and bandwidth at GQA batch 16 x 32K (the dry
     run: its GQA layer's largest case), encode of one decode step's K/V against the attention at 4K."""
@@ -614,6 +993,15 @@ def stage_goals(run: Run) -> None:
                            "encode_ms": e[0]["encode"]["median_ms"], "attention_ms": best,
                            "share": round(e[0]["encode"]["median_ms"] / best, 4)})  # fmt: skip
     goals["encode_share_of_attention"] = {"goal": "< 0.05 at 4K", "cases": shares}
+    store = run.res.get("store", {})
+    goals["store_bytes_equal_cpu"] = {"goal": "true", "value": store.get("bytes_equal")}
+    model = run.res.get("model", {})
+    goals["greedy_tokens_equal_cpu"] = {"goal": "true", "value": model.get("greedy", {}).get("same_tokens")}
+    goals["perplexity_within_0.5%_of_cpu"] = {"goal": "<= 0.005", "value": model.get("perplexity", {}).get("rel_diff")}
+    steps = run.res.get("step", {}).get("cases", [])
+    goals["decode_step_over_dynamic_fp16"] = {
+        "cases": [{k: c[k] for k in ("batch", "context", "oaken_over_dynamic")} for c in steps]
+    }
     run.res["goals"] = goals
     print("  goals:", json.dumps(goals))
     run.save()
@@ -630,7 +1018,7 @@ def main(argv: list[str] | None = None) -> dict:
     layers_all = DRY_LAYERS if args.dry_run else LAYERS
     layers = {k: layers_all[k] for k in (args.layers.split(",") if args.layers else layers_all)}
     batches = [int(v) for v in (args.batches or ("1,2" if args.dry_run else "1,16,64")).split(",")]
-    contexts = [int(v) for v in (args.contexts or ("32,80" if args.dry_run else "4096,32768,131072")).split(",")]
+    contexts = [int(v) for v in (args.contexts or ("32,80" if args.dry_run else "4096,32768")).split(",")]
     if args.dry_run:
         args.rows = min(args.rows, 64)
         args.reps = min(args.reps, 2)
@@ -647,12 +1035,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"gpu_check: {run.res['meta']['device']}, torch {torch.__version__}, writing {out}")
     stages = [
         ("correctness", lambda: stage_correctness(run, layers)),
+        ("store", lambda: stage_store(run)),
+        ("model", lambda: stage_model(run)),
         ("copy", lambda: run.res.__setitem__("copy_gbps", stage_copy_bandwidth(run))),
         ("encode", lambda: stage_encode(run, layers, batches)),
         ("attention", lambda: stage_attention(run, layers, batches, contexts, run.res.get("copy_gbps") or math.nan)),
+        ("step", lambda: stage_step(run)),
+        ("vllm", lambda: stage_vllm(run)),
         ("tuning", lambda: stage_tuning(run, layers)),
         ("goals", lambda: stage_goals(run)),
     ]
+    if args.stages:
+        keep = set(args.stages.split(","))
+        stages = [st for st in stages if st[0] in keep or st[0] == "goals"]
     for name, fn in stages:
         print(f"[{run.elapsed():6.1f} s] {name}")
         try:

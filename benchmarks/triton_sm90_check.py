@@ -31,6 +31,8 @@ from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton import attention as A
 from oakenkv.kernels.triton import decode as Dk
 from oakenkv.kernels.triton import encode as E
+from oakenkv.kernels.triton import prefill as P
+from oakenkv.kernels.triton import rotate as R
 
 #: The scales' bytes of the default config (fp16 scales), what the wrappers pass as SB.
 SB = F.scale_bytes(F.OakenConfig())
@@ -67,7 +69,8 @@ def _cases():
         "q_ptr": "*fp32", "sq_b": "i32", "sq_h": "i32", "dpool": "*u8", "spool": "*u8", "pages_ptr": "*i32",
         "sp_b": "i32", "sp_k": "i32", "addr_ptr": "*i64", "len_ptr": "*i32", "sa_b": "i32", "sa_k": "i32",
         "keep_ptr": "*u8", "sk_b": "i32", "thr_ptr": "*fp32", "scratch_ptr": "*u8", "pm_ptr": "*fp32",
-        "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "status_ptr": "*i32", "T": "i32", "H": "i32", "Hq": "i32",
+        "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "status_ptr": "*i32", "status_stride": "i32", "T": "i32",
+        "H": "i32", "Hq": "i32",
         "HD": "i32", "D": "i32", "page_size": "i32", "rec": "i32", "rpp": "i32", "scaling": "fp32",
         "softcap": "fp32", "split_tokens": "i32", "S": "i32",
     }  # fmt: skip
@@ -79,8 +82,34 @@ def _cases():
                     G=g, G_P=g, HD_P=128, BT=bt, SB=SB, INNER_BITS=5, OUTER_BITS=5, SBLK=1 << A.SPARSE_BLOCK_LOG,
                     SBLK_LOG=A.SPARSE_BLOCK_LOG, SOFTCAP=False, E_EVICTED=F.ERR_EVICTED, **ERRS,
                 ), dict(num_warps=warps, enable_fp_fusion=fuse)  # fmt: skip
-    comb_sig = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32", "HD": "i32"}
+    comb_sig = {
+        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32",
+        "HD": "i32",
+    }  # fmt: skip
     yield "combine", A._combine_kernel, comb_sig, dict(S_P=32, HD_P=128), dict(num_warps=4)
+    pre_sig = {
+        "q_ptr": "*fp32", "sq_b": "i32", "sq_h": "i32", "sq_s": "i32", "dpool": "*u8", "spool": "*u8",
+        "pages_ptr": "*i32", "sp_b": "i32", "sp_k": "i32", "addr_ptr": "*i64", "len_ptr": "*i32", "sa_b": "i32",
+        "sa_k": "i32", "mask_ptr": "*u8", "sm_b": "i32", "sm_s": "i32", "thr_ptr": "*fp32", "scratch_ptr": "*u8",
+        "out_ptr": "*fp32", "so_b": "i32", "so_h": "i32", "so_s": "i32", "lse_ptr": "*fp32", "status_ptr": "*i32",
+        "status_stride": "i32", "S": "i32", "T": "i32", "past": "i32", "skip": "i32", "H": "i32", "HD": "i32",
+        "D": "i32", "page_size": "i32", "rec": "i32", "rpp": "i32", "scaling": "fp32", "softcap": "fp32",
+        "NQB": "i32",
+    }  # fmt: skip
+    for g in (4, 1):  # the prefill kernel: GQA 32q/8kv and MHA; float32 (IEEE) and bfloat16 products; masks
+        for dot, q_type in ((P.DOT_FP32, "*fp32"), (P.DOT_BF16, "*bf16"), (P.DOT_FP16, "*fp16")):
+            for masked in (False, True):
+                yield f"prefill G={g} dot={dot} masked={masked}", P._prefill_kernel, {**pre_sig, "q_ptr": q_type}, dict(
+                    G=g, G_P=g, BQ=P.QUERY_BLOCK, HD_P=128, BT=P.TILE_TOKENS, SB=SB, INNER_BITS=5, OUTER_BITS=5,
+                    SBLK=1 << A.SPARSE_BLOCK_LOG, SBLK_LOG=A.SPARSE_BLOCK_LOG, SOFTCAP=False, MASKED=masked, DOT=dot,
+                    E_EVICTED=F.ERR_EVICTED, **ERRS,
+                ), dict(num_warps=P.NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+    rot_sig = {"x_ptr": "*fp32", "stride_x": "i32", "shift_ptr": "*fp32", "N": "i32", "H": "i32", "HD_SCALE": "fp32"}
+    for heads, hd in ((8, 128), (32, 128), (4, 64)):  # keys of a GQA / MHA layer, the default model's 3 x 64
+        yield f"rotate H={heads} hd={hd}", R._shift_rotate_kernel, rot_sig, dict(
+            BR=max(1, min(16, 4096 // (heads * hd))), H_P=heads, HD=hd, LOG_HD=hd.bit_length() - 1, SHIFT=True,
+            ROTATE=True,
+        ), dict(num_warps=4, enable_fp_fusion=False)  # fmt: skip
     copy_sig = {"src": "*u8", "src_off": "*i64", "dst": "*u8", "dst_off": "*i64", "lens": "*i32"}
     yield "copy_spans", E._copy_spans_kernel, copy_sig, dict(BLOCK=256), dict(num_warps=4)
 
@@ -98,6 +127,16 @@ def _ptxas_info(ptx: str, arch: int) -> dict:
         if "spill stores" in line:
             info["spill_store_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
     return info
+
+
+def _machine() -> str:
+    """``lscpu``'s model name and the core count (no GPU is needed: the compiler runs on the CPU)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    except OSError:
+        name = "?"
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(info)
         print(json.dumps(info), flush=True)
     if args.json:
+        meta = {
+            "command": " ".join(["python", *sys.argv]),
+            "machine": _machine(),
+            "load": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         with open(args.json, "w") as f:
-            json.dump({"triton": triton.__version__, "arch": args.arch, "kernels": results}, f, indent=1)
+            json.dump({"triton": triton.__version__, "arch": args.arch, **meta, "kernels": results}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -38,3 +38,14 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     goals = saved["goals"]
     assert goals["speedup_vs_sdpa"]["value"] is not None and goals["packed_bandwidth_over_copy"]["value"] is not None
     assert [c["batch"] for c in goals["encode_share_of_attention"]["cases"]] == [1]
+    # the device store against the CPU store, the model through both backends, a decode step, vLLM's note
+    store = saved["store"]
+    assert store["bytes_equal"] and store["read_bit_exact"] and store["attention_allclose"]
+    assert store["records"]["tokens"] > 0 and store["evicted_slots"][0] > 0
+    model = saved["model"]
+    assert model["cpu_store"] == "PagedKVStore" and model["device_store"] == "DeviceKVStore"
+    assert model["greedy"]["same_tokens"] and model["perplexity"]["within_0.5%"]
+    (step,) = saved["step"]["cases"]
+    assert step["oaken"]["median_ms"] > 0 and step["dynamic_fp16"]["median_ms"] > 0 and step["oaken_kv_bytes"] > 0
+    assert "CUDA backend" in saved["vllm"]["skipped"]
+    assert goals["store_bytes_equal_cpu"]["value"] is True and goals["greedy_tokens_equal_cpu"]["value"] is True

@@ -341,10 +341,16 @@ def test_attention_matches_float_attention_over_the_dequantized_cache(b, t, pad,
     view = view_from_store(store, 1, DEV)
     keep = tattn.keep_from_mask(mask, b, t, DEV)
     tile = 8 if splits == 2 else tattn.TILE_TOKENS  # the tuning variant too
-    got = tattn.paged_decode_attention(q[:, :, 0].to(DEV), view, keep, 64**-0.5, num_splits=splits, tile_tokens=tile)
+    got, lse, status = tattn.paged_decode_attention_parts(
+        q[:, :, 0].to(DEV), view, keep, 64**-0.5, num_splits=splits, tile_tokens=tile
+    )
+    tattn.raise_on_status(status)
     got = got.cpu()
     want = reference_packed_attention(q, kh, vh, mask, 64**-0.5)[:, 0]
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    # the log-sum-exp of the kept scores (what merging sink tokens or other pages takes)
+    scores = (q[:, :, 0, None] @ store.read(1, 0).repeat_interleave(3, dim=1).transpose(-1, -2))[:, :, 0] * 64**-0.5
+    torch.testing.assert_close(lse.cpu(), torch.logsumexp(scores.masked_fill(~mask[:, 0], -torch.inf), -1))
     # against the original (unquantized) K/V: the quantization error, small but not zero
     exact = float_attention(q, *store.original, mask, 64**-0.5)[:, 0]
     assert 0 < ((got - exact).norm() / exact.norm()).item() < 0.1
@@ -513,3 +519,61 @@ def test_the_device_view_is_the_store_layer_view_on_the_device():
         from_layer_view(lv, 32, DEV)
     with pytest.raises(ValueError, match="fp16 or fp32 scales"):
         from_layer_view(lv._replace(scale_bytes=lv.scale_bytes + 1, record_size=lv.record_size + 1), 64, DEV)
+
+
+# ------------------------------------------------------------------------------------------ prefill, rotation
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_attention_matches_float_attention_over_the_dequantized_cache(masked):
+    """A chunk of 17 queries (two query blocks, one partial) over 26 tokens of pages, GQA 9q/3kv: causal from the
+    chunk's position, or a 4-D mask with left padding, sink tokens left out (``skip``) and a soft cap; the output
+    and the log-sum-exp against float32 attention over the store's read."""
+    from oakenkv.hf.attention import float_attention
+    from oakenkv.kernels.triton import prefill as tpre
+    from oakenkv.kernels.triton.attention import raise_on_status
+    from oakenkv.kernels.triton.view import view_from_store
+
+    b, t, s = 1 + masked, 26, 17
+    store, _ = _attention_store(b, t, seed=15, page_size=512)
+    view = view_from_store(store, 1, DEV)
+    q = torch.randn(b, 9, s, 64, generator=torch.Generator().manual_seed(16))
+    mask = torch.ones(b, 1, s, t, dtype=torch.bool).tril(t - s)
+    skip, softcap = (2, 4.0) if masked else (0, None)
+    if masked:
+        mask[1, ..., :5] = False  # left padding
+    mask[..., :skip] = False
+    dev_mask = tpre.prefill_mask(mask.to(DEV), b, s, t, DEV) if masked else None
+    out, lse, status = tpre.paged_prefill_attention(q.to(DEV), view, t - s, dev_mask, 0.125, softcap, skip=skip)
+    raise_on_status(status)
+    k, v = store.read(1, 0), store.read(1, 1)
+    want = float_attention(q, k, v, mask, 0.125, softcap)  # [B, S, Hq, hd]
+    torch.testing.assert_close(out.cpu().transpose(1, 2), want, rtol=2e-5, atol=2e-6)
+    x = (q @ k.repeat_interleave(3, dim=1).transpose(-1, -2)) * 0.125
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    torch.testing.assert_close(lse.cpu(), torch.logsumexp(x.masked_fill(~mask, -torch.inf), -1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        tpre.paged_prefill_attention(q.to(DEV), view, t - s + 1, None, 0.125)
+
+
+@pytest.mark.parametrize(("n", "heads", "hd"), [(5, 3, 64), (1, 8, 16), (19, 1, 128)])
+def test_rotation_is_the_cpu_kernels_bits(n, heads, hd):
+    """The device key transform (shift, per-head Hadamard rotation) gives the numba kernel's float32 bits."""
+    import math
+
+    from oakenkv.kernels.cpu.rotate import shift_rotate_rows as cpu_rotate
+    from oakenkv.kernels.triton.rotate import shift_rotate_rows
+
+    g = np.random.default_rng(n)
+    x = (g.standard_normal((n, heads * hd)) * 3).astype(np.float32)
+    shift = g.standard_normal(heads * hd).astype(np.float32)
+    for sh in (None, shift):
+        want = x.copy()
+        cpu_rotate(want, np.zeros(0, np.float32) if sh is None else sh, True, hd, np.float32(1 / math.sqrt(hd)))
+        got = shift_rotate_rows(
+            torch.from_numpy(x).to(DEV), None if sh is None else torch.from_numpy(sh).to(DEV), True, hd
+        )
+        assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        shift_rotate_rows(torch.zeros(2, 96, device=DEV), None, True, 48)

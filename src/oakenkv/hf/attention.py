@@ -112,6 +112,8 @@ def packed_decode_attention(
         ``[B, 1, Hq, hd]`` in ``query``'s dtype (transformers' attention-output layout).
     """
     store = key.store
+    if getattr(store, "on_device", False):
+        return _device_attention(query, key, value, attention_mask, scaling, softcap)
     if key.kind != KEY or value.kind != VALUE or value.store is not store or value.layer != key.layer:
         raise ValueError("packed_decode_attention needs the key and value handles of one layer")
     b, hq, s, hd = query.shape
@@ -170,6 +172,16 @@ def packed_decode_attention(
         merge(q, window_keep, keys_t, values, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
+
+
+def _device_attention(query, key: PackedKV, value: PackedKV, attention_mask, scaling: float, softcap) -> torch.Tensor:
+    """Attention over a device store's pages (``oakenkv.store.device.DeviceKVStore.attention``): ``[B, S, Hq, hd]``."""
+    store = key.store
+    if key.kind != KEY or value.kind != VALUE or value.store is not store or value.layer != key.layer:
+        raise ValueError("packed attention needs the key and value handles of one layer")
+    if key.num_tokens != store.num_tokens(key.layer):
+        raise RuntimeError(f"the cache holds {store.num_tokens(key.layer)} tokens, the handle says {key.num_tokens}")
+    return store.attention(query, key.layer, attention_mask, scaling, softcap)
 
 
 def load_kernels() -> float:
@@ -266,6 +278,8 @@ def oaken_attention_forward(
         if dropout:
             raise ValueError("packed decode attention is for inference; dropout must be 0")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if getattr(key.store, "on_device", False):  # the device store: decode and prefill over its pages
+            return _device_attention(query, key, value, attention_mask, scaling, softcap), None
         return packed_decode_attention(query, key, value, attention_mask, scaling, softcap), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -29,6 +29,12 @@ window plus at most one page of records before it). The tables keep their per-to
 sparse length per token and stream) and evicted tokens read as zeros in the float path; the kernel never reads
 them (the mask hides them). ``OakenCache(..., evict_sliding=False)`` keeps everything.
 
+Where the pages live (``OakenCache(backend=...)``): ``"auto"`` (default) decides at the first update from the key
+states' device: CPU tensors keep the host store (``PagedKVStore``, numba kernels), CUDA tensors get a device store on
+that device (``oakenkv.store.device.DeviceKVStore``: the same bytes, written and read by the Triton kernels; with the
+``"oaken"`` attention, prefill chunks too attend over its pages: ``docs/gpu.md``). ``"numba"`` and ``"triton"`` force
+one; ``"triton"`` on CPU tensors runs the kernels under the Triton interpreter (``TRITON_INTERPRET=1``), for tests.
+
 Running out of the pool's budget raises :class:`~oakenkv.store.pages.PoolExhaustedError` from the layer that could not
 append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
 step's tokens, so a cache that raised must be ``reset()`` (or dropped) before it is used again.
@@ -49,6 +55,9 @@ from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
 from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.store.pages import PoolConfig, PoolStats
+
+#: ``OakenCache(backend=...)``: chosen by the tensors' device, the host store (numba), the device store (Triton).
+BACKENDS = ("auto", "numba", "triton")
 
 # ------------------------------------------------------------------------------------------------ layers
 
@@ -100,8 +109,11 @@ class OakenLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
-        if self.device.type != "cpu":
-            raise ValueError(f"OakenCache runs on CPU (its pages are host memory), got tensors on {self.device}")
+        if self.device.type != "cpu" and not getattr(self.store, "on_device", False):
+            raise ValueError(
+                f"OakenCache's host store (numba) keeps its pages in host memory, got tensors on {self.device}: a "
+                "model on a CUDA GPU gets the device store with backend='auto' (the default) or 'triton'"
+            )
         self.is_initialized = True
 
     def update(
@@ -111,6 +123,8 @@ class OakenLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store
+        if getattr(store, "on_device", False):
+            return self._update_device(key_states, value_states)
         if store.residual:
             return self._update_with_window(key_states, value_states)
         past = store.num_tokens(self.layer_idx)
@@ -142,6 +156,25 @@ class OakenLayer(CacheLayerMixin):
             # (position ``total``) and all later ones see none below total - window + 1; this step's float tensors
             # are already built, and its packed decode query (position total - 1) reads from total - window on.
             store.evict_before(self.layer_idx, total - self.sliding_window)
+        return result
+
+    def _update_device(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor | PackedKV, torch.Tensor | PackedKV]:
+        """:meth:`update` on a device store (``oakenkv.store.device``): the new tokens go into the pages on the
+        model's device; with the ``"oaken"`` attention every step (prefill chunks too) returns :class:`PackedKV`
+        handles and attention reads the pages (``DeviceKVStore.attention``), else the dequantized history."""
+        store = self.store
+        layer = self.layer_idx
+        store.append(layer, key_states, value_states)
+        total = store.num_tokens(layer)
+        if self.packed_decode:
+            result = (PackedKV(store, layer, KEY, total), PackedKV(store, layer, VALUE, total))
+        else:
+            dtype = key_states.dtype
+            result = (store.read(layer, KEY, dtype), store.read(layer, VALUE, dtype))
+        if self.is_sliding and self.evict:  # (see update)
+            store.evict_before(layer, total - self.sliding_window)
         return result
 
     def _update_with_window(
@@ -291,6 +324,11 @@ class OakenCache(Cache):
             residual; ``oakenkv.store.paged``). 0 (default): the paper's Oaken, every token quantized on arrival. A
             window makes short contexts exact and cheap to decode (no encode per step) and costs 32 bits per
             value of the tokens it holds.
+        backend: where the pages live and which kernels run: ``"auto"`` (default) chooses by the device of the
+            first tensors the cache stores: host memory and the numba kernels for CPU tensors
+            (``oakenkv.store.paged``), the model's GPU and the Triton kernels for CUDA tensors
+            (``oakenkv.store.device``, ``docs/gpu.md``); ``"numba"`` or ``"triton"`` force one (``"triton"`` on CPU
+            tensors runs the kernels under the Triton interpreter, ``TRITON_INTERPRET=1``: slow, for tests).
 
     A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.calibrate.plus``) is only valid on a model
     that carries them: build the cache with :meth:`from_profile`, which folds them in first.
@@ -358,15 +396,30 @@ class OakenCache(Cache):
         prefill_chunk: int = PREFILL_CHUNK,
         evict_sliding: bool = True,
         residual: int = 0,
+        backend: str = "auto",
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
         _check_transforms(thresholds, config)
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.store = PagedKVStore(
-            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk, residual
+        self.backend = backend
+        #: The stores' constructor arguments (``"auto"`` builds the device store when it first sees CUDA tensors).
+        self._store_args = (
+            thresholds,
+            num_layers,
+            text.num_key_value_heads,
+            head_dim,
+            pool_config,
+            codec,
+            prefill_chunk,
+            residual,
         )
+        #: Whether the store is chosen (only ``"auto"`` chooses late: at the first update).
+        self._store_chosen = backend != "auto"
+        self.store = self._make_store(backend)
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(layer_types):
@@ -378,6 +431,24 @@ class OakenCache(Cache):
             else:
                 raise ValueError(f"OakenCache supports full and sliding attention layers, layer {i} is {kind!r}")
         super().__init__(layers=layers)
+
+    def _make_store(self, backend: str, device: torch.device | None = None) -> Any:
+        if backend == "triton":
+            from oakenkv.store.device import DeviceKVStore
+
+            return DeviceKVStore(*self._store_args, device=device)
+        return PagedKVStore(*self._store_args)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any]:
+        if not self._store_chosen:  # backend "auto": CUDA tensors get the device store, CPU ones keep the host's
+            self._store_chosen = True
+            if key_states.device.type == "cuda":
+                self.store = self._make_store("triton", key_states.device)
+                for layer in self.layers:
+                    layer.store = self.store
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # The layers are views of one store: batch operations act on the store once, not once per layer.
 

@@ -130,7 +130,7 @@ def _attn_kernel(
     thr_ptr,  # float32 [2, 4]: key and value thresholds
     scratch_ptr,  # uint8 [programs, BT, HD_P]
     pm_ptr, pl_ptr, pacc_ptr,  # float32 [B, Hq, S], [B, Hq, S], [B, Hq, S, HD_P]: partial max, sum, acc
-    status_ptr,  # int32 [B * H * S]
+    status_ptr, status_stride,  # int32: each program's error code is max-ed into status_ptr[prog * stride]
     T, H, Hq, HD, D, page_size, rec, rpp, scaling, softcap, split_tokens, S,
     G: tl.constexpr, G_P: tl.constexpr, HD_P: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
     INNER_BITS: tl.constexpr, OUTER_BITS: tl.constexpr, SBLK: tl.constexpr, SBLK_LOG: tl.constexpr,
@@ -190,12 +190,14 @@ def _attn_kernel(
     tl.store(pacc_ptr + out[:, None] * HD_P + col[None, :], acc, mask=gm[:, None])
     allf = _or_all(flags)
     code = flags_to_error(allf, E_POS, E_ZERO, E_FIFTH, E_TRUNC, E_NOENTRY)
-    tl.store(status_ptr + prog, tl.where((allf & 32) != 0, E_EVICTED, code))
+    tl.atomic_max(status_ptr + prog * status_stride, tl.where((allf & 32) != 0, E_EVICTED, code))
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, HD, S_P: tl.constexpr, HD_P: tl.constexpr):
-    """``out[b, hq] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)``; zeros where every token was masked."""
+def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, lse_ptr, S, HD, S_P: tl.constexpr, HD_P: tl.constexpr):
+    """``out[b, hq] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)``, and the log-sum-exp of the scores
+    ``M + log(sum_s l_s e^(m_s - M))`` (``-inf``), for merging other tokens' attention; zeros where every token
+    was masked."""
     row = tl.program_id(0).to(tl.int64)  # b * Hq + hq
     si = tl.arange(0, S_P)
     sm = si < S
@@ -209,6 +211,7 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, HD, S_P: tl.constexpr,
     o = tl.sum(acc * w[:, None], axis=0)
     o = tl.where(total > 0.0, o / tl.where(total > 0.0, total, 1.0), 0.0)
     tl.store(out_ptr + row * HD + col, o, mask=col < HD)
+    tl.store(lse_ptr + row, tl.where(total > 0.0, mm + tl.log(tl.where(total > 0.0, total, 1.0)), -float("inf")))
 
 
 def _pow2(n: int) -> int:
@@ -254,6 +257,46 @@ def paged_decode_attention(
     Returns:
         float32 ``[B, Hq, hd]``.
     """
+    out, _, status = paged_decode_attention_parts(
+        q, view, keep, scaling, softcap, num_splits, exact_dequant, num_warps, tile_tokens
+    )
+    if check:
+        raise_on_status(status)
+    return out
+
+
+def raise_on_status(status: torch.Tensor) -> None:
+    """Raise :class:`~oakenkv.format.layout.CorruptDataError` for the first non-zero error code in ``status``
+    (int32, the kernels' ``ERR_*`` codes; a device-to-host copy)."""
+    flat = status.flatten()
+    bad = torch.nonzero(flat)
+    if bad.numel():
+        raise F.CorruptDataError(f"{F.ERROR_MESSAGES[int(flat[bad[0, 0]])]} (packed KV pages)")
+
+
+def paged_decode_attention_parts(
+    q: torch.Tensor,
+    view: DeviceLayerView,
+    keep: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    exact_dequant: bool = True,
+    num_warps: int = NUM_WARPS,
+    tile_tokens: int = TILE_TOKENS,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`paged_decode_attention` without the error check, and with what merging it with other tokens takes.
+
+    Args:
+        status: int32 ``[1]`` on the device, or None: every program's error code is max-ed into it (a store
+            accumulates one step's codes and reads them once, instead of a device-to-host copy per layer); None:
+            a fresh tensor of one code per program.
+
+    Returns:
+        ``(out, lse, status)``: float32 ``[B, Hq, hd]``, float32 ``[B, Hq]`` the log-sum-exp of the scaled (and
+        capped) scores over the kept tokens (``-inf`` where none is kept), and the status tensor.
+    """
     b, hq, hd = q.shape
     h, t_n = view.num_kv_heads, view.num_tokens
     if hd != view.head_dim or hq % h or b != view.batch_size:
@@ -268,7 +311,8 @@ def paged_decode_attention(
         keep = torch.ones((b, max(t_n, 1)), dtype=torch.uint8, device=dev)
     elif tuple(keep.shape) != (b, t_n):
         raise ValueError(f"keep must be [B, T] = [{b}, {t_n}], got {tuple(keep.shape)}")
-    keep = keep.to(device=dev, dtype=torch.uint8).contiguous()
+    if keep.dtype != torch.uint8 or keep.device != dev or keep.stride(1) != 1:
+        keep = keep.to(device=dev, dtype=torch.uint8).contiguous()
     splits = num_splits or num_splits_for(b, h, t_n)
     splits = max(1, min(splits, max(1, t_n)))
     split_tokens = -(-max(t_n, 1) // splits)
@@ -278,7 +322,10 @@ def paged_decode_attention(
     pm = torch.empty((b, hq, splits), dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
     pacc = torch.empty((b, hq, splits, hd_p), dtype=torch.float32, device=dev)
-    status = torch.zeros(b * h * splits, dtype=torch.int32, device=dev)
+    if status is None:
+        status, status_stride = torch.zeros(b * h * splits, dtype=torch.int32, device=dev), 1
+    else:
+        status_stride = 0
     scratch = torch.empty(b * h * splits * tile_tokens * hd_p, dtype=torch.uint8, device=dev)
     pages, addr, lens = view.dense_pages, view.sparse_addr, view.sparse_lengths
     if addr.stride() != lens.stride() or addr.stride(2) != 1 or pages.stride(2) != 1:
@@ -288,10 +335,13 @@ def paged_decode_attention(
     F.fp16_scales(view.scale_bytes)  # fp16 or fp32 scales, nothing else
     if t_n:
         group = hq // h
+        thr = view.thresholds
+        if thr.dtype != torch.float32 or not thr.is_contiguous():
+            thr = thr.to(torch.float32).contiguous()
         _attn_kernel[(b * h, splits)](
             q, q.stride(0), q.stride(1), view.dense_pool, view.sparse_pool,
             pages, pages.stride(0), pages.stride(1), addr, lens, addr.stride(0), addr.stride(1),
-            keep, keep.stride(0), view.thresholds.to(torch.float32).contiguous(), scratch, pm, pl, pacc, status,
+            keep, keep.stride(0), thr, scratch, pm, pl, pacc, status, status_stride,
             t_n, h, hq, hd, view.dim, view.page_size, view.record_size, view.records_per_page, float(scaling),
             float(softcap or 1.0), split_tokens, splits,
             G=group, G_P=_pow2(group), HD_P=hd_p, BT=tile_tokens, SB=view.scale_bytes,
@@ -306,13 +356,9 @@ def paged_decode_attention(
         pl.zero_()
         pacc.zero_()
     out = torch.empty((b, hq, hd), dtype=torch.float32, device=dev)
-    _combine_kernel[(b * hq,)](pm, pl, pacc, out, splits, hd, S_P=_pow2(splits), HD_P=hd_p)
-    if check:
-        bad = torch.nonzero(status)
-        if bad.numel():
-            code = int(status[bad[0, 0]])
-            raise F.CorruptDataError(f"{F.ERROR_MESSAGES[code]} (packed KV pages)")
-    return out
+    lse = torch.empty((b, hq), dtype=torch.float32, device=dev)
+    _combine_kernel[(b * hq,)](pm, pl, pacc, out, lse, splits, hd, S_P=_pow2(splits), HD_P=hd_p)
+    return out, lse, status
 
 
 def keep_from_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int, device) -> torch.Tensor | None:
@@ -335,8 +381,9 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     query ``[B, Hq, 1, hd]``, mask ``[B, 1, 1, T]`` -> ``[B, 1, Hq, hd]`` in the query's dtype.
 
     The layer's view is the store's ``layer_view`` moved to the device on every call (:func:`view_from_store`:
-    sparse addresses derived on the host); a device store keeps it there instead (``docs/gpu.md``). Under an
-    ``oaken-plus`` profile the queries are rotated as the store's keys are (``PagedKVStore.rotate_queries``)."""
+    sparse addresses derived on the host): the path for a CPU store (``oakenkv.store.device.DeviceKVStore`` keeps its
+    view on the device and runs its own attention). Under an ``oaken-plus`` profile the queries are rotated as the
+    store's keys are (``PagedKVStore.rotate_queries``)."""
     store = key.store
     if (key.kind, value.kind) != (0, 1) or value.store is not store or value.layer != key.layer:  # LayerView's kinds
         raise ValueError("packed_decode_attention needs the key and value handles of one layer")
@@ -360,7 +407,7 @@ def packed_decode_attention(query, key, value, attention_mask, scaling: float, s
     q = query[:, :, 0, :]
     if store.transforms is not None:
         # oaken-plus: the pages hold keys rotated per head; the store rotates the queries alike, as for the CPU
-        # kernel (on the host for now: a device store would run that Hadamard transform on the device).
+        # kernel (on the host: a CPU store's; the device store rotates on the device, kernels.triton.rotate).
         q32 = q.detach().to(torch.float32).cpu().numpy()
         q = torch.from_numpy(store.rotate_queries(key.layer, q32)).to(query.device)
     out = paged_decode_attention(q, view, keep, scaling, softcap)

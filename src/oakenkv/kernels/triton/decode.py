@@ -3,7 +3,7 @@
 ``dequantize(unpack(enc))`` of the reference, for rows given by addresses: row ``r``'s dense record (scales then
 nibbles) at ``records + rec_addr[r]`` and its COO stream at ``sparse + sp_addr[r]`` (``sp_len[r]`` bytes). The
 same kernel decodes an :class:`~oakenkv.format.layout.EncodedBatch` (addresses of its rows) and a layer's pages (the
-per-token addresses of the kernel view): the prefill path's dequantize-tile read of earlier pages.
+per-token addresses of the kernel view): the device store's float read path (``DeviceKVStore.read``).
 
 Each program decodes ``BT`` rows: every value first as a middle-group code (``lo + code * step``, then the
 threshold of its side), stored; then, after a barrier, the COO streams are read a block of bytes at a time
@@ -238,11 +238,11 @@ def decode_batch(
 def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A layer's stored keys (``kind`` 0) or values (1) dequantized on the view's device: ``[B, H, T, hd]``.
 
-    The device counterpart of ``PagedKVStore.read`` (the same floats, bit for bit): the dequantize-tile read of
-    earlier pages for a prefill chunk's attention. ``view``: a :class:`~oakenkv.kernels.triton.view.DeviceLayerView`;
-    tokens on evicted pages (a sliding window's past) read as zeros, as in ``PagedKVStore.read``. The keys are the
-    stored ones: under an ``oaken-plus`` key rotation ``PagedKVStore.read`` also undoes the rotation
-    (``restore_keys``), this does not.
+    The device counterpart of ``PagedKVStore.read`` (the same floats, bit for bit; ``DeviceKVStore.read`` adds the
+    watermark, sink tokens and the keys' rotation back). ``view``: a
+    :class:`~oakenkv.kernels.triton.view.DeviceLayerView`; tokens on evicted pages (a sliding window's past) read as
+    zeros, as in ``PagedKVStore.read``. The keys are the stored ones: under an ``oaken-plus`` key rotation
+    ``PagedKVStore.read`` also undoes the rotation (``restore_keys``), this does not.
     """
     b, t_n, rpp = view.batch_size, view.num_tokens, view.records_per_page
     dev = view.dense_pool.device
