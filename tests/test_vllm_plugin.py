@@ -526,7 +526,7 @@ def _hf_greedy(default_model, thr_path, prompts, n):
     with torch.inference_mode(), oaken_attention(model):
         for p in prompts:
             ids = tok(p, return_tensors="pt").input_ids
-            cache = OakenCache(thr, model.config)
+            cache = OakenCache(thr, model)
             gen = model.generate(
                 ids,
                 max_new_tokens=n,

@@ -224,7 +224,7 @@ def generate_text(
     if ids.shape[-1] == 0:
         raise ValueError("the prompt is empty (no tokens to continue); give some text")
     if thresholds is not None:
-        cache = OakenCache(thresholds, model.config, residual=residual)
+        cache = OakenCache(thresholds, model, residual=residual)
     else:
         cache = DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
@@ -269,7 +269,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
 
     from oakenkv.hf.cache import OakenCache
 
-    cache = OakenCache(thresholds, model.config)
+    cache = OakenCache(thresholds, model)
     with torch.inference_mode():
         logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)

@@ -10,10 +10,13 @@ head_dim``, granularity "token", the paper's); its bytes are the page records of
 Writes are atomic per layer: an append that the pool's budget cannot hold raises
 :class:`~oakenkv.store.pages.PoolExhaustedError` and changes nothing.
 
-Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` tokens of every row are
-encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
+Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` real tokens of every row
+are encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
 transform, as the pages hold them) beside the pool; every read (:meth:`PagedKVStore.read`, the prefill's direct
-decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention) takes them from there.
+decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention through
+:meth:`PagedKVStore.split_sink_keep`) takes them from there. A row's first real token is token 0 unless the cache
+was told otherwise (:meth:`PagedKVStore.set_row_starts`, from the attention mask: a left-padded row's sink is its
+first token after the padding, ``oakenkv.hf.cache``).
 
 A full-precision window (``residual = R > 0``, KIVI's and transformers' ``QuantizedCache``'s residual, off by
 default: the paper's Oaken quantizes every token): every layer keeps its newest tokens unquantized, as float32
@@ -270,6 +273,11 @@ class PagedKVStore:
         self.sink_tokens = thresholds.transforms.sink_tokens if thresholds.transforms is not None else 0
         #: Per layer: float16 ``[B, 2, sink_tokens, D]``, the sink tokens' key rows (transformed) and value rows.
         self.sinks: list[np.ndarray] = []
+        #: int64 ``[B]``: the position of each row's first real token, its first sink token (None: 0 for every row;
+        #: :meth:`set_row_starts`).
+        self.row_starts: np.ndarray | None = None
+        #: No row has a sink token at or after this position (``max(row_starts) + sink_tokens``).
+        self._sink_end = self.sink_tokens
         #: Tokens of the full-precision window (module doc); 0: none.
         self.residual = residual
         #: Per layer (with ``residual``): the window's keys (transformed, as the encoder takes them) and values,
@@ -399,12 +407,14 @@ class PagedKVStore:
         encoded = []
         items = []
         sink_rows = []
+        sink_at = self._sink_slices(past, s)
         # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
             for kind, x in ((KEY, key_rows), (VALUE, value_rows)):
                 rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
-                if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
-                    sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
+                if sink_at:  # (a float16 copy now: the encoder may work in the rows)
+                    r3 = rows_np.reshape(b, s, self.dim)
+                    sink_rows.append([(r, j, r3[r, a:e].astype(np.float16)) for r, a, e, j in sink_at])
                 enc = self._encode(layer, kind, rows_np)
                 encoded.append(enc)
                 dense, sparse, offs = to_records(enc)
@@ -415,8 +425,9 @@ class PagedKVStore:
                     )
         self.pool.append_many(items)
         self._sync_layer(layer)
-        for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
-            self.sinks[layer][:, kind, past : past + x.shape[1]] = x
+        for kind, parts in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
+            for r, j, x in parts:
+                self.sinks[layer][r, kind, j : j + x.shape[0]] = x
         return encoded[0], encoded[1]
 
     def append_decoded(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -443,9 +454,10 @@ class PagedKVStore:
         self._float_rows(layer, VALUE, values, rows[n:])
         past = self.tables[layer].num_tokens
         sinks = None
-        if past < self.sink_tokens:  # (a float16 copy now: the encoder works in the rows)
-            keep = min(s, self.sink_tokens - past)
-            sinks = rows.reshape(2, b, s, self.dim)[:, :, :keep].astype(np.float16)
+        sink_at = self._sink_slices(past, s)
+        if sink_at:  # (a float16 copy now: the encoder works in the rows)
+            r4 = rows.reshape(2, b, s, self.dim)
+            sinks = [(r, j, r4[:, r, a:e].astype(np.float16)) for r, a, e, j in sink_at]
         thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
@@ -462,7 +474,8 @@ class PagedKVStore:
         self.pool.append_many(items)
         self._sync_layer(layer)
         if sinks is not None:
-            self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
+            for r, j, x in sinks:  # x: [2, n', D]
+                self.sinks[layer][r, :, j : j + x.shape[1]] = x
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
         decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
@@ -585,13 +598,15 @@ class PagedKVStore:
         rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
         self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
         t = self.tables[layer].num_tokens
-        sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
+        # (a copy before the encoder works in the rows)
+        sink = rows.astype(np.float16) if t < self._sink_end and self._sink_slices(t, 1) else None
         encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
         if sink is not None:
-            self.sinks[layer][:, KEY, t] = sink[:b]
-            self.sinks[layer][:, VALUE, t] = sink[b:]
+            for r, _, _, j in self._sink_slices(t, 1):
+                self.sinks[layer][r, KEY, j] = sink[r]
+                self.sinks[layer][r, VALUE, j] = sink[b + r]
         lt = self.tables[layer]
         if t >= lt.sparse_lengths.shape[2]:
             lt.sparse_lengths = _grown(lt.sparse_lengths, t + 1)
@@ -712,21 +727,69 @@ class PagedKVStore:
         """Put the layer's sink tokens (module doc) into ``x``, its dequantized keys (in the pages' frame, before
         :meth:`restore_keys`) or values ``[B, H, T, hd]`` of the whole history, in place; returns ``x``. Positions
         a sliding window evicted stay as they read. No-op without sink tokens."""
-        n = min(self.sink_tokens, x.shape[2])
-        if n == 0 or not self.seqs:
+        t = x.shape[2]
+        if not self.sink_tokens or not self.seqs or t == 0:
             return x
         start = self.pool.table(self.seqs[0], 2 * layer + kind).evicted_before
-        if start >= n:
-            return x
-        sink = torch.from_numpy(self.sinks[layer][:, kind, start:n])  # [B, n', D]
-        x[:, :, start:n] = sink.reshape(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        for r, a, e, j in self._sink_slices(start, t - start) or ():
+            sink = torch.from_numpy(self.sinks[layer][r, kind, j : j + e - a])  # [n', D]
+            x[r, :, start + a : start + e] = sink.reshape(e - a, self.num_kv_heads, self.head_dim).transpose(0, 1)
         return x
+
+    def set_row_starts(self, starts: np.ndarray | list[int]) -> None:
+        """Declare where each batch row's real tokens begin (its first sink token): int ``[B]``, from the attention
+        mask (``oakenkv.hf.cache``: a left-padded row begins after its padding). A row whose first sink token is
+        already stored keeps the start it was stored with."""
+        new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
+        if (new < 0).any():
+            raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
+        if self.seqs and new.shape[0] != len(self.seqs):
+            raise ValueError(f"{new.shape[0]} row starts for a cache of {len(self.seqs)} rows")
+        held = self.num_tokens(0) if self.seqs else 0
+        if held:  # a row whose sink is (partly) stored keeps its start
+            old = self.row_starts
+            old = old if old is not None and old.shape[0] == new.shape[0] else np.zeros_like(new)
+            new = np.where(old < held, old, new)
+        self.row_starts = new
+        self._sink_end = int(new.max(initial=0)) + self.sink_tokens
+
+    def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
+        """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
+        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...``; empty when there are none."""
+        n = self.sink_tokens
+        if not n or past >= self._sink_end or s <= 0:
+            return []
+        b = len(self.seqs)
+        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
+        out = []
+        for r in range(b):
+            p = 0 if starts is None else int(starts[r])
+            lo, hi = max(p, past), min(p + n, past + s)
+            if lo < hi:
+                out.append((r, lo - past, hi - past, lo - p))
+        return out
+
+    def split_sink_keep(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """For the packed decode attention over the pages' tokens: ``keep`` (uint8 ``[B, T]``, the mask over the
+        pages' tokens) as ``(keep with every row's sink positions cleared, uint8 [B, sink_tokens]: the mask of each
+        row's sink tokens ``j``)``; None without sink tokens. ``keep`` itself is never written."""
+        t = keep.shape[1]
+        slices = self._sink_slices(0, t)
+        if not slices:
+            return None
+        page_keep = keep.copy()
+        sink_keep = np.zeros((keep.shape[0], self.sink_tokens), np.uint8)
+        for r, a, e, j in slices:
+            sink_keep[r, j : j + e - a] = keep[r, a:e]
+            page_keep[r, a:e] = 0
+        return page_keep, sink_keep
 
     def sink_bytes(self) -> int:
         """Bytes of the sink tokens held (16 bits per value of the tokens stored so far)."""
         if not self.sink_tokens or not self.seqs:
             return 0
-        return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
+        held = sum(e - a for lt in self.tables for _, a, e, _ in self._sink_slices(0, lt.num_tokens))
+        return 2 * held * self.dim * 2
 
     def evict_before(self, layer: int, token: int) -> int:
         """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
@@ -760,6 +823,8 @@ class PagedKVStore:
             if j not in used:
                 self.pool.free(seq)
         self.sinks = [sink[index] for sink in self.sinks]
+        if self.row_starts is not None and self.row_starts.shape[0] == len(self.seqs):
+            self.row_starts = self.row_starts[index]
         self.windows = [(kt[index], vw[index]) for kt, vw in self.windows]
         self._set_rows(new)
 
@@ -770,6 +835,8 @@ class PagedKVStore:
         self.tables = []
         self._targets = []
         self.sinks = []
+        self.row_starts = None
+        self._sink_end = self.sink_tokens
         self.windows = []
         self.window_len = [0] * self.num_layers
 
