@@ -27,8 +27,10 @@ def load_or_profile_thresholds(
     from oakenkv.calibrate.thresholds import Thresholds
 
     if path is not None:
+        from oakenkv.calibrate.match import check_profile_model
+
         thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
-        thr.check_model(loaded.model)  # shape and weights
+        check_profile_model(thr, loaded.model)  # shape, weights, no oaken-plus transforms on either side
         return thr
     from oakenkv.calibrate.profile import CalibrationSpec, cached_thresholds
     from oakenkv.format.config import OakenConfig
@@ -300,7 +302,9 @@ def load_or_profile_plus(
         thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
         if thr.transforms is None:
             raise ValueError("this thresholds file is a paper (oaken) profile, not an oaken-plus one")
-        thr.check_model(loaded.model)
+        from oakenkv.calibrate.match import check_identity
+
+        check_identity(thr, loaded.model)  # shape and weights (the transforms are folded into a copy later)
         return thr
     from oakenkv.calibrate.plus import PLUS_CALIBRATION, cached_plus_profile
     from oakenkv.calibrate.profile import CalibrationSpec

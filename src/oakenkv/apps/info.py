@@ -96,6 +96,8 @@ def print_info() -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
+    from oakenkv.util.text import markup_safe
+
     info = collect_info()
     console = Console()
     console.print(f"[bold]oakenkv[/bold] {info['versions']['oakenkv']}  (Python {info['python']}, {info['platform']})")
@@ -103,7 +105,7 @@ def print_info() -> dict[str, Any]:
     console.print(f"versions: {versions}")
     t = info["threads"]
     console.print(f"threads: {t['cpu_count']} CPUs, torch {t['torch']}, numba {t['numba']}")
-    console.print(f"cache: {info['cache']}")
+    console.print(f"cache: {markup_safe(info['cache'])}")
     for title, section in (("Models", info["models"]), ("Data", info["data"])):
         table = Table(title=title, title_justify="left")
         table.add_column("name")
@@ -117,6 +119,6 @@ def print_info() -> dict[str, Any]:
             detail = (
                 entry["where"] + (f"\n{entry['note']}" if entry["note"] else "") if entry["found"] else entry["note"]
             )
-            table.add_row(name, status, detail)
+            table.add_row(name, status, markup_safe(detail, newlines=True))
         console.print(table)
     return info

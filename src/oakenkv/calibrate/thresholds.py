@@ -53,6 +53,7 @@ from typing import Any, Literal
 
 from oakenkv.format.config import OakenConfig
 from oakenkv.quant.groups import FLOAT32_MAX, GroupThresholds, as_float32, finite_float
+from oakenkv.util.exact import is_int, one_of
 from oakenkv.util.paths import atomic_write
 
 __all__ = [
@@ -79,6 +80,9 @@ FORMAT_NAME = "oakenkv-thresholds"
 SCHEMA_VERSION = 1
 #: Largest file :meth:`Thresholds.load` reads: a profile of 1000 layers with statistics is about 1 MB.
 MAX_FILE_BYTES = 64 * 2**20
+#: Most decoder layers a profile may describe (the largest models have a few hundred): bounds what a file costs to
+#: read and print.
+MAX_LAYERS = 4096
 #: The layout of a profile that carries offline transforms (``oaken-plus``): version 1 plus a "transforms" object.
 #: A reader that knows only version 1 refuses such a file instead of using its thresholds on an untransformed model.
 SCHEMA_VERSION_TRANSFORMS = 2
@@ -252,8 +256,10 @@ class ModelFingerprint:
             raise ValueError(f"architecture must be a non-empty string, got {self.architecture!r}")
         for n in ("num_layers", "num_kv_heads", "head_dim"):
             v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers must be at most {MAX_LAYERS} (more than a model has), got {self.num_layers}")
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"name must be a string or None, got {self.name!r}")
         if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):
@@ -339,7 +345,9 @@ class LayerStats:
             if len(self.run_std) != 4:
                 raise ValueError(f"run_std must have 4 entries, got {self.run_std!r}")
             object.__setattr__(self, "run_std", tuple(finite_float("run_std", s) for s in self.run_std))
-        object.__setattr__(self, "adjustments", tuple(str(a) for a in self.adjustments))
+        if isinstance(self.adjustments, (str, bytes)) or not all(isinstance(a, str) for a in self.adjustments):
+            raise ValueError(f"adjustments must be a list of strings, got {self.adjustments!r}")
+        object.__setattr__(self, "adjustments", tuple(self.adjustments))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -547,7 +555,7 @@ class Thresholds:
         if d.get("format") != FORMAT_NAME:
             raise fail(f"not a thresholds file (format is {d.get('format')!r}, expected {FORMAT_NAME!r})")
         version = d.get("schema_version")
-        if version not in (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS):
+        if not one_of(version, (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS)):  # (not true, not 2.0)
             raise fail(
                 f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION} and "
                 f"{SCHEMA_VERSION_TRANSFORMS}); re-profile"
@@ -561,8 +569,12 @@ class Thresholds:
             if not isinstance(layers, list):
                 raise fail("'layers' must be a list")
             keys, values, kstats, vstats = [], [], [], []
+            if len(layers) > MAX_LAYERS:
+                raise fail(f"holds {len(layers):,} layers, more than any model has ({MAX_LAYERS:,} at most)")
             for pos, entry in enumerate(layers):
-                if entry.get("index") != pos:
+                if not isinstance(entry, dict):
+                    raise fail(f"layer entry {pos} must be an object")
+                if not one_of(entry.get("index"), (pos,)):
                     raise fail(f"layer entry {pos} has index {entry.get('index')!r} (layers must be in order)")
                 for kind, thr, st in (("key", keys, kstats), ("value", values, vstats)):
                     try:
@@ -665,32 +677,49 @@ class Thresholds:
 def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -> None:
     """Print a profile for people: model, config, how it was profiled, and (``layers``) a per-layer table.
 
-    ``console`` is a ``rich.console.Console`` (default: a new one on stdout).
-    """
-    from rich.console import Console
-    from rich.table import Table
+    Everything that came from the file is printed through :func:`oakenkv.util.text.printable` (escape sequences and
+    control characters made visible) and cut to a line's worth, and no markup is interpreted: a shared profile
+    cannot act on the terminal. The table is plain text, written at once (a 4096-layer profile prints in well
+    under a second; a rich table of it took minutes).
 
-    console = Console() if console is None else console
+    ``console`` is a ``rich.console.Console`` to write to (default: standard output).
+    """
+    from oakenkv.util.text import printable
+
+    def text(v: Any, limit: int = 200) -> str:
+        return printable(v, limit=limit)
+
     c = th.config
-    console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
-    console.print(
-        f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
+    lines = [
+        f"model   {text(th.fingerprint.describe())}",
+        f"config  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
         f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
-        f"granularity {c.granularity}, scales {c.scale_dtype}"
-    )
+        f"granularity {c.granularity}, scales {c.scale_dtype}",
+    ]
     if th.profile:
-        console.print("[bold]profile[/] " + ", ".join(f"{k}={v}" for k, v in th.profile.items() if v is not None))
-    if not layers:
-        return
-    for kind in _KINDS:
-        table = Table(title=f"{kind} thresholds per decoder layer")
-        for col in ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs", "notes"):
-            table.add_column(col, justify="left" if col == "notes" else "right")
-        for i in range(th.num_layers):
-            st = th.stats(i, kind)
-            cells = [f"{v:+.4f}" for v in th.layer(i, kind).as_tuple()]
-            extra = (
-                ["-", "-", ""] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs), "; ".join(st.adjustments)]
-            )
-            table.add_row(str(i), *cells, *extra)
-        console.print(table)
+        shown = [f"{text(k, 40)}={text(v, 80)}" for k, v in list(th.profile.items())[:32] if v is not None]
+        more = len(th.profile) - 32
+        lines.append("profile " + text(", ".join(shown), 2000) + (f" (and {more} more fields)" if more > 0 else ""))
+    if th.transforms is not None:
+        t = th.transforms
+        lines.append(
+            f"transforms oaken-plus: {sum(lt.key_shift is not None for lt in t.layers)} key shifts, "
+            f"{sum(lt.key_scale is not None for lt in t.layers)} key scales, {sum(lt.key_rotation for lt in t.layers)} "
+            f"key and {sum(lt.value_rotation for lt in t.layers)} value rotations, {t.sink_tokens} sink tokens"
+        )
+    if layers:
+        head = ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs")
+        for kind in _KINDS:
+            lines += ["", f"{kind} thresholds per decoder layer"]
+            lines.append("  ".join(f"{h:>9}" for h in head) + "  notes")
+            for i in range(th.num_layers):
+                st = th.stats(i, kind)
+                cells = [str(i), *(f"{v:+.4f}" for v in th.layer(i, kind).as_tuple())]
+                cells += ["-", "-"] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs)]
+                notes = "" if st is None else text("; ".join(st.adjustments), 100)
+                lines.append("  ".join(f"{x:>9}" for x in cells) + ("  " + notes if notes else ""))
+    import sys
+
+    f = sys.stdout if console is None else console.file
+    f.write("\n".join(lines) + "\n")
+    f.flush()

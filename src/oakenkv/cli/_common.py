@@ -33,7 +33,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, MemoryError
 
 
 def one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    """``text`` on one line, safe for a terminal: whitespace runs become one space, then every control or escape
+    character left is made visible (``oakenkv.util.text.printable``: an error may quote a file's content)."""
+    from oakenkv.util.text import printable
+
+    return printable(" ".join(str(text).split()), limit=4000)
 
 
 def message(e: BaseException) -> str:

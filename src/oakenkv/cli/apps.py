@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from oakenkv.cli._common import ResidualOption, app, bad_option, check_model, check_out, load_thresholds, write_json
+from oakenkv.util.text import printable
 
 
 @app.command()
@@ -116,7 +117,7 @@ def generate(
             lm, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample, residual=residual if t else 0
         )
         typer.echo(f"--- {name} ({g.new_tokens} tokens in {g.seconds:.1f} s)")
-        typer.echo(g.text)
+        typer.echo(printable(g.text, newlines=True))  # (a model's text may hold escape sequences)
         typer.echo(
             f"KV cache: {g.kv_bytes:,} bytes for {g.prompt_tokens + g.new_tokens - 1} tokens "
             f"(fp32 would hold {g.fp32_kv_bytes:,} bytes: {g.fp32_kv_bytes / g.kv_bytes:.2f}x)"

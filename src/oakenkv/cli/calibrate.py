@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, check_model, check_out
+from oakenkv.cli._common import app, bad_option, check_model, check_out, one_line
 
 
 @app.command("profile")
@@ -146,7 +146,7 @@ def profile_cmd(
             )
     for w in caught:
         if issubclass(w.category, UserWarning):
-            typer.secho(f"warning: {w.message}", fg="yellow", err=True)
+            typer.secho(f"warning: {one_line(str(w.message))}", fg="yellow", err=True)
     path = th.save(out)
     typer.echo(
         f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "

@@ -43,6 +43,7 @@ from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.calibrate.transforms import fwht
 from oakenkv.format.config import OakenConfig
 from oakenkv.format.layout import (
+    ERR_NONFINITE,
     ERROR_MESSAGES,
     HEADER_BITS,
     EncodedBatch,
@@ -145,6 +146,43 @@ def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
     raise ValueError(f"cannot encode the {'keys' if r < n else 'values'} of {where}: {ERROR_MESSAGES[int(-counts[r])]}")
 
 
+def min_page_size(dim: int, config: OakenConfig) -> int:
+    """Bytes the smallest page must hold: one token's dense record and the largest sparse record a row of ``dim``
+    values can have (records never straddle pages, ``oakenkv.store.pages``)."""
+    return max(record_size(dim, config), sparse_capacity(dim))
+
+
+def _pool_config(pool_config: PoolConfig | None, dim: int, config: OakenConfig) -> PoolConfig:
+    """``pool_config``, checked to hold a token of ``dim`` values; the default (4 KiB pages) with pages doubled until
+    one does (a model of ``D = kv_heads x head_dim`` above ~4000 values)."""
+    need = min_page_size(dim, config)
+    if pool_config is None:
+        page = PoolConfig().page_size
+        while page < need:
+            page *= 2
+        return PoolConfig(page_size=page, budget_bytes=max(PoolConfig().budget_bytes, page))
+    if pool_config.page_size < need:
+        good = 1 << (need - 1).bit_length()
+        raise ValueError(
+            f"page_size {pool_config.page_size} cannot hold one token of {dim} values (a {record_size(dim, config)}-"
+            f"byte dense record and up to {sparse_capacity(dim)} sparse bytes); use a page_size of at least {good}"
+        )
+    return pool_config
+
+
+def _refuse_nonfinite(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise the ValueError the encoder's refusal gives (:func:`_check_encoded_rows`) for the first token of
+    ``keys`` / ``values`` ``[B, H, S, hd]`` holding a NaN or an infinity (in float32, as the store holds them): the
+    full-precision window takes the rows the encoder would, and refuses what it would refuse."""
+    for name, x in (("keys", keys), ("values", values)):
+        bad = ~torch.isfinite(x.detach().to(torch.float32)).all(dim=3).all(dim=1)  # [B, S]
+        if bool(bad.any()):
+            r, t = (int(i) for i in bad.nonzero()[0])
+            where = f"row {r}" + (f", token {t}" if x.shape[2] > 1 else "")
+            raise ValueError(f"cannot store the {name} of {where}: {ERROR_MESSAGES[ERR_NONFINITE]}")
+    raise ValueError(f"cannot store these keys and values: {ERROR_MESSAGES[ERR_NONFINITE]}")
+
+
 def _grown(a: np.ndarray, size: int) -> np.ndarray:
     """``a`` with its last axis at least ``size`` long (doubling), contents kept."""
     if a.shape[-1] >= size:
@@ -244,7 +282,7 @@ class PagedKVStore:
         self.scale_bytes = scale_bytes(config)
         #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
         self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
-        self.pool = PagePool(pool_config)
+        self.pool = PagePool(_pool_config(pool_config, self.dim, config))
         self.encode, self.decode = codec_functions(codec)
         #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
         self.fast = codec != "reference"
@@ -523,10 +561,15 @@ class PagedKVStore:
             k, v = keys.detach(), values.detach()  # (float32's numpy view: a .to() call costs more than the copy)
             kt[:, :, :, n:total] = (k if k.dtype == torch.float32 else k.float()).numpy().transpose(0, 1, 3, 2)
             vw[:, :, n:total] = (v if v.dtype == torch.float32 else v.float()).numpy()
+            # refused as the encoder refuses them: the window's slots past window_len are free, so nothing changed
+            if not (np.isfinite(kt[:, :, :, n:total]).all() and np.isfinite(vw[:, :, n:total]).all()):
+                _refuse_nonfinite(keys, values)
             self.window_len[layer] = total
             return []
         with serial_numba(self.transforms is not None and b * s < SERIAL_BELOW_ROWS):
             rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+        if not (np.isfinite(rows[KEY]).all() and np.isfinite(rows[VALUE]).all()):  # (before anything is written)
+            _refuse_nonfinite(torch.from_numpy(rows[KEY]).unsqueeze(1), torch.from_numpy(rows[VALUE]).unsqueeze(1))
         if total < 2 * self.residual:
             self._window_write(layer, n, rows[KEY], rows[VALUE])
             self.window_len[layer] = total
