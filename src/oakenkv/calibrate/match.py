@@ -29,7 +29,6 @@ from oakenkv.calibrate.thresholds import (
     UnverifiedWeightsWarning,
     weights_digest,
 )
-from oakenkv.calibrate.transforms import FOLD_MARK, TransformError
 
 #: Attribute set on a folded model's config: ``(weights digest before the fold, after the fold)``.
 FOLD_WEIGHTS = "oakenkv_folded_weights"
@@ -59,6 +58,8 @@ def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -
     """Raise :class:`ModelMismatchError` when ``thresholds`` were not profiled on ``model``: its shape, and its weights
     when the model (not only its config) is given; a folded model by the weights recorded at its fold (module doc).
     Warns :class:`ShapeOnlyWarning` when only a config is given and the profile has a digest to compare."""
+    from oakenkv.calibrate.transforms import FOLD_MARK
+
     config = _config(model)
     if not is_model(model):
         thresholds.check_model(config)  # the shape
@@ -100,6 +101,8 @@ def check_transforms(thresholds: Thresholds, model: Any) -> None:
     """Raise :class:`~oakenkv.calibrate.transforms.TransformError` (a ValueError) when the model does not carry
     exactly the profile's oaken-plus transforms (a profile without transforms: none): either way the thresholds
     would quantize vectors they were not profiled for."""
+    from oakenkv.calibrate.transforms import FOLD_MARK, TransformError
+
     folded = getattr(_config(model), FOLD_MARK, None)
     t = thresholds.transforms
     if t is None and folded is not None:
@@ -109,6 +112,26 @@ def check_transforms(thresholds: Thresholds, model: Any) -> None:
             "this profile has oaken-plus transforms the model does not carry"
             + (" (it carries other ones)" if folded else "")
             + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
+        )
+
+
+def check_profile_shape(thresholds: Thresholds, model_name: str) -> None:
+    """Before a model loads: raise :class:`ModelMismatchError` when the model ``model_name`` (as the command line
+    names it) has another shape than the profile's, read from its ``config.json`` without loading it
+    (``oakenkv.assets.models.model_kv_shape``: an embedded model once converted, a local directory). Nothing is
+    checked when no local config exists yet; the check at construction (:func:`check_profile_model`) still runs."""
+    from oakenkv.assets.models import model_kv_shape
+
+    shape = model_kv_shape(model_name)
+    if shape is None:
+        return
+    fp = thresholds.fingerprint
+    layers, dim = shape
+    if (fp.num_layers, fp.num_kv_heads * fp.head_dim) != (layers, dim):
+        raise ModelMismatchError(
+            f"this profile is for ({fp.describe()}: {fp.num_kv_heads * fp.head_dim} K/V values per token) but the "
+            f"model {model_name!r} has {layers} layers and {dim} K/V values per token; profile this model with "
+            "`oakenkv profile --model ...`"
         )
 
 
@@ -128,6 +151,7 @@ __all__ = [
     "ShapeOnlyWarning",
     "check_identity",
     "check_profile_model",
+    "check_profile_shape",
     "check_transforms",
     "is_model",
     "record_fold",

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from oakenkv.util.paths import MAX_TEXT_BYTES
+
 app = typer.Typer(
     name="oakenkv",
     help="Oaken KV-cache quantization (ISCA 2025): profile thresholds, quantize the KV cache of a transformers "
@@ -62,9 +64,17 @@ def bad_option(option: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=f"'{option}'")
 
 
+def print_warning(text: str) -> None:
+    """One ``warning: ...`` line on stderr (sanitized like an error line)."""
+    print(f"warning: {one_line(text)}", file=sys.stderr, flush=True)
+
+
 def check_out(path: Path | None, option: str) -> None:
-    """Refuse an output path that cannot be written, before any work: an existing directory, a parent that is a
-    file, or a directory without write permission."""
+    """Refuse an output path that cannot be written, before any work, by writing a trial file where the output will
+    go (the nearest directory that exists): an existing directory, a parent that is a file, a directory without
+    write permission, a read-only or full file system. An existing file there is replaced at the end: said now, in
+    one ``warning:`` line (the policy of every ``--out``/``--json``/``--plot``, docs/robustness.md); an existing
+    thing that is not a regular file (a device, a pipe) is refused."""
     if path is None:
         return
     if path.is_dir():
@@ -76,6 +86,56 @@ def check_out(path: Path | None, option: str) -> None:
         raise bad_option(option, f"cannot create {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise bad_option(option, f"cannot write {path}: no permission to write in {parent}")
+    import tempfile
+
+    try:  # what the final write does (oakenkv.util.paths.atomic_write: a temporary file there, then a rename)
+        fd, trial = tempfile.mkstemp(dir=parent, prefix=".oakenkv-trial-", suffix=".tmp")
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(trial)
+    except OSError as e:
+        raise bad_option(option, f"cannot write {path}: {message(e)}") from None
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise bad_option(option, f"{path} exists and is not a regular file (a device or a pipe?)")
+        print_warning(f"{option} {path} exists; it will be replaced when the command ends")
+
+
+def save_output(path: Path, write: Any, option: str) -> Path:
+    """Write a command's output: ``write(p)`` writes it (atomically) to ``p``. When that fails after the work was
+    done (the disk filled up, the directory went away or became read-only since :func:`check_out`), the output is
+    written under the cache directory instead and the error names both: computed work is never lost."""
+    try:
+        write(path)
+        return path
+    except OSError as e:
+        import time
+
+        from oakenkv.util.paths import cache_root
+
+        fallback = cache_root() / "unsaved" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{path.name}"
+        try:
+            write(fallback)
+        except OSError:
+            raise e from None
+        raise OSError(f"could not write {option} {path} ({message(e)}); it was saved to {fallback} instead") from e
+
+
+def check_input(path: Path | str | None, option: str, max_bytes: int | None = MAX_TEXT_BYTES) -> Path | None:
+    """Refuse, before any work, a file to read that is missing, not a regular file (a directory, a FIFO that would
+    block, a device such as /dev/zero that never ends), larger than ``max_bytes`` (default: the cap of a text read
+    whole; None: any size, for a file read as a stream) or unreadable (``oakenkv.util.paths.check_input_file``)."""
+    if path is None:
+        return None
+    from oakenkv.util.paths import InputFileError, check_input_file
+
+    try:
+        return check_input_file(path, "", max_bytes)
+    except (FileNotFoundError, InputFileError) as e:
+        raise bad_option(option, str(e)) from None
 
 
 def check_model(model: str, option: str = "--model") -> None:
@@ -85,13 +145,19 @@ def check_model(model: str, option: str = "--model") -> None:
     locate_model(model)
 
 
-def load_thresholds(path: Path | None) -> Any:
-    """Read and validate a thresholds file before anything expensive (None stays None)."""
+def load_thresholds(path: Path | None, model: str | None = None) -> Any:
+    """Read and validate a thresholds file before anything expensive (None stays None); with ``model`` (its name),
+    also refuse a profile of another shape than the model's, read from its config without loading it."""
     if path is None:
         return None
     from oakenkv.calibrate.thresholds import Thresholds
 
-    return Thresholds.load(path)
+    th = Thresholds.load(path)
+    if model is not None:
+        from oakenkv.calibrate.match import check_profile_shape
+
+        check_profile_shape(th, model)
+    return th
 
 
 #: ``--residual`` of the commands that build an OakenCache (``OakenCache(residual=...)``, docs/pages.md).
@@ -159,6 +225,7 @@ def calib_spec(
         raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"
+    check_input(calib_path, "--calib-path")  # a file read whole: regular, capped (a FIFO would hang the run)
     return CalibrationSpec(
         DEFAULT_CALIB_TEXT if calib_text is None else calib_text,
         DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples,
@@ -167,7 +234,8 @@ def calib_spec(
     )
 
 
-def write_json(obj: dict, path: Path | None) -> None:
+def write_json(obj: dict, path: Path | None, option: str = "--json") -> None:
+    """``obj`` as JSON to ``path`` (:func:`save_output`: never lost), or on stdout when ``path`` is None."""
     import json
 
     text = json.dumps(obj, indent=2)
@@ -176,5 +244,5 @@ def write_json(obj: dict, path: Path | None) -> None:
         return
     from oakenkv.util.paths import atomic_write
 
-    atomic_write(path, text + "\n")
-    typer.echo(f"wrote {path}")
+    wrote = save_output(path, lambda p: atomic_write(p, text + "\n"), option)
+    typer.echo(f"wrote {wrote}")

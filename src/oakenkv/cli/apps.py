@@ -7,7 +7,17 @@ from typing import Annotated, Any
 
 import typer
 
-from oakenkv.cli._common import ResidualOption, app, bad_option, check_model, check_out, load_thresholds, write_json
+from oakenkv.cli._common import (
+    ResidualOption,
+    app,
+    bad_option,
+    check_input,
+    check_model,
+    check_out,
+    load_thresholds,
+    save_output,
+    write_json,
+)
 from oakenkv.util.text import printable
 
 
@@ -46,20 +56,21 @@ def demo(
     to oaken-plus and the paper's Oaken."""
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
-    check_out(json_out, "--json")
     check_model(model)
+    check_out(json_out, "--json")
     from oakenkv.apps.demo import run_demo
 
-    run_demo(
+    results = run_demo(
         model=model,
         windows=windows,
         window=window,
         max_new_tokens=max_new_tokens,
-        json_out=json_out,
         preset=preset,
         plus_samples=plus_samples,
         plus_window=plus_window,
     )
+    if json_out is not None:
+        write_json(results, json_out)
 
 
 @app.command()
@@ -95,7 +106,7 @@ def generate(
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     check_model(model)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
     if thr_file is not None:
         preset = "oaken-plus" if thr_file.transforms is not None else "oaken"
     from oakenkv.apps.generate import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
@@ -171,8 +182,7 @@ def diagnose_cmd(
     from oakenkv.calibrate.profile import CalibrationSpec
 
     # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())
-    if calib_path is not None and not calib_path.is_file():
-        raise bad_option("--calib-path", f"{calib_path} is not a file")
+    check_input(calib_path, "--calib-path")
     if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
         raise bad_option("--calib-text", f"must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
     text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
@@ -190,9 +200,9 @@ def diagnose_cmd(
             require_matplotlib()
         except ImportError as e:
             raise bad_option("--png", str(e)) from e
+    check_model(model)
     check_out(json_out, "--json")
     check_out(png, "--png")
-    check_model(model)
     if threads is not None:
         import torch
 
@@ -201,4 +211,4 @@ def diagnose_cmd(
     print_diagnosis(diag)
     write_json(diag.to_dict(), json_out)
     if png is not None:
-        typer.echo(f"wrote {plot_diagnosis(diag, png)}")
+        typer.echo(f"wrote {save_output(png, lambda p: plot_diagnosis(diag, p), '--png')}")

@@ -16,6 +16,7 @@ from oakenkv.cli._common import (
     check_out,
     load_thresholds,
     set_threads,
+    write_json,
 )
 
 bench_app = typer.Typer(
@@ -42,9 +43,9 @@ def bench_codec(
 ) -> None:
     """Encode/decode throughput of the fused dense-and-sparse format next to memcpy and quanto int4, effective
     bits, and pure dense vs pure sparse vs fused storage of the default model's real K/V."""
-    check_out(json_out, "--json")
     if real_kv:
         _check_real_tokens(real_tokens)
+    check_out(json_out, "--json")
     from rich.console import Console
 
     from oakenkv.bench.codec import print_codec_bench, run_codec_bench
@@ -57,10 +58,11 @@ def bench_codec(
             quanto=quanto,
             real_kv=real_kv,
             real_tokens=real_tokens,
-            json_out=json_out,
             progress=lambda msg: status.update(f"benchmarking the codec: {msg}"),
         )
     print_codec_bench(result)
+    if json_out is not None:
+        write_json(result, json_out)
 
 
 #: Bytes the codec benchmark keeps per recorded token and per (layer, K/V value): float32 K and V of two texts
@@ -104,7 +106,6 @@ def bench_decode(
 ) -> None:
     """Time one decode step and count KV-cache bytes at long contexts for OakenCache, transformers'
     DynamicCache (fp32) and QuantizedCache (quanto int4), all in one run."""
-    import json
 
     from oakenkv.sim.report import parse_int_list
 
@@ -114,10 +115,10 @@ def bench_decode(
         raise bad_option("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
     if residual and "oaken" not in names:
         raise bad_option("--residual", "the window is the 'oaken' method's, which --methods does not include")
-    check_out(json_out, "--json")
     check_model(model)
     check_decode_contexts(model, contexts, batch)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -142,10 +143,7 @@ def bench_decode(
         )
     print_decode_bench(result)
     if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+        write_json(result, json_out)
 
 
 _BENCH_METHODS = ("oaken", "dynamic", "quanto")
@@ -173,7 +171,6 @@ def bench_attention(
 ) -> None:
     """Time the packed decode-attention kernel on one layer's real K/V and report the packed bytes it reads per
     second next to memcpy (same threads) and fp32 SDPA, measured in the same rounds."""
-    import json
 
     from oakenkv.sim.report import parse_int_list
 
@@ -184,9 +181,9 @@ def bench_attention(
 
     if max(counts) > numba.config.NUMBA_NUM_THREADS:
         raise bad_option("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
-    check_out(json_out, "--json")
     check_model(model)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -201,10 +198,7 @@ def bench_attention(
         )
     print_attention_bench(result)
     if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+        write_json(result, json_out)
 
 
 @bench_app.command("generate")
@@ -234,7 +228,6 @@ def bench_generate(
     DynamicCache (fp32) and QuantizedCache (quanto int4) at several prompt lengths and batch sizes, in interleaved
     rounds with paired ratios. The full grid (16K-token prompts at batch 8) takes hours on a 2-core machine:
     select a subset with --prompts/--batches or --points."""
-    import json
 
     from oakenkv.sim.report import parse_int_list
 
@@ -252,11 +245,11 @@ def bench_generate(
             raise bad_option("--points", f"points are PROMPTxBATCH with positive integers, e.g. 128x1; got {points!r}")
     else:
         grid = [(p, b) for p in parse_int_list(prompts, "--prompts") for b in parse_int_list(batches, "--batches")]
-    check_out(json_out, "--json")
     check_model(model)
     p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
     check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -281,7 +274,4 @@ def bench_generate(
         )  # fmt: skip
     print_generate_bench(result)
     if json_out is not None:
-        from oakenkv.util.paths import atomic_write
-
-        atomic_write(json_out, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"wrote {json_out}")
+        write_json(result, json_out)

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, check_model, check_out, one_line
+from oakenkv.cli._common import app, bad_option, check_input, check_model, check_out, one_line, save_output
+from oakenkv.util.paths import MAX_TEXT_BYTES
 
 
 @app.command("profile")
@@ -116,8 +117,10 @@ def profile_cmd(
         raise bad_option("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
     if inner_center not in ("median", "zero"):
         raise bad_option("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
-    check_out(out, "--out")
+    # a Wikipedia dump is streamed (any size); a plain text is read whole (capped)
+    check_input(data_path, "--data-path", None if data == "wikipedia" else MAX_TEXT_BYTES)
     check_model(model)
+    check_out(out, "--out")
     from oakenkv.calibrate.profile import profile_model
 
     if threads is not None:
@@ -147,7 +150,7 @@ def profile_cmd(
     for w in caught:
         if issubclass(w.category, UserWarning):
             typer.secho(f"warning: {one_line(str(w.message))}", fg="yellow", err=True)
-    path = th.save(out)
+    path = save_output(out, th.save, "--out")  # (never lost: minutes of profiling)
     typer.echo(
         f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "
         f"{data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv inspect {path}`)"

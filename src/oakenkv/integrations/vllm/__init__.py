@@ -49,7 +49,13 @@ ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
 ENV_OVERFLOW = "OAKENKV_VLLM_OVERFLOW"
 ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
 
-_PROFILES: dict[Path, Any] = {}
+#: Per path: the file's identity when it was read (inode, size, modification and change times) and its profile.
+_PROFILES: dict[Path, tuple[tuple[int, ...], Any]] = {}
+#: The most sparse bytes per token and kind ``OAKENKV_VLLM_SPARSE_BYTES`` may ask for: a token's sparse record is at
+#: most 65535 bytes (its 16-bit length), so more is never used.
+MAX_SPARSE_BYTES = 65535
+#: The most decode-attention threads ``OAKENKV_VLLM_ATTENTION_THREADS`` may ask for.
+MAX_THREADS = 1024
 _LOCK = threading.Lock()
 
 
@@ -64,23 +70,21 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings | None:
-        """The settings, or None when the plugin is not enabled. Raises ValueError for invalid values."""
+        """The settings, or None when the plugin is not enabled. Raises ValueError for invalid values: every number
+        is finite and within its range (``oakenkv.util.exact.env_number``: ``inf`` or ``1e15`` sparse bytes would
+        size blocks of exabytes)."""
+        from oakenkv.util.exact import env_number
+
         path = os.environ.get(ENV_PROFILE, "").strip()
         if not path:
             return None
-        sparse = os.environ.get(ENV_SPARSE_BYTES, "").strip()
         overflow = os.environ.get(ENV_OVERFLOW, "").strip() or "clip"
         if overflow not in ("clip", "error"):
-            raise ValueError(f"{ENV_OVERFLOW} must be 'clip' or 'error', got {overflow!r}")
-        try:
-            sparse_bytes = float(sparse) if sparse else None
-        except ValueError:
-            raise ValueError(f"{ENV_SPARSE_BYTES} must be a number of bytes, got {sparse!r}") from None
+            raise ValueError(f"{ENV_OVERFLOW} must be 'clip' or 'error', got {overflow[:40]!r}")
+        sparse_bytes = env_number(ENV_SPARSE_BYTES, None, 0, MAX_SPARSE_BYTES, what="a number of bytes")
         if sparse_bytes is not None and not sparse_bytes > 0:
-            raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse!r}")
-        threads = os.environ.get(ENV_THREADS, "").strip() or "1"
-        if not threads.isdigit() or int(threads) < 1:
-            raise ValueError(f"{ENV_THREADS} must be a positive int, got {threads!r}")
+            raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse_bytes!r}")
+        threads = env_number(ENV_THREADS, 1, 1, MAX_THREADS, integer=True, what="a number of threads")
         return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, int(threads))
 
 
@@ -112,7 +116,10 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
 
 
 def load_profile(path: os.PathLike[str] | str) -> Any:
-    """The thresholds file as a ``Thresholds``, loaded once per process and checked by :func:`check_profile`."""
+    """The thresholds file as a ``Thresholds``, checked by :func:`check_profile`; read again whenever the file is not
+    the one read last (another inode, size, modification or change time: an edit, a copy over it, a new profile
+    saved in its place), so a process never serves a profile the file no longer holds, nor one it was corrupted
+    into (that raises)."""
     # oakenkv.calibrate.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
     # imports numba. With llvmlite loaded before vLLM 0.32's CPU worker starts, the worker's Triton kernel-override
     # scan (vllm/triton_utils/dispatcher.py, _rebind_kernels: vars() of every module attribute) trips on llvmlite's
@@ -121,11 +128,15 @@ def load_profile(path: os.PathLike[str] | str) -> Any:
 
     path = Path(path)
     with _LOCK:
-        thr = _PROFILES.get(path)
-        if thr is None:
-            thr = Thresholds.load(path)
-            check_profile(thr, path)
-            _PROFILES[path] = thr
+        st = path.stat()  # (taken before the read: a change during it is seen at the next call)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = _PROFILES.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        _PROFILES.pop(path, None)
+        thr = Thresholds.load(path)
+        check_profile(thr, path)
+        _PROFILES[path] = (key, thr)
         return thr
 
 
