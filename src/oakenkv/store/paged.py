@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -168,6 +169,17 @@ def _pool_config(pool_config: PoolConfig | None, dim: int, config: OakenConfig) 
             f"byte dense record and up to {sparse_capacity(dim)} sparse bytes); use a page_size of at least {good}"
         )
     return pool_config
+
+
+def _located(e: ValueError, kind: int, tokens: int) -> ValueError:
+    """The codec's ``cannot encode row N: ...`` for rows ordered ``(row, token)``, ``tokens`` per row, as
+    :func:`_check_encoded_rows` says it: the kind, the batch row and the token."""
+    m = re.fullmatch(r"cannot encode row (\d+): (.*)", str(e), re.S)
+    if m is None:
+        return e
+    r = int(m.group(1))
+    where = f"row {r // tokens}" + (f", token {r % tokens}" if tokens > 1 else "")
+    return ValueError(f"cannot encode the {'keys' if kind == KEY else 'values'} of {where}: {m.group(2)}")
 
 
 def _refuse_nonfinite(keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -453,7 +465,10 @@ class PagedKVStore:
                 if sink_at:  # (a float16 copy now: the encoder may work in the rows)
                     r3 = rows_np.reshape(b, s, self.dim)
                     sink_rows.append([(r, j, r3[r, a:e].astype(np.float16)) for r, a, e, j in sink_at])
-                enc = self._encode(layer, kind, rows_np)
+                try:
+                    enc = self._encode(layer, kind, rows_np)
+                except ValueError as e:  # name the (row, token) of the batch, not the flat index, and the kind
+                    raise _located(e, kind, s) from None
                 encoded.append(enc)
                 dense, sparse, offs = to_records(enc)
                 for r in range(b):
