@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from oakenkv.util.paths import atomic_write
-from oakenkv.util.text import markup_safe
+from oakenkv.util.text import markup_safe, printable
 
 __all__ = ["DEMO_PROMPT", "run_demo", "window_nll"]
 
@@ -92,6 +92,7 @@ def run_demo(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
+    from rich.text import Text
     from transformers.utils import logging as hf_logging
 
     from oakenkv.assets.data import load_text, token_windows
@@ -201,23 +202,25 @@ def run_demo(
         )
     console.print(table)
     if generation is not None:
-        console.print(f"[bold]Prompt:[/bold] {markup_safe(generation['prompt'], newlines=True)}")
+        console.print(Text.assemble(("Prompt: ", "bold"), printable(generation["prompt"], newlines=True)))
         console.print(
-            f"[bold]Greedy ({generation['new_tokens']} tokens, {_rate(generation)}):[/bold] "
-            + markup_safe(generation["text"], newlines=True)
+            Text.assemble(
+                (f"Greedy ({generation['new_tokens']} tokens, {_rate(generation)}): ", "bold"),
+                printable(generation["text"], newlines=True),
+            )
         )
     for name, side in (("oaken-plus", plus), ("Oaken", oaken)):
         og = side.get("oaken_generation") if side is not None else None
         if og is not None:
-            console.print(
-                f"[bold]{name} greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
-                f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B):[/bold] "
-                + markup_safe(og["text"].strip(), newlines=True)
+            head = (
+                f"{name} greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
+                f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B): "
             )
+            console.print(Text.assemble((head, "bold"), printable(og["text"].strip(), newlines=True)))
 
     if json_out is not None:
         out = atomic_write(json_out, json.dumps(results, indent=2) + "\n")
-        console.print(f"Results written to {markup_safe(out)}")
+        console.print("Results written to " + printable(out), markup=False)
     return results
 
 

@@ -747,7 +747,7 @@ def print_diagnosis(diag: Diagnosis, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from oakenkv.util.text import markup_safe
+    from oakenkv.util.text import markup_safe, printable
 
     console = Console() if console is None else console
     d = len(diag.layers[0].keys.absmax_rel)
@@ -797,7 +797,7 @@ def print_diagnosis(diag: Diagnosis, console: Any = None) -> None:
     for line in diag.notes:
         console.print(f"[dim]note: {markup_safe(line)}[/]")
     for line in diag.verdict["lines"]:
-        console.print(markup_safe(line))
+        console.print(printable(line), markup=False)
 
 
 def _cell(x: float | None) -> str:

@@ -38,7 +38,9 @@ def printable(text: Any, *, newlines: bool = False, limit: int | None = None) ->
 
 
 def markup_safe(text: Any, *, newlines: bool = False, limit: int | None = None) -> str:
-    """:func:`printable`, then rich markup escaped: for text inside a string a ``rich`` console renders."""
+    """:func:`printable`, then rich markup escaped: for text placed inside a markup string a ``rich`` console
+    renders, before more markup (``f"[bold]{markup_safe(name)}[/]"``). At the very end of what is rendered, rich
+    shows an escaped final backslash twice: print such text as a ``rich.text.Text`` of :func:`printable` instead."""
     from rich.markup import escape
 
     return escape(printable(text, newlines=newlines, limit=limit))
