@@ -3,7 +3,8 @@
 The first ``n`` real tokens of every row (after its left padding, learnt from the attention mask) are stored in the
 pages like any other and also at 16 bits beside them; every read path takes them from there: the reference read,
 the prefill's direct decode and the packed decode attention (the kernel over the other tokens, merged with the sink
-part through the kernel's log-sum-exp). The bits count them. A profile without sink tokens keeps its old serialized form and digest.
+part through the kernel's log-sum-exp). The bits count them. A profile without sink tokens keeps its old serialized
+form and digest.
 """
 
 from __future__ import annotations
