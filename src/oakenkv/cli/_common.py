@@ -160,6 +160,12 @@ def load_thresholds(path: Path | None, model: str | None = None) -> Any:
     return th
 
 
+#: The most tokens a window, a context or a full-precision window may ask for on the command line (no model reads
+#: more): a larger number is refused before the model loads, not after minutes of tokenizing.
+MAX_TOKENS = 1 << 20
+#: The most calibration windows (profiling runs) an option may ask for; the paper uses about 100.
+MAX_WINDOWS = 100_000
+
 #: ``--residual`` of the commands that build an OakenCache (``OakenCache(residual=...)``, docs/pages.md).
 ResidualOption = Annotated[
     int,
@@ -168,6 +174,7 @@ ResidualOption = Annotated[
         "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
         "0: every token quantized on arrival, the paper's Oaken.",
         min=0,
+        max=MAX_TOKENS,
     ),
 ]
 

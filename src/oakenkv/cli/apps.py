@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
     ResidualOption,
     app,
     bad_option,
@@ -35,7 +37,7 @@ def demo(
         str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
     windows: Annotated[int, typer.Option(help="Number of WikiText-2 windows for perplexity.", min=1)] = 4,
-    window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2)] = 512,
+    window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2, max=MAX_TOKENS)] = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate greedily.", min=0)] = 32,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
     preset: Annotated[
@@ -46,10 +48,11 @@ def demo(
         ),
     ] = "oaken-plus",
     plus_samples: Annotated[
-        int | None, typer.Option(help="Calibration windows of the oaken-plus profile (default 16).", min=1)
+        int | None,
+        typer.Option(help="Calibration windows of the oaken-plus profile (default 16).", min=1, max=MAX_WINDOWS),
     ] = None,
     plus_window: Annotated[
-        int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2)
+        int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2, max=MAX_TOKENS)
     ] = None,
 ) -> None:
     """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation, FP next
@@ -140,8 +143,8 @@ def diagnose_cmd(
     model: Annotated[
         str, typer.Option(help="Model: 'default', 'gemma3-270m', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
-    samples: Annotated[int, typer.Option(help="Calibration windows to record.")] = 4,
-    window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    samples: Annotated[int, typer.Option(help="Calibration windows to record.", min=1, max=MAX_WINDOWS)] = 4,
+    window: Annotated[int, typer.Option(help="Tokens per calibration window.", min=2, max=MAX_TOKENS)] = 512,
     plus: Annotated[
         bool,
         typer.Option(
@@ -152,11 +155,19 @@ def diagnose_cmd(
     ] = True,
     plus_samples: Annotated[
         int | None,
-        typer.Option(help="Calibration windows of the oaken-plus profile (default: --samples; the preset uses 16)."),
+        typer.Option(
+            help="Calibration windows of the oaken-plus profile (default: --samples; the preset uses 16).",
+            min=1,
+            max=MAX_WINDOWS,
+        ),
     ] = None,
     plus_window: Annotated[
         int | None,
-        typer.Option(help="Tokens per oaken-plus calibration window (default: --window; the preset uses 2048)."),
+        typer.Option(
+            help="Tokens per oaken-plus calibration window (default: --window; the preset uses 2048).",
+            min=2,
+            max=MAX_TOKENS,
+        ),
     ] = None,
     calib_text: Annotated[
         str, typer.Option(help="Calibration text: 'wikipedia' (default) or 'wikitext2' (the evaluation text).")

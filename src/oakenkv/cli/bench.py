@@ -182,6 +182,7 @@ def bench_attention(
     if max(counts) > numba.config.NUMBA_NUM_THREADS:
         raise bad_option("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
     check_model(model)
+    check_decode_contexts(model, contexts, max(batches))  # (the longest context's caches, before the model loads)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
     from rich.console import Console

@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, check_input, check_model, check_out, one_line, save_output
+from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
+    app,
+    bad_option,
+    check_input,
+    check_model,
+    check_out,
+    one_line,
+    save_output,
+)
 from oakenkv.util.paths import MAX_TEXT_BYTES
 
 
@@ -31,6 +41,7 @@ def profile_cmd(
             help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn. "
             "Default: 100 for oaken, 16 for oaken-plus.",
             min=1,
+            max=MAX_WINDOWS,
         ),
     ] = None,
     window: Annotated[
@@ -40,6 +51,7 @@ def profile_cmd(
             "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
             "the positions it sees (about 10-20 minutes for the default model).",
             min=2,
+            max=MAX_TOKENS,
         ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),

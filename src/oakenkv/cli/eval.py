@@ -7,7 +7,17 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, calib_spec, check_input, check_model, check_out, write_json
+from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
+    app,
+    bad_option,
+    calib_spec,
+    check_input,
+    check_model,
+    check_out,
+    write_json,
+)
 from oakenkv.methods.registry import methods_help
 
 eval_app = typer.Typer(
@@ -31,7 +41,7 @@ def eval_ppl(
     thresholds: Annotated[
         Path | None, typer.Option(help=("Oaken thresholds file (default: profile on the calibration text)."))
     ] = None,
-    window: Annotated[int, typer.Option(help="Tokens per window (the paper: 2048).", min=2)] = 2048,
+    window: Annotated[int, typer.Option(help="Tokens per window (the paper: 2048).", min=2, max=MAX_TOKENS)] = 2048,
     stride: Annotated[
         int | None, typer.Option(help="Distance between window starts (default: the window).", min=1)
     ] = None,
@@ -46,9 +56,11 @@ def eval_ppl(
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[
         str | None, typer.Option(help=("Path of the calibration text file, if not the packaged one."))
@@ -104,9 +116,11 @@ def eval_zeroshot(
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
@@ -142,9 +156,11 @@ def eval_calibrate(
         typer.Option(help=("Comma-separated outlier shares to profile besides the paper's 10% (outer:inner = 4:6).")),
     ] = "0.08,0.12,0.16,0.20",
     calib_text: Annotated[str | None, typer.Option(help="Calibration text [default: wikipedia].")] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
 ) -> None:
