@@ -1515,3 +1515,63 @@ def test_a_page_holds_one_token_of_any_width(heads):
     if min_page_size(heads * 128, th.config) > 4096:
         with pytest.raises(ValueError, match="use a page_size of at least"):
             PagedKVStore(th, 1, heads, 128, PoolConfig(page_size=4096))
+
+
+def _leaves(d, path=()):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(d, list) and d:
+        for i, v in enumerate(d):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path
+
+
+json_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, 1, 2, 4, 5, 64, 1.0, 5.0, 0.5, -1, 1e308, "1", "token", "float16", [], {}]),
+    st.text(max_size=5),
+)
+
+
+@FUZZ
+@given(st.data())
+def test_a_profile_the_loader_accepts_always_works(tmp_path_factory, data):
+    """Fuzzed profile files (one leaf replaced by any JSON value): the loader refuses them with a
+    ThresholdsFileError, or what it accepts builds a cache that encodes and decodes tokens (no numba typing error,
+    no division by zero, no traceback later)."""
+    from oakenkv.calibrate.thresholds import (
+        GroupThresholds,
+        LayerStats,
+        ModelFingerprint,
+        Thresholds,
+        ThresholdsFileError,
+    )
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.store.paged import PagedKVStore
+
+    gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-3.0, -0.1, 0.1, 3.0))
+    st_ = (LayerStats(3.0, 10, 1, 0.04, 0.06, (0.1, 0.1, 0.1, 0.1), ("note",)),) * 2
+    t = Transforms((LayerTransforms(key_shift=(0.5, -0.5, 0.25, 0.0), key_rotation=True), LayerTransforms()), 1, 4, sink_tokens=1)
+    d = Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4), gt, gt[::-1], st_, st_, transforms=t).to_dict()
+    path = data.draw(st.sampled_from(list(_leaves(d))))
+    _set(d, path, data.draw(json_values))
+    f = tmp_path_factory.mktemp("fuzz") / "p.json"
+    f.write_text(json.dumps(d))
+    try:
+        th = Thresholds.load(f)
+    except ThresholdsFileError:
+        return
+    fp = th.fingerprint
+    if th.config.granularity != "token" or th.config.key_position != "post_rope":
+        return  # (a profile the cache refuses by design, with its own message)
+    store = PagedKVStore(th, fp.num_layers, fp.num_kv_heads, fp.head_dim)
+    x = torch.randn(2, fp.num_kv_heads, 3, fp.head_dim)
+    for layer in range(fp.num_layers):
+        store.append(layer, x, x)
+        store.append_token(layer, x[:, :, :1], x[:, :, :1])
+        assert torch.isfinite(store.read(layer, 0)).all()

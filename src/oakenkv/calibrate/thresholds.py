@@ -428,6 +428,15 @@ class Thresholds:
                 raise TypeError(f"transforms must be a Transforms, got {type(self.transforms).__name__}")
             fp = self.fingerprint
             check_transforms_shape(self.transforms, fp.num_layers, fp.num_kv_heads, fp.head_dim)
+            if self.config.scale_dtype == "float16":
+                import numpy as np
+
+                bound, most = self.transforms.zero_key_bound(), float(np.finfo(np.float16).max)
+                if bound > most:
+                    raise ValueError(
+                        f"the key shifts move a key of zeros up to {bound:.4g}, beyond the float16 scales' range "
+                        f"({most:g}): no key could be encoded"
+                    )
         for kind, seq in (("key", self.keys), ("value", self.values)):
             seen: dict[tuple[float, ...], int] = {}
             for i, g in enumerate(seq):

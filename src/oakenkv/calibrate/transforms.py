@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from oakenkv.format.config import MAX_SINK_TOKENS, valid_sink_tokens
+from oakenkv.quant.groups import FLOAT32_MAX
 from oakenkv.util.exact import is_int, is_number, one_of
 
 #: Version of the serialized transforms; bump when a field changes meaning. Version 2 adds ``sink_tokens``; a
@@ -121,8 +122,8 @@ def _floats(name: str, values: Any, n: int) -> tuple[float, ...] | None:
     t = tuple(float(v) for v in raw)
     if len(t) != n:
         raise TransformError(f"{name} must hold {n} values, got {len(t)}")
-    if not all(math.isfinite(v) for v in t):
-        raise TransformError(f"{name} holds NaN or infinite values")
+    if not all(math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in t):  # (applied in float32: 1e39 is inf there)
+        raise TransformError(f"{name} holds NaN, infinite or beyond-float32 values")
     return t
 
 
@@ -168,6 +169,8 @@ class Transforms:
         d = self.num_kv_heads * self.head_dim
         if not valid_sink_tokens(self.sink_tokens):
             raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {self.sink_tokens!r}")
+        if not isinstance(self.notes, dict):
+            raise TransformError(f"notes must be a dict, got {type(self.notes).__name__}")
         object.__setattr__(self, "layers", tuple(self.layers))
         for i, lt in enumerate(self.layers):
             if not isinstance(lt, LayerTransforms):
@@ -182,6 +185,18 @@ class Transforms:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def zero_key_bound(self) -> float:
+        """A bound on the largest magnitude the online key transform gives a key of zeros, over every layer: its
+        shift, rotated (an orthonormal rotation keeps each value within its head's norm). A profile whose bound
+        exceeds what its scales can hold cannot encode any key (checked by ``Thresholds``)."""
+        worst = 0.0
+        for lt in self.layers:
+            if lt.key_shift is None:
+                continue
+            s = np.abs(np.asarray(lt.key_shift, dtype=np.float64)).reshape(self.num_kv_heads, self.head_dim)
+            worst = max(worst, float(np.sqrt((s**2).sum(axis=1)).max() if lt.key_rotation else s.max()))
+        return worst
 
     @property
     def dim(self) -> int:
