@@ -1556,7 +1556,8 @@ def test_a_profile_the_loader_accepts_always_works(tmp_path_factory, data):
 
     gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-3.0, -0.1, 0.1, 3.0))
     st_ = (LayerStats(3.0, 10, 1, 0.04, 0.06, (0.1, 0.1, 0.1, 0.1), ("note",)),) * 2
-    t = Transforms((LayerTransforms(key_shift=(0.5, -0.5, 0.25, 0.0), key_rotation=True), LayerTransforms()), 1, 4, sink_tokens=1)
+    lts = (LayerTransforms(key_shift=(0.5, -0.5, 0.25, 0.0), key_rotation=True), LayerTransforms())
+    t = Transforms(lts, 1, 4, sink_tokens=1)
     d = Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4), gt, gt[::-1], st_, st_, transforms=t).to_dict()
     path = data.draw(st.sampled_from(list(_leaves(d))))
     _set(d, path, data.draw(json_values))
