@@ -1576,3 +1576,33 @@ def test_a_profile_the_loader_accepts_always_works(tmp_path_factory, data):
         store.append(layer, x, x)
         store.append_token(layer, x[:, :, :1], x[:, :, :1])
         assert torch.isfinite(store.read(layer, 0)).all()
+
+
+@FUZZ_LESS
+@given(st.data())
+def test_a_report_of_damaged_results_is_one_error_or_a_report(tmp_path_factory, data):
+    """Result files with one field replaced by any JSON value (a list where a name belongs, a bool for a count,
+    markup, escapes): `eval report` refuses them with one ValueError naming the file, or writes its report; never
+    a TypeError half-way through. (The plot is drawn from the same checked fields; not drawn here, for speed.)"""
+    from pathlib import Path
+
+    import oakenkv.eval.report as report
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "results" / "default"
+    recs = [json.loads((root / n).read_text()) for n in ("ppl-oaken.json", "zs-oaken.json", "ppl-fp.json")]
+    r = data.draw(st.sampled_from(recs))
+    path = data.draw(st.sampled_from([p for p in _leaves(r) if len(p) < 4]))
+    _set(r, path, data.draw(st.one_of(json_values, st.lists(st.integers(), max_size=2), st.just({"a": 1}))))
+    d = tmp_path_factory.mktemp("rep")
+    for i, rec in enumerate(recs):
+        (d / f"r{i}.json").write_text(json.dumps(rec))
+    real = report.plot_pareto
+    report.plot_pareto = lambda *a, **k: None
+    try:
+        report.write_report([d], d / "out.md", d / "out.png")
+    except ValueError:
+        return
+    finally:
+        report.plot_pareto = real
+    text = (d / "out.md").read_text()
+    assert "\x1b" not in text

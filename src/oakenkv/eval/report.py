@@ -86,6 +86,12 @@ _TASK_FIELDS = {
     "n": ((int, type(None)), False),
     "per_doc": ((dict, type(None)), False),
 }
+_EXTRA_FIELDS = {
+    "key_position": ((str, type(None)), False),
+    "note": ((str, type(None)), False),
+    "family": ((str, type(None)), False),
+    "params": ((dict, type(None)), False),
+}
 _TEXT_FIELDS = {
     "text": ((str,), True),
     "mean_rel_diff": ((float,), True),
@@ -138,6 +144,7 @@ def check_result(d: dict[str, Any], source: Any = "<result>") -> None:
             d[name] = _md(d[name])
     extra = d.get("extra")
     if isinstance(extra, dict):
+        _check_fields(extra, _EXTRA_FIELDS, f"{source}: extra")
         for name in ("note", "key_position", "family"):
             if isinstance(extra.get(name), str):
                 extra[name] = _md(extra[name])
