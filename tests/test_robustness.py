@@ -1007,6 +1007,11 @@ def test_the_console_script_exits_2_in_one_line_without_traceback(files):
     for argv in (
         ["bench", "codec", "--reps", "0"],  # a usage error
         ["eval", "ppl", "--method", "int4", "--thresholds", str(files / "thr.json")],  # the library's check
+        # issue 35: a profile of another shape, inputs that would hang, a loader's exact types
+        ["eval", "ppl", "--thresholds", str(files / "other.json")],
+        ["profile", "--data-path", "/dev/zero"],
+        ["eval", "ppl", "--calib-path", str(files / "fifo")],
+        ["inspect", str(files / "inner_bits_float.json")],
     ):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr

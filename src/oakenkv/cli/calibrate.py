@@ -112,12 +112,7 @@ def profile_cmd(
 
     if preset not in PRESETS:
         raise bad_option("--preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
-    from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW
-
     plus = PRESETS[preset].transforms
-    # oaken-plus: its preset's calibration; the paper's thresholds: the paper's ~100 runs
-    samples = samples or (PRESETS[preset].calibration.samples if plus else DEFAULT_SAMPLES)
-    window = window or (PRESETS[preset].calibration.window if plus else DEFAULT_WINDOW)
     config = OakenConfig(
         outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
     )
@@ -133,7 +128,11 @@ def profile_cmd(
     check_input(data_path, "--data-path", None if data == "wikipedia" else MAX_TEXT_BYTES)
     check_model(model)
     check_out(out, "--out")
-    from oakenkv.calibrate.profile import profile_model
+    from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW, profile_model  # (imports torch)
+
+    # oaken-plus: its preset's calibration; the paper's thresholds: the paper's ~100 runs
+    samples = samples or (PRESETS[preset].calibration.samples if plus else DEFAULT_SAMPLES)
+    window = window or (PRESETS[preset].calibration.window if plus else DEFAULT_WINDOW)
 
     if threads is not None:
         import torch
