@@ -1611,3 +1611,19 @@ def test_a_report_of_damaged_results_is_one_error_or_a_report(tmp_path_factory, 
         report.plot_pareto = real
     text = (d / "out.md").read_text()
     assert "\x1b" not in text
+
+
+@pytest.mark.parametrize("residual", [0, 4])
+def test_the_evaluation_cache_refuses_non_finite_rows_in_its_window_too(residual):
+    """FakeQuantCache's window (`oaken:residual=R`) stored NaN rows as they came; its immediate path refused them."""
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.oaken import OakenQuantizer
+
+    m = tiny_llama(0, vocab=64)
+    th = _profile_of(m)
+    c = FakeQuantCache(m, OakenQuantizer(th, th.config), residual=residual)
+    k = torch.randn(1, 2, 3, 8)
+    k[0, 0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.update(k, torch.randn(1, 2, 3, 8), 0)
+    assert c.get_seq_length() == 0

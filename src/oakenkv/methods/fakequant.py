@@ -73,7 +73,7 @@ class _FakeQuantLayerMixin:
         q, i = cache.quantizer, self._fq_layer_idx
         for kind, x in (("key", key_states), ("value", value_states)):  # refused as quantizing them is (nothing stored)
             if not bool(torch.isfinite(x).all()):
-                raise ValueError(f"{kind} contains NaN or Inf (the full-precision window takes what quantization would)")
+                raise ValueError(f"{kind} contains NaN or Inf (the window refuses what quantization would)")
         # what the attention reads: the window's tokens as they are (oaken-plus: keys in its shifted frame)
         k_read, v_read = q.unquantized(i, "key", key_states), q.unquantized(i, "value", value_states)
         keys, values = super().update(k_read, v_read, *args, **kwargs)
