@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from oakenkv.cli._common import (
+    MAX_TOKENS,
     ResidualOption,
     app,
     bad_option,
@@ -116,9 +117,9 @@ def bench_decode(
     if residual and "oaken" not in names:
         raise bad_option("--residual", "the window is the 'oaken' method's, which --methods does not include")
     check_model(model)
-    check_decode_contexts(model, contexts, batch)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    check_decode_contexts(model, contexts, batch)  # (last: the one check that depends on the machine's load)
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -147,6 +148,22 @@ def bench_decode(
 
 
 _BENCH_METHODS = ("oaken", "dynamic", "quanto")
+
+
+def _check_attention_contexts(model: str, contexts: list[int], batch: int) -> None:
+    """``bench attention`` holds one layer's keys and values of the longest context at once: fp32 ``[B, H, T, hd]``,
+    a tiled copy, SDPA's operands (about 3x) and the packed pages beside them: checked before the model loads."""
+    from oakenkv.assets.models import model_kv_shape
+    from oakenkv.util.resources import check_memory
+
+    if max(contexts) > MAX_TOKENS:
+        raise bad_option("--context", f"at most {MAX_TOKENS} tokens, got {max(contexts)}")
+    shape = model_kv_shape(model)
+    if shape is None:
+        return
+    need = int(max(contexts) * batch * shape[1] * 2 * 4 * 3.5)
+    what = f"--context {max(contexts)}" + (f" at batch {batch}" if batch > 1 else "")
+    check_memory(need, what, "give shorter contexts")
 
 
 def _check_methods(methods: str) -> list[str]:
@@ -182,9 +199,9 @@ def bench_attention(
     if max(counts) > numba.config.NUMBA_NUM_THREADS:
         raise bad_option("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
     check_model(model)
-    check_decode_contexts(model, contexts, max(batches))  # (the longest context's caches, before the model loads)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    _check_attention_contexts(model, contexts, max(batches))
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -247,10 +264,10 @@ def bench_generate(
     else:
         grid = [(p, b) for p in parse_int_list(prompts, "--prompts") for b in parse_int_list(batches, "--batches")]
     check_model(model)
-    p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
-    check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
+    check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
