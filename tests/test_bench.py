@@ -106,3 +106,23 @@ def test_attention_bench_reports_bandwidth_next_to_memcpy(default_model):
         assert p["packed_vs_memcpy"] == pytest.approx(p["packed_gbps"] / p["memcpy_gbps"])
     with pytest.raises(ValueError, match="thresholds"):
         run_attention_bench([64], [1], [1])
+
+
+def test_a_saved_result_is_the_points_one_current_file_with_its_run(tmp_path):
+    import json
+
+    from oakenkv.bench import results
+
+    results.start()
+    path = results.save("decode", "ctx128_batch1", {"ratio": 1.0, "meta": {"steps": 5}}, root=tmp_path)
+    assert path == tmp_path / "decode" / "ctx128_batch1.json"
+    body = json.loads(path.read_text())
+    assert body["ratio"] == 1.0 and body["settings"] == {"steps": 5}  # the benchmark's own settings kept apart
+    run = body["meta"]
+    assert run["machine"]["logical_cpus"] >= 1 and run["machine"]["cpu"]
+    assert run["load"]["start"] is None or len(run["load"]["start"]) == 3
+    assert run["command"] and run["date"] and run["seconds"] is not None
+    results.save("decode", "ctx128_batch1", {"ratio": 2.0}, root=tmp_path)  # a rerun replaces the point's file
+    assert json.loads(path.read_text())["ratio"] == 2.0 and len(list(tmp_path.rglob("*.json"))) == 1
+    with pytest.raises(ValueError, match="letters, digits"):
+        results.save("../decode", "x", {}, root=tmp_path)

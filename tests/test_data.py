@@ -60,13 +60,51 @@ def test_unknown_text_name():
 
 def test_wikipedia_calibration_text_is_clean_and_not_the_eval_text():
     text = load_text("wikipedia")
-    words = text.split()
-    assert 400_000 < len(words) < 550_000  # ~486k words in the shared README's count, ~475k after our tidy-up
+    heldout = load_text("wikipedia-heldout")
+    words = len(text.split()) + len(heldout.split())
+    assert 400_000 < words < 550_000  # ~486k words in the shared README's count, ~475k after our tidy-up
+    # the held-out pages are the excerpt's last ~15%, and none of them is calibrated on
+    assert 0.1 < len(heldout) / (len(text) + len(heldout)) < 0.2
+    assert heldout[1000:1200] not in text and text[-200:] not in heldout
     assert text.startswith("Anarchism\n\nAnarchism is a political philosophy")
     for markup in ("[[", "]]", "{{", "'''", "<ref", "&lt;", "==Etymology"):
         assert text.count(markup) < 50, f"markup {markup!r} left {text.count(markup)} times"
     wiki2 = load_text("wikitext2")
     assert wiki2[100:300] not in text  # calibration text must not contain the evaluation text
+
+
+def test_the_held_out_pages_are_whole_pages_from_the_end():
+    pages = [f"P{i}\n\n" + "x" * (100 * (10 - i)) for i in range(10)]  # 5500 characters, the last pages short
+    calibration, heldout = data.split_heldout(pages)
+    assert calibration + heldout == pages and calibration and heldout
+    share = data.HELDOUT_SHARE * sum(map(len, pages))
+    assert sum(map(len, heldout)) <= share < sum(map(len, heldout)) + len(calibration[-1])  # as many as fit
+    assert data.split_heldout(pages[:1]) == (pages[:1], [])
+
+
+def test_the_demo_finds_its_text_in_a_clone_without_the_shared_folder(tmp_path):
+    """A clone of the repository alone (no ../shared beside it, as anyone cloning it has): the demo's data lookup
+    runs on the package's own held-out text instead of failing after the model loads."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(data.__file__).resolve().parents[1]  # src/oakenkv
+    clone = tmp_path / "clone"
+    shutil.copytree(src, clone / "src" / "oakenkv", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k not in ("OAKENKV_DATA_DIR", "OAKENKV_ALLOW_HUB")}
+    env["PYTHONPATH"] = str(clone / "src")
+    code = (
+        "import oakenkv.apps.demo as d; name, text = d.demo_text(); "
+        "print(d.__file__); print(name); print(len(text.split()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    assert out[0].startswith(str(clone))  # the clone's code ran, not the installed one
+    assert out[1] == "wikipedia-heldout" and int(out[2]) > 50_000
 
 
 def _write_dump(path, pages):
@@ -91,7 +129,7 @@ def test_wikipedia_dump_parsing_with_the_regex_fallback(tmp_path, monkeypatch):
     )
     text = load_text("wikipedia", path=dump)
     assert text == "Alpha\n\nAlpha is a letter.\nHistory\nOld.\n"
-    assert list((tmp_path / "cache" / "data").glob("wikipedia-*.txt"))  # cached for the next call
+    assert list((tmp_path / "cache" / "data").glob("wikipedia-*.json"))  # cached for the next call
     assert load_text("wikipedia", path=dump) == text
 
 

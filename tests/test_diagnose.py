@@ -11,14 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from oakenkv.apps.diagnose import (
-    FIXED_CHANNEL_SHARE,
-    channel_stats,
-    diagnose,
-    plot_diagnosis,
-    top_k_channels,
-    window_thresholds,
-)
+from oakenkv.apps.diagnose import FIXED_CHANNEL_SHARE, diagnose
+from oakenkv.apps.diagnose_report import plot_diagnosis
+from oakenkv.apps.diagnose_stats import channel_stats, top_k_channels, window_thresholds
 from oakenkv.calibrate.thresholds import ModelFingerprint, Thresholds
 from oakenkv.calibrate.transforms import LayerTransforms, Transforms
 from oakenkv.cli import app

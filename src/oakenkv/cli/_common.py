@@ -253,3 +253,28 @@ def write_json(obj: dict, path: Path | None, option: str = "--json") -> None:
 
     wrote = save_output(path, lambda p: atomic_write(p, text + "\n"), option)
     typer.echo(f"wrote {wrote}")
+
+
+def start_run() -> None:
+    """Note a benchmark's start (time, load) for the metadata of its saved result (``oakenkv.bench.results``)."""
+    from oakenkv.bench.results import start
+
+    start()
+
+
+def emit_result(result: dict, json_out: Path | None, save: bool, benchmark: str, point: str) -> None:
+    """Write a benchmark's result to ``--json`` (:func:`save_output`: never lost) and, with ``--save``, to its one
+    current file under ``benchmarks/results/<benchmark>/<point>.json`` with the run's metadata
+    (``oakenkv.bench.results``)."""
+    import json
+
+    from oakenkv.bench.results import meta
+    from oakenkv.bench.results import save as save_result
+
+    if json_out is not None:
+        from oakenkv.util.paths import atomic_write
+
+        text = json.dumps({**result, "run": meta()}, indent=2, default=str) + "\n"
+        typer.echo(f"wrote {save_output(json_out, lambda p: atomic_write(p, text), '--json')}")
+    if save:
+        typer.echo(f"wrote {save_result(benchmark, point, result)}")

@@ -189,7 +189,8 @@ def diagnose_cmd(
     """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
     channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
     verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
-    from oakenkv.apps.diagnose import diagnose_model, plot_diagnosis, print_diagnosis, require_matplotlib
+    from oakenkv.apps.diagnose import diagnose_model
+    from oakenkv.apps.diagnose_report import plot_diagnosis, print_diagnosis, require_matplotlib
     from oakenkv.calibrate.profile import CalibrationSpec
 
     # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())

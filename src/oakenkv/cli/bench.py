@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,9 +15,10 @@ from oakenkv.cli._common import (
     check_decode_contexts,
     check_model,
     check_out,
+    emit_result,
     load_thresholds,
     set_threads,
-    write_json,
+    start_run,
 )
 
 bench_app = typer.Typer(
@@ -32,6 +33,10 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("codec")
 def bench_codec(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     threads: Annotated[int, typer.Option(help="CPU threads for the kernels, torch and quanto.", min=1)] = 2,
     reps: Annotated[int, typer.Option(help="Timed repetitions per measurement (the best is kept).", min=1)] = 5,
     quanto: Annotated[bool, typer.Option(help="Also time optimum-quanto's int4 quantize/dequantize.")] = True,
@@ -47,6 +52,7 @@ def bench_codec(
     if real_kv:
         _check_real_tokens(real_tokens)
     check_out(json_out, "--json")
+    start_run()
     from rich.console import Console
 
     from oakenkv.bench.codec import print_codec_bench, run_codec_bench
@@ -62,8 +68,7 @@ def bench_codec(
             progress=lambda msg: status.update(f"benchmarking the codec: {msg}"),
         )
     print_codec_bench(result)
-    if json_out is not None:
-        write_json(result, json_out)
+    emit_result(result, json_out, save, "codec", f"threads{threads}")
 
 
 #: Bytes the codec benchmark keeps per recorded token and per (layer, K/V value): float32 K and V of two texts
@@ -93,6 +98,10 @@ _BENCH_CACHES_HELP = (
 def bench_decode(
     context: Annotated[str, typer.Option(help="Comma-separated context lengths in tokens.")] = "1024,4096,16384",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     methods: Annotated[str, typer.Option(help=_BENCH_CACHES_HELP)] = "oaken,dynamic,quanto",
     steps: Annotated[int, typer.Option(help="Timed decode steps per point (the median is reported).", min=1)] = 5,
     batch: Annotated[int, typer.Option(help="Rows decoded together.", min=1)] = 1,
@@ -107,7 +116,6 @@ def bench_decode(
 ) -> None:
     """Time one decode step and count KV-cache bytes at long contexts for OakenCache, transformers'
     DynamicCache (fp32) and QuantizedCache (quanto int4), all in one run."""
-
     from oakenkv.sim.report import parse_int_list
 
     contexts = parse_int_list(context, "--context")
@@ -120,6 +128,7 @@ def bench_decode(
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
     check_decode_contexts(model, contexts, batch)  # (last: the one check that depends on the machine's load)
+    start_run()
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -143,8 +152,7 @@ def bench_decode(
             progress=lambda m: status.update(m),
         )
     print_decode_bench(result)
-    if json_out is not None:
-        write_json(result, json_out)
+    emit_result(result, json_out, save, "decode", _point(contexts, batch=batch, residual=residual))
 
 
 _BENCH_METHODS = ("oaken", "dynamic", "quanto")
@@ -166,6 +174,15 @@ def _check_attention_contexts(model: str, contexts: list[int], batch: int) -> No
     check_memory(need, what, "give shorter contexts")
 
 
+def _point(values: list[int], **axes: Any) -> str:
+    """A result's point name: ``ctx1024-4096_batch1`` from the lists and values a run covers."""
+    parts = ["ctx" + "-".join(map(str, values))]
+    for name, v in axes.items():
+        if v:
+            parts.append(name + "-".join(map(str, v if isinstance(v, list) else [v])))
+    return "_".join(parts)
+
+
 def _check_methods(methods: str) -> list[str]:
     """``--methods`` of the cache benchmarks: distinct names among :data:`_BENCH_METHODS`."""
     names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -181,6 +198,10 @@ def bench_attention(
     threads: Annotated[str, typer.Option(help="Comma-separated thread counts (torch and numba).")] = "1,2",
     rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (the best time is reported).", min=1)] = 5,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     thresholds: Annotated[
         Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
     ] = None,
@@ -188,7 +209,6 @@ def bench_attention(
 ) -> None:
     """Time the packed decode-attention kernel on one layer's real K/V and report the packed bytes it reads per
     second next to memcpy (same threads) and fp32 SDPA, measured in the same rounds."""
-
     from oakenkv.sim.report import parse_int_list
 
     contexts = parse_int_list(context, "--context")
@@ -202,6 +222,7 @@ def bench_attention(
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
     _check_attention_contexts(model, contexts, max(batches))
+    start_run()
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -215,8 +236,7 @@ def bench_attention(
             contexts, batches, counts, model=model, thresholds=thr, rounds=rounds, progress=status.update
         )
     print_attention_bench(result)
-    if json_out is not None:
-        write_json(result, json_out)
+    emit_result(result, json_out, save, "attention", _point(contexts, batch=batches, threads=counts))
 
 
 @bench_app.command("generate")
@@ -237,6 +257,10 @@ def bench_generate(
         int | None, typer.Option(help="CPU threads for torch and numba (default: leave them as they are).", min=1)
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results to this JSON file.")] = None,
+    save: Annotated[
+        bool,
+        typer.Option(help="Also save the result as benchmarks/results/<benchmark>/<point>.json (run metadata added)."),
+    ] = False,
     thresholds: Annotated[
         Path | None, typer.Option(help="Thresholds file (default: a cached 16-window profile of the model).")
     ] = None,
@@ -246,7 +270,6 @@ def bench_generate(
     DynamicCache (fp32) and QuantizedCache (quanto int4) at several prompt lengths and batch sizes, in interleaved
     rounds with paired ratios. The full grid (16K-token prompts at batch 8) takes hours on a 2-core machine:
     select a subset with --prompts/--batches or --points."""
-
     from oakenkv.sim.report import parse_int_list
 
     names = _check_methods(methods)
@@ -268,6 +291,7 @@ def bench_generate(
     check_out(json_out, "--json")
     p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
     check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
+    start_run()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -291,5 +315,5 @@ def bench_generate(
             residual=residual, progress=progress,
         )  # fmt: skip
     print_generate_bench(result)
-    if json_out is not None:
-        write_json(result, json_out)
+    point = "-".join(f"{p}x{b}" for p, b in grid) + (f"_residual{residual}" if residual else "")
+    emit_result(result, json_out, save, "generate", point)
