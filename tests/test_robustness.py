@@ -1627,3 +1627,29 @@ def test_the_evaluation_cache_refuses_non_finite_rows_in_its_window_too(residual
     with pytest.raises(ValueError, match="NaN or Inf"):
         c.update(k, torch.randn(1, 2, 3, 8), 0)
     assert c.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"codec": "x"}, ValueError, "codec must be"),
+        ({"prefill_chunk": True}, ValueError, "prefill_chunk must be a positive int"),
+        ({"prefill_chunk": 2.0}, ValueError, "prefill_chunk must be a positive int"),
+        ({"residual": 1.5}, ValueError, "residual must be an int"),
+        ({"residual": True}, ValueError, "residual must be an int"),
+        ({"pool_config": "4096"}, TypeError, "pool_config must be a PoolConfig"),
+        ({"evict_sliding": "no"}, TypeError, "evict_sliding must be True or False"),
+        ({"thresholds": "profile.json"}, TypeError, "thresholds must be a Thresholds"),
+        ({"model": None}, ValueError, "does not describe a decoder"),
+    ],
+)
+def test_the_cache_constructor_refuses_arguments_of_the_wrong_type(kwargs, error, match):
+    """Every argument of OakenCache is checked with its exact type: a bool is not a chunk size, a string not a
+    pool configuration (an AttributeError from deep inside before)."""
+    from oakenkv.hf.cache import OakenCache
+
+    m = tiny_llama(0, vocab=64)
+    args = {"thresholds": _profile_of(m), "model": m}
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(error, match=match):
+        OakenCache(args["thresholds"], args["model"], **kwargs)

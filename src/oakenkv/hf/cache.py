@@ -398,6 +398,10 @@ class OakenCache(Cache):
     ) -> None:
         from oakenkv.calibrate.match import check_profile_model, is_model
 
+        if not isinstance(thresholds, Thresholds):
+            raise TypeError(f"thresholds must be a Thresholds (Thresholds.load(path)), got {type(thresholds).__name__}")
+        if not isinstance(evict_sliding, bool):
+            raise TypeError(f"evict_sliding must be True or False, got {evict_sliding!r}")
         check_profile_model(thresholds, model)
         config = model.config if is_model(model) else model
         text = config.get_text_config(decoder=True)

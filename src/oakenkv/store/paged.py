@@ -157,6 +157,8 @@ def _pool_config(pool_config: PoolConfig | None, dim: int, config: OakenConfig) 
     """``pool_config``, checked to hold a token of ``dim`` values; the default (4 KiB pages) with pages doubled until
     one does (a model of ``D = kv_heads x head_dim`` above ~4000 values)."""
     need = min_page_size(dim, config)
+    if pool_config is not None and not isinstance(pool_config, PoolConfig):
+        raise TypeError(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
     if pool_config is None:
         page = PoolConfig().page_size
         while page < need:
@@ -279,7 +281,7 @@ class PagedKVStore:
                 "OakenCache stores keys after RoPE, but these thresholds were profiled before RoPE "
                 "(key_position='pre_rope'); profile with key_position='post_rope'"
             )
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"residual must be an int >= 0 (tokens kept at full precision), got {residual!r}")
