@@ -432,7 +432,7 @@ class OakenCache(Cache):
         if not store.sink_tokens or (store.row_starts is not None and self.get_seq_length() >= store._sink_end):
             return
         starts = row_starts_from_mask(mask)
-        if starts is not None:
+        if starts is not None and (not store.seqs or starts.shape[0] == len(store.seqs)):  # (a mask of these rows)
             store.set_row_starts(starts)
 
     # The layers are views of one store: batch operations act on the store once, not once per layer.

@@ -330,6 +330,8 @@ class PagedKVStore:
         self.row_starts: np.ndarray | None = None
         #: No row has a sink token at or after this position (``max(row_starts) + sink_tokens``).
         self._sink_end = self.sink_tokens
+        #: The last :meth:`split_sink_keep`: its mask and result (cleared when the rows or their starts change).
+        self._split_memo: tuple[np.ndarray, Any] | None = None
         #: Tokens of the full-precision window (module doc); 0: none.
         self.residual = residual
         #: Per layer (with ``residual``): the window's keys (transformed, as the encoder takes them) and values,
@@ -812,6 +814,7 @@ class PagedKVStore:
             new = np.where(old < held, old, new)
         self.row_starts = new
         self._sink_end = int(new.max(initial=0)) + self.sink_tokens
+        self._split_memo = None
 
     def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
         """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
@@ -832,16 +835,28 @@ class PagedKVStore:
     def split_sink_keep(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For the packed decode attention over the pages' tokens: ``keep`` (uint8 ``[B, T]``, the mask over the
         pages' tokens) as ``(keep with every row's sink positions cleared, uint8 [B, sink_tokens]: the mask of each
-        row's sink tokens ``j``)``; None without sink tokens. ``keep`` itself is never written."""
-        t = keep.shape[1]
-        slices = self._sink_slices(0, t)
-        if not slices:
+        row's sink tokens ``j``)``; None without sink tokens. ``keep`` is never written (it is the attention's cached
+        mask, shared by the layers of a step), so the result for the last ``keep`` is remembered: one split per
+        decode step, not one per layer."""
+        memo = self._split_memo
+        if memo is not None and memo[0] is keep:
+            return memo[1]
+        n, (b, t) = self.sink_tokens, keep.shape
+        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
+        lo = 0 if starts is None else int(starts.min())
+        if not n or lo >= t:
             return None
         page_keep = keep.copy()
-        sink_keep = np.zeros((keep.shape[0], self.sink_tokens), np.uint8)
-        for r, a, e, j in slices:
-            sink_keep[r, j : j + e - a] = keep[r, a:e]
-            page_keep[r, a:e] = 0
+        sink_keep = np.zeros((b, n), np.uint8)
+        if starts is None or lo == int(starts.max()):  # every row's sinks at tokens [lo, lo + n): two slices
+            hi = min(lo + n, t)
+            sink_keep[:, : hi - lo] = keep[:, lo:hi]
+            page_keep[:, lo:hi] = 0
+        else:
+            for r, a, e, j in self._sink_slices(0, t):
+                sink_keep[r, j : j + e - a] = keep[r, a:e]
+                page_keep[r, a:e] = 0
+        self._split_memo = (keep, (page_keep, sink_keep))
         return page_keep, sink_keep
 
     def sink_bytes(self) -> int:
@@ -885,6 +900,7 @@ class PagedKVStore:
         self.sinks = [sink[index] for sink in self.sinks]
         if self.row_starts is not None and self.row_starts.shape[0] == len(self.seqs):
             self.row_starts = self.row_starts[index]
+        self._split_memo = None
         self.windows = [(kt[index], vw[index]) for kt, vw in self.windows]
         self._set_rows(new)
 
@@ -897,6 +913,7 @@ class PagedKVStore:
         self.sinks = []
         self.row_starts = None
         self._sink_end = self.sink_tokens
+        self._split_memo = None
         self.windows = []
         self.window_len = [0] * self.num_layers
 
