@@ -6,7 +6,7 @@ alone (batch 1) and left-padded in a batch with a longer prompt, this prints and
 of the last real token's logits of an ``OakenCache`` (prefill float path, then one packed decode step) against the
 model with transformers' fp32 ``DynamicCache`` given the same input.
 
-    .venv/bin/python benchmarks/sink_padding.py --json benchmarks/results/sink_padding.json [--label after]
+    .venv/bin/python benchmarks/sink_padding.py --label after --json benchmarks/results/sink_padding/after.json
 """
 
 from __future__ import annotations

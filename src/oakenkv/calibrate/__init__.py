@@ -5,6 +5,7 @@
 - ``profile``: the profiler (K/V recording, per-run statistics) and its content-keyed disk cache.
 - ``plus``: the ``oaken-plus`` search (per-layer transforms and ratios chosen by attention-output error).
 - ``transforms``: the transforms' record, folding into weights, the online key transform.
+- ``match``: the one check of a profile against a model (shape, weights, transforms) every constructor runs.
 - ``spec``: :class:`CalibrationSpec` (which text, how much); ``rope``: RoPE as the models apply it;
   ``ranges``: the peers' calibration (KVQuant's and the official harness's ranges).
 """
