@@ -658,6 +658,9 @@ def _issue35_files(d):
     os.mkfifo(d / "fifo.txt")
     with open(d / "huge.txt", "wb") as f:
         f.truncate(300 * 2**20)
+    (d / "blank.txt").write_text("  \n")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "notxml.bz2").write_bytes(b"PK\x03\x04 not a bz2 stream")
     good = json.loads((d / "thr.json").read_text())
 
     def variant(name, edit):
@@ -724,6 +727,14 @@ BAD_35 = [
     ("eval ppl --calib-path {d}/adir", "is a directory"),
     ("eval ppl --calib-path {d}/nothere.txt", "does not exist"),
     ("eval ppl --calib-path {d}/huge.txt", "more than the"),
+    ("eval ppl --calib-path {d}/blank.txt", "holds no text"),
+    ("eval ppl --calib-path {d}/latin1.txt", "is not UTF-8 text"),
+    ("eval calibrate --calib-path {d}/blank.txt", "holds no text"),
+    ("diagnose --calib-path {d}/latin1.txt", "is not UTF-8 text"),
+    ("profile --data-path {d}/notxml.bz2", "is not a MediaWiki XML dump"),
+    ("profile --data wikitext2 --data-path {d}/blank.txt", "holds no text"),
+    ("eval ppl --method oaken:residual=99999999999999", "must be >= 0 and <= 1048576"),
+    ("eval ppl --method oaken-plus:residual=1048577", "<= 1048576"),
     ("eval calibrate --calib-path {d}/fifo", "not a regular file"),
     ("eval calibrate --calib-path /dev/zero", "not a regular file"),
     ("diagnose --calib-path {d}/fifo", "not a regular file"),
@@ -1012,6 +1023,7 @@ def test_the_console_script_exits_2_in_one_line_without_traceback(files):
         ["profile", "--data-path", "/dev/zero"],
         ["eval", "ppl", "--calib-path", str(files / "fifo")],
         ["inspect", str(files / "inner_bits_float.json")],
+        ["diagnose", "--calib-path", str(files / "latin1.txt")],
     ):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr

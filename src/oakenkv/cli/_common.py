@@ -124,16 +124,22 @@ def save_output(path: Path, write: Any, option: str) -> Path:
         raise OSError(f"could not write {option} {path} ({message(e)}); it was saved to {fallback} instead") from e
 
 
-def check_input(path: Path | str | None, option: str, max_bytes: int | None = MAX_TEXT_BYTES) -> Path | None:
+def check_input(
+    path: Path | str | None, option: str, max_bytes: int | None = MAX_TEXT_BYTES, *, text: bool = False
+) -> Path | None:
     """Refuse, before any work, a file to read that is missing, not a regular file (a directory, a FIFO that would
     block, a device such as /dev/zero that never ends), larger than ``max_bytes`` (default: the cap of a text read
-    whole; None: any size, for a file read as a stream) or unreadable (``oakenkv.util.paths.check_input_file``)."""
+    whole; None: any size, for a file read as a stream) or unreadable (``oakenkv.util.paths.check_input_file``);
+    with ``text``, also one that is not UTF-8 text or holds none (read now: it was found after the model loaded)."""
     if path is None:
         return None
-    from oakenkv.util.paths import InputFileError, check_input_file
+    from oakenkv.util.paths import InputFileError, check_input_file, read_text_capped
 
     try:
-        return check_input_file(path, "", max_bytes)
+        p = check_input_file(path, "", max_bytes)
+        if text and not read_text_capped(p, "", max_bytes or MAX_TEXT_BYTES).strip():
+            raise InputFileError(f"{p} holds no text")
+        return p
     except (FileNotFoundError, InputFileError) as e:
         raise bad_option(option, str(e)) from None
 
@@ -232,7 +238,7 @@ def calib_spec(
         raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"
-    check_input(calib_path, "--calib-path")  # a file read whole: regular, capped (a FIFO would hang the run)
+    check_input(calib_path, "--calib-path", text=True)  # read whole: regular, capped, text (a FIFO hung the run)
     return CalibrationSpec(
         DEFAULT_CALIB_TEXT if calib_text is None else calib_text,
         DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples,

@@ -189,12 +189,10 @@ def diagnose_cmd(
     """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
     channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
     verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
-    from oakenkv.apps.diagnose import diagnose_model
-    from oakenkv.apps.diagnose_report import plot_diagnosis, print_diagnosis, require_matplotlib
-    from oakenkv.calibrate.profile import CalibrationSpec
+    from oakenkv.calibrate.spec import CalibrationSpec  # (not calibrate.profile: the checks come before torch)
 
     # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())
-    check_input(calib_path, "--calib-path")
+    check_input(calib_path, "--calib-path", text=True)
     if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
         raise bad_option("--calib-text", f"must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
     text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
@@ -208,13 +206,16 @@ def diagnose_cmd(
     if png is not None:
         if png.suffix.lower() != ".png":
             raise bad_option("--png", f"must name a .png file, got {png}")
-        try:
-            require_matplotlib()
-        except ImportError as e:
-            raise bad_option("--png", str(e)) from e
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # (found, not imported: the checks come before torch)
+            raise bad_option("--png", "the plot needs matplotlib: pip install 'oakenkv[eval]' (or leave out --png)")
     check_model(model)
     check_out(json_out, "--json")
     check_out(png, "--png")
+    from oakenkv.apps.diagnose import diagnose_model
+    from oakenkv.apps.diagnose_report import plot_diagnosis, print_diagnosis
+
     if threads is not None:
         import torch
 

@@ -124,8 +124,14 @@ def profile_cmd(
         raise bad_option("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
     if inner_center not in ("median", "zero"):
         raise bad_option("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
-    # a Wikipedia dump is streamed (any size); a plain text is read whole (capped)
-    check_input(data_path, "--data-path", None if data == "wikipedia" else MAX_TEXT_BYTES)
+    # a Wikipedia dump is streamed (any size; its first bytes checked); a plain text is read whole (capped)
+    check_input(data_path, "--data-path", None if data == "wikipedia" else MAX_TEXT_BYTES, text=data != "wikipedia")
+    if data_path is not None and data == "wikipedia":
+        with open(data_path, "rb") as f:
+            head = f.read(64)
+        xml = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"<"
+        if not (head.startswith(b"BZh") if data_path.suffix == ".bz2" else xml):
+            raise bad_option("--data-path", f"{data_path} is not a MediaWiki XML dump (.xml or .xml.bz2)")
     check_model(model)
     check_out(out, "--out")
     from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW, profile_model  # (imports torch)
