@@ -66,7 +66,7 @@ def main() -> None:
         raise SystemExit(f"WikiText-2 holds only {ids.shape[0]} windows of {a.prompt} tokens")
 
     def forward(method: str) -> float:
-        cache = OakenCache(thr, model.config) if method == "oaken" else DynamicCache(config=model.config)
+        cache = OakenCache(thr, model) if method == "oaken" else DynamicCache(config=model.config)
         t = time.perf_counter()
         with torch.inference_mode():
             model(ids, past_key_values=cache, use_cache=True)

@@ -37,8 +37,8 @@ def main() -> None:
     ids = token_windows(lm.tokenizer, load_text("wikitext2"), window=512, max_windows=1)
     source = record_source_kv(model, ids)
     makers = {
-        "oaken": lambda: OakenCache(thr, model.config),
-        "oaken_no_eviction": lambda: OakenCache(thr, model.config, evict_sliding=False),
+        "oaken": lambda: OakenCache(thr, model),
+        "oaken_no_eviction": lambda: OakenCache(thr, model, evict_sliding=False),
         "dynamic_fp32": lambda: DynamicCache(config=model.config),
     }
     results: dict[str, dict[str, float]] = {}

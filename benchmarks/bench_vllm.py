@@ -256,10 +256,10 @@ def hf_greedy(args: argparse.Namespace, oaken: bool, attention: str = "packed") 
         with torch.inference_mode():
             if oaken and attention == "packed":
                 with oaken_attention(lm.model):
-                    gen = lm.model.generate(ids, **kw, **cache_kwargs(lm.model, OakenCache(thr, lm.model.config)))
+                    gen = lm.model.generate(ids, **kw, **cache_kwargs(lm.model, OakenCache(thr, lm.model)))
             else:
                 lm.model.set_attn_implementation("sdpa" if attention == "packed" else attention)
-                extra = cache_kwargs(lm.model, OakenCache(thr, lm.model.config)) if oaken else {}
+                extra = cache_kwargs(lm.model, OakenCache(thr, lm.model)) if oaken else {}
                 gen = lm.model.generate(ids, **kw, **extra)
                 lm.model.set_attn_implementation("sdpa")
         out.append(gen[0, len(p) :].tolist())

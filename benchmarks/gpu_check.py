@@ -679,7 +679,7 @@ def stage_store(run: Run) -> None:
     kv, hd, hq = (2, 16, 4) if dry else (8, 128, 32)
     prefill, steps, page_size = (7, 3, 256) if dry else (300, 24, 16384)
     shift = tuple(float(v) for v in np.random.default_rng(3).standard_normal(kv * hd) * 0.3)
-    plus = Transforms((LayerTransforms(key_shift=shift, key_rotation=True), LayerTransforms()), kv, hd, 2)
+    plus = Transforms((LayerTransforms(key_shift=shift, key_rotation=True), LayerTransforms()), kv, hd, sink_tokens=2)
     thr = _synthetic_thresholds(torch, 2, kv, hd, plus)
     cpu, dev = _store_pair(run, thr, 2, kv, hd, page_size, 256 << 20 if not dry else 1 << 20, 128 if not dry else 4)
     g = torch.Generator().manual_seed(0)

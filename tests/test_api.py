@@ -55,7 +55,7 @@ def test_for_model_takes_a_profile_and_generates_as_the_constructor_does(default
     with torch.no_grad():
         got = model_copy.generate(**inputs, cache=cache, **kw)
         # the same model and profile through the documented constructor (packed decode too: for_model switched it)
-        want = model_copy.generate(**inputs, cache=OakenCache(thresholds, model_copy.config), **kw)
+        want = model_copy.generate(**inputs, cache=OakenCache(thresholds, model_copy), **kw)
     assert torch.equal(got, want)
     # a second cache for the same model reuses what it was prepared with
     assert find_profile(model_copy, "oaken") is thresholds

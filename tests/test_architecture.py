@@ -181,8 +181,11 @@ def test_the_vllm_plugin_reaches_oakenkv_through_one_module(graph):
     plugin = {m for m in graph if m.startswith("oakenkv.integrations")}
     assert {"oakenkv.integrations.vllm", "oakenkv.integrations.vllm._oaken"} <= plugin
     for name in sorted(plugin - {"oakenkv.integrations.vllm._oaken"}):
-        # The one exception: the package loads profiles at registration without numba (its load_profile says why).
-        allowed = plugin | ({"oakenkv.calibrate.thresholds"} if name == "oakenkv.integrations.vllm" else set())
+        # The exceptions: the package loads profiles at registration without numba (its load_profile says why), and
+        # reads its settings with the environment's checked reader and the profile file with the checked file reader
+        # (standard library only).
+        package = {"oakenkv.calibrate.thresholds", "oakenkv.util.exact", "oakenkv.util.paths"}
+        allowed = plugin | (package if name == "oakenkv.integrations.vllm" else set())
         assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}, not through _oaken"
 
 

@@ -90,7 +90,7 @@ def test_prefill_stores_exactly_the_quantized_kv(default_model, thresholds, defa
     model = default_model.model
     ids = default_tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     ref = DynamicCache(config=model.config)
-    cache = OakenCache(thresholds, model.config, prefill_chunk=5)  # several chunks
+    cache = OakenCache(thresholds, model, prefill_chunk=5)  # several chunks
     with torch.no_grad():
         model(input_ids=ids, **cache_kwargs(model, ref))
         model(input_ids=ids, **cache_kwargs(model, cache))
@@ -108,9 +108,9 @@ def test_greedy_batch_with_padding_matches_fake_quant(default_model, thresholds,
     model = default_model.model
     n = model.config.num_hidden_layers
     want = _generate(model, batch, _fake_quant_cache(thresholds, n), logits=True)
-    got_float = _generate(model, batch, OakenCache(thresholds, model.config))
+    got_float = _generate(model, batch, OakenCache(thresholds, model))
     with oaken_attention(model):
-        cache = OakenCache(thresholds, model.config)
+        cache = OakenCache(thresholds, model)
         got_packed = _generate(model, batch, cache, logits=True)
     assert model.config._attn_implementation != "oaken"  # restored
     assert torch.equal(got_float, want.sequences)
@@ -150,9 +150,9 @@ def test_greedy_with_a_full_precision_window_matches_fake_quant(default_model, t
     n = model.config.num_hidden_layers
     layers = [_WindowFakeQuantLayer(thresholds, i, 4) for i in range(n)]
     want = _generate(model, batch, Cache(layers=layers), logits=True)
-    got_float = _generate(model, batch, OakenCache(thresholds, model.config, residual=4))
+    got_float = _generate(model, batch, OakenCache(thresholds, model, residual=4))
     with oaken_attention(model):
-        cache = OakenCache(thresholds, model.config, residual=4)
+        cache = OakenCache(thresholds, model, residual=4)
         got_packed = _generate(model, batch, cache, logits=True)
     assert torch.equal(got_float, want.sequences)
     assert_same_greedy(want, got_packed)
@@ -167,7 +167,7 @@ def test_sampling_runs_and_is_reproducible(default_model, thresholds, batch):
     for _ in range(2):
         torch.manual_seed(0)
         with oaken_attention(model):
-            cache = OakenCache(thresholds, model.config)
+            cache = OakenCache(thresholds, model)
             outs.append(_generate(model, batch, cache, do_sample=True, top_k=20, max_new_tokens=5))
     assert outs[0].shape == (2, batch.input_ids.shape[1] + 5)
     assert torch.equal(outs[0], outs[1])
@@ -179,7 +179,7 @@ def test_beam_search_matches_fake_quant_and_shares_pages(default_model, threshol
     kw = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5}
     want = _generate(model, batch, _fake_quant_cache(thresholds, n), **kw)
     with oaken_attention(model):
-        cache = OakenCache(thresholds, model.config)
+        cache = OakenCache(thresholds, model)
         got = _generate(model, batch, cache, **kw)
     assert torch.equal(got, want)
     pool = cache.store.pool
@@ -191,7 +191,7 @@ def test_beam_search_matches_fake_quant_and_shares_pages(default_model, threshol
 
 def test_reorder_is_a_table_operation(default_model, thresholds, batch):
     model = default_model.model
-    cache = OakenCache(thresholds, model.config)
+    cache = OakenCache(thresholds, model)
     with torch.no_grad():
         model(**batch, **cache_kwargs(model, cache))
     before = [cache.store.read(3, KEY)[i] for i in range(2)]
@@ -245,7 +245,7 @@ def test_kv_bytes_are_small(default_model, thresholds):
 
 def test_budget_exhaustion_is_a_clear_error(default_model, thresholds, batch):
     model = default_model.model
-    cache = OakenCache(thresholds, model.config, pool_config=PoolConfig(budget_bytes=64 * 4096))
+    cache = OakenCache(thresholds, model, pool_config=PoolConfig(budget_bytes=64 * 4096))
     with pytest.raises(PoolExhaustedError, match="page pool exhausted"), torch.no_grad():
         model(**batch, **cache_kwargs(model, cache))
     cache.store.pool.check_invariants()
@@ -254,7 +254,7 @@ def test_budget_exhaustion_is_a_clear_error(default_model, thresholds, batch):
 def test_decode_returns_handles_only_with_oaken_attention(default_model, thresholds, default_tokenizer):
     model = default_model.model
     ids = default_tokenizer(PROMPTS[0], return_tensors="pt").input_ids
-    cache = OakenCache(thresholds, model.config)
+    cache = OakenCache(thresholds, model)
     with torch.no_grad():
         model(input_ids=ids, **cache_kwargs(model, cache))
         k = torch.zeros(1, 3, 1, 64)
@@ -297,7 +297,7 @@ def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
     kw = {"max_new_tokens": 4}
     want = _generate(model, ids, _fake_quant_cache(thr, n), **kw)
     with oaken_attention(model):
-        cache = OakenCache(thr, model.config)
+        cache = OakenCache(thr, model)
         got = _generate(model, ids, cache, **kw)
     assert torch.equal(got, want)
     assert [layer.is_sliding for layer in cache.layers] == [t == "sliding_attention" for t in model.config.layer_types]
@@ -315,7 +315,7 @@ def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
         else:
             assert table.evicted_before == 0 and (table.dense_pages.view >= 0).all()
     with oaken_attention(model):
-        keep = OakenCache(thr, model.config, evict_sliding=False)
+        keep = OakenCache(thr, model, evict_sliding=False)
         assert torch.equal(_generate(model, ids, keep, **kw), want)
     assert cache.kv_bytes() < 0.6 * keep.kv_bytes()
     # A mask that does not hide an evicted token is an error, never a read of a released page.

@@ -48,7 +48,9 @@ def _thresholds(transforms=None, layers=2):
 def _plus(sink_tokens=0):
     """An oaken-plus online part: layer 1 shifts and rotates its keys; sink tokens at 16 bits."""
     shift = tuple(float(v) for v in np.random.default_rng(3).standard_normal(D) * 0.3)
-    return Transforms((LayerTransforms(), LayerTransforms(key_shift=shift, key_rotation=True)), H, HD, sink_tokens)
+    return Transforms(
+        (LayerTransforms(), LayerTransforms(key_shift=shift, key_rotation=True)), H, HD, sink_tokens=sink_tokens
+    )
 
 
 def _pair(transforms=None, budget=1 << 20, chunk=5):
@@ -252,8 +254,10 @@ def test_generate_with_the_triton_backend_gives_the_numba_backends_tokens():
     cfg = _tiny_config()
     model = LlamaForCausalLM(cfg).eval()
     thr = _thresholds(_plus(sink_tokens=1))
-    ids = torch.tensor([[0, 0, 5, 17, 33, 2, 64], [7, 8, 9, 10, 11, 12, 13]])
-    inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    # (no left padding: the device store keeps each row's first tokens as its sinks, and refuses a left-padded
+    # batch under sink tokens, below)
+    ids = torch.tensor([[3, 4, 5, 17, 33, 2, 64], [7, 8, 9, 10, 11, 12, 13]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kw = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     pc = PoolConfig(page_size=256, budget_bytes=1 << 20)
 
@@ -275,6 +279,25 @@ def test_generate_with_the_triton_backend_gives_the_numba_backends_tokens():
     assert type(cache.store) is DeviceKVStore and cache.get_seq_length() == ids.shape[1] + 4
     cache.store.check_tables()
     cache.store.pool.check_invariants()
+
+
+def test_the_device_store_refuses_a_left_padded_batch_under_sink_tokens():
+    """The CPU store takes each row's sink tokens from its first real token (the attention mask); the device store
+    keeps positions 0.. and so refuses a left-padded batch under sink tokens instead of keeping a pad token at 16
+    bits (silently wrong), with either backend choice that reaches it."""
+    from transformers import LlamaForCausalLM
+
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.util.compat import cache_kwargs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_config()).eval()
+    thr = _thresholds(_plus(sink_tokens=1))
+    ids = torch.tensor([[0, 0, 5, 17, 33, 2, 64], [7, 8, 9, 10, 11, 12, 13]])
+    cache = OakenCache.from_profile(model, thr, backend="triton", pool_config=PoolConfig(page_size=256))
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="left-padded"):
+        model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=2, do_sample=False,
+                       **cache_kwargs(model, cache))  # fmt: skip
 
 
 #: How far the default model's logits may drift between the backends with the packed attention. Unlike the CPU

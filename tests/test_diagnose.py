@@ -234,7 +234,7 @@ def test_the_command_prints_and_writes_the_diagnosis(default_model, tmp_path, mo
         (["--window", "1"], "window"),
         (["--png", "heat.jpg"], "must name a .png file"),
         (["--calib-text", "novels"], "must be 'wikipedia'"),
-        (["--calib-path", "/nonexistent/text.txt"], "is not a file"),
+        (["--calib-path", "/nonexistent/text.txt"], "does not exist"),
         (["--model", "no-such-model"], "Unknown model 'no-such-model'"),
     ],
 )

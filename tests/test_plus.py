@@ -291,7 +291,7 @@ def test_greedy_generation_matches_the_evaluation_cache(default_model, profile, 
     logits = {"output_logits": True, "return_dict_in_generate": True}
     with torch.no_grad():
         want = folded.generate(**batch, cache=FakeQuantCache(folded, PlusQuantizer(profile)), **kw, **logits)
-        got_float = folded.generate(**batch, cache=OakenCache(profile, folded.config), **kw)
+        got_float = folded.generate(**batch, cache=OakenCache(profile, folded), **kw)
         with oaken_attention(folded):
             cache = OakenCache.from_profile(folded, profile)
             got_packed = folded.generate(**batch, cache=cache, **kw, **logits)

@@ -646,6 +646,116 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(models, "_convert_gguf", refuse)
 
 
+def _issue35_files(d):
+    """Issue 35's inputs: a pipe, files of the wrong types in every loader, a profile of another shape, a profile
+    whose text holds markup and escape sequences, a text bigger than any read (sparse: no disk used), a results
+    directory holding a pipe, and damaged result files."""
+    import os
+
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+
+    os.mkfifo(d / "fifo")
+    os.mkfifo(d / "fifo.txt")
+    with open(d / "huge.txt", "wb") as f:
+        f.truncate(300 * 2**20)
+    (d / "blank.txt").write_text("  \n")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "notxml.bz2").write_bytes(b"PK\x03\x04 not a bz2 stream")
+    good = json.loads((d / "thr.json").read_text())
+
+    def variant(name, edit):
+        v = json.loads(json.dumps(good))
+        edit(v)
+        (d / name).write_text(json.dumps(v))
+
+    variant("schema_true.json", lambda v: v.update(schema_version=True))
+    variant("schema_float.json", lambda v: v.update(schema_version=1.0))
+    variant("inner_bits_float.json", lambda v: v["config"].update(inner_bits=5.0))
+    variant("inner_bits_true.json", lambda v: v["config"].update(outer_bits=True))
+    variant("ratio_false.json", lambda v: v["config"].update(inner_ratio=False))
+    variant("config_version_true.json", lambda v: v["config"].update(version=True))
+    variant("index_true.json", lambda v: v["layers"][1].update(index=True))
+    variant("layers_float.json", lambda v: v["model"].update(num_layers=30.0))
+    variant("many_layers.json", lambda v: v["model"].update(num_layers=100_000))
+    variant("markup.json", lambda v: v.update(profile={"note": "x[/]", "link": "[link=http://evil]y[/link]"}))
+    variant("escapes.json", lambda v: v.update(profile={"t": "\x1b]0;owned\x07\x1b[2J\x9b31m\u202e"}))
+    variant("name_markup.json", lambda v: v["model"].update(name="[bold red]x[/]\x1b[31m"))
+    gt = [GroupThresholds(-2 - i / 10, -0.1, 0.1, 2 + i / 10) for i in range(4)]
+    Thresholds(OakenConfig(), ModelFingerprint("llama", 4, 2, 8), tuple(gt), tuple(gt[::-1])).save(d / "other.json")
+    rdir = d / "results_pipe"
+    rdir.mkdir()
+    os.mkfifo(rdir / "x.json")
+    ok = {"kind": "ppl", "method": "fp", "model": "m", "ppl": 10.0, "effective_bits": 16.0, "tokens": 10, "windows": 1}
+    for name, edit in (
+        ("ppl_str", {"ppl": "10"}),
+        ("tokens_true", {"tokens": True}),
+        ("bits_missing", {"effective_bits": None}),
+        ("tasks_list", {"kind": "zeroshot", "tasks": []}),
+    ):
+        rd = d / f"results_{name}"
+        rd.mkdir()
+        (rd / "r.json").write_text(json.dumps({**ok, **edit}))
+
+
+#: Issue 35: every entry point as strict as the CLI. Wrong types in every loader (a bool or a float where an int
+#: belongs), inputs that would hang or read without end (a pipe, /dev/zero, a 300 MB file), a profile of another
+#: shape, and malformed method specs: one line, before the model loads.
+BAD_35 = [
+    ("inspect {d}/schema_true.json", "unsupported schema_version True"),
+    ("inspect {d}/schema_float.json", "unsupported schema_version 1.0"),
+    ("inspect {d}/inner_bits_float.json", "inner_bits must be 4 or 5"),
+    ("inspect {d}/inner_bits_true.json", "outer_bits must be 4 or 5"),
+    ("inspect {d}/ratio_false.json", "inner_ratio must be a finite fraction"),
+    ("inspect {d}/config_version_true.json", "unsupported OakenConfig version True"),
+    ("inspect {d}/index_true.json", "layer entry 1 has index True"),
+    ("inspect {d}/layers_float.json", "num_layers must be a positive int"),
+    ("inspect {d}/many_layers.json", "num_layers must be at most 4096"),
+    ("inspect {d}/fifo", "not a regular file"),
+    ("generate --prompt hi --thresholds {d}/inner_bits_float.json", "inner_bits must be 4 or 5"),
+    ("generate --prompt hi --thresholds {d}/other.json", "this profile is for"),
+    ("eval ppl --thresholds {d}/other.json", "this profile is for"),
+    ("eval zeroshot --thresholds {d}/other.json", "this profile is for"),
+    ("bench decode --thresholds {d}/other.json", "this profile is for"),
+    ("bench generate --thresholds {d}/other.json", "this profile is for"),
+    ("bench attention --thresholds {d}/other.json", "this profile is for"),
+    ("eval ppl --method oaken:outer=nan", "must be a finite number"),
+    ("eval ppl --method int:bits=0", "must be >= 2 and <= 8"),
+    ("eval ppl --method oaken:outer=0.04,outer=0.05", "outer is given twice"),
+    ("eval ppl --method oaken-plus:sink=true", "is not an int"),
+    ("eval ppl --calib-path {d}/fifo", "not a regular file"),
+    ("eval ppl --calib-path /dev/zero", "not a regular file"),
+    ("eval ppl --calib-path {d}/adir", "is a directory"),
+    ("eval ppl --calib-path {d}/nothere.txt", "does not exist"),
+    ("eval ppl --calib-path {d}/huge.txt", "more than the"),
+    ("eval ppl --calib-path {d}/blank.txt", "holds no text"),
+    ("eval ppl --calib-path {d}/latin1.txt", "is not UTF-8 text"),
+    ("eval calibrate --calib-path {d}/blank.txt", "holds no text"),
+    ("diagnose --calib-path {d}/latin1.txt", "is not UTF-8 text"),
+    ("profile --data-path {d}/notxml.bz2", "is not a MediaWiki XML dump"),
+    ("profile --data wikitext2 --data-path {d}/blank.txt", "holds no text"),
+    ("eval ppl --method oaken:residual=99999999999999", "must be >= 0 and <= 1048576"),
+    ("eval ppl --method oaken-plus:residual=1048577", "<= 1048576"),
+    ("eval calibrate --calib-path {d}/fifo", "not a regular file"),
+    ("eval calibrate --calib-path /dev/zero", "not a regular file"),
+    ("diagnose --calib-path {d}/fifo", "not a regular file"),
+    ("diagnose --calib-path {d}/huge.txt", "more than the"),
+    ("profile --data wikitext2 --data-path {d}/fifo.txt", "not a regular file"),
+    ("profile --data wikitext2 --data-path {d}/huge.txt", "more than the"),
+    ("profile --data-path /dev/zero", "not a regular file"),
+    ("eval report {d}/results_pipe --out {d}/r.md --plot {d}/r.png", "not a regular file"),
+    ("eval report {d}/fifo --out {d}/r.md --plot {d}/r.png", "not a regular file"),
+    ("eval report {d}/results_ppl_str --out {d}/r.md --plot {d}/r.png", "field 'ppl' must be float"),
+    ("eval report {d}/results_tokens_true --out {d}/r.md --plot {d}/r.png", "field 'tokens' must be int"),
+    ("eval report {d}/results_bits_missing --out {d}/r.md --plot {d}/r.png", "field 'effective_bits' must be"),
+    ("eval report {d}/results_tasks_list --out {d}/r.md --plot {d}/r.png", "field 'tasks' must be dict"),
+    ("eval report {d}/thr.json --header {d}/fifo --out {d}/r.md --plot {d}/r.png", "not a regular file"),
+    ("eval report {d}/thr.json --out {d}/same.md --plot {d}/same.md", "also the --out file"),
+    ("simulate --rate inf", "'--rate'"),
+    ("advise --min-tokens-per-s inf", "'--min-tokens-per-s'"),
+    ("demo --json /dev/null", "not a regular file"),
+]
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Bad inputs on disk: a directory, deeply nested JSON, truncated GGUFs, a thresholds file, a text."""
@@ -667,6 +777,7 @@ def files(tmp_path_factory):
     ro = d / "readonly"
     ro.mkdir()
     ro.chmod(0o555)
+    _issue35_files(d)
     return d
 
 
@@ -778,17 +889,18 @@ BAD = [
     ("eval zeroshot --method bogus", "unknown method"),
     ("eval calibrate --sweep 0.1,abc", "'--sweep'"),
     ("eval calibrate --sweep 1.5", "'--sweep'"),
-    ("eval calibrate --calib-path {d}/nothere.txt", "is not a file"),
+    ("eval calibrate --calib-path {d}/nothere.txt", "does not exist"),
     ("eval calibrate --model /etc/passwd", "not a model"),
     ("eval report {d}/nothere", "does not exist"),
     ("eval report {d}/deep.json --out {d}/r.md --plot {d}/r.png", "nested too deeply"),
-    ("eval report {d}/trunc.gguf --out {d}/r.md --plot {d}/r.png", "not valid JSON"),
+    ("eval report {d}/trunc.gguf --out {d}/r.md --plot {d}/r.png", "is not UTF-8 text"),
     ("eval report {d}/adir --out {d}/adir", "is a directory"),
     ("hw report --vectors 0", "'--vectors'"),
     ("hw report --json {d}/adir", "is a directory"),
     ("hw verilog foo --out {d}/x.v", "'quant' or 'dequant'"),
     ("hw verilog quant --out {d}/adir", "is a directory"),
     ("hw verilog quant --out {d}/x.v --lanes 0", "'--lanes'"),
+    *BAD_35,
 ]
 
 
@@ -906,6 +1018,12 @@ def test_the_console_script_exits_2_in_one_line_without_traceback(files):
     for argv in (
         ["bench", "codec", "--reps", "0"],  # a usage error
         ["eval", "ppl", "--method", "int4", "--thresholds", str(files / "thr.json")],  # the library's check
+        # issue 35: a profile of another shape, inputs that would hang, a loader's exact types
+        ["eval", "ppl", "--thresholds", str(files / "other.json")],
+        ["profile", "--data-path", "/dev/zero"],
+        ["eval", "ppl", "--calib-path", str(files / "fifo")],
+        ["inspect", str(files / "inner_bits_float.json")],
+        ["diagnose", "--calib-path", str(files / "latin1.txt")],
     ):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr
@@ -954,3 +1072,596 @@ def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
     with pytest.raises(ValueError, match="transforms decide them"):
         check_spec_with_thresholds("oaken-plus:shift=0", plus_profile)
     assert check_spec_with_thresholds("oaken-plus", plus_profile)["shift"] == 1
+
+
+# ================================================================================== issue 35: round two
+# Every entry point as strict as the CLI (docs/robustness.md, rules 8-12).
+
+# ------------------------------------------------------------------- rule 8: one profile-vs-model check
+
+
+def _profile_of(model, *, digest: bool = True, sink: int = 0):
+    """A hand-made profile of ``model``'s shape (and weights, when ``digest``); oaken-plus with ``sink`` tokens."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+
+    fp = ModelFingerprint.from_model(model) if digest else ModelFingerprint.from_model_config(model.config)
+    n, h, hd = fp.num_layers, fp.num_kv_heads, fp.head_dim
+    gt = tuple(GroupThresholds(-2 - i / 10, -0.1, 0.1, 2 + i / 10) for i in range(n))
+    t = Transforms(tuple(LayerTransforms() for _ in range(n)), h, hd, sink_tokens=sink) if sink else None
+    return Thresholds(OakenConfig(), fp, gt, gt[::-1], transforms=t)
+
+
+def _constructors():
+    """Every way a library user pairs a profile with a model: name -> fn(profile, model)."""
+    import copy
+
+    from oakenkv.apps.generate import load_or_profile_thresholds
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.methods.registry import build_method
+
+    class Loaded:
+        def __init__(self, model):
+            self.model, self.tokenizer, self.name = model, None, "tiny"
+
+    return {
+        "OakenCache(profile, model)": lambda th, m: OakenCache(th, m),
+        "OakenCache.from_profile": lambda th, m: OakenCache.from_profile(copy.deepcopy(m), th),
+        "OakenCache.for_model(profile=)": lambda th, m: OakenCache.for_model(copy.deepcopy(m), "oaken", profile=th),
+        "build_method('oaken', thresholds=)": lambda th, m: build_method("oaken", m, None, thresholds=th),
+        "apps.generate.load_or_profile_thresholds": lambda th, m: load_or_profile_thresholds(Loaded(m), th),
+    }
+
+
+@pytest.mark.parametrize("constructor", list(_constructors()))
+def test_every_constructor_refuses_a_profile_of_other_weights(constructor):
+    """The issue's first silent wrong result: `OakenCache(thresholds, model.config)` compared the shape only, so a
+    profile of other weights of the same shape (a fine-tune) generated without a word. Every constructor now runs
+    one check (calibrate/match.py): the right model is accepted, the same shape with other weights, another shape,
+    and a folded model whose weights changed after the fold are refused; a config alone warns that it checks the
+    shape only."""
+    from oakenkv.calibrate.thresholds import ModelMismatchError
+
+    build = _constructors()[constructor]
+    a, b, c = tiny_llama(0, vocab=64), tiny_llama(1, vocab=64), tiny_llama(0, layers=3, vocab=64)
+    th = _profile_of(a)
+    build(th, a)  # the profiled model
+    with pytest.raises(ModelMismatchError, match="other weights of the same shape"):
+        build(th, b)
+    with pytest.raises(ModelMismatchError, match="profiled for"):
+        build(th, c)
+
+
+def test_the_config_form_warns_and_a_folded_model_is_checked_by_its_weights():
+    import copy
+
+    from oakenkv.calibrate.match import ShapeOnlyWarning
+    from oakenkv.calibrate.thresholds import ModelMismatchError
+    from oakenkv.hf.cache import OakenCache
+
+    a, b = tiny_llama(0, vocab=64), tiny_llama(1, vocab=64)
+    th = _profile_of(a)
+    with pytest.warns(ShapeOnlyWarning, match="only the model's shape was checked"):
+        OakenCache(th, b.config)  # the older form: the shape matches, the weights cannot be seen: said
+    plus = _profile_of(a, sink=1)
+    folded = copy.deepcopy(a)
+    OakenCache.from_profile(folded, plus)  # marks the model (nothing to fold) and records its weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the folded model is checked by the weights recorded at its fold
+        OakenCache(plus, folded)
+        OakenCache.from_profile(folded, plus)
+    with torch.no_grad():
+        next(folded.parameters()).add_(1.0)  # the weights change after the fold
+    for build in (lambda: OakenCache(plus, folded), lambda: OakenCache.from_profile(folded, plus)):
+        with pytest.raises(ModelMismatchError, match="changed after oaken-plus transforms were folded"):
+            build()
+    other = copy.deepcopy(b)
+    with pytest.raises(ModelMismatchError, match="other weights"):
+        OakenCache.from_profile(other, plus)  # another checkpoint is refused before its fold, not after
+
+
+# ------------------------------------------------------------------- rule 9: non-finite rows, every cache path
+
+
+@FUZZ_LESS
+@given(
+    residual=st.sampled_from([0, 3]),
+    online=st.booleans(),
+    tokens=st.integers(1, 9),
+    decode=st.booleans(),
+    where=st.tuples(st.integers(0, 1), st.integers(0, 8), st.integers(0, 15)),
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    kind=st.sampled_from(["keys", "values"]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+)
+def test_every_cache_path_refuses_non_finite_rows(residual, online, tokens, decode, where, bad, kind, dtype):
+    """With `residual=R`, non-finite keys or values entering the full-precision window were neither refused nor
+    propagated (with residual=0 the encoder refused them). Every path an update takes (prefill, decode step, the
+    window, a flush, an online key transform) now refuses them with the encoder's message, and changes nothing."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.hf.cache import OakenLayer
+    from oakenkv.store.paged import PagedKVStore
+
+    h, hd = 2, 8
+    g = torch.Generator().manual_seed(tokens)
+    t = None
+    if online:
+        shift = tuple(torch.randn(h * hd, generator=g).tolist())
+        t = Transforms((LayerTransforms(key_shift=shift, key_rotation=True),), h, hd)
+    gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0),)
+    store = PagedKVStore(Thresholds(OakenConfig(), ModelFingerprint("llama", 1, h, hd), gt, gt, transforms=t), 1, h, hd,
+                         residual=residual)  # fmt: skip
+    layer = OakenLayer(store, 0)
+    k, v = torch.randn(2, h, 8, hd, generator=g), torch.randn(2, h, 8, hd, generator=g)
+    layer.update(k[:, :, :4].to(dtype), v[:, :, :4].to(dtype))  # some history first
+    before = (store.num_tokens(0), store.window_tokens(0))
+    reads = [store.read(0, kd) for kd in (0, 1)] if store.num_tokens(0) else []
+    s = 1 if decode else tokens
+    nk, nv = torch.randn(2, h, s, hd, generator=g), torch.randn(2, h, s, hd, generator=g)
+    x = nk if kind == "keys" else nv
+    b, tok, d = where[0], where[1] % s, where[2]
+    x[b, d // hd, tok, d % hd] = bad
+    with pytest.raises(ValueError, match=f"{kind} of row {b}.*NaN or infinite"):
+        layer.update(nk.to(dtype), nv.to(dtype))
+    assert (store.num_tokens(0), store.window_tokens(0)) == before
+    for kd, r in enumerate(reads):
+        assert torch.equal(store.read(0, kd), r)
+
+
+# ------------------------------------------------------------------- rule 10: nothing from a file printed raw
+
+hostile_text = st.text(
+    alphabet=st.one_of(
+        st.characters(codec="utf-8"),
+        st.sampled_from(["\x1b", "\x9b", "\x07", "\r", "\n", "\t", "[", "]", "/", "\\", "\u202e", "\u2066", "\x00"]),
+    ),
+    max_size=60,
+)
+
+
+@FUZZ
+@given(hostile_text)
+def test_the_sanitizer_leaves_nothing_a_terminal_acts_on(text):
+    """One sanitizer for every text that came from a file: no control, escape or direction character survives, and
+    rich markup rendered from it shows the same text (nothing interpreted, nothing raised)."""
+    import re
+
+    from rich.text import Text
+
+    from oakenkv.util.text import markup_safe, printable
+
+    out = printable(text)
+    assert not re.search("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]", out)
+    assert printable(out) == out  # idempotent
+    assert Text.from_markup(f"[bold]{markup_safe(text)}[/] and more").plain == out + " and more"
+    assert "\n" in printable(text, newlines=True) or "\n" not in text
+
+
+@FUZZ_LESS
+@given(st.dictionaries(hostile_text, hostile_text, max_size=4), hostile_text)
+def test_inspect_prints_a_hostile_profile_safely(tmp_path_factory, profile, name):
+    """`oakenkv inspect` died with rich's MarkupError on `x[/]` and printed escape sequences raw: the profile's
+    metadata, model name and notes now go through the sanitizer and no markup is interpreted."""
+    import re
+
+    from oakenkv.calibrate.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
+    from oakenkv.cli import run
+
+    path = tmp_path_factory.mktemp("hostile") / "p.json"
+    gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-3.0, -0.1, 0.1, 3.0))
+    st_ = (LayerStats(3.0, 10, 1, 0.04, 0.06, None, (name,)),) * 2
+    Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4, name=name), gt, gt[::-1], st_, st_, profile).save(path)
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run(["inspect", str(path)])
+    assert code == 0, err.getvalue()
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", out.getvalue())
+
+
+def test_error_lines_are_sanitized_too(capsys):
+    """An error may quote a file: its line goes through the same sanitizer."""
+    from oakenkv.cli._common import print_error
+
+    print_error("bad value '\x1b]8;;http://x\x1b\\\\link' in \u202efile")
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\u202e" not in err and "\\x1b" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------- rule 11: exact types in every loader
+
+#: (path in a valid profile's JSON, the value there) of every int or bool field a loader reads.
+_INT_FIELDS = [
+    (("schema_version",), 1),
+    (("config", "version"), 1),
+    (("config", "inner_bits"), 5),
+    (("config", "outer_bits"), 5),
+    (("config", "middle_bits"), 4),
+    (("config", "chunk_size"), 64),
+    (("model", "num_layers"), 2),
+    (("model", "num_kv_heads"), 1),
+    (("model", "head_dim"), 4),
+    (("layers", 1, "index"), 1),
+    (("layers", 0, "key", "stats", "num_runs"), 1),
+    (("layers", 0, "key", "stats", "num_samples"), 10),
+]
+
+
+def _set(d, path, value):
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+
+
+@FUZZ_LESS
+@given(
+    st.sampled_from([*_INT_FIELDS, (("config", "inner_ratio"), 0.06), (("config", "outer_ratio"), 0.04)]),
+    st.sampled_from(["bool", "float", "str", "list"]),
+)
+def test_no_loader_takes_a_bool_or_a_float_for_an_int(tmp_path_factory, field, how):
+    """`"inner_bits": 5.0` passed the loader (`5.0 in (4, 5)`) and died in numba's typing; `schema_version: true`
+    and `inner_ratio: false` were accepted. Every field of a profile keeps its exact type: another type is one
+    ThresholdsFileError naming the file, never accepted, never a traceback."""
+    from oakenkv.calibrate.thresholds import (
+        GroupThresholds,
+        LayerStats,
+        ModelFingerprint,
+        Thresholds,
+        ThresholdsFileError,
+    )
+
+    path, value = field
+    gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-3.0, -0.1, 0.1, 3.0))
+    st_ = (LayerStats(3.0, 10, 1, 0.04, 0.06),) * 2
+    d = Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4), gt, gt[::-1], st_, st_).to_dict()
+    if how == "bool":
+        other = bool(value) if isinstance(value, int) else False
+    elif how == "float":
+        other = float(value) if isinstance(value, int) else True
+    elif how == "str":
+        other = str(value)
+    else:
+        other = [value]
+    _set(d, path, other)
+    f = tmp_path_factory.mktemp("types") / "t.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ThresholdsFileError, match=r"t\.json"):
+        Thresholds.load(f)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("version", True, "unsupported transforms version"),
+        ("version", 2.0, "unsupported transforms version"),
+        ("num_kv_heads", 1.0, "num_kv_heads must be a positive int"),
+        ("head_dim", True, "head_dim must be a positive int"),
+        ("sink_tokens", True, "sink_tokens"),
+        ("sink_tokens", 1.0, "sink_tokens"),
+        ("notes", [], "notes must be an object"),
+        ("layers", {}, "layers must be a list"),
+    ],
+)
+def test_transforms_records_keep_exact_types(field, value, match):
+    from oakenkv.calibrate.transforms import LayerTransforms, TransformError, Transforms
+
+    d = Transforms((LayerTransforms(key_shift=(0.5,) * 4),), 1, 4, sink_tokens=1).to_dict()
+    d[field] = value
+    with pytest.raises(TransformError, match=match):
+        Transforms.from_dict(d)
+    d = Transforms((LayerTransforms(key_shift=(0.5,) * 4),), 1, 4).to_dict()
+    for bad in (["0.5"] * 4, [True] * 4):
+        d["layers"][0]["key_shift"] = bad
+        with pytest.raises(TransformError, match="list of numbers"):
+            Transforms.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "match"),
+    [
+        ("OAKENKV_VLLM_SPARSE_BYTES", "inf", "in \\[0, 65535\\]"),
+        ("OAKENKV_VLLM_SPARSE_BYTES", "nan", "in \\[0, 65535\\]"),
+        ("OAKENKV_VLLM_SPARSE_BYTES", "1e308", "in \\[0, 65535\\]"),
+        ("OAKENKV_VLLM_SPARSE_BYTES", "1e15", "in \\[0, 65535\\]"),
+        ("OAKENKV_VLLM_SPARSE_BYTES", "0", "must be > 0"),
+        ("OAKENKV_VLLM_SPARSE_BYTES", "-3", "in \\[0, 65535\\]"),
+        ("OAKENKV_VLLM_ATTENTION_THREADS", "1.5", "number of threads"),
+        ("OAKENKV_VLLM_ATTENTION_THREADS", "99999999999", "number of threads"),
+        ("OAKENKV_VLLM_ATTENTION_THREADS", "0", "number of threads"),
+        ("OAKENKV_VLLM_ATTENTION_THREADS", "inf", "number of threads"),
+    ],
+)
+def test_every_setting_from_the_environment_is_bounded_and_finite(monkeypatch, tmp_path, env, value, match):
+    """`OAKENKV_VLLM_SPARSE_BYTES=inf` or `1e308` was accepted and overflowed; `1e15` sized 2.6e17-byte blocks."""
+    from oakenkv.integrations.vllm import ENV_PROFILE, Settings
+
+    monkeypatch.setenv(ENV_PROFILE, str(tmp_path / "p.json"))
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=match):
+        Settings.from_env()
+
+
+def test_every_environment_read_goes_through_a_checked_reader():
+    """A property of the source: every variable oakenkv reads from the environment is a path, a switch, or a number
+    read by ``util.exact.env_number`` (finite, bounded); a new variable must be added to one of these lists."""
+    import re
+    from pathlib import Path
+
+    paths = {"OAKENKV_CACHE", "OAKENKV_DATA_DIR", "OAKENKV_VLLM_PROFILE"}
+    switches = {"OAKENKV_ALLOW_HUB", "OAKENKV_DEBUG", "OAKENKV_VLLM_OVERFLOW", "TRITON_INTERPRET"}
+    numbers = {"OAKENKV_VLLM_SPARSE_BYTES", "OAKENKV_VLLM_ATTENTION_THREADS"}
+    src = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
+    read, by_number = set(), set()
+    for f in src.rglob("*.py"):
+        text = f.read_text()
+        consts = dict(re.findall(r'^(ENV_\w+) = "(\w+)"', text, re.M))
+        for m in re.finditer(r'os\.(?:environ\.get|getenv)\(\s*"?(\w+)"?', text):
+            read.add(consts.get(m.group(1), m.group(1)))
+        for m in re.finditer(r"env_number\(\s*(\w+)", text):
+            by_number.add(consts.get(m.group(1), m.group(1)))
+    read -= {"name"}  # (env_number's own read of the variable it is given)
+    assert read - paths - switches - numbers == set(), "an environment variable of unknown kind is read"
+    assert numbers <= by_number and not (numbers & read), "a number is read from the environment without bounds"
+
+
+def test_the_vllm_plugin_reads_a_changed_profile_again(tmp_path):
+    """The plugin served the first profile it loaded from a path for the life of the process, even after the file
+    changed or was corrupted: it is now read at every call and parsed again whenever its content changed."""
+    import os
+
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds, ThresholdsFileError
+    from oakenkv.integrations.vllm import load_profile
+
+    def profile(to):
+        gt = (GroupThresholds(-to, -0.1, 0.1, to), GroupThresholds(-to - 1, -0.1, 0.1, to + 1))
+        return Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4), gt, gt[::-1])
+
+    p = tmp_path / "p.json"
+    profile(2.0).save(p)
+    first = load_profile(p)
+    assert load_profile(p) is first  # unchanged: not read again
+    profile(5.0).save(p)  # a new profile saved in its place
+    assert load_profile(p).keys[0].to_hi == 5.0
+    text = p.read_text()
+    with open(p, "w") as f:  # edited in place, same size
+        f.write(text.replace("5.0", "6.0", 1))
+    os.utime(p, ns=(1, 1))
+    assert load_profile(p).keys[0].to_hi == 6.0 or load_profile(p).values[0].to_hi == 6.0
+    p.write_text(text[:50])  # corrupted: an error, not the old profile
+    with pytest.raises(ThresholdsFileError):
+        load_profile(p)
+
+
+# ------------------------------------------------------------------- rule 12: outputs are never lost
+
+
+def test_an_existing_output_is_said_before_work_and_a_failed_write_keeps_the_output(tmp_path, capsys, monkeypatch):
+    """`--json`/`--out` over an existing file: one `warning:` line before any work. A final write that fails after the
+    work (the directory became read-only, the disk filled up) puts the output under the cache directory and the
+    error says where: `profile --out` lost minutes of profiling before (the check was `os.access`)."""
+    from pathlib import Path
+
+    from oakenkv.cli._common import check_out, save_output
+    from oakenkv.util.paths import atomic_write
+
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    check_out(out, "--json")
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --json") and "exists" in err and err.count("\n") == 1
+    monkeypatch.setenv("OAKENKV_CACHE", str(tmp_path / "cache"))
+
+    def failing(p):
+        if p == out:
+            raise OSError(28, "No space left on device", str(p))
+        atomic_write(p, "the result")
+
+    with pytest.raises(OSError, match=r"saved to .*unsaved.*r\.json instead") as e:
+        save_output(out, failing, "--out")
+    saved = str(e.value).split("saved to ")[1].split(" instead")[0]
+    assert Path(saved).read_text() == "the result"
+
+
+def test_an_output_is_tried_in_its_directory(tmp_path, monkeypatch):
+    """The check is a trial file in the target directory, not `os.access`: a directory where files cannot be
+    created (here: a full file system, simulated) is refused before the work."""
+    import tempfile
+
+    import typer
+
+    from oakenkv.cli._common import check_out
+
+    real = tempfile.mkstemp
+
+    def full(*a, **k):
+        if k.get("dir") == tmp_path:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(typer.BadParameter, match="No space left on device"):
+        check_out(tmp_path / "x.json", "--out")
+
+
+def test_eval_report_never_writes_a_tracked_file_by_default(tmp_path, monkeypatch, capsys):
+    """`oakenkv eval report FILE` without --out overwrote ./docs/results.md and ./docs/results_pareto.png: the default
+    is now under ./results/ (ignored by git)."""
+    import subprocess
+    from pathlib import Path
+
+    from oakenkv.cli import run
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text("tracked")
+    r = tmp_path / "r.json"
+    ok = {"kind": "ppl", "method": "fp", "model": "m", "ppl": 10.0, "effective_bits": 16.0, "tokens": 10, "windows": 1}
+    r.write_text(json.dumps(ok))
+    monkeypatch.chdir(tmp_path)
+    assert run(["eval", "report", str(r)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "docs" / "results.md").read_text() == "tracked"
+    assert (tmp_path / "results" / "report.md").is_file()
+    root = Path(__file__).resolve().parents[1]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "results/report.md"], cwd=root, check=False)
+    assert ignored.returncode == 0, "results/ must be ignored by git"
+
+
+# ------------------------------------------------------------------- pages hold one token of any width
+
+
+@pytest.mark.parametrize("heads", [1, 31, 32, 33, 64, 128, 256])
+def test_a_page_holds_one_token_of_any_width(heads):
+    """A page smaller than one token's record divided by zero: with the default 4 KiB pages any model with
+    kv_heads x head_dim >= ~8170 (64 x 128) failed on its first append. The default pages grow to hold one token;
+    a page_size given too small is refused at construction, naming the size that fits."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.store.paged import PagedKVStore, min_page_size
+    from oakenkv.store.pages import PoolConfig
+
+    gt = (GroupThresholds(-0.5, -0.1, 0.1, 0.5),)
+    th = Thresholds(OakenConfig(), ModelFingerprint("llama", 1, heads, 128), gt, gt)
+    store = PagedKVStore(th, 1, heads, 128)
+    assert store.pool.config.page_size >= min_page_size(heads * 128, th.config)
+    x = torch.full((1, heads, 2, 128), 3.0)
+    x[..., ::2] = -3.0  # every value an outlier: the largest sparse record
+    store.append(0, x, x)
+    store.append_token(0, x[:, :, :1], x[:, :, :1])
+    assert store.read(0, 0).shape == (1, heads, 3, 128)
+    if min_page_size(heads * 128, th.config) > 4096:
+        with pytest.raises(ValueError, match="use a page_size of at least"):
+            PagedKVStore(th, 1, heads, 128, PoolConfig(page_size=4096))
+
+
+def _leaves(d, path=()):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(d, list) and d:
+        for i, v in enumerate(d):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path
+
+
+json_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, 1, 2, 4, 5, 64, 1.0, 5.0, 0.5, -1, 1e308, "1", "token", "float16", [], {}]),
+    st.text(max_size=5),
+)
+
+
+@FUZZ
+@given(st.data())
+def test_a_profile_the_loader_accepts_always_works(tmp_path_factory, data):
+    """Fuzzed profile files (one leaf replaced by any JSON value): the loader refuses them with a
+    ThresholdsFileError, or what it accepts builds a cache that encodes and decodes tokens (no numba typing error,
+    no division by zero, no traceback later)."""
+    from oakenkv.calibrate.thresholds import (
+        GroupThresholds,
+        LayerStats,
+        ModelFingerprint,
+        Thresholds,
+        ThresholdsFileError,
+    )
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.store.paged import PagedKVStore
+
+    gt = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-3.0, -0.1, 0.1, 3.0))
+    st_ = (LayerStats(3.0, 10, 1, 0.04, 0.06, (0.1, 0.1, 0.1, 0.1), ("note",)),) * 2
+    lts = (LayerTransforms(key_shift=(0.5, -0.5, 0.25, 0.0), key_rotation=True), LayerTransforms())
+    t = Transforms(lts, 1, 4, sink_tokens=1)
+    d = Thresholds(OakenConfig(), ModelFingerprint("llama", 2, 1, 4), gt, gt[::-1], st_, st_, transforms=t).to_dict()
+    path = data.draw(st.sampled_from(list(_leaves(d))))
+    _set(d, path, data.draw(json_values))
+    f = tmp_path_factory.mktemp("fuzz") / "p.json"
+    f.write_text(json.dumps(d))
+    try:
+        th = Thresholds.load(f)
+    except ThresholdsFileError:
+        return
+    fp = th.fingerprint
+    if th.config.granularity != "token" or th.config.key_position != "post_rope":
+        return  # (a profile the cache refuses by design, with its own message)
+    store = PagedKVStore(th, fp.num_layers, fp.num_kv_heads, fp.head_dim)
+    x = torch.randn(2, fp.num_kv_heads, 3, fp.head_dim)
+    for layer in range(fp.num_layers):
+        store.append(layer, x, x)
+        store.append_token(layer, x[:, :, :1], x[:, :, :1])
+        assert torch.isfinite(store.read(layer, 0)).all()
+
+
+@FUZZ_LESS
+@given(st.data())
+def test_a_report_of_damaged_results_is_one_error_or_a_report(tmp_path_factory, data):
+    """Result files with one field replaced by any JSON value (a list where a name belongs, a bool for a count,
+    markup, escapes): `eval report` refuses them with one ValueError naming the file, or writes its report; never
+    a TypeError half-way through. (The plot is drawn from the same checked fields; not drawn here, for speed.)"""
+    from pathlib import Path
+
+    import oakenkv.eval.report as report
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "results" / "default"
+    recs = [json.loads((root / n).read_text()) for n in ("ppl-oaken.json", "zs-oaken.json", "ppl-fp.json")]
+    r = data.draw(st.sampled_from(recs))
+    path = data.draw(st.sampled_from([p for p in _leaves(r) if len(p) < 4]))
+    _set(r, path, data.draw(st.one_of(json_values, st.lists(st.integers(), max_size=2), st.just({"a": 1}))))
+    d = tmp_path_factory.mktemp("rep")
+    for i, rec in enumerate(recs):
+        (d / f"r{i}.json").write_text(json.dumps(rec))
+    real = report.plot_pareto
+    report.plot_pareto = lambda *a, **k: None
+    try:
+        report.write_report([d], d / "out.md", d / "out.png")
+    except ValueError:
+        return
+    finally:
+        report.plot_pareto = real
+    text = (d / "out.md").read_text()
+    assert "\x1b" not in text
+
+
+@pytest.mark.parametrize("residual", [0, 4])
+def test_the_evaluation_cache_refuses_non_finite_rows_in_its_window_too(residual):
+    """FakeQuantCache's window (`oaken:residual=R`) stored NaN rows as they came; its immediate path refused them."""
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.oaken import OakenQuantizer
+
+    m = tiny_llama(0, vocab=64)
+    th = _profile_of(m)
+    c = FakeQuantCache(m, OakenQuantizer(th, th.config), residual=residual)
+    k = torch.randn(1, 2, 3, 8)
+    k[0, 0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.update(k, torch.randn(1, 2, 3, 8), 0)
+    assert c.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"codec": "x"}, ValueError, "codec must be"),
+        ({"prefill_chunk": True}, ValueError, "prefill_chunk must be a positive int"),
+        ({"prefill_chunk": 2.0}, ValueError, "prefill_chunk must be a positive int"),
+        ({"residual": 1.5}, ValueError, "residual must be an int"),
+        ({"residual": True}, ValueError, "residual must be an int"),
+        ({"pool_config": "4096"}, TypeError, "pool_config must be a PoolConfig"),
+        ({"evict_sliding": "no"}, TypeError, "evict_sliding must be True or False"),
+        ({"thresholds": "profile.json"}, TypeError, "thresholds must be a Thresholds"),
+        ({"model": None}, ValueError, "does not describe a decoder"),
+    ],
+)
+def test_the_cache_constructor_refuses_arguments_of_the_wrong_type(kwargs, error, match):
+    """Every argument of OakenCache is checked with its exact type: a bool is not a chunk size, a string not a
+    pool configuration (an AttributeError from deep inside before)."""
+    from oakenkv.hf.cache import OakenCache
+
+    m = tiny_llama(0, vocab=64)
+    args = {"thresholds": _profile_of(m), "model": m}
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(error, match=match):
+        OakenCache(args["thresholds"], args["model"], **kwargs)

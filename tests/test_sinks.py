@@ -1,9 +1,10 @@
 """Sink tokens of an ``oaken-plus`` profile (``Transforms.sink_tokens``; src/oakenkv/store/paged.py, hf/attention.py).
 
-The first ``n`` tokens of every row are stored in the pages like any other and also at 16 bits beside them; every
-read path takes them from there: the reference read, the prefill's direct decode and the packed decode attention
-(the kernel over the other tokens, merged with the sink part through the kernel's log-sum-exp). The bits count
-them. A profile without sink tokens keeps its old serialized form and digest.
+The first ``n`` real tokens of every row (after its left padding, learnt from the attention mask) are stored in the
+pages like any other and also at 16 bits beside them; every read path takes them from there: the reference read,
+the prefill's direct decode and the packed decode attention (the kernel over the other tokens, merged with the sink
+part through the kernel's log-sum-exp). The bits count them. A profile without sink tokens keeps its old serialized
+form and digest.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
     store.append(1, k, v)
 
     class _Cache:  # FakeQuantCache.quantize_kv's body needs only these
-        quantizer, rope = q, None
+        quantizer, rope, row_starts = q, None, None
 
         def __init__(self):
             from oakenkv.methods.base import BitCounter
@@ -196,3 +197,114 @@ def test_the_evaluation_cache_counts_and_reads_the_sinks_as_the_store_does():
     k2, _ = FakeQuantCache.quantize_kv(_Cache(), 1, k, v, 5)
     assert not torch.equal(k2[:, :, :2], kq[:, :, :2])
     assert np.isfinite(k2.numpy()).all()
+
+
+# ------------------------------------------------------------------------------------- left padding (issue 35)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _feed(store: PagedKVStore, k: torch.Tensor, v: torch.Tensor, prefill: int, chunk: int) -> None:
+    """A prefill of ``prefill`` tokens in chunks of ``chunk`` (through OakenLayer.update's paths), then the rest one
+    token at a time (the decode path)."""
+    from oakenkv.hf.cache import OakenLayer
+
+    layer = OakenLayer(store, 1)
+    for a in range(0, prefill, chunk):
+        layer.update(k[:, :, a : min(prefill, a + chunk)], v[:, :, a : min(prefill, a + chunk)])
+    for i in range(prefill, k.shape[2]):
+        layer.update(k[:, :, i : i + 1], v[:, :, i : i + 1])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pads=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    sink=st.integers(1, 3),
+    real=st.integers(1, 12),
+    prefill=st.integers(1, 30),
+    chunk=st.integers(1, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_a_left_padded_row_is_stored_as_the_same_row_alone(pads, sink, real, prefill, chunk, seed):
+    """Left padding changes nothing about a row's real tokens: with the rows' starts declared (the attention mask's
+    first real token), every row reads back, from its first real token on, exactly what the same tokens alone read
+    (its sink tokens are its first real tokens, at 16 bits); and the packed decode attention over the padded batch,
+    the pads masked, equals each row's attention alone. Before, the sinks were every row's token 0: a pad."""
+    b, t = len(pads), max(pads) + real
+    k, v = _kv(b, t, seed)
+    start = pads  # left padding: row r's first real token is token pads[r], every row ends at t
+    prefill = min(prefill, t)
+    store = PagedKVStore(_profile(sink), 2, H, HD, PoolConfig(page_size=1024))
+    store.set_row_starts(start)
+    _feed(store, k, v, prefill, chunk)
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(seed + 1))
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    for r, p in enumerate(start):
+        mask[r, ..., :p] = False
+    packed = packed_decode_attention(q, PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t), mask, HD**-0.5)
+    for r, p in enumerate(start):
+        alone = PagedKVStore(_profile(sink), 2, H, HD, PoolConfig(page_size=1024))
+        _feed(alone, k[r : r + 1, :, p:], v[r : r + 1, :, p:], min(max(1, prefill - p), t - p), chunk)
+        for kind in (KEY, VALUE):
+            torch.testing.assert_close(store.read(1, kind)[r : r + 1, :, p:], alone.read(1, kind), rtol=0, atol=0)
+        n = t - p
+        want = packed_decode_attention(
+            q[r : r + 1], PackedKV(alone, 1, KEY, n), PackedKV(alone, 1, VALUE, n), None, HD**-0.5
+        )
+        torch.testing.assert_close(packed[r : r + 1], want, rtol=2e-5, atol=2e-6)
+    assert store.sink_bytes() == 2 * 2 * H * HD * sum(min(sink, t - p) for p in start)  # fp16, keys and values
+
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_the_caches_learn_each_rows_first_real_token_from_the_attention_mask():
+    """OakenCache built with the model, and the evaluation's FakeQuantCache, read each forward's attention mask (a
+    forward pre-hook): a left-padded row's sink is its first real token, in both, and both give the same logits."""
+    from oakenkv.calibrate.thresholds import weights_digest
+    from oakenkv.hf.cache import OakenCache
+    from oakenkv.methods.fakequant import FakeQuantCache
+    from oakenkv.methods.oaken import PlusQuantizer
+    from oakenkv.util.compat import cache_kwargs
+
+    model = _tiny_llama()
+    fp = ModelFingerprint("llama", 2, 2, 8, weights=weights_digest(model))
+    thr = tuple(GroupThresholds(-0.5 - i / 10, -0.02, 0.02, 0.5) for i in range(2))
+    t = Transforms((LayerTransforms(), LayerTransforms()), 2, 8, sink_tokens=2)
+    th = Thresholds(OakenConfig(), fp, thr, thr, transforms=t)
+    ids = torch.randint(1, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, :8] = 0  # one real token: its second sink token is the first generated one
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = OakenCache.from_profile(model, th)
+    fq = FakeQuantCache(model, PlusQuantizer(th))
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache)).logits
+        want = model(ids, mask, pos, **cache_kwargs(model, fq)).logits  # (the mask by position)
+    assert cache.store.row_starts.tolist() == [4, 0, 8] and fq.row_starts.tolist() == [4, 0, 8]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    k = cache.store.read(0, KEY)
+    for r, p in enumerate([4, 0, 8]):  # the sinks hold the row's first real key at 16 bits
+        torch.testing.assert_close(k[r, :, p], k[r, :, p].half().float(), rtol=0, atol=0)
+    # the next step (a new real token for every row) stores row 2's second sink token; nothing else moves
+    nxt = torch.full((3, 1), 5)
+    mask2 = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        model(input_ids=nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1, **cache_kwargs(model, cache))
+    assert cache.store.row_starts.tolist() == [4, 0, 8]
+    assert cache.store.sink_bytes() == 2 * 2 * 16 * (2 + 2 + 2) * 2  # fp16 x K,V x D x tokens x layers

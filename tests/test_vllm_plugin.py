@@ -551,7 +551,7 @@ def test_settings_from_the_environment(monkeypatch, tmp_path):
         Settings.from_env()
     monkeypatch.setenv(ENV_SPARSE_BYTES, "30")
     monkeypatch.setenv(ENV_THREADS, "0")
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="number of threads"):
         Settings.from_env()
 
 
@@ -854,7 +854,7 @@ def _hf_greedy(model, tok, thr_path, prompts, n):
     with torch.inference_mode(), oaken_attention(model):
         for p in prompts:
             ids = tok(p, return_tensors="pt").input_ids
-            cache = OakenCache(thr, model.config)
+            cache = OakenCache(thr, model)
             gen = model.generate(
                 ids,
                 max_new_tokens=n,

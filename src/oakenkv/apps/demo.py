@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from oakenkv.util.paths import atomic_write
+from oakenkv.util.text import markup_safe, printable
 
 __all__ = ["DEMO_PROMPT", "demo_text", "run_demo", "window_nll"]
 
@@ -107,6 +108,7 @@ def run_demo(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
+    from rich.text import Text
     from transformers.utils import logging as hf_logging
 
     from oakenkv.assets.data import token_windows
@@ -118,12 +120,13 @@ def run_demo(
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    with console.status(f"Loading model {model!r} (the first time converts the GGUF, ~20 s)..."):
+    with console.status(f"Loading model {markup_safe(repr(model))} (the first time converts the GGUF, ~20 s)..."):
         lm = load_model(model)
     timings["load_model_s"] = time.perf_counter() - t0
     cfg = lm.model.config
     console.print(
-        f"Loaded [bold]{model}[/bold] ({type(lm.model).__name__}) from {lm.source} in {timings['load_model_s']:.1f} s"
+        f"Loaded [bold]{markup_safe(model)}[/bold] ({type(lm.model).__name__}) from {markup_safe(lm.source)} in "
+        f"{timings['load_model_s']:.1f} s"
     )
 
     t0 = time.perf_counter()
@@ -222,21 +225,25 @@ def run_demo(
         )
     console.print(table)
     if generation is not None:
-        console.print(f"[bold]Prompt:[/bold] {generation['prompt']}")
+        console.print(Text.assemble(("Prompt: ", "bold"), printable(generation["prompt"], newlines=True)))
         console.print(
-            f"[bold]Greedy ({generation['new_tokens']} tokens, {_rate(generation)}):[/bold] " + generation["text"]
+            Text.assemble(
+                (f"Greedy ({generation['new_tokens']} tokens, {_rate(generation)}): ", "bold"),
+                printable(generation["text"], newlines=True),
+            )
         )
     for name, side in (("oaken-plus", plus), ("Oaken", oaken)):
         og = side.get("oaken_generation") if side is not None else None
         if og is not None:
-            console.print(
-                f"[bold]{name} greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
-                f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B):[/bold] " + og["text"].strip()
+            head = (
+                f"{name} greedy ({og['new_tokens']} tokens, {_rate(og)}, KV "
+                f"{og['kv_bytes']:,} B vs fp32 {og['fp32_kv_bytes']:,} B): "
             )
+            console.print(Text.assemble((head, "bold"), printable(og["text"].strip(), newlines=True)))
 
     if json_out is not None:
         out = atomic_write(json_out, json.dumps(results, indent=2) + "\n")
-        console.print(f"Results written to {out}")
+        console.print("Results written to " + printable(out), markup=False)
     return results
 
 

@@ -279,6 +279,7 @@ def diagnose(
         plus_missing: why there is no ``plus_profile`` (said in the verdict), when it is not by choice.
         calibration: how ``windows`` were made (reported as is).
     """
+    from oakenkv.calibrate.match import check_identity
     from oakenkv.calibrate.transforms import is_folded
     from oakenkv.methods.fp8 import Fp8Quantizer
     from oakenkv.methods.kivi import kivi_quantize_values
@@ -294,7 +295,7 @@ def diagnose(
     fingerprint = ModelFingerprint.from_model_config(model.config, name=name)
     for th, what in ((thresholds, "thresholds"), (plus_profile, "oaken-plus profile")):
         if th is not None:
-            th.check_fingerprint(ModelFingerprint.from_model_config(model.config))
+            check_identity(th, model)  # shape and weights
             if what == "oaken-plus profile" and th.transforms is None:
                 raise ValueError("the oaken-plus profile carries no transforms (a paper profile was given)")
             if what == "thresholds" and th.transforms is not None:

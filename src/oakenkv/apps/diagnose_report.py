@@ -18,13 +18,16 @@ def print_diagnosis(diag: Diagnosis, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from oakenkv.util.text import markup_safe, printable
+
     console = Console() if console is None else console
     d = len(diag.layers[0].keys.absmax_rel)
     cal = diag.calibration
     console.print(
-        f"[bold]{diag.model}[/]: {diag.fingerprint.get('num_layers')} layers, {d} K/V channels "
+        f"[bold]{markup_safe(diag.model)}[/]: {diag.fingerprint.get('num_layers')} layers, {d} K/V channels "
         f"({d // diag.head_dim} KV heads x {diag.head_dim}); {cal['windows']} x {cal['window']} tokens of "
-        f"{cal.get('text', 'calibration text')}; top k = {diag.top_k} channels (uniform share {diag.top_k / d:.1%})"
+        f"{markup_safe(cal.get('text', 'calibration text'))}; top k = {diag.top_k} channels "
+        f"(uniform share {diag.top_k / d:.1%})"
     )
     t = Table(title="channels per layer (share of outer-group values in the top-k channels; absmax / median)")
     cols = ["layer", "K outer top-k", "K pre-RoPE", "K absmax x", "K top channel", "K |mean|/max", "K offset pow"]
@@ -63,9 +66,9 @@ def print_diagnosis(diag: Diagnosis, console: Any = None) -> None:
     t.add_row("bits", *[f"{diag.methods[m][kind]['bits']:.2f}" for kind in KINDS for m in methods])
     console.print(t)
     for line in diag.notes:
-        console.print(f"[dim]note: {line}[/]")
+        console.print(f"[dim]note: {markup_safe(line)}[/]")
     for line in diag.verdict["lines"]:
-        console.print(line)
+        console.print(printable(line), markup=False)
 
 
 def _cell(x: float | None) -> str:

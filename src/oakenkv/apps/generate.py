@@ -27,8 +27,10 @@ def load_or_profile_thresholds(
     from oakenkv.calibrate.thresholds import Thresholds
 
     if path is not None:
+        from oakenkv.calibrate.match import check_profile_model
+
         thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
-        thr.check_model(loaded.model)  # shape and weights
+        check_profile_model(thr, loaded.model)  # shape, weights, no oaken-plus transforms on either side
         return thr
     from oakenkv.calibrate.profile import CalibrationSpec, cached_thresholds
     from oakenkv.format.config import OakenConfig
@@ -224,7 +226,7 @@ def generate_text(
     if ids.shape[-1] == 0:
         raise ValueError("the prompt is empty (no tokens to continue); give some text")
     if thresholds is not None:
-        cache = OakenCache(thresholds, model.config, residual=residual)
+        cache = OakenCache(thresholds, model, residual=residual)
     else:
         cache = DynamicCache(config=model.config)
     ctx = oaken_attention(model) if (thresholds is not None and packed_attention) else contextlib.nullcontext()
@@ -269,7 +271,7 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
 
     from oakenkv.hf.cache import OakenCache
 
-    cache = OakenCache(thresholds, model.config)
+    cache = OakenCache(thresholds, model)
     with torch.inference_mode():
         logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -300,7 +302,9 @@ def load_or_profile_plus(
         thr = path if isinstance(path, Thresholds) else Thresholds.load(path)
         if thr.transforms is None:
             raise ValueError("this thresholds file is a paper (oaken) profile, not an oaken-plus one")
-        thr.check_model(loaded.model)
+        from oakenkv.calibrate.match import check_identity
+
+        check_identity(thr, loaded.model)  # shape and weights (the transforms are folded into a copy later)
         return thr
     from oakenkv.calibrate.plus import PLUS_CALIBRATION, cached_plus_profile
     from oakenkv.calibrate.profile import CalibrationSpec

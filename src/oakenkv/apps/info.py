@@ -95,6 +95,9 @@ def print_info() -> dict[str, Any]:
     """Print :func:`collect_info` as tables and return it."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from oakenkv.util.text import printable
 
     info = collect_info()
     console = Console()
@@ -103,7 +106,7 @@ def print_info() -> dict[str, Any]:
     console.print(f"versions: {versions}")
     t = info["threads"]
     console.print(f"threads: {t['cpu_count']} CPUs, torch {t['torch']}, numba {t['numba']}")
-    console.print(f"cache: {info['cache']}")
+    console.print("cache: " + printable(info["cache"]), markup=False)
     for title, section in (("Models", info["models"]), ("Data", info["data"])):
         table = Table(title=title, title_justify="left")
         table.add_column("name")
@@ -117,6 +120,6 @@ def print_info() -> dict[str, Any]:
             detail = (
                 entry["where"] + (f"\n{entry['note']}" if entry["note"] else "") if entry["found"] else entry["note"]
             )
-            table.add_row(name, status, detail)
+            table.add_row(name, status, Text(printable(detail, newlines=True)))
         console.print(table)
     return info

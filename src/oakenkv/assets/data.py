@@ -34,7 +34,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oakenkv.util.paths import atomic_write, cache_root, file_sha256
+from oakenkv.util.paths import MAX_TEXT_BYTES, atomic_write, cache_root, file_sha256, read_text_capped
 from oakenkv.util.paths import package_dir as _package_dir  # a module global, so that tests can stub it
 
 if TYPE_CHECKING:
@@ -167,8 +167,9 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
     """
     if name == "wikitext2":
         try:
-            # Universal newlines: the shared copy has CRLF line ends, the Hugging Face rows end in "\n".
-            return locate_text(name, path).read_text(encoding="utf-8")
+            # Universal newlines: the shared copy has CRLF line ends, the Hugging Face rows end in "\n". A regular
+            # file of a bounded size (a path given by the user may be anything).
+            return read_text_capped(locate_text(name, path), "WikiText-2 file", MAX_TEXT_BYTES)
         except DataNotFoundError:
             if path is not None or not (_allow_hub_default() if allow_hub is None else allow_hub):
                 raise

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from oakenkv.util.paths import cache_root, dir_mode, file_mode, file_sha256
+from oakenkv.util.paths import cache_root, dir_mode, file_mode, file_sha256, read_text_capped
 from oakenkv.util.paths import package_dir as _package_dir  # a module global, so that tests can stub it
 
 if TYPE_CHECKING:
@@ -465,7 +465,7 @@ def model_kv_shape(name: str) -> tuple[int, int] | None:
     if d is None or not (d / "config.json").is_file():
         return None
     try:
-        cfg = json.loads((d / "config.json").read_text())
+        cfg = json.loads(read_text_capped(d / "config.json", "config.json", 16 * 2**20))
         cfg = cfg.get("text_config", cfg)
         heads = int(cfg["num_attention_heads"])
         kv = int(cfg.get("num_key_value_heads") or heads)

@@ -82,7 +82,7 @@ def tile_rows(x: torch.Tensor, n: int, batch: int = 1) -> torch.Tensor:
 def make_cache(method: str, model: Any, thresholds: Any, residual: int = 0) -> Any:
     """A fresh cache of ``method``; ``residual``: the ``oaken`` cache's full-precision window (0: none)."""
     if method == "oaken":
-        return OakenCache(thresholds, model.config, residual=residual)
+        return OakenCache(thresholds, model, residual=residual)
     if method == "dynamic":
         from transformers import DynamicCache
 

@@ -10,6 +10,7 @@
   their scoring by attention-output error; ``transforms``: the transforms' record, folding into weights, the
   online key transform.
 - ``diskcache``: the one content-keyed disk cache of every calibration result.
+- ``match``: the one check of a profile against a model (shape, weights, transforms) every constructor runs.
 - ``spec``: :class:`CalibrationSpec` (which text, how much); ``rope``: RoPE as the models apply it;
   ``ranges``: the peers' calibration (KVQuant's and the official harness's ranges).
 """

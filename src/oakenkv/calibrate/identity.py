@@ -17,6 +17,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from oakenkv.util.exact import is_int
+
 __all__ = ["WEIGHTS_DIGEST_PREFIX", "ModelFingerprint", "short_digest", "weights_digest"]
 
 #: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
@@ -137,6 +139,11 @@ def short_digest(digest: str) -> str:
     return digest[: len(WEIGHTS_DIGEST_PREFIX) + 12]
 
 
+#: Most decoder layers a profile may describe (the largest models have a few hundred): bounds what a file costs to
+#: read and print.
+MAX_LAYERS = 4096
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What identifies the model a profile belongs to: thresholds of another shape, architecture or weights are
@@ -166,8 +173,10 @@ class ModelFingerprint:
             raise ValueError(f"architecture must be a non-empty string, got {self.architecture!r}")
         for n in ("num_layers", "num_kv_heads", "head_dim"):
             v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers must be at most {MAX_LAYERS} (more than a model has), got {self.num_layers}")
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"name must be a string or None, got {self.name!r}")
         if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from oakenkv.calibrate.diskcache import CacheEntry, calibration_key, load_profile
-from oakenkv.calibrate.identity import ModelFingerprint
+from oakenkv.calibrate.identity import ModelFingerprint, weights_digest
 from oakenkv.calibrate.profile import ProgressLog
 from oakenkv.calibrate.recording import (
     AttentionRecord,
@@ -321,29 +321,26 @@ def apply_profile(model: Any, thresholds: Thresholds) -> Any:
     transforms into it (in place) and return it.
 
     A model that already carries exactly these transforms is returned unchanged (so a cache can be made for it
-    many times); one with other transforms is refused, as is a profile for another model.
+    many times); one with other transforms is refused, as is a profile for another model
+    (``oakenkv.calibrate.match``: the fold records the weights before and after it, so a folded model is still
+    checked by its weights).
     """
-    if is_folded(model) is None:
-        thresholds.check_model(model)  # shape and weights (before folding changes them)
-    else:
-        thresholds.check_model(model.config)  # folded weights differ from the profiled ones: the shape here
+    from oakenkv.calibrate.match import check_identity, check_transforms, record_fold
+
+    check_identity(thresholds, model)  # shape and weights (a folded model: those recorded at its fold)
     t = thresholds.transforms
-    if t is None:
-        if is_folded(model) is not None:
-            raise TransformError("this model carries oaken-plus transforms; the paper's thresholds do not fit it")
-        return model
     done = is_folded(model)
-    if done == t.digest():
+    if t is None or done is not None:
+        check_transforms(thresholds, model)  # nothing to fold: the model must carry exactly the profile's
         return model
-    if not t.folds_weights:
-        # nothing to fold: still mark the model, so that another profile's fold is refused later
-        if done is not None:
-            raise TransformError("this model carries other oaken-plus transforms than this profile's")
+    before = weights_digest(model)
+    if t.folds_weights:
+        fold_into_model(model, t)
+    else:  # nothing to fold: still mark the model, so that another profile's fold is refused later
         from oakenkv.calibrate.transforms import FOLD_MARK
 
         setattr(model.config, FOLD_MARK, t.digest())
-        return model
-    fold_into_model(model, t)
+    record_fold(model, before)
     return model
 
 

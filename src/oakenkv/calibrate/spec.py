@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,7 +69,9 @@ def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
     if spec.text == "file":  # any plain UTF-8 text file
         if spec.text_path is None:
             raise ValueError("calibration text 'file' needs a path (--calib-path)")
-        text = Path(spec.text_path).read_text(encoding="utf-8")
+        from oakenkv.util.paths import MAX_TEXT_BYTES, read_text_capped
+
+        text = read_text_capped(spec.text_path, "the calibration text file", MAX_TEXT_BYTES)  # (a regular file, capped)
     else:
         text = load_text(spec.text, spec.text_path)
     return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)

@@ -51,9 +51,10 @@ from typing import Any, Literal
 
 # ModelFingerprint and weights_digest live in oakenkv.calibrate.identity; they are re-exported here, where users have
 # always imported them from.
-from oakenkv.calibrate.identity import ModelFingerprint, short_digest, weights_digest
+from oakenkv.calibrate.identity import MAX_LAYERS, ModelFingerprint, short_digest, weights_digest
 from oakenkv.format.config import OakenConfig
 from oakenkv.quant.groups import FLOAT32_MAX, GroupThresholds, as_float32, finite_float
+from oakenkv.util.exact import one_of
 from oakenkv.util.paths import atomic_write
 
 __all__ = [
@@ -140,7 +141,9 @@ class LayerStats:
             if len(self.run_std) != 4:
                 raise ValueError(f"run_std must have 4 entries, got {self.run_std!r}")
             object.__setattr__(self, "run_std", tuple(finite_float("run_std", s) for s in self.run_std))
-        object.__setattr__(self, "adjustments", tuple(str(a) for a in self.adjustments))
+        if isinstance(self.adjustments, (str, bytes)) or not all(isinstance(a, str) for a in self.adjustments):
+            raise ValueError(f"adjustments must be a list of strings, got {self.adjustments!r}")
+        object.__setattr__(self, "adjustments", tuple(self.adjustments))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -221,6 +224,15 @@ class Thresholds:
                 raise TypeError(f"transforms must be a Transforms, got {type(self.transforms).__name__}")
             fp = self.fingerprint
             check_transforms_shape(self.transforms, fp.num_layers, fp.num_kv_heads, fp.head_dim)
+            if self.config.scale_dtype == "float16":
+                import numpy as np
+
+                bound, most = self.transforms.zero_key_bound(), float(np.finfo(np.float16).max)
+                if bound > most:
+                    raise ValueError(
+                        f"the key shifts move a key of zeros up to {bound:.4g}, beyond the float16 scales' range "
+                        f"({most:g}): no key could be encoded"
+                    )
         for kind, seq in (("key", self.keys), ("value", self.values)):
             seen: dict[tuple[float, ...], int] = {}
             for i, g in enumerate(seq):
@@ -348,7 +360,7 @@ class Thresholds:
         if d.get("format") != FORMAT_NAME:
             raise fail(f"not a thresholds file (format is {d.get('format')!r}, expected {FORMAT_NAME!r})")
         version = d.get("schema_version")
-        if version not in (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS):
+        if not one_of(version, (SCHEMA_VERSION, SCHEMA_VERSION_TRANSFORMS)):  # (not true, not 2.0)
             raise fail(
                 f"unsupported schema_version {version!r} (this oakenkv reads {SCHEMA_VERSION} and "
                 f"{SCHEMA_VERSION_TRANSFORMS}); re-profile"
@@ -362,8 +374,12 @@ class Thresholds:
             if not isinstance(layers, list):
                 raise fail("'layers' must be a list")
             keys, values, kstats, vstats = [], [], [], []
+            if len(layers) > MAX_LAYERS:
+                raise fail(f"holds {len(layers):,} layers, more than any model has ({MAX_LAYERS:,} at most)")
             for pos, entry in enumerate(layers):
-                if entry.get("index") != pos:
+                if not isinstance(entry, dict):
+                    raise fail(f"layer entry {pos} must be an object")
+                if not one_of(entry.get("index"), (pos,)):
                     raise fail(f"layer entry {pos} has index {entry.get('index')!r} (layers must be in order)")
                 for kind, thr, st in (("key", keys, kstats), ("value", values, vstats)):
                     try:

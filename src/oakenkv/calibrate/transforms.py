@@ -54,6 +54,8 @@ import numpy as np
 import torch
 
 from oakenkv.format.config import MAX_SINK_TOKENS, valid_sink_tokens
+from oakenkv.quant.groups import FLOAT32_MAX
+from oakenkv.util.exact import is_int, is_number, one_of
 
 #: Version of the serialized transforms; bump when a field changes meaning. Version 2 adds ``sink_tokens``; a
 #: record without sink tokens is still written as version 1 (same bytes and digest as before), so that an older
@@ -103,14 +105,25 @@ def fwht(x: np.ndarray) -> np.ndarray:
 _NO_SHIFT = np.zeros(0, dtype=np.float32)
 
 
+def _notes(notes: Any) -> dict[str, Any]:
+    if notes is None:
+        return {}
+    if not isinstance(notes, dict):
+        raise TransformError(f"transforms notes must be an object, got {type(notes).__name__}")
+    return dict(notes)
+
+
 def _floats(name: str, values: Any, n: int) -> tuple[float, ...] | None:
     if values is None:
         return None
-    t = tuple(float(v) for v in (values.tolist() if hasattr(values, "tolist") else values))
+    raw = values.tolist() if hasattr(values, "tolist") else values
+    if isinstance(raw, (str, bytes)) or not all(is_number(v) for v in raw):  # (no strings or booleans from a file)
+        raise TransformError(f"{name} must be a list of numbers")
+    t = tuple(float(v) for v in raw)
     if len(t) != n:
         raise TransformError(f"{name} must hold {n} values, got {len(t)}")
-    if not all(math.isfinite(v) for v in t):
-        raise TransformError(f"{name} holds NaN or infinite values")
+    if not all(math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in t):  # (applied in float32: 1e39 is inf there)
+        raise TransformError(f"{name} holds NaN, infinite or beyond-float32 values")
     return t
 
 
@@ -156,6 +169,8 @@ class Transforms:
         d = self.num_kv_heads * self.head_dim
         if not valid_sink_tokens(self.sink_tokens):
             raise TransformError(f"sink_tokens must be an int in [0, {MAX_SINK_TOKENS}], got {self.sink_tokens!r}")
+        if not isinstance(self.notes, dict):
+            raise TransformError(f"notes must be a dict, got {type(self.notes).__name__}")
         object.__setattr__(self, "layers", tuple(self.layers))
         for i, lt in enumerate(self.layers):
             if not isinstance(lt, LayerTransforms):
@@ -170,6 +185,18 @@ class Transforms:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def zero_key_bound(self) -> float:
+        """A bound on the largest magnitude the online key transform gives a key of zeros, over every layer: its
+        shift, rotated (an orthonormal rotation keeps each value within its head's norm). A profile whose bound
+        exceeds what its scales can hold cannot encode any key (checked by ``Thresholds``)."""
+        worst = 0.0
+        for lt in self.layers:
+            if lt.key_shift is None:
+                continue
+            s = np.abs(np.asarray(lt.key_shift, dtype=np.float64)).reshape(self.num_kv_heads, self.head_dim)
+            worst = max(worst, float(np.sqrt((s**2).sum(axis=1)).max() if lt.key_rotation else s.max()))
+        return worst
 
     @property
     def dim(self) -> int:
@@ -203,16 +230,23 @@ class Transforms:
         if not isinstance(d, dict):
             raise TransformError(f"transforms must be an object, got {type(d).__name__}")
         version = d.get("version")
-        if version not in _READS_VERSIONS:
+        if not one_of(version, _READS_VERSIONS):
             known = ", ".join(map(str, _READS_VERSIONS))
             raise TransformError(f"unsupported transforms version {version!r} (this oakenkv reads {known})")
         if version == 1 and "sink_tokens" in d:
             raise TransformError("transforms version 1 cannot hold sink_tokens")
         if d.get("rotation") != "hadamard-sylvester":
             raise TransformError(f"unknown rotation {d.get('rotation')!r}")
+        for k in ("num_kv_heads", "head_dim"):
+            if not is_int(d.get(k)) or d[k] < 1:
+                raise TransformError(f"transforms {k} must be a positive int, got {d.get(k)!r}")
+        if not isinstance(d["layers"], list):
+            raise TransformError("transforms layers must be a list")
         layers = []
         for pos, e in enumerate(d["layers"]):
-            if e.get("index") != pos:
+            if not isinstance(e, dict):
+                raise TransformError(f"transforms layer entry {pos} must be an object")
+            if not one_of(e.get("index"), (pos,)):
                 raise TransformError(f"transforms layer entry {pos} has index {e.get('index')!r}")
             for k in ("key_rotation", "value_rotation"):
                 if not isinstance(e[k], bool):
@@ -227,9 +261,9 @@ class Transforms:
             )
         return cls(
             tuple(layers),
-            int(d["num_kv_heads"]),
-            int(d["head_dim"]),
-            dict(d.get("notes") or {}),
+            d["num_kv_heads"],
+            d["head_dim"],
+            _notes(d.get("notes")),
             d.get("sink_tokens", 0),
         )
 

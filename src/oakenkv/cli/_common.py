@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from oakenkv.util.paths import MAX_TEXT_BYTES
+
 app = typer.Typer(
     name="oakenkv",
     help="Oaken KV-cache quantization (ISCA 2025): profile thresholds, quantize the KV cache of a transformers "
@@ -33,7 +35,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, MemoryError
 
 
 def one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    """``text`` on one line, safe for a terminal: whitespace runs become one space, then every control or escape
+    character left is made visible (``oakenkv.util.text.printable``: an error may quote a file's content)."""
+    from oakenkv.util.text import printable
+
+    return printable(" ".join(str(text).split()), limit=4000)
 
 
 def message(e: BaseException) -> str:
@@ -58,9 +64,17 @@ def bad_option(option: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=f"'{option}'")
 
 
+def print_warning(text: str) -> None:
+    """One ``warning: ...`` line on stderr (sanitized like an error line)."""
+    print(f"warning: {one_line(text)}", file=sys.stderr, flush=True)
+
+
 def check_out(path: Path | None, option: str) -> None:
-    """Refuse an output path that cannot be written, before any work: an existing directory, a parent that is a
-    file, or a directory without write permission."""
+    """Refuse an output path that cannot be written, before any work, by writing a trial file where the output will
+    go (the nearest directory that exists): an existing directory, a parent that is a file, a directory without
+    write permission, a read-only or full file system. An existing file there is replaced at the end: said now, in
+    one ``warning:`` line (the policy of every ``--out``/``--json``/``--plot``, docs/robustness.md); an existing
+    thing that is not a regular file (a device, a pipe) is refused."""
     if path is None:
         return
     if path.is_dir():
@@ -72,6 +86,62 @@ def check_out(path: Path | None, option: str) -> None:
         raise bad_option(option, f"cannot create {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise bad_option(option, f"cannot write {path}: no permission to write in {parent}")
+    import tempfile
+
+    try:  # what the final write does (oakenkv.util.paths.atomic_write: a temporary file there, then a rename)
+        fd, trial = tempfile.mkstemp(dir=parent, prefix=".oakenkv-trial-", suffix=".tmp")
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(trial)
+    except OSError as e:
+        raise bad_option(option, f"cannot write {path}: {message(e)}") from None
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise bad_option(option, f"{path} exists and is not a regular file (a device or a pipe?)")
+        print_warning(f"{option} {path} exists; it will be replaced when the command ends")
+
+
+def save_output(path: Path, write: Any, option: str) -> Path:
+    """Write a command's output: ``write(p)`` writes it (atomically) to ``p``. When that fails after the work was
+    done (the disk filled up, the directory went away or became read-only since :func:`check_out`), the output is
+    written under the cache directory instead and the error names both: computed work is never lost."""
+    try:
+        write(path)
+        return path
+    except OSError as e:
+        import time
+
+        from oakenkv.util.paths import cache_root
+
+        fallback = cache_root() / "unsaved" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{path.name}"
+        try:
+            write(fallback)
+        except OSError:
+            raise e from None
+        raise OSError(f"could not write {option} {path} ({message(e)}); it was saved to {fallback} instead") from e
+
+
+def check_input(
+    path: Path | str | None, option: str, max_bytes: int | None = MAX_TEXT_BYTES, *, text: bool = False
+) -> Path | None:
+    """Refuse, before any work, a file to read that is missing, not a regular file (a directory, a FIFO that would
+    block, a device such as /dev/zero that never ends), larger than ``max_bytes`` (default: the cap of a text read
+    whole; None: any size, for a file read as a stream) or unreadable (``oakenkv.util.paths.check_input_file``);
+    with ``text``, also one that is not UTF-8 text or holds none (read now: it was found after the model loaded)."""
+    if path is None:
+        return None
+    from oakenkv.util.paths import InputFileError, check_input_file, read_text_capped
+
+    try:
+        p = check_input_file(path, "", max_bytes)
+        if text and not read_text_capped(p, "", max_bytes or MAX_TEXT_BYTES).strip():
+            raise InputFileError(f"{p} holds no text")
+        return p
+    except (FileNotFoundError, InputFileError) as e:
+        raise bad_option(option, str(e)) from None
 
 
 def check_model(model: str, option: str = "--model") -> None:
@@ -81,14 +151,26 @@ def check_model(model: str, option: str = "--model") -> None:
     locate_model(model)
 
 
-def load_thresholds(path: Path | None) -> Any:
-    """Read and validate a thresholds file before anything expensive (None stays None)."""
+def load_thresholds(path: Path | None, model: str | None = None) -> Any:
+    """Read and validate a thresholds file before anything expensive (None stays None); with ``model`` (its name),
+    also refuse a profile of another shape than the model's, read from its config without loading it."""
     if path is None:
         return None
     from oakenkv.calibrate.thresholds import Thresholds
 
-    return Thresholds.load(path)
+    th = Thresholds.load(path)
+    if model is not None:
+        from oakenkv.calibrate.match import check_profile_shape
 
+        check_profile_shape(th, model)
+    return th
+
+
+#: The most tokens a window, a context or a full-precision window may ask for on the command line (no model reads
+#: more): a larger number is refused before the model loads, not after minutes of tokenizing.
+MAX_TOKENS = 1 << 20
+#: The most calibration windows (profiling runs) an option may ask for; the paper uses about 100.
+MAX_WINDOWS = 100_000
 
 #: ``--residual`` of the commands that build an OakenCache (``OakenCache(residual=...)``, docs/pages.md).
 ResidualOption = Annotated[
@@ -98,6 +180,7 @@ ResidualOption = Annotated[
         "unquantized (float32) and are encoded RESIDUAL at a time (KIVI's and QuantizedCache's residual). "
         "0: every token quantized on arrival, the paper's Oaken.",
         min=0,
+        max=MAX_TOKENS,
     ),
 ]
 
@@ -155,6 +238,7 @@ def calib_spec(
         raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"
+    check_input(calib_path, "--calib-path", text=True)  # read whole: regular, capped, text (a FIFO hung the run)
     return CalibrationSpec(
         DEFAULT_CALIB_TEXT if calib_text is None else calib_text,
         DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples,
@@ -163,7 +247,8 @@ def calib_spec(
     )
 
 
-def write_json(obj: dict, path: Path | None) -> None:
+def write_json(obj: dict, path: Path | None, option: str = "--json") -> None:
+    """``obj`` as JSON to ``path`` (:func:`save_output`: never lost), or on stdout when ``path`` is None."""
     import json
 
     text = json.dumps(obj, indent=2)
@@ -172,8 +257,8 @@ def write_json(obj: dict, path: Path | None) -> None:
         return
     from oakenkv.util.paths import atomic_write
 
-    atomic_write(path, text + "\n")
-    typer.echo(f"wrote {path}")
+    wrote = save_output(path, lambda p: atomic_write(p, text + "\n"), option)
+    typer.echo(f"wrote {wrote}")
 
 
 def start_run() -> None:
@@ -184,8 +269,9 @@ def start_run() -> None:
 
 
 def emit_result(result: dict, json_out: Path | None, save: bool, benchmark: str, point: str) -> None:
-    """Write a benchmark's result to ``--json`` and, with ``--save``, to its one current file under
-    ``benchmarks/results/<benchmark>/<point>.json`` with the run's metadata (``oakenkv.bench.results``)."""
+    """Write a benchmark's result to ``--json`` (:func:`save_output`: never lost) and, with ``--save``, to its one
+    current file under ``benchmarks/results/<benchmark>/<point>.json`` with the run's metadata
+    (``oakenkv.bench.results``)."""
     import json
 
     from oakenkv.bench.results import meta
@@ -194,7 +280,7 @@ def emit_result(result: dict, json_out: Path | None, save: bool, benchmark: str,
     if json_out is not None:
         from oakenkv.util.paths import atomic_write
 
-        atomic_write(json_out, json.dumps({**result, "run": meta()}, indent=2, default=str) + "\n")
-        typer.echo(f"wrote {json_out}")
+        text = json.dumps({**result, "run": meta()}, indent=2, default=str) + "\n"
+        typer.echo(f"wrote {save_output(json_out, lambda p: atomic_write(p, text), '--json')}")
     if save:
         typer.echo(f"wrote {save_result(benchmark, point, result)}")

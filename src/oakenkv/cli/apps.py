@@ -7,7 +7,20 @@ from typing import Annotated, Any
 
 import typer
 
-from oakenkv.cli._common import ResidualOption, app, bad_option, check_model, check_out, load_thresholds, write_json
+from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
+    ResidualOption,
+    app,
+    bad_option,
+    check_input,
+    check_model,
+    check_out,
+    load_thresholds,
+    save_output,
+    write_json,
+)
+from oakenkv.util.text import printable
 
 
 @app.command()
@@ -24,7 +37,7 @@ def demo(
         str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
     windows: Annotated[int, typer.Option(help="Number of WikiText-2 windows for perplexity.", min=1)] = 4,
-    window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2)] = 512,
+    window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2, max=MAX_TOKENS)] = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate greedily.", min=0)] = 32,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
     preset: Annotated[
@@ -35,30 +48,32 @@ def demo(
         ),
     ] = "oaken-plus",
     plus_samples: Annotated[
-        int | None, typer.Option(help="Calibration windows of the oaken-plus profile (default 16).", min=1)
+        int | None,
+        typer.Option(help="Calibration windows of the oaken-plus profile (default 16).", min=1, max=MAX_WINDOWS),
     ] = None,
     plus_window: Annotated[
-        int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2)
+        int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2, max=MAX_TOKENS)
     ] = None,
 ) -> None:
     """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation, FP next
     to oaken-plus and the paper's Oaken."""
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
-    check_out(json_out, "--json")
     check_model(model)
+    check_out(json_out, "--json")
     from oakenkv.apps.demo import run_demo
 
-    run_demo(
+    results = run_demo(
         model=model,
         windows=windows,
         window=window,
         max_new_tokens=max_new_tokens,
-        json_out=json_out,
         preset=preset,
         plus_samples=plus_samples,
         plus_window=plus_window,
     )
+    if json_out is not None:
+        write_json(results, json_out)
 
 
 @app.command()
@@ -94,7 +109,7 @@ def generate(
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     check_model(model)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
     if thr_file is not None:
         preset = "oaken-plus" if thr_file.transforms is not None else "oaken"
     from oakenkv.apps.generate import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
@@ -116,7 +131,7 @@ def generate(
             lm, prompt, t, max_new_tokens=max_new_tokens, chat=chat, do_sample=sample, residual=residual if t else 0
         )
         typer.echo(f"--- {name} ({g.new_tokens} tokens in {g.seconds:.1f} s)")
-        typer.echo(g.text)
+        typer.echo(printable(g.text, newlines=True))  # (a model's text may hold escape sequences)
         typer.echo(
             f"KV cache: {g.kv_bytes:,} bytes for {g.prompt_tokens + g.new_tokens - 1} tokens "
             f"(fp32 would hold {g.fp32_kv_bytes:,} bytes: {g.fp32_kv_bytes / g.kv_bytes:.2f}x)"
@@ -128,8 +143,8 @@ def diagnose_cmd(
     model: Annotated[
         str, typer.Option(help="Model: 'default', 'gemma3-270m', a Hugging Face id, a local directory or a .gguf path.")
     ] = "default",
-    samples: Annotated[int, typer.Option(help="Calibration windows to record.")] = 4,
-    window: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    samples: Annotated[int, typer.Option(help="Calibration windows to record.", min=1, max=MAX_WINDOWS)] = 4,
+    window: Annotated[int, typer.Option(help="Tokens per calibration window.", min=2, max=MAX_TOKENS)] = 512,
     plus: Annotated[
         bool,
         typer.Option(
@@ -140,11 +155,19 @@ def diagnose_cmd(
     ] = True,
     plus_samples: Annotated[
         int | None,
-        typer.Option(help="Calibration windows of the oaken-plus profile (default: --samples; the preset uses 16)."),
+        typer.Option(
+            help="Calibration windows of the oaken-plus profile (default: --samples; the preset uses 16).",
+            min=1,
+            max=MAX_WINDOWS,
+        ),
     ] = None,
     plus_window: Annotated[
         int | None,
-        typer.Option(help="Tokens per oaken-plus calibration window (default: --window; the preset uses 2048)."),
+        typer.Option(
+            help="Tokens per oaken-plus calibration window (default: --window; the preset uses 2048).",
+            min=2,
+            max=MAX_TOKENS,
+        ),
     ] = None,
     calib_text: Annotated[
         str, typer.Option(help="Calibration text: 'wikipedia' (default) or 'wikitext2' (the evaluation text).")
@@ -166,13 +189,10 @@ def diagnose_cmd(
     """Diagnose a model's keys and values: per layer, how concentrated Oaken's outer-group values are in a few
     channels, channel magnitudes and offsets before and after RoPE, each method's reconstruction SQNR, and a
     verdict: fixed-channel key outliers or not, key offsets or not, and which remedies oaken-plus uses."""
-    from oakenkv.apps.diagnose import diagnose_model
-    from oakenkv.apps.diagnose_report import plot_diagnosis, print_diagnosis, require_matplotlib
-    from oakenkv.calibrate.profile import CalibrationSpec
+    from oakenkv.calibrate.spec import CalibrationSpec  # (not calibrate.profile: the checks come before torch)
 
     # the user's mistakes, before any slow work (one `error:` line each, exit code 2: see run())
-    if calib_path is not None and not calib_path.is_file():
-        raise bad_option("--calib-path", f"{calib_path} is not a file")
+    check_input(calib_path, "--calib-path", text=True)
     if calib_path is None and calib_text not in ("wikipedia", "wikitext2"):
         raise bad_option("--calib-text", f"must be 'wikipedia' or 'wikitext2', got {calib_text!r}")
     text, path = ("file", str(calib_path)) if calib_path is not None else (calib_text, None)
@@ -186,13 +206,16 @@ def diagnose_cmd(
     if png is not None:
         if png.suffix.lower() != ".png":
             raise bad_option("--png", f"must name a .png file, got {png}")
-        try:
-            require_matplotlib()
-        except ImportError as e:
-            raise bad_option("--png", str(e)) from e
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # (found, not imported: the checks come before torch)
+            raise bad_option("--png", "the plot needs matplotlib: pip install 'oakenkv[eval]' (or leave out --png)")
+    check_model(model)
     check_out(json_out, "--json")
     check_out(png, "--png")
-    check_model(model)
+    from oakenkv.apps.diagnose import diagnose_model
+    from oakenkv.apps.diagnose_report import plot_diagnosis, print_diagnosis
+
     if threads is not None:
         import torch
 
@@ -201,4 +224,4 @@ def diagnose_cmd(
     print_diagnosis(diag)
     write_json(diag.to_dict(), json_out)
     if png is not None:
-        typer.echo(f"wrote {plot_diagnosis(diag, png)}")
+        typer.echo(f"wrote {save_output(png, lambda p: plot_diagnosis(diag, p), '--png')}")

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from oakenkv.cli._common import (
+    MAX_TOKENS,
     ResidualOption,
     app,
     bad_option,
@@ -48,10 +49,10 @@ def bench_codec(
 ) -> None:
     """Encode/decode throughput of the fused dense-and-sparse format next to memcpy and quanto int4, effective
     bits, and pure dense vs pure sparse vs fused storage of the default model's real K/V."""
-    check_out(json_out, "--json")
-    start_run()
     if real_kv:
         _check_real_tokens(real_tokens)
+    check_out(json_out, "--json")
+    start_run()
     from rich.console import Console
 
     from oakenkv.bench.codec import print_codec_bench, run_codec_bench
@@ -123,11 +124,11 @@ def bench_decode(
         raise bad_option("--thresholds", "the thresholds are for the 'oaken' method, which --methods does not include")
     if residual and "oaken" not in names:
         raise bad_option("--residual", "the window is the 'oaken' method's, which --methods does not include")
-    check_out(json_out, "--json")
-    start_run()
     check_model(model)
-    check_decode_contexts(model, contexts, batch)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
+    check_decode_contexts(model, contexts, batch)  # (last: the one check that depends on the machine's load)
+    start_run()
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -155,6 +156,22 @@ def bench_decode(
 
 
 _BENCH_METHODS = ("oaken", "dynamic", "quanto")
+
+
+def _check_attention_contexts(model: str, contexts: list[int], batch: int) -> None:
+    """``bench attention`` holds one layer's keys and values of the longest context at once: fp32 ``[B, H, T, hd]``,
+    a tiled copy, SDPA's operands (about 3x) and the packed pages beside them: checked before the model loads."""
+    from oakenkv.assets.models import model_kv_shape
+    from oakenkv.util.resources import check_memory
+
+    if max(contexts) > MAX_TOKENS:
+        raise bad_option("--context", f"at most {MAX_TOKENS} tokens, got {max(contexts)}")
+    shape = model_kv_shape(model)
+    if shape is None:
+        return
+    need = int(max(contexts) * batch * shape[1] * 2 * 4 * 3.5)
+    what = f"--context {max(contexts)}" + (f" at batch {batch}" if batch > 1 else "")
+    check_memory(need, what, "give shorter contexts")
 
 
 def _point(values: list[int], **axes: Any) -> str:
@@ -201,10 +218,11 @@ def bench_attention(
 
     if max(counts) > numba.config.NUMBA_NUM_THREADS:
         raise bad_option("--threads", f"numba has {numba.config.NUMBA_NUM_THREADS} threads; give at most that many")
-    check_out(json_out, "--json")
-    start_run()
     check_model(model)
-    thr_file = load_thresholds(thresholds)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
+    _check_attention_contexts(model, contexts, max(batches))
+    start_run()
     from rich.console import Console
 
     from oakenkv.apps.generate import load_or_profile_thresholds
@@ -268,12 +286,12 @@ def bench_generate(
             raise bad_option("--points", f"points are PROMPTxBATCH with positive integers, e.g. 128x1; got {points!r}")
     else:
         grid = [(p, b) for p in parse_int_list(prompts, "--prompts") for b in parse_int_list(batches, "--batches")]
-    check_out(json_out, "--json")
-    start_run()
     check_model(model)
+    thr_file = load_thresholds(thresholds, model)
+    check_out(json_out, "--json")
     p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
     check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
-    thr_file = load_thresholds(thresholds)
+    start_run()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -8,7 +8,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, check_model, check_out
+from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
+    app,
+    bad_option,
+    check_input,
+    check_model,
+    check_out,
+    one_line,
+    save_output,
+)
+from oakenkv.util.paths import MAX_TEXT_BYTES
 
 if TYPE_CHECKING:
     from oakenkv.calibrate.thresholds import Thresholds
@@ -33,6 +44,7 @@ def profile_cmd(
             help="Calibration windows (= profiling runs) averaged; the paper uses about 100, fewer warn. "
             "Default: 100 for oaken, 16 for oaken-plus.",
             min=1,
+            max=MAX_WINDOWS,
         ),
     ] = None,
     window: Annotated[
@@ -42,6 +54,7 @@ def profile_cmd(
             "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
             "the positions it sees (about 10-20 minutes for the default model).",
             min=2,
+            max=MAX_TOKENS,
         ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the thresholds JSON file.")] = Path("thresholds.json"),
@@ -102,12 +115,7 @@ def profile_cmd(
 
     if preset not in PRESETS:
         raise bad_option("--preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
-    from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW
-
     plus = PRESETS[preset].transforms
-    # oaken-plus: its preset's calibration; the paper's thresholds: the paper's ~100 runs
-    samples = samples or (PRESETS[preset].calibration.samples if plus else DEFAULT_SAMPLES)
-    window = window or (PRESETS[preset].calibration.window if plus else DEFAULT_WINDOW)
     config = OakenConfig(
         outer_ratio=outer_ratio, inner_ratio=inner_ratio, key_position="pre_rope" if pre_rope else "post_rope"
     )
@@ -119,9 +127,21 @@ def profile_cmd(
         raise bad_option("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
     if inner_center not in ("median", "zero"):
         raise bad_option("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
-    check_out(out, "--out")
+    # a Wikipedia dump is streamed (any size; its first bytes checked); a plain text is read whole (capped)
+    check_input(data_path, "--data-path", None if data == "wikipedia" else MAX_TEXT_BYTES, text=data != "wikipedia")
+    if data_path is not None and data == "wikipedia":
+        with open(data_path, "rb") as f:
+            head = f.read(64)
+        xml = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"<"
+        if not (head.startswith(b"BZh") if data_path.suffix == ".bz2" else xml):
+            raise bad_option("--data-path", f"{data_path} is not a MediaWiki XML dump (.xml or .xml.bz2)")
     check_model(model)
-    from oakenkv.calibrate.profile import profile_model
+    check_out(out, "--out")
+    from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW, profile_model  # (imports torch)
+
+    # oaken-plus: its preset's calibration; the paper's thresholds: the paper's ~100 runs
+    samples = samples or (PRESETS[preset].calibration.samples if plus else DEFAULT_SAMPLES)
+    window = window or (PRESETS[preset].calibration.window if plus else DEFAULT_WINDOW)
 
     if threads is not None:
         import torch
@@ -149,8 +169,8 @@ def profile_cmd(
             )
     for w in caught:
         if issubclass(w.category, UserWarning):
-            typer.secho(f"warning: {w.message}", fg="yellow", err=True)
-    path = th.save(out)
+            typer.secho(f"warning: {one_line(str(w.message))}", fg="yellow", err=True)
+    path = save_output(out, th.save, "--out")  # (never lost: minutes of profiling)
     typer.echo(
         f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "
         f"{data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv inspect {path}`)"
@@ -171,32 +191,49 @@ def inspect_cmd(
 def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -> None:
     """Print a profile for people: model, config, how it was profiled, and (``layers``) a per-layer table.
 
-    ``console`` is a ``rich.console.Console`` (default: a new one on stdout).
-    """
-    from rich.console import Console
-    from rich.table import Table
+    Everything that came from the file is printed through :func:`oakenkv.util.text.printable` (escape sequences and
+    control characters made visible) and cut to a line's worth, and no markup is interpreted: a shared profile
+    cannot act on the terminal. The table is plain text, written at once (a 4096-layer profile prints in well
+    under a second; a rich table of it took minutes).
 
-    console = Console() if console is None else console
+    ``console`` is a ``rich.console.Console`` to write to (default: standard output).
+    """
+    from oakenkv.util.text import printable
+
+    def text(v: Any, limit: int = 200) -> str:
+        return printable(v, limit=limit)
+
     c = th.config
-    console.print(f"[bold]model[/]   {th.fingerprint.describe()}")
-    console.print(
-        f"[bold]config[/]  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
+    lines = [
+        f"model   {text(th.fingerprint.describe())}",
+        f"config  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
         f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
-        f"granularity {c.granularity}, scales {c.scale_dtype}"
-    )
+        f"granularity {c.granularity}, scales {c.scale_dtype}",
+    ]
     if th.profile:
-        console.print("[bold]profile[/] " + ", ".join(f"{k}={v}" for k, v in th.profile.items() if v is not None))
-    if not layers:
-        return
-    for kind in ("key", "value"):
-        table = Table(title=f"{kind} thresholds per decoder layer")
-        for col in ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs", "notes"):
-            table.add_column(col, justify="left" if col == "notes" else "right")
-        for i in range(th.num_layers):
-            st = th.stats(i, kind)
-            cells = [f"{v:+.4f}" for v in th.layer(i, kind).as_tuple()]
-            extra = (
-                ["-", "-", ""] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs), "; ".join(st.adjustments)]
-            )
-            table.add_row(str(i), *cells, *extra)
-        console.print(table)
+        shown = [f"{text(k, 40)}={text(v, 80)}" for k, v in list(th.profile.items())[:32] if v is not None]
+        more = len(th.profile) - 32
+        lines.append("profile " + text(", ".join(shown), 2000) + (f" (and {more} more fields)" if more > 0 else ""))
+    if th.transforms is not None:
+        t = th.transforms
+        lines.append(
+            f"transforms oaken-plus: {sum(lt.key_shift is not None for lt in t.layers)} key shifts, "
+            f"{sum(lt.key_scale is not None for lt in t.layers)} key scales, {sum(lt.key_rotation for lt in t.layers)} "
+            f"key and {sum(lt.value_rotation for lt in t.layers)} value rotations, {t.sink_tokens} sink tokens"
+        )
+    if layers:
+        head = ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs")
+        for kind in ("key", "value"):
+            lines += ["", f"{kind} thresholds per decoder layer"]
+            lines.append("  ".join(f"{h:>9}" for h in head) + "  notes")
+            for i in range(th.num_layers):
+                st = th.stats(i, kind)
+                cells = [str(i), *(f"{v:+.4f}" for v in th.layer(i, kind).as_tuple())]
+                cells += ["-", "-"] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs)]
+                notes = "" if st is None else text("; ".join(st.adjustments), 100)
+                lines.append("  ".join(f"{x:>9}" for x in cells) + ("  " + notes if notes else ""))
+    import sys
+
+    f = sys.stdout if console is None else console.file
+    f.write("\n".join(lines) + "\n")
+    f.flush()

@@ -7,7 +7,17 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, calib_spec, check_model, check_out, write_json
+from oakenkv.cli._common import (
+    MAX_TOKENS,
+    MAX_WINDOWS,
+    app,
+    bad_option,
+    calib_spec,
+    check_input,
+    check_model,
+    check_out,
+    write_json,
+)
 from oakenkv.methods.registry import methods_help
 
 eval_app = typer.Typer(
@@ -31,7 +41,7 @@ def eval_ppl(
     thresholds: Annotated[
         Path | None, typer.Option(help=("Oaken thresholds file (default: profile on the calibration text)."))
     ] = None,
-    window: Annotated[int, typer.Option(help="Tokens per window (the paper: 2048).", min=2)] = 2048,
+    window: Annotated[int, typer.Option(help="Tokens per window (the paper: 2048).", min=2, max=MAX_TOKENS)] = 2048,
     stride: Annotated[
         int | None, typer.Option(help="Distance between window starts (default: the window).", min=1)
     ] = None,
@@ -46,9 +56,11 @@ def eval_ppl(
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[
         str | None, typer.Option(help=("Path of the calibration text file, if not the packaged one."))
@@ -70,9 +82,9 @@ def eval_ppl(
     """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
     from oakenkv.eval.args import check_run_args
 
-    check_out(json_out, "--json")
     calibration = calib_spec(calib_text, calib_samples, calib_window, calib_path, method=method, thresholds=thresholds)
     check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
+    check_out(json_out, "--json")
     from oakenkv.eval.ppl import run_ppl
 
     checkpoint = json_out.with_name(json_out.stem + ".partial.json") if json_out is not None and resume else None
@@ -104,9 +116,11 @@ def eval_zeroshot(
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
@@ -116,9 +130,9 @@ def eval_zeroshot(
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not names or any(t not in ZEROSHOT_TASKS for t in names):
         raise bad_option("--tasks", f"give tasks among {', '.join(ZEROSHOT_TASKS)}, got {tasks!r}")
-    check_out(json_out, "--json")
     calibration = calib_spec(calib_text, calib_samples, calib_window, None, method=method, thresholds=thresholds)
     check_run_args(model, method, thresholds)
+    check_out(json_out, "--json")
     from oakenkv.eval.zeroshot import run_zeroshot
 
     res = run_zeroshot(
@@ -142,9 +156,11 @@ def eval_calibrate(
         typer.Option(help=("Comma-separated outlier shares to profile besides the paper's 10% (outer:inner = 4:6).")),
     ] = "0.08,0.12,0.16,0.20",
     calib_text: Annotated[str | None, typer.Option(help="Calibration text [default: wikipedia].")] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration windows [default: 16].", min=1)] = None,
+    calib_samples: Annotated[
+        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+    ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2)
+        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
 ) -> None:
@@ -161,9 +177,7 @@ def eval_calibrate(
             configs.append((sweep_config(float(s)), False))
         except ValueError as e:
             raise bad_option("--sweep", f"{s!r} is not an outlier share in (0, 1): {e}") from None
-    spec = calib_spec(calib_text, calib_samples, calib_window, calib_path)
-    if spec.text_path is not None and not Path(spec.text_path).is_file():
-        raise bad_option("--calib-path", f"{spec.text_path} is not a file")
+    spec = calib_spec(calib_text, calib_samples, calib_window, calib_path)  # (--calib-path: a file, checked)
     check_model(model)
     from oakenkv.assets.models import load_model
     from oakenkv.calibrate.ranges import calibrate_all
@@ -176,17 +190,25 @@ def eval_calibrate(
 @eval_app.command("report")
 def eval_report(
     results: Annotated[list[Path], typer.Argument(help="JSON result files or directories holding them.", exists=True)],
-    out: Annotated[Path, typer.Option(help="Markdown file to write.")] = Path("docs/results.md"),
-    plot: Annotated[Path, typer.Option(help="Pareto plot (PNG) to write.")] = Path("docs/results_pareto.png"),
+    out: Annotated[
+        Path, typer.Option(help="Markdown file to write (default under ./results/, never a tracked file).")
+    ] = Path("results/report.md"),
+    plot: Annotated[Path, typer.Option(help="Pareto plot (PNG) to write.")] = Path("results/report_pareto.png"),
     header: Annotated[
         Path | None,
         typer.Option(help="Markdown to put before the tables (commands, caveats).", exists=True, dir_okay=False),
     ] = None,
 ) -> None:
     """Collect `eval ppl` / `eval zeroshot` JSON results into markdown tables and a perplexity-vs-bits plot."""
+    from oakenkv.util.paths import MAX_RESULT_BYTES
+
+    check_input(header, "--header", MAX_RESULT_BYTES)
+    if out.resolve() == plot.resolve():
+        raise bad_option("--plot", f"{plot} is also the --out file; give two paths")
+    from oakenkv.eval.report import load_results, write_report
+
+    loaded = load_results(results)  # every file read and checked before anything is written
     check_out(out, "--out")
     check_out(plot, "--plot")
-    from oakenkv.eval.report import write_report
-
-    write_report(results, out, plot, header)
+    write_report(results, out, plot, header, loaded=loaded)
     typer.echo(f"wrote {out} and {plot}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -67,7 +68,7 @@ def simulate(
         report.parse_int_list(seq_lens, "--seq-lens")
     if plot_seq is not None and not seq_lens:
         raise bad_option("--plot-seq", "--plot-seq needs --seq-lens")
-    if rate is not None and not rate > 0:
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
         raise bad_option("--rate", f"must be a positive number of requests per second, got {rate}")
     if trace is not None and trace not in ("conversation", "bursty"):
         raise bad_option("--trace", f"must be 'conversation' or 'bursty', got {trace!r}")
@@ -151,6 +152,8 @@ def advise(
     from oakenkv.sim.shapes import get_model
 
     names = tuple(_sim_names(model, systems))
+    if min_tokens_per_s is not None and not math.isfinite(min_tokens_per_s):
+        raise bad_option("--min-tokens-per-s", f"must be a finite number of tokens/s, got {min_tokens_per_s}")
     check_out(json_out, "--json")
     advice = run_advise(get_model(model), batch, input_len, output_len, min_tokens_per_s, min_context, names)
     table = Table(title=f"{model}, batch {batch}, {input_len}:{output_len} tokens")

@@ -38,6 +38,9 @@ def check_run_args(
 
             th, source = Thresholds.load(thresholds), str(thresholds)
         check_spec_with_thresholds(method, th, source)
+        from oakenkv.calibrate.match import check_profile_shape
+
+        check_profile_shape(th, model)  # (the weights are compared once the model is loaded)
     if dataset is not None and dataset not in TEXTS:
         raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(TEXTS)}")
     for name, v, least in (("window", window, 2), ("stride", stride, 1), ("chunk", chunk, 1)):

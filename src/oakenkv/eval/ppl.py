@@ -56,6 +56,20 @@ class PplResult:
         return {"kind": "ppl", **asdict(self)}
 
 
+def _check_checkpoint(state: dict[str, Any], ckpt: Path, windows: int) -> None:
+    """Refuse a checkpoint of this run whose numbers are not what the run writes (hand-edited, damaged): exact types,
+    finite, at most ``windows`` window NLLs."""
+    from oakenkv.util.exact import is_int, is_number
+
+    nll = state.get("window_nll")
+    ok = isinstance(nll, list) and len(nll) <= windows and all(is_number(x) and math.isfinite(x) for x in nll)
+    ok = ok and is_number(state.get("bits")) and math.isfinite(state["bits"]) and state["bits"] >= 0
+    ok = ok and is_int(state.get("values")) and state["values"] >= 0
+    ok = ok and is_number(state.get("seconds")) and math.isfinite(state["seconds"])
+    if not ok:
+        raise ValueError(f"{ckpt} is a damaged checkpoint of this run (not the numbers a run writes); delete it")
+
+
 def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = None) -> tuple[float, int]:
     """Summed NLL of ``ids[1:]`` given the prefix, through ``cache``; returns ``(nll_sum, predicted tokens)``.
 
@@ -129,10 +143,12 @@ def perplexity(
         "windows_sha256": hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest(),
     }
     ckpt = None if checkpoint is None else Path(checkpoint)
-    if ckpt is not None and ckpt.exists():
-        try:
-            state = json.loads(ckpt.read_text())
-        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+    if ckpt is not None and (ckpt.exists() or ckpt.is_symlink()):
+        from oakenkv.util.paths import MAX_RESULT_BYTES, read_text_capped
+
+        try:  # (a regular file of bounded size: a pipe in its place would block the run)
+            state = json.loads(read_text_capped(ckpt, "checkpoint", MAX_RESULT_BYTES))
+        except (OSError, ValueError, RecursionError):  # unreadable, not a file, not UTF-8, not JSON
             state = None
         same = isinstance(state, dict) and state.get("kind") == "ppl_checkpoint"
         same = same and all(state.get(k) == v for k, v in ident.items())
@@ -144,7 +160,8 @@ def perplexity(
                 + (f"; it differs in {', '.join(differ)}" if differ else "")
                 + "); delete it to start over"
             )
-        per_window = [float(x) for x in state["window_nll"]][: windows.shape[0]]
+        _check_checkpoint(state, ckpt, windows.shape[0])
+        per_window = [float(x) for x in state["window_nll"]]
         bits.add(state["bits"], state["values"])
         spent = float(state["seconds"])
     if ckpt is not None:

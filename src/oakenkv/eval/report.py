@@ -16,31 +16,143 @@ from pathlib import Path
 from typing import Any
 
 from oakenkv.util.paths import atomic_write
+from oakenkv.util.text import printable
 
 
 def load_results(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every JSON result in ``paths`` (files, or directories searched recursively), sorted by file name."""
+    """Every JSON result in ``paths`` (files, or directories searched recursively), sorted by file name.
+
+    Every file is read as untrusted: a regular file of at most ``MAX_RESULT_BYTES`` (a pipe named ``x.json`` in a
+    results directory would block, ``/dev/zero`` would never end), valid JSON, and each result with the exact types
+    of the fields the report uses (:func:`check_result`; a bool is not a count, a string not a perplexity), so
+    that a malformed file is one error naming it, not a traceback half-way through the report. Text fields are
+    made safe for a markdown table (``|`` escaped, control characters visible)."""
+    from oakenkv.util.paths import MAX_RESULT_BYTES, check_input_file, read_text_capped
+
     files: list[Path] = []
     for p in paths:
         p = Path(p)
         if p.is_dir():
             files += sorted(p.rglob("*.json"))
-        elif p.is_file():
-            files.append(p)
+        elif p.exists():
+            files.append(check_input_file(p, "result file", MAX_RESULT_BYTES))
         else:
             raise FileNotFoundError(f"no such result file or directory: {p}")
     out = []
     for f in files:
+        text = read_text_capped(f, "result file", MAX_RESULT_BYTES)
         try:
-            d = json.loads(f.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
             raise ValueError(f"{f} is not valid JSON: {e}") from e
         except RecursionError as e:
             raise ValueError(f"{f}: JSON nested too deeply to be a result") from e
         if isinstance(d, dict) and d.get("kind") in ("ppl", "zeroshot", "thresholds_diff"):
+            check_result(d, f)
             d["_file"] = str(f)
             out.append(d)
     return out
+
+
+#: The fields of a result the report reads, per kind: name -> (accepted types, required). ``float`` accepts ints
+#: (JSON writes 5.0 as 5); ``int`` accepts no float and no bool (util.exact).
+_RESULT_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "ppl": {
+        "method": ((str,), True),
+        "model": ((str,), False),
+        "ppl": ((float,), True),
+        "effective_bits": ((float,), True),
+        "tokens": ((int,), True),
+        "windows": ((int,), True),
+        "window": ((int, type(None)), False),
+        "stride": ((int, type(None)), False),
+        "chunk": ((int, type(None)), False),
+        "extra": ((dict,), False),
+        "window_nll": ((list, type(None)), False),
+    },
+    "zeroshot": {
+        "method": ((str,), True),
+        "model": ((str,), False),
+        "effective_bits": ((float,), True),
+        "tasks": ((dict,), True),
+        "limit": ((int, type(None)), False),
+        "extra": ((dict,), False),
+    },
+    "thresholds_diff": {"model": ((str,), True), "reference": ((str,), True), "texts": ((list,), True)},
+}
+_TASK_FIELDS = {
+    "reported": ((float, type(None)), False),
+    "reported_metric": ((str, type(None)), False),
+    "n": ((int, type(None)), False),
+    "per_doc": ((dict, type(None)), False),
+}
+_EXTRA_FIELDS = {
+    "key_position": ((str, type(None)), False),
+    "note": ((str, type(None)), False),
+    "family": ((str, type(None)), False),
+    "params": ((dict, type(None)), False),
+}
+_TEXT_FIELDS = {
+    "text": ((str,), True),
+    "mean_rel_diff": ((float,), True),
+    "max_rel_diff": ((float,), True),
+    "ppl": ((float, type(None)), False),
+    "ppl_delta": ((float, type(None)), False),
+}
+
+
+def _typed(v: Any, types: tuple[type, ...]) -> bool:
+    from oakenkv.util.exact import is_int, is_number
+
+    for t in types:
+        if (t is float and is_number(v)) or (t is int and is_int(v)) or (t not in (int, float) and isinstance(v, t)):
+            return True
+    return False
+
+
+def _check_fields(d: dict[str, Any], spec: dict[str, tuple[tuple[type, ...], bool]], where: str) -> None:
+    for name, (types, required) in spec.items():
+        if name not in d:
+            if required:
+                raise ValueError(f"{where}: missing field {name!r}")
+            continue
+        if not _typed(d[name], types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{where}: field {name!r} must be {want}, got {printable(repr(d[name]), limit=60)}")
+
+
+def check_result(d: dict[str, Any], source: Any = "<result>") -> None:
+    """Raise ValueError naming ``source`` unless ``d`` (an ``eval ppl`` / ``eval zeroshot`` / thresholds-diff result)
+    has the fields the report reads, with exact types; then make its text fields safe for markdown, in place."""
+    kind = d.get("kind")
+    _check_fields(d, _RESULT_FIELDS[kind], f"{source}")
+    if kind == "ppl" and d.get("window_nll") is not None and not all(_typed(x, (float,)) for x in d["window_nll"]):
+        raise ValueError(f"{source}: field 'window_nll' must be a list of numbers")
+    if kind == "zeroshot":
+        for t, e in d["tasks"].items():
+            if not isinstance(e, dict):
+                raise ValueError(f"{source}: task {printable(t, limit=40)!r} must be an object")
+            _check_fields(e, _TASK_FIELDS, f"{source}: task {printable(t, limit=40)}")
+    if kind == "thresholds_diff":
+        for i, t in enumerate(d["texts"]):
+            if not isinstance(t, dict):
+                raise ValueError(f"{source}: texts[{i}] must be an object")
+            _check_fields(t, _TEXT_FIELDS, f"{source}: texts[{i}]")
+            t["text"] = _md(t["text"])
+    for name in ("method", "model", "reference"):
+        if isinstance(d.get(name), str):
+            d[name] = _md(d[name])
+    extra = d.get("extra")
+    if isinstance(extra, dict):
+        _check_fields(extra, _EXTRA_FIELDS, f"{source}: extra")
+        for name in ("note", "key_position", "family"):
+            if isinstance(extra.get(name), str):
+                extra[name] = _md(extra[name])
+
+
+def _md(text: str) -> str:
+    """Text from a result file as a markdown table cell holds it: control characters visible, ``|`` escaped."""
+    return printable(text, limit=300).replace("|", "\\|")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -369,9 +481,14 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None = None) -> str:
-    """Write the markdown report ``out`` and the plot ``plot`` from the results in ``paths``; returns the text."""
-    results = load_results(paths)
+def write_report(
+    paths: list[Path], out: Path, plot: Path, header: Path | None = None, *, loaded: list[dict[str, Any]] | None = None
+) -> str:
+    """Write the markdown report ``out`` and the plot ``plot`` from the results in ``paths`` (or ``loaded``, what
+    :func:`load_results` returned for them); returns the text."""
+    from oakenkv.util.paths import MAX_RESULT_BYTES, read_text_capped
+
+    results = load_results(paths) if loaded is None else loaded
     if not results:
         raise ValueError(f"no ppl/zeroshot JSON results found in {', '.join(map(str, paths))}")
     ppl: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -384,7 +501,7 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
             zs[r.get("model", "")].append(r)
         else:
             diffs.append(r)
-    parts = [Path(header).read_text().rstrip() + "\n"] if header else ["# Results\n"]
+    parts = [read_text_capped(header, "--header", MAX_RESULT_BYTES).rstrip() + "\n"] if header else ["# Results\n"]
     panels: dict[str, list[dict[str, Any]]] = {}
     for m in sorted(set(ppl) | set(zs)):
         parts.append(f"## Model `{m}`\n")

@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from oakenkv.util.exact import is_int, is_number, one_of
+
 #: Version of the serialized config; bump when a field changes meaning.
 CONFIG_VERSION = 1
 #: The most tokens an oaken-plus profile may keep at 16 bits beside their codes (``Transforms.sink_tokens``; a
@@ -74,7 +76,7 @@ class OakenConfig:
     def __post_init__(self) -> None:
         for name in ("outer_ratio", "inner_ratio"):
             r = getattr(self, name)
-            if not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 <= r < 1.0:
+            if not is_number(r) or not math.isfinite(r) or not 0.0 <= r < 1.0:
                 raise ValueError(f"OakenConfig.{name} must be a finite fraction in [0, 1), got {r!r}")
         if self.outer_ratio + self.inner_ratio >= 1.0:
             raise ValueError(
@@ -82,8 +84,8 @@ class OakenConfig:
             )
         for name in ("inner_bits", "outer_bits"):
             b = getattr(self, name)
-            if b not in (4, 5):
-                raise ValueError(f"OakenConfig.{name} must be 4 or 5 (4-bit dense slot + optional COO bit), got {b}")
+            if not is_int(b) or b not in (4, 5):  # (5.0 or True would pass `in` and fail inside numba's typing)
+                raise ValueError(f"OakenConfig.{name} must be 4 or 5 (4-bit dense slot + optional COO bit), got {b!r}")
         if self.granularity not in ("token", "head"):
             raise ValueError(f"granularity must be 'token' or 'head', got {self.granularity!r}")
         if self.key_position not in ("post_rope", "pre_rope"):
@@ -135,13 +137,16 @@ class OakenConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OakenConfig:
+        """From :meth:`to_dict`'s form, with exact types (``true`` or ``1.0`` is not the version ``1``)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an OakenConfig must be an object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("version", CONFIG_VERSION)
-        if version != CONFIG_VERSION:
-            raise ValueError(f"unsupported OakenConfig version {version} (this oakenkv reads {CONFIG_VERSION})")
+        if not one_of(version, (CONFIG_VERSION,)):
+            raise ValueError(f"unsupported OakenConfig version {version!r} (this oakenkv reads {CONFIG_VERSION})")
         for name, fixed in V1_FIXED_FIELDS.items():
             value = d.pop(name, fixed)
-            if value != fixed:
+            if not one_of(value, (fixed,)):
                 raise ValueError(
                     f"{name} must be {fixed} (a constant of the format, oakenkv.format.layout), got {value!r}"
                 )

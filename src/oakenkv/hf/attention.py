@@ -146,11 +146,11 @@ def packed_decode_attention(
         if view.num_tokens != paged:
             raise RuntimeError(f"page tables hold {view.num_tokens} tokens, the store says {paged}")
         page_keep = keep if not n_win else np.ascontiguousarray(keep[:, :paged])
-        n_sink = min(store.sink_tokens, paged)
-        if n_sink:  # the sink tokens are read at 16 bits (store module doc), not from the pages
-            sink_keep = page_keep[:, :n_sink].copy()
-            page_keep = page_keep.copy()  # (the mask's array is cached for the next layers: never written)
-            page_keep[:, :n_sink] = 0
+        # the sink tokens are read at 16 bits (store module doc), not from the pages: each row's own positions
+        # (after its left padding); the mask's array is cached for the next layers, so it is never written
+        split = store.split_sink_keep(page_keep) if store.sink_tokens else None
+        if split is not None:
+            page_keep, sink_keep = split
         parallel, splits = attention_cpu.split_work(b, paged, get_num_threads())
         kernel = attention_cpu.packed_decode_attention if parallel else attention_cpu.packed_decode_attention_serial
         status = np.zeros(b * splits, dtype=np.int64)
@@ -158,7 +158,7 @@ def packed_decode_attention(
         bad = np.flatnonzero(status)
         if bad.size:
             raise CorruptDataError(f"layer {key.layer}: {ERROR_MESSAGES[int(status[bad[0]])]} (packed KV pages)")
-        if n_sink:  # the sink tokens' part of the softmax, merged through the kernel's log-sum-exp
+        if split is not None:  # the sink tokens' part of the softmax, merged through the kernel's log-sum-exp
             sinks = store.sinks[key.layer].view(np.uint16)
             attention_cpu.merge_sinks(q, sink_keep, sinks, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
     else:  # everything is in the window: its softmax alone

@@ -39,6 +39,13 @@ Running out of the pool's budget raises :class:`~oakenkv.store.pages.PoolExhaust
 append; that layer and every other sequence of the pool are unchanged, but the layers before it already hold the
 step's tokens, so a cache that raised must be ``reset()`` (or dropped) before it is used again.
 
+Left padding: an oaken-plus profile keeps each row's first ``n`` real tokens at 16 bits (its sink tokens,
+``oakenkv.store.paged``). Which token of a row is its first real one only the attention mask says: a cache built
+with the model (``OakenCache(thresholds, model)``, ``from_profile``, ``for_model``) puts a forward pre-hook on it
+(:func:`track_padding`, once per model) that hands each forward's 2-D ``attention_mask`` to the cache it is given
+(:meth:`OakenCache.note_attention_mask`), before the first of a row's sink tokens is stored. Built from a config
+only, every row's sink is its token 0.
+
 Beam search and batch selection are table operations: a reordered row is a :meth:`~oakenkv.store.pages.PagePool.fork`
 of its source sequence (pages shared, copied on write), never a copy of the KV bytes.
 """
@@ -257,21 +264,47 @@ class OakenLayer(CacheLayerMixin):
         pass
 
 
-def _check_transforms(thresholds: Thresholds, config: Any) -> None:
-    """Refuse a profile whose offline transforms the model does not carry, and the other way round: either would
-    quantize vectors the thresholds were not profiled for (silently wrong numbers)."""
-    from oakenkv.calibrate.transforms import FOLD_MARK
+_PADDING_HOOK = "_oakenkv_padding_hook"
 
-    folded = getattr(config, FOLD_MARK, None)
-    t = thresholds.transforms
-    if t is None and folded is not None:
-        raise ValueError("this model carries oaken-plus transforms; use the oaken-plus profile they came from")
-    if t is not None and folded != t.digest():
-        raise ValueError(
-            "this profile has oaken-plus transforms the model does not carry"
-            + (" (it carries other ones)" if folded else "")
-            + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
-        )
+
+def row_starts_from_mask(mask: Any) -> np.ndarray | None:
+    """int64 ``[B]``: per row of a 2-D attention mask ``[B, T]`` (nonzero / True: a real token) the position of its
+    first real token, ``T`` for a row that has none yet; None for anything but a 2-D tensor (no padding known)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    real = (mask != 0).to(torch.uint8)
+    first = real.argmax(dim=1)  # (the first maximum: the first real token)
+    first = torch.where(real.amax(dim=1) > 0, first, torch.full_like(first, real.shape[1]))
+    return first.cpu().numpy().astype(np.int64)
+
+
+def track_padding(model: Any) -> None:
+    """Hand every forward's 2-D ``attention_mask`` to the cache it is given (any cache with a
+    ``note_attention_mask`` method: :class:`OakenCache`, the evaluation's ``FakeQuantCache``), before the model runs,
+    so that a left-padded row's sink tokens are its first real tokens (module doc). A forward pre-hook, installed
+    once per model; the mask and the cache are found by keyword or by position in ``model.forward``'s signature."""
+    if getattr(model, _PADDING_HOOK, False):
+        return
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)
+    mask_at = params.index("attention_mask") if "attention_mask" in params else None
+    cache_at = {n: params.index(n) for n in ("cache", "past_key_values") if n in params}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        if mask is None and mask_at is not None and len(args) > mask_at:
+            mask = args[mask_at]
+        for name in ("cache", "past_key_values"):
+            cache = kwargs.get(name)
+            if cache is None and name in cache_at and len(args) > cache_at[name]:
+                cache = args[cache_at[name]]
+            note = getattr(cache, "note_attention_mask", None)
+            if note is not None:
+                note(mask)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(model, _PADDING_HOOK, True)
 
 
 _GUARDED = "_oakenkv_cache_keyword_guard"
@@ -307,13 +340,25 @@ def _guard_cache_keyword(model: Any) -> None:
     setattr(model, _GUARDED, True)
 
 
+#: Why a left-padded batch is refused on the device store (it has no per-row sink positions yet).
+_DEVICE_LEFT_PADDING = (
+    "the device store (backend 'triton') keeps each row's first tokens as its sink tokens: a left-padded batch "
+    "under an oaken-plus profile with sink tokens needs the CPU store for now (pad on the right, or run the rows one "
+    "at a time)"
+)
+
+
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
 
     Args:
-        thresholds: the model's profile (``oakenkv.calibrate.thresholds.Thresholds``); checked against ``config``.
-        config: the model's config (``model.config``); decides the layers (full or sliding) and whether decode
-            steps use the packed-page attention (``config._attn_implementation == "oaken"``).
+        thresholds: the model's profile (``oakenkv.calibrate.thresholds.Thresholds``); checked against ``model``
+            (``oakenkv.calibrate.match.check_profile_model``: its shape, its weights, the oaken-plus transforms it
+            carries).
+        model: the transformers model the cache is for. Its config decides the layers (full or sliding) and whether
+            decode steps use the packed-page attention (``config._attn_implementation == "oaken"``). The model's
+            config alone (``model.config``, the older form) is accepted, but then only the shape can be checked:
+            :class:`~oakenkv.calibrate.match.ShapeOnlyWarning` says so when the profile records the weights.
         pool_config: page size and memory budget (default 4 KiB pages, 1 GiB).
         codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk during prefill (default ``oakenkv.store.paged.PREFILL_CHUNK``).
@@ -337,7 +382,7 @@ class OakenCache(Cache):
 
         from oakenkv.hf.attention import enable_oaken_attention
         enable_oaken_attention(model)           # optional: decode reads the packed pages directly
-        cache = OakenCache.from_profile(model, Thresholds.load("profile.json"))
+        cache = OakenCache.from_profile(model, Thresholds.load("profile.json"))  # or OakenCache(thresholds, model)
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         print(cache.kv_bytes())
     """
@@ -384,12 +429,12 @@ class OakenCache(Cache):
         from oakenkv.calibrate.plus import apply_profile
 
         apply_profile(model, thresholds)
-        return cls(thresholds, model.config, **kwargs)
+        return cls(thresholds, model, **kwargs)
 
     def __init__(
         self,
         thresholds: Thresholds,
-        config: Any,
+        model: Any,
         *,
         pool_config: PoolConfig | None = None,
         codec: str = "auto",
@@ -400,9 +445,17 @@ class OakenCache(Cache):
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        from oakenkv.calibrate.match import check_profile_model, is_model
+
+        if not isinstance(thresholds, Thresholds):
+            raise TypeError(f"thresholds must be a Thresholds (Thresholds.load(path)), got {type(thresholds).__name__}")
+        if not isinstance(evict_sliding, bool):
+            raise TypeError(f"evict_sliding must be True or False, got {evict_sliding!r}")
+        check_profile_model(thresholds, model)
+        config = model.config if is_model(model) else model
         text = config.get_text_config(decoder=True)
-        thresholds.check_model(text)
-        _check_transforms(thresholds, config)
+        if is_model(model) and thresholds.transforms is not None and thresholds.transforms.sink_tokens:
+            track_padding(model)  # sink tokens are each row's first real tokens (module doc)
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.backend = backend
@@ -445,10 +498,29 @@ class OakenCache(Cache):
         if not self._store_chosen:  # backend "auto": CUDA tensors get the device store, CPU ones keep the host's
             self._store_chosen = True
             if key_states.device.type == "cuda":
+                starts = self.store.row_starts
+                if starts is not None and bool((starts > 0).any()):
+                    raise NotImplementedError(_DEVICE_LEFT_PADDING)
                 self.store = self._make_store("triton", key_states.device)
                 for layer in self.layers:
                     layer.store = self.store
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def note_attention_mask(self, mask: Any) -> None:
+        """Learn each row's first real token from a forward's 2-D attention mask ``[B, T]`` (module doc; called by
+        :func:`track_padding`'s hook). Rows whose sink tokens are already stored keep them; without sink tokens,
+        or once every row's are stored, nothing is done."""
+        store = self.store
+        if not hasattr(store, "set_row_starts"):  # the device store: sink tokens at each row's positions 0..
+            starts = row_starts_from_mask(mask) if store.sink_tokens else None
+            if starts is not None and bool((starts > 0).any()) and self.get_seq_length() == 0:
+                raise NotImplementedError(_DEVICE_LEFT_PADDING)
+            return
+        if not store.sink_tokens or (store.row_starts is not None and self.get_seq_length() >= store._sink_end):
+            return
+        starts = row_starts_from_mask(mask)
+        if starts is not None and (not store.seqs or starts.shape[0] == len(store.seqs)):  # (a mask of these rows)
+            store.set_row_starts(starts)
 
     # The layers are views of one store: batch operations act on the store once, not once per layer.
 

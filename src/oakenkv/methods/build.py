@@ -81,7 +81,9 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
             extra["thresholds_file"] = path
         # record what runs: the file's settings, refusing a spec that says otherwise
         params = check_spec_with_thresholds(ctx.spec, thresholds, path or "the thresholds")
-        thresholds.check_model(ctx.model)  # shape and weights
+        from oakenkv.calibrate.match import check_profile_model
+
+        check_profile_model(thresholds, ctx.model)  # shape, weights, and no oaken-plus transforms
         config = thresholds.config
         defaults = FAMILIES[family].defaults()
         given = [f"{k}={params[k]}" for k in ("only", "residual") if params[k] != defaults[k]]

@@ -21,6 +21,9 @@ from the originals the layer keeps aside, through the same :meth:`FakeQuantCache
 quantization takes, at their absolute positions (RoPE for pre-RoPE keys, oaken-plus's sink tokens): Oaken
 quantizes each token on its own, so a token quantized later gets the bits it would have got at insertion.
 
+oaken-plus's sink tokens are each row's first real tokens, as in ``OakenCache``: the cache learns where a
+left-padded row's real tokens begin from the forward's attention mask (``oakenkv.hf.cache.track_padding``).
+
 Every cache reports the bits the method would store for what it holds (:func:`stored_bits`).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -67,6 +71,9 @@ class _FakeQuantLayerMixin:
         """
         cache, r = self._fq_cache, self._fq_cache.residual
         q, i = cache.quantizer, self._fq_layer_idx
+        for kind, x in (("key", key_states), ("value", value_states)):  # refused as quantizing them is (nothing stored)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"{kind} contains NaN or Inf (the window refuses what quantization would)")
         # what the attention reads: the window's tokens as they are (oaken-plus: keys in its shifted frame)
         k_read, v_read = q.unquantized(i, "key", key_states), q.unquantized(i, "value", value_states)
         keys, values = super().update(k_read, v_read, *args, **kwargs)
@@ -158,6 +165,45 @@ class FakeQuantCache(DynamicCache):
         self.rope = None
         if quantizer.key_position == "pre_rope":
             self.rope = rope if rope is not None else RopeTable(model)
+        #: int64 ``[B]``: each row's first real token (its first sink token); None: 0 for every row (module doc).
+        self.row_starts: np.ndarray | None = None
+        if quantizer.sink_tokens:
+            from oakenkv.hf.cache import track_padding
+
+            track_padding(model)
+
+    def note_attention_mask(self, mask: Any) -> None:
+        """Learn each row's first real token from a forward's 2-D attention mask, as ``OakenCache`` does: a row
+        keeps the start its first sink token was quantized with."""
+        n = self.quantizer.sink_tokens
+        held = self.layers[0]._fq_seen if self.layers else 0
+        old = self.row_starts
+        if not n or (old is not None and held >= int(old.max(initial=0)) + n):
+            return
+        from oakenkv.hf.cache import row_starts_from_mask
+
+        new = row_starts_from_mask(mask)
+        if new is None:
+            return
+        if held:
+            old = old if old is not None and old.shape[0] == new.shape[0] else np.zeros_like(new)
+            new = np.where(old < held, old, new)
+        self.row_starts = new
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.row_starts is not None:
+            self.row_starts = self.row_starts[beam_idx.cpu().numpy()]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.row_starts is not None:
+            self.row_starts = self.row_starts[torch.as_tensor(indices).reshape(-1).cpu().numpy()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.row_starts is not None:
+            self.row_starts = np.repeat(self.row_starts, repeats)
 
     def quantize_kv(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int
@@ -171,13 +217,22 @@ class FakeQuantCache(DynamicCache):
         else:
             k_hat, kbits = q.quantize(layer_idx, "key", k)
         v_hat, vbits = q.quantize(layer_idx, "value", v)
-        n = min(q.sink_tokens - start, k.shape[-2])
-        if n > 0:  # oaken-plus: the first tokens also kept at 16 bits and read from there, as OakenCache does
-            k_hat, v_hat = k_hat.clone(), v_hat.clone()
-            k_hat[:, :, :n] = q.sink(layer_idx, "key", k[:, :, :n])
-            v_hat[:, :, :n] = q.sink(layer_idx, "value", v[:, :, :n])
-            kbits += 16 * k[:, :, :n].numel()
-            vbits += 16 * v[:, :, :n].numel()
+        n, s = q.sink_tokens, k.shape[-2]
+        if n:  # oaken-plus: each row's first real tokens also kept at 16 bits and read from there, as OakenCache does
+            starts = self.row_starts
+            if starts is None or starts.shape[0] != k.shape[0]:
+                starts = np.zeros(k.shape[0], np.int64)
+            cloned = False
+            for r, p in enumerate(starts.tolist()):
+                lo, hi = max(p, start) - start, min(p + n, start + s) - start
+                if lo >= hi:
+                    continue
+                if not cloned:
+                    k_hat, v_hat, cloned = k_hat.clone(), v_hat.clone(), True
+                k_hat[r : r + 1, :, lo:hi] = q.sink(layer_idx, "key", k[r : r + 1, :, lo:hi])
+                v_hat[r : r + 1, :, lo:hi] = q.sink(layer_idx, "value", v[r : r + 1, :, lo:hi])
+                kbits += 16 * k[r : r + 1, :, lo:hi].numel()
+                vbits += 16 * v[r : r + 1, :, lo:hi].numel()
         self.counter.add(kbits + vbits, k.numel() + v.numel())
         return k_hat, v_hat
 

@@ -90,8 +90,8 @@ class Param:
             if not math.isfinite(v):
                 raise ValueError(f"{where}: must be a finite number")
         if (self.low is not None and v < self.low) or (self.high is not None and v > self.high):
-            lo = "" if self.low is None else f">= {self.low:g}"
-            hi = "" if self.high is None else f"<= {self.high:g}"
+            lo = "" if self.low is None else f">= {_bound(self.low, d)}"
+            hi = "" if self.high is None else f"<= {_bound(self.high, d)}"
             raise ValueError(f"{where}: must be {' and '.join(filter(None, (lo, hi)))}")
         return v
 
@@ -107,8 +107,17 @@ def _switch(help: str, default: int = 1) -> Param:
     return Param(default, help + " (1 on, 0 off)", 0, 1)
 
 
+#: The most tokens a full-precision window may hold (as the command line's --residual: no model reads more).
+MAX_RESIDUAL = 1 << 20
+
+
+def _bound(v: float, like: Any) -> str:
+    """A parameter's bound as its type writes it (an int's in digits, ``1048576``, not ``1.04858e+06``)."""
+    return str(int(v)) if isinstance(like, int) else f"{v:g}"
+
+
 def _residual(default: int, what: str) -> Param:
-    return Param(default, f"newest tokens of each layer kept unquantized ({what})", 0)
+    return Param(default, f"newest tokens of each layer kept unquantized ({what})", 0, MAX_RESIDUAL)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,13 @@ head_dim``, granularity "token", the paper's); its bytes are the page records of
 Writes are atomic per layer: an append that the pool's budget cannot hold raises
 :class:`~oakenkv.store.pages.PoolExhaustedError` and changes nothing.
 
-Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` tokens of every row are
-encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
+Sink tokens (an ``oaken-plus`` profile's ``Transforms.sink_tokens = n``): the first ``n`` real tokens of every row
+are encoded into the pages like every other token, and also kept at 16 bits (float16, keys after the online key
 transform, as the pages hold them) beside the pool; every read (:meth:`PagedKVStore.read`, the prefill's direct
-decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention) takes them from there.
+decode through :meth:`PagedKVStore.apply_sinks`, the packed decode attention through
+:meth:`PagedKVStore.split_sink_keep`) takes them from there. A row's first real token is token 0 unless the cache
+was told otherwise (:meth:`PagedKVStore.set_row_starts`, from the attention mask: a left-padded row's sink is its
+first token after the padding, ``oakenkv.hf.cache``).
 
 A full-precision window (``residual = R > 0``, KIVI's and transformers' ``QuantizedCache``'s residual, off by
 default: the paper's Oaken quantizes every token): every layer keeps its newest tokens unquantized, as float32
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +44,7 @@ from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.calibrate.transforms import fwht
 from oakenkv.format.config import OakenConfig
 from oakenkv.format.layout import (
+    ERR_NONFINITE,
     ERROR_MESSAGES,
     HEADER_BITS,
     EncodedBatch,
@@ -143,6 +148,56 @@ def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
     raise ValueError(f"cannot encode the {'keys' if r < n else 'values'} of {where}: {ERROR_MESSAGES[int(-counts[r])]}")
 
 
+def min_page_size(dim: int, config: OakenConfig) -> int:
+    """Bytes the smallest page must hold: one token's dense record and the largest sparse record a row of ``dim``
+    values can have (records never straddle pages, ``oakenkv.store.pages``)."""
+    return max(record_size(dim, config), sparse_capacity(dim))
+
+
+def _pool_config(pool_config: PoolConfig | None, dim: int, config: OakenConfig) -> PoolConfig:
+    """``pool_config``, checked to hold a token of ``dim`` values; the default (4 KiB pages) with pages doubled until
+    one does (a model of ``D = kv_heads x head_dim`` above ~4000 values)."""
+    need = min_page_size(dim, config)
+    if pool_config is not None and not isinstance(pool_config, PoolConfig):
+        raise TypeError(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
+    if pool_config is None:
+        page = PoolConfig().page_size
+        while page < need:
+            page *= 2
+        return PoolConfig(page_size=page, budget_bytes=max(PoolConfig().budget_bytes, page))
+    if pool_config.page_size < need:
+        good = 1 << (need - 1).bit_length()
+        raise ValueError(
+            f"page_size {pool_config.page_size} cannot hold one token of {dim} values (a {record_size(dim, config)}-"
+            f"byte dense record and up to {sparse_capacity(dim)} sparse bytes); use a page_size of at least {good}"
+        )
+    return pool_config
+
+
+def _located(e: ValueError, kind: int, tokens: int) -> ValueError:
+    """The codec's ``cannot encode row N: ...`` for rows ordered ``(row, token)``, ``tokens`` per row, as
+    :func:`_check_encoded_rows` says it: the kind, the batch row and the token."""
+    m = re.fullmatch(r"cannot encode row (\d+): (.*)", str(e), re.S)
+    if m is None:
+        return e
+    r = int(m.group(1))
+    where = f"row {r // tokens}" + (f", token {r % tokens}" if tokens > 1 else "")
+    return ValueError(f"cannot encode the {'keys' if kind == KEY else 'values'} of {where}: {m.group(2)}")
+
+
+def _refuse_nonfinite(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise the ValueError the encoder's refusal gives (:func:`_check_encoded_rows`) for the first token of
+    ``keys`` / ``values`` ``[B, H, S, hd]`` holding a NaN or an infinity (in float32, as the store holds them): the
+    full-precision window takes the rows the encoder would, and refuses what it would refuse."""
+    for name, x in (("keys", keys), ("values", values)):
+        bad = ~torch.isfinite(x.detach().to(torch.float32)).all(dim=3).all(dim=1)  # [B, S]
+        if bool(bad.any()):
+            r, t = (int(i) for i in bad.nonzero()[0])
+            where = f"row {r}" + (f", token {t}" if x.shape[2] > 1 else "")
+            raise ValueError(f"cannot store the {name} of {where}: {ERROR_MESSAGES[ERR_NONFINITE]}")
+    raise ValueError(f"cannot store these keys and values: {ERROR_MESSAGES[ERR_NONFINITE]}")
+
+
 class PagedKVStore:
     """The state all layers of one :class:`OakenCache` share: the page pool, one sequence per batch row, the codec.
 
@@ -176,7 +231,7 @@ class PagedKVStore:
                 "OakenCache stores keys after RoPE, but these thresholds were profiled before RoPE "
                 "(key_position='pre_rope'); profile with key_position='post_rope'"
             )
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"residual must be an int >= 0 (tokens kept at full precision), got {residual!r}")
@@ -191,7 +246,7 @@ class PagedKVStore:
         self.scale_bytes = scale_bytes(config)
         #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
         self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
-        self.pool = PagePool(pool_config)
+        self.pool = PagePool(_pool_config(pool_config, self.dim, config))
         self.encode, self.decode = codec_functions(codec)
         #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
         self.fast = codec != "reference"
@@ -220,6 +275,13 @@ class PagedKVStore:
         self.sink_tokens = thresholds.transforms.sink_tokens if thresholds.transforms is not None else 0
         #: Per layer: float16 ``[B, 2, sink_tokens, D]``, the sink tokens' key rows (transformed) and value rows.
         self.sinks: list[np.ndarray] = []
+        #: int64 ``[B]``: the position of each row's first real token, its first sink token (None: 0 for every row;
+        #: :meth:`set_row_starts`).
+        self.row_starts: np.ndarray | None = None
+        #: No row has a sink token at or after this position (``max(row_starts) + sink_tokens``).
+        self._sink_end = self.sink_tokens
+        #: The last :meth:`split_sink_keep`: its mask and result (cleared when the rows or their starts change).
+        self._split_memo: tuple[np.ndarray, Any] | None = None
         #: Tokens of the full-precision window (module doc); 0: none.
         self.residual = residual
         #: Per layer (with ``residual``): the window's keys (transformed, as the encoder takes them) and values,
@@ -349,13 +411,18 @@ class PagedKVStore:
         encoded = []
         items = []
         sink_rows = []
+        sink_at = self._sink_slices(past, s)
         # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
             for kind, x in ((KEY, key_rows), (VALUE, value_rows)):
                 rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
-                if past < self.sink_tokens:  # (a float16 copy now: the encoder may work in the rows)
-                    sink_rows.append(rows_np.reshape(b, s, self.dim)[:, : self.sink_tokens - past].astype(np.float16))
-                enc = self._encode(layer, kind, rows_np)
+                if sink_at:  # (a float16 copy now: the encoder may work in the rows)
+                    r3 = rows_np.reshape(b, s, self.dim)
+                    sink_rows.append([(r, j, r3[r, a:e].astype(np.float16)) for r, a, e, j in sink_at])
+                try:
+                    enc = self._encode(layer, kind, rows_np)
+                except ValueError as e:  # name the (row, token) of the batch, not the flat index, and the kind
+                    raise _located(e, kind, s) from None
                 encoded.append(enc)
                 dense, sparse, offs = to_records(enc)
                 for r in range(b):
@@ -365,8 +432,9 @@ class PagedKVStore:
                     )
         self.pool.append_many(items)
         self._sync_layer(layer)
-        for kind, x in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
-            self.sinks[layer][:, kind, past : past + x.shape[1]] = x
+        for kind, parts in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
+            for r, j, x in parts:
+                self.sinks[layer][r, kind, j : j + x.shape[0]] = x
         return encoded[0], encoded[1]
 
     def append_decoded(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -393,9 +461,10 @@ class PagedKVStore:
         self._float_rows(layer, VALUE, values, rows[n:])
         past = self.tables[layer].num_tokens
         sinks = None
-        if past < self.sink_tokens:  # (a float16 copy now: the encoder works in the rows)
-            keep = min(s, self.sink_tokens - past)
-            sinks = rows.reshape(2, b, s, self.dim)[:, :, :keep].astype(np.float16)
+        sink_at = self._sink_slices(past, s)
+        if sink_at:  # (a float16 copy now: the encoder works in the rows)
+            r4 = rows.reshape(2, b, s, self.dim)
+            sinks = [(r, j, r4[:, r, a:e].astype(np.float16)) for r, a, e, j in sink_at]
         thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
@@ -412,7 +481,8 @@ class PagedKVStore:
         self.pool.append_many(items)
         self._sync_layer(layer)
         if sinks is not None:
-            self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
+            for r, j, x in sinks:  # x: [2, n', D]
+                self.sinks[layer][r, :, j : j + x.shape[1]] = x
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
         decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
@@ -460,10 +530,15 @@ class PagedKVStore:
             k, v = keys.detach(), values.detach()  # (float32's numpy view: a .to() call costs more than the copy)
             kt[:, :, :, n:total] = (k if k.dtype == torch.float32 else k.float()).numpy().transpose(0, 1, 3, 2)
             vw[:, :, n:total] = (v if v.dtype == torch.float32 else v.float()).numpy()
+            # refused as the encoder refuses them: the window's slots past window_len are free, so nothing changed
+            if not (np.isfinite(kt[:, :, :, n:total]).all() and np.isfinite(vw[:, :, n:total]).all()):
+                _refuse_nonfinite(keys, values)
             self.window_len[layer] = total
             return []
         with serial_numba(self.transforms is not None and b * s < SERIAL_BELOW_ROWS):
             rows = [self._float_rows(layer, kind, x) for kind, x in ((KEY, keys), (VALUE, values))]
+        if not (np.isfinite(rows[KEY]).all() and np.isfinite(rows[VALUE]).all()):  # (before anything is written)
+            _refuse_nonfinite(torch.from_numpy(rows[KEY]).unsqueeze(1), torch.from_numpy(rows[VALUE]).unsqueeze(1))
         if total < 2 * self.residual:
             self._window_write(layer, n, rows[KEY], rows[VALUE])
             self.window_len[layer] = total
@@ -535,13 +610,15 @@ class PagedKVStore:
         rows[b:] = (v if v.dtype == torch.float32 else v.float()).numpy().reshape(b, self.dim)
         self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
         t = self.tables[layer].num_tokens
-        sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
+        # (a copy before the encoder works in the rows)
+        sink = rows.astype(np.float16) if t < self._sink_end and self._sink_slices(t, 1) else None
         encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
         if sink is not None:
-            self.sinks[layer][:, KEY, t] = sink[:b]
-            self.sinks[layer][:, VALUE, t] = sink[b:]
+            for r, _, _, j in self._sink_slices(t, 1):
+                self.sinks[layer][r, KEY, j] = sink[r]
+                self.sinks[layer][r, VALUE, j] = sink[b + r]
         lt = self.tables[layer]
         if t >= lt.sparse_lengths.shape[2]:
             lt.sparse_lengths = grown(lt.sparse_lengths, t + 1)
@@ -650,21 +727,82 @@ class PagedKVStore:
         """Put the layer's sink tokens (module doc) into ``x``, its dequantized keys (in the pages' frame, before
         :meth:`restore_keys`) or values ``[B, H, T, hd]`` of the whole history, in place; returns ``x``. Positions
         a sliding window evicted stay as they read. No-op without sink tokens."""
-        n = min(self.sink_tokens, x.shape[2])
-        if n == 0 or not self.seqs:
+        t = x.shape[2]
+        if not self.sink_tokens or not self.seqs or t == 0:
             return x
         start = self.pool.table(self.seqs[0], 2 * layer + kind).evicted_before
-        if start >= n:
-            return x
-        sink = torch.from_numpy(self.sinks[layer][:, kind, start:n])  # [B, n', D]
-        x[:, :, start:n] = sink.reshape(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        for r, a, e, j in self._sink_slices(start, t - start) or ():
+            sink = torch.from_numpy(self.sinks[layer][r, kind, j : j + e - a])  # [n', D]
+            x[r, :, start + a : start + e] = sink.reshape(e - a, self.num_kv_heads, self.head_dim).transpose(0, 1)
         return x
+
+    def set_row_starts(self, starts: np.ndarray | list[int]) -> None:
+        """Declare where each batch row's real tokens begin (its first sink token): int ``[B]``, from the attention
+        mask (``oakenkv.hf.cache``: a left-padded row begins after its padding). A row whose first sink token is
+        already stored keeps the start it was stored with."""
+        new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
+        if (new < 0).any():
+            raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
+        if self.seqs and new.shape[0] != len(self.seqs):
+            raise ValueError(f"{new.shape[0]} row starts for a cache of {len(self.seqs)} rows")
+        held = self.num_tokens(0) if self.seqs else 0
+        if held:  # a row whose sink is (partly) stored keeps its start
+            old = self.row_starts
+            old = old if old is not None and old.shape[0] == new.shape[0] else np.zeros_like(new)
+            new = np.where(old < held, old, new)
+        self.row_starts = new
+        self._sink_end = int(new.max(initial=0)) + self.sink_tokens
+        self._split_memo = None
+
+    def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
+        """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
+        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...``; empty when there are none."""
+        n = self.sink_tokens
+        if not n or past >= self._sink_end or s <= 0:
+            return []
+        b = len(self.seqs)
+        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
+        out = []
+        for r in range(b):
+            p = 0 if starts is None else int(starts[r])
+            lo, hi = max(p, past), min(p + n, past + s)
+            if lo < hi:
+                out.append((r, lo - past, hi - past, lo - p))
+        return out
+
+    def split_sink_keep(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """For the packed decode attention over the pages' tokens: ``keep`` (uint8 ``[B, T]``, the mask over the
+        pages' tokens) as ``(keep with every row's sink positions cleared, uint8 [B, sink_tokens]: the mask of each
+        row's sink tokens ``j``)``; None without sink tokens. ``keep`` is never written (it is the attention's cached
+        mask, shared by the layers of a step), so the result for the last ``keep`` is remembered: one split per
+        decode step, not one per layer."""
+        memo = self._split_memo
+        if memo is not None and memo[0] is keep:
+            return memo[1]
+        n, (b, t) = self.sink_tokens, keep.shape
+        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
+        lo = 0 if starts is None else int(starts.min())
+        if not n or lo >= t:
+            return None
+        page_keep = keep.copy()
+        sink_keep = np.zeros((b, n), np.uint8)
+        if starts is None or lo == int(starts.max()):  # every row's sinks at tokens [lo, lo + n): two slices
+            hi = min(lo + n, t)
+            sink_keep[:, : hi - lo] = keep[:, lo:hi]
+            page_keep[:, lo:hi] = 0
+        else:
+            for r, a, e, j in self._sink_slices(0, t):
+                sink_keep[r, j : j + e - a] = keep[r, a:e]
+                page_keep[r, a:e] = 0
+        self._split_memo = (keep, (page_keep, sink_keep))
+        return page_keep, sink_keep
 
     def sink_bytes(self) -> int:
         """Bytes of the sink tokens held (16 bits per value of the tokens stored so far)."""
         if not self.sink_tokens or not self.seqs:
             return 0
-        return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
+        held = sum(e - a for lt in self.tables for _, a, e, _ in self._sink_slices(0, lt.num_tokens))
+        return 2 * held * self.dim * 2
 
     def evict_before(self, layer: int, token: int) -> int:
         """Release the pages of one layer (keys and values, every row) that hold only tokens below ``token``;
@@ -698,6 +836,9 @@ class PagedKVStore:
             if j not in used:
                 self.pool.free(seq)
         self.sinks = [sink[index] for sink in self.sinks]
+        if self.row_starts is not None and self.row_starts.shape[0] == len(self.seqs):
+            self.row_starts = self.row_starts[index]
+        self._split_memo = None
         self.windows = [(kt[index], vw[index]) for kt, vw in self.windows]
         self._set_rows(new)
 
@@ -708,6 +849,9 @@ class PagedKVStore:
         self.tables = []
         self._targets = []
         self.sinks = []
+        self.row_starts = None
+        self._sink_end = self.sink_tokens
+        self._split_memo = None
         self.windows = []
         self.window_len = [0] * self.num_layers
 

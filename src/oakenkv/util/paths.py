@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -116,3 +117,56 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes | Callable[[IO[
         else:
             data(f)
     return Path(path)
+
+
+class InputFileError(ValueError):
+    """A file given to read is not one: a directory, a pipe or a device, too large, unreadable, not text."""
+
+
+#: Largest text file read whole as calibration or evaluation text (``--calib-path``, ``--data-path``): the paper's
+#: calibration is a few hundred thousand tokens; 256 MB of text is millions of windows.
+MAX_TEXT_BYTES = 256 * 2**20
+#: Largest JSON result or header file ``eval report`` reads.
+MAX_RESULT_BYTES = 64 * 2**20
+
+
+def _named(what: str, p: Path) -> str:
+    return f"{what} {p}" if what else str(p)
+
+
+def check_input_file(path: str | os.PathLike[str], what: str, max_bytes: int | None) -> Path:
+    """Refuse, before any work, a path that cannot be read as a file of at most ``max_bytes`` (None: any size):
+    missing (``FileNotFoundError``), or not a regular file (a directory, a FIFO that would block, a device such as
+    ``/dev/zero`` that never ends), too large, or unreadable (:class:`InputFileError`, a ValueError). ``what``
+    names the input in the message (``"--calib-path"``). Returns the path."""
+    p = Path(path)
+    try:
+        st = os.stat(p)  # (follows links: a link to /dev/zero is /dev/zero)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{_named(what, p)} does not exist") from None
+    except OSError as e:
+        raise InputFileError(f"{_named(what, p)} cannot be read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputFileError(f"{_named(what, p)} is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputFileError(f"{_named(what, p)} is not a regular file (a pipe or a device?); give a file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise InputFileError(f"{_named(what, p)} holds {st.st_size:,} bytes, more than the {max_bytes:,} read at most")
+    if not os.access(p, os.R_OK):
+        raise InputFileError(f"{_named(what, p)} cannot be read: no permission")
+    return p
+
+
+def read_text_capped(path: str | os.PathLike[str], what: str, max_bytes: int) -> str:
+    """The UTF-8 text of ``path`` after :func:`check_input_file` (newlines as ``Path.read_text`` gives them), reading
+    at most ``max_bytes``: a file that grew past it since the check is refused, not read on. :class:`InputFileError`
+    for text that is not UTF-8."""
+    p = check_input_file(path, what, max_bytes)
+    with p.open("rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise InputFileError(f"{_named(what, p)} holds more than the {max_bytes:,} bytes read at most")
+    try:  # universal newlines, as Path.read_text reads (the same text, so the same tokens and cache keys)
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise InputFileError(f"{_named(what, p)} is not UTF-8 text ({e.reason} at byte {e.start})") from None

@@ -58,6 +58,11 @@ ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
 
 #: Profiles parsed in this process, by the sha256 of the file's bytes (a file edited on disk is parsed again).
 _PROFILES: dict[str, Any] = {}
+#: The most sparse bytes per token and kind ``OAKENKV_VLLM_SPARSE_BYTES`` may ask for: a token's sparse record is at
+#: most 65535 bytes (its 16-bit length), so more is never used.
+MAX_SPARSE_BYTES = 65535
+#: The most decode-attention threads ``OAKENKV_VLLM_ATTENTION_THREADS`` may ask for.
+MAX_THREADS = 1024
 _LOCK = threading.Lock()
 #: The settings the worker resolved for the served model (:func:`activate`), when the environment names no profile.
 _ACTIVE: Settings | None = None
@@ -76,24 +81,22 @@ class Settings:
     @classmethod
     def from_env(cls, profile: str | os.PathLike[str] | None = None) -> Settings | None:
         """The settings from the environment, or None when it names no profile and ``profile`` (a file found by
-        other means: the served directory's) is None. Raises ValueError for invalid values."""
+        other means: the served directory's) is None. Raises ValueError for invalid values: every number is finite
+        and within its range (``oakenkv.util.exact.env_number``: ``inf`` or ``1e15`` sparse bytes would size blocks
+        of exabytes)."""
+        from oakenkv.util.exact import env_number
+
         path = os.environ.get(ENV_PROFILE, "").strip() or (str(profile) if profile is not None else "")
         if not path:
             return None
-        sparse = os.environ.get(ENV_SPARSE_BYTES, "").strip()
         overflow = os.environ.get(ENV_OVERFLOW, "").strip() or "clip"
         if overflow not in ("clip", "error"):
-            raise ValueError(f"{ENV_OVERFLOW} must be 'clip' or 'error', got {overflow!r}")
-        try:
-            sparse_bytes = float(sparse) if sparse else None
-        except ValueError:
-            raise ValueError(f"{ENV_SPARSE_BYTES} must be a number of bytes, got {sparse!r}") from None
+            raise ValueError(f"{ENV_OVERFLOW} must be 'clip' or 'error', got {overflow[:40]!r}")
+        sparse_bytes = env_number(ENV_SPARSE_BYTES, None, 0, MAX_SPARSE_BYTES, what="a number of bytes")
         if sparse_bytes is not None and not sparse_bytes > 0:
-            raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse!r}")
-        threads = os.environ.get(ENV_THREADS, "").strip()
-        if threads and (not threads.isdigit() or int(threads) < 1):
-            raise ValueError(f"{ENV_THREADS} must be a positive int, got {threads!r}")
-        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, int(threads) if threads else None)
+            raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse_bytes!r}")
+        threads = env_number(ENV_THREADS, None, 1, MAX_THREADS, integer=True, what="a number of threads")
+        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, None if threads is None else int(threads))
 
 
 def _check_version() -> None:
@@ -123,14 +126,16 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
 
 def load_profile(path: os.PathLike[str] | str) -> Any:
     """The profile file as a ``Thresholds``, checked by :func:`check_profile`. Parsed once per content: the file is
-    read at every call and a changed file is parsed again, so an edited profile is never served from a stale copy."""
+    read at every call (a regular file under ``Thresholds``' size cap) and a changed file is parsed again, so an
+    edited profile is never served from a stale copy, nor one it was corrupted into (that raises)."""
     # oakenkv.calibrate.thresholds directly, not through _oaken: register() runs this in every vLLM process, and _oaken
     # imports numba. With llvmlite loaded before vLLM 0.32's CPU worker starts, the worker's Triton kernel-override
     # scan (vllm/triton_utils/dispatcher.py, _rebind_kernels: vars() of every module attribute) trips on llvmlite's
     # lazy library object and the worker fails to start. Loading a profile needs neither numba nor torch.
-    from oakenkv.calibrate.thresholds import Thresholds
+    from oakenkv.calibrate.thresholds import MAX_FILE_BYTES, Thresholds, ThresholdsFileError
+    from oakenkv.util.paths import check_input_file
 
-    path = Path(path)
+    path = check_input_file(path, "the profile", MAX_FILE_BYTES)
     data = path.read_bytes()
     key = hashlib.sha256(data).hexdigest()
     with _LOCK:
@@ -139,7 +144,7 @@ def load_profile(path: os.PathLike[str] | str) -> Any:
             try:
                 thr = Thresholds.from_dict(json.loads(data), source=str(path))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: not a profile file ({e})") from None
+                raise ThresholdsFileError(f"{path}: not a profile file ({e})") from None
             check_profile(thr, path)
             _PROFILES[key] = thr
         return thr

@@ -71,11 +71,12 @@ def export_model(
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(_oaken.PRESETS)}")
     out = Path(out)
     check_export_dir(out)
-    thr = _oaken.find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
-    _oaken.apply_profile(model, thr)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # the directory the export is written in, made before any work: a target that cannot take it fails now
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        thr = _oaken.find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
+        _oaken.apply_profile(model, thr)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp makes it private; the export is a model directory like any)

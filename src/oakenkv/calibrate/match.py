@@ -1,0 +1,158 @@
+"""The one check of a profile against a model, used by every constructor that pairs them.
+
+:func:`check_profile_model` decides whether ``thresholds`` belong to ``model``: the shape, the weights (by their
+digest, :func:`~oakenkv.calibrate.thresholds.weights_digest`) and the oaken-plus transforms the model carries.
+``OakenCache(thresholds, model)``, ``OakenCache.from_profile`` / ``for_model`` (through
+:func:`oakenkv.calibrate.plus.apply_profile`), the evaluation's method builder and the apps call it; none has a
+check of its own.
+
+A model with oaken-plus transforms folded into it no longer has the weights its profile was made on: the fold
+records on the model's config the digest of the weights before the fold (checked against the profile then) and
+after it (:func:`record_fold`). Later checks hash the model's weights again (cheap when no tensor changed:
+``weights_digest`` remembers) and compare them with the second, then the first with the profile's: weights
+changed after the fold are refused, not taken for the profiled ones.
+
+Given only a model's config (``OakenCache(thresholds, model.config)``, the older form), only the shape can be
+compared: :class:`ShapeOnlyWarning` says so, once per call, when the profile records a weights digest that could
+have been checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from oakenkv.calibrate.thresholds import (
+    ModelFingerprint,
+    ModelMismatchError,
+    Thresholds,
+    UnverifiedWeightsWarning,
+    weights_digest,
+)
+
+#: Attribute set on a folded model's config: ``(weights digest before the fold, after the fold)``.
+FOLD_WEIGHTS = "oakenkv_folded_weights"
+
+
+class ShapeOnlyWarning(UnverifiedWeightsWarning):
+    """A profile was paired with a model's config, not the model: only the shape could be checked, so a profile of
+    other weights of the same shape (another checkpoint, a fine-tune) would not be noticed."""
+
+
+def is_model(obj: Any) -> bool:
+    """Whether ``obj`` is a model (weights and a config), not only a config."""
+    return hasattr(obj, "state_dict") and hasattr(obj, "config")
+
+
+def _config(model: Any) -> Any:
+    return model.config if is_model(model) else model
+
+
+def record_fold(model: Any, before: str) -> None:
+    """Mark ``model`` (whose oaken-plus transforms were just folded in, or marked) with the digest of its weights
+    ``before`` the fold and of those it holds now, for :func:`check_profile_model`."""
+    setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model)))
+
+
+def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -> None:
+    """Raise :class:`ModelMismatchError` when ``thresholds`` were not profiled on ``model``: its shape, and its weights
+    when the model (not only its config) is given; a folded model by the weights recorded at its fold (module doc).
+    Warns :class:`ShapeOnlyWarning` when only a config is given and the profile has a digest to compare."""
+    from oakenkv.calibrate.transforms import FOLD_MARK
+
+    config = _config(model)
+    if not is_model(model):
+        thresholds.check_model(config)  # the shape
+        if thresholds.fingerprint.weights is not None:
+            warnings.warn(
+                "only the model's shape was checked against the profile (a config was given, not the model): pass "
+                "the model itself, e.g. OakenCache(thresholds, model), or use OakenCache.from_profile(model, ...), so "
+                "that a profile of other weights is refused",
+                ShapeOnlyWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return
+    if getattr(config, FOLD_MARK, None) is None:
+        thresholds.check_model(model)  # shape and weights
+        return
+    record = getattr(config, FOLD_WEIGHTS, None)
+    if record is None:  # folded by hand (transforms.fold_into_model): the weights before it are unknown
+        thresholds.check_model(config)
+        if thresholds.fingerprint.weights is not None:
+            warnings.warn(
+                "this model's oaken-plus transforms were folded in without oakenkv.calibrate.plus.apply_profile, so "
+                "its weights before the fold are unknown: only its shape was checked against the profile",
+                ShapeOnlyWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return
+    before, after = record
+    if weights_digest(model) != after:
+        raise ModelMismatchError(
+            "this model's weights changed after oaken-plus transforms were folded into them, so they are no longer "
+            "the profiled ones; load the model again and build the cache with OakenCache.from_profile(model, ...)"
+        )
+    thresholds.check_fingerprint(ModelFingerprint.from_model_config(config, weights=before))
+    if thresholds.fingerprint.weights is None:
+        thresholds._warn_unverified()
+
+
+def check_transforms(thresholds: Thresholds, model: Any) -> None:
+    """Raise :class:`~oakenkv.calibrate.transforms.TransformError` (a ValueError) when the model does not carry
+    exactly the profile's oaken-plus transforms (a profile without transforms: none): either way the thresholds
+    would quantize vectors they were not profiled for."""
+    from oakenkv.calibrate.transforms import FOLD_MARK, TransformError
+
+    folded = getattr(_config(model), FOLD_MARK, None)
+    t = thresholds.transforms
+    if t is None and folded is not None:
+        raise TransformError("this model carries oaken-plus transforms; use the oaken-plus profile they came from")
+    if t is not None and folded != t.digest():
+        raise TransformError(
+            "this profile has oaken-plus transforms the model does not carry"
+            + (" (it carries other ones)" if folded else "")
+            + "; build the cache with OakenCache.from_profile(model, profile), which folds them in"
+        )
+
+
+def check_profile_shape(thresholds: Thresholds, model_name: str) -> None:
+    """Before a model loads: raise :class:`ModelMismatchError` when the model ``model_name`` (as the command line
+    names it) has another shape than the profile's, read from its ``config.json`` without loading it
+    (``oakenkv.assets.models.model_kv_shape``: an embedded model once converted, a local directory). Nothing is
+    checked when no local config exists yet; the check at construction (:func:`check_profile_model`) still runs."""
+    from oakenkv.assets.models import model_kv_shape
+
+    shape = model_kv_shape(model_name)
+    if shape is None:
+        return
+    fp = thresholds.fingerprint
+    layers, dim = shape
+    if (fp.num_layers, fp.num_kv_heads * fp.head_dim) != (layers, dim):
+        raise ModelMismatchError(
+            f"this profile is for ({fp.describe()}: {fp.num_kv_heads * fp.head_dim} K/V values per token) but the "
+            f"model {model_name!r} has {layers} layers and {dim} K/V values per token; profile this model with "
+            "`oakenkv profile --model ...`"
+        )
+
+
+def check_profile_model(thresholds: Thresholds, model: Any) -> None:
+    """The check every constructor runs before pairing a profile with a model (module doc): raises
+    :class:`ModelMismatchError` (a ValueError) for a profile of another model (shape or weights), ValueError when the
+    model does not carry exactly the profile's transforms.
+
+    ``model``: a transformers model, or only its config (the shape alone is then compared: :class:`ShapeOnlyWarning`).
+    """
+    check_identity(thresholds, model, stacklevel=3)
+    check_transforms(thresholds, model)
+
+
+__all__ = [
+    "FOLD_WEIGHTS",
+    "ShapeOnlyWarning",
+    "check_identity",
+    "check_profile_model",
+    "check_profile_shape",
+    "check_transforms",
+    "is_model",
+    "record_fold",
+]
