@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from oakenkv.calibrate.thresholds import GroupThresholds
 from oakenkv.format.config import OakenConfig
-from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity
+from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity, to_records
 from oakenkv.kernels import codec
 from oakenkv.kernels.codec import CorruptDataError, EncodedBatch
 from oakenkv.kernels.cpu import codec as cpu
@@ -43,7 +43,8 @@ def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
 
 
 @st.composite
-def rows(draw):
+def rows(draw, slots=(4,)):
+    """Rows, thresholds and a config with a dense slot of one of ``slots`` bits (OakenConfig.middle_bits)."""
     thr = draw(st.sampled_from(THRESHOLDS))
     d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256, 513, 1024]))
     n = draw(st.integers(1, 5))
@@ -72,10 +73,12 @@ def rows(draw):
         x = g.standard_normal((n, d)) * 0.5
         x[:, : min(d, 64)] = (to_hi + 1.0) * draw(st.sampled_from([1.0, -1.0])) * (1 + g.random((n, min(d, 64))))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    mb = draw(st.sampled_from(slots))
     cfg = OakenConfig(
         scale_dtype=draw(st.sampled_from(["float16", "float32"])),
-        inner_bits=draw(st.sampled_from([5, 5, 4])),
-        outer_bits=draw(st.sampled_from([5, 5, 4])),
+        inner_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
+        outer_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
+        middle_bits=mb,
     )
     return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
 
@@ -83,6 +86,17 @@ def rows(draw):
 @SETTINGS
 @given(rows())
 def test_encode_decode_bit_exact_with_reference(case):
+    _check_bit_exact(case)
+
+
+@SETTINGS
+@given(rows(slots=(3, 2)))
+def test_narrow_slots_encode_decode_bit_exact_with_reference(case):
+    """3- and 2-bit dense slots (oaken-plus-3, oaken-plus-2): every fast entry point, byte and bit for bit."""
+    _check_bit_exact(case)
+
+
+def _check_bit_exact(case):
     x, thr, cfg = case
     try:
         q = quantize(x, thr, cfg)
@@ -113,14 +127,27 @@ def test_encode_decode_bit_exact_with_reference(case):
         records = np.empty((n, record_size(d, cfg)), np.uint8)
         sparse = np.empty((n, sparse_capacity(d)), np.uint8)
         counts = np.empty(n, np.int64)
-        cpu.encode_records(
-            x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts
-        )
+        ib, ob, mb = cfg.inner_bits, cfg.outer_bits, cfg.middle_bits
+        if mb == 4:  # the paper's slot is the trailing argument's default
+            cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts)
+        else:
+            cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb)
+        dense, flat, offs = to_records(ref)
+        assert np.array_equal(records, dense)
+        assert all(np.array_equal(sparse[r, : counts[r]], flat[offs[r] : offs[r + 1]]) for r in range(n))
         out = np.empty((n, d), np.float32)
         status = np.ones(n, np.int64)
-        cpu.decode_records(records, sparse, counts, thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, out, status)
+        cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, fp16, sb, out, status, mb)
         assert (status == 0).all()
         assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
+        # the single-row decoder other kernels call
+        lut = np.empty(cpu.LUT_SIZE, np.float32)
+        row = np.empty(d, np.float32)
+        sc = ref.scales.float().numpy()
+        for r in range(n):
+            stream = flat[offs[r] : offs[r + 1]]
+            assert cpu.decode_row_into_lut(dense[r, sb:], stream, sc[r], thr32, row, ib, ob, lut, mb) == 0
+            assert torch.equal(_bits32(torch.from_numpy(row)), _bits32(want[r]))
     assert torch.equal(_bits32(cpu.decode_trusted(enc, thr32, cfg)), _bits32(want))
 
 
@@ -352,7 +379,8 @@ def corrupted(draw):
     n = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**31 - 1))
     g = np.random.default_rng(seed)
-    cfg = OakenConfig(inner_bits=draw(st.sampled_from([4, 5])))
+    mb = draw(st.sampled_from([4, 4, 3, 2]))  # the dense slot width
+    cfg = OakenConfig(middle_bits=mb, inner_bits=draw(st.sampled_from([mb, mb + 1])))
     x = torch.from_numpy((g.standard_normal((n, d)) * 1.5).astype(np.float32))
     enc = codec.encode(x, THRESHOLDS[0], cfg)
     sparse = enc.sparse.numpy().copy()

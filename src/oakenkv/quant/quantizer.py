@@ -10,7 +10,8 @@ Per row, with the layer's thresholds ``(to_lo, ti_lo, ti_hi, to_hi)`` (Kim et al
 2. **Group shift (Eq. 4).** Outer values minus ``to_hi`` (upper side) or ``to_lo`` (lower side); middle values
    minus ``ti_hi`` or ``ti_lo``; inner values unshifted. Shifted outer and middle values are never 0: the upper side
    is strictly positive and the lower side strictly negative.
-3. **Per-group min/max uniform quantization (Eq. 2/3).** Middle to 4 bits, inner and outer to 5 bits.
+3. **Per-group min/max uniform quantization (Eq. 2/3).** Middle to 4 bits, inner and outer to 5 bits (the paper's;
+   ``OakenConfig.middle_bits`` narrows the middle code to 3 or 2 bits, the outliers' to one more by default).
 
 Why the grid of the middle and outer groups is not the plain ``[min, max]`` one
 ----------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from oakenkv.format.config import OakenConfig
-from oakenkv.format.layout import ERR_SCALE_RANGE, ERROR_MESSAGES, MIDDLE_BITS
+from oakenkv.format.layout import ERR_SCALE_RANGE, ERROR_MESSAGES
 from oakenkv.quant.groups import GroupThresholds
 
 #: Group ids, stored in ``QuantizedVectors.groups`` and used to index ``mins``/``maxs``.
@@ -69,7 +70,7 @@ class QuantizedVectors:
     """The output of :func:`quantize`: everything a decoder needs, one row per quantization vector.
 
     Attributes:
-        codes: uint8 ``[N, D]``; middle codes in ``0..15``, inner/outer codes in ``0..2^b-1``.
+        codes: uint8 ``[N, D]``; each value's code in ``0..2^b-1``, ``b`` its group's bits (``group_bits``).
         groups: uint8 ``[N, D]``; ``GROUP_MIDDLE``, ``GROUP_INNER`` or ``GROUP_OUTER`` per value.
         mins: ``[N, 3]`` in the config's scale dtype; per group (indexed by group id) the value of code 0.
         maxs: ``[N, 3]`` in the config's scale dtype; per group the value of the top code ``2^b - 1``.
@@ -117,7 +118,7 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
 
 def group_bits(config: OakenConfig) -> tuple[int, int, int]:
     """Bits per code, indexed by group id (the middle group's code fills the format's dense slot)."""
-    return (MIDDLE_BITS, config.inner_bits, config.outer_bits)
+    return (config.middle_bits, config.inner_bits, config.outer_bits)
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:

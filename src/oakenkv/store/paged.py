@@ -239,8 +239,10 @@ class PagedKVStore:
         #: Bytes of one dense page record, and of the scales at its start (``oakenkv.format.layout``).
         self.rec_size = record_size(self.dim, config)
         self.scale_bytes = scale_bytes(config)
-        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
+        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes),
+        #: and their last one, the dense slot width (``OakenConfig.middle_bits``).
         self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
+        self._slot_bits = config.middle_bits
         self.pool = PagePool(pool_config)
         self.encode, self.decode = codec_functions(codec)
         #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
@@ -450,7 +452,7 @@ class PagedKVStore:
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
-        encode_records(rows, thr, *self._record_format, records, sparse, counts)
+        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits)
         _check_encoded_rows(counts, s)
         offsets, flat = _packed_sparse(sparse, counts)
         items = []
@@ -465,7 +467,7 @@ class PagedKVStore:
             self.sinks[layer][:, :, past : past + sinks.shape[2]] = sinks.transpose(1, 0, 2, 3)
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
-        decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
+        decode_records(records, sparse, counts, thr, *self._record_format, rows, status, self._slot_bits)
         r = first_error(status)
         if r >= 0:  # (our own records: this would be a bug)
             raise RuntimeError(
@@ -586,7 +588,7 @@ class PagedKVStore:
         self._transform_keys(layer, rows[:b])  # an oaken-plus profile's online key transform, in place
         t = self.tables[layer].num_tokens
         sink = rows.astype(np.float16) if t < self.sink_tokens else None  # (before the encoder works in the rows)
-        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
+        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts, self._slot_bits)
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
         if sink is not None:
@@ -643,6 +645,7 @@ class PagedKVStore:
             cfg.inner_bits,
             cfg.outer_bits,
             self.num_kv_heads,
+            cfg.middle_bits,
         )
 
     def check_tables(self) -> None:
