@@ -56,6 +56,19 @@ PLUS_CALIBRATION = CalibrationSpec(samples=16, window=2048)
 #: The group ratios (outer, inner) the search chooses from: all put 10% of the values in the sparse groups (the
 #: paper's budget, so the same bits), moving that budget from the inner group to the outer one.
 DEFAULT_RATIOS: tuple[tuple[float, float], ...] = ((0.04, 0.06), (0.08, 0.02), (0.10, 0.0))
+#: The sparse share of :data:`DEFAULT_RATIOS`.
+DEFAULT_SPARSE = 0.10
+
+
+def ratio_choices(sparse: float) -> tuple[tuple[float, float], ...]:
+    """:data:`DEFAULT_RATIOS` scaled to a sparse (inner + outer) share of ``sparse``: the same three splits of the
+    budget, 40/60, 80/20 and 100/0 (``DEFAULT_RATIOS`` itself for 0.10)."""
+    if not isinstance(sparse, (int, float)) or isinstance(sparse, bool) or not 0.0 < sparse < 1.0:
+        raise ValueError(f"the sparse share must be a fraction in (0, 1), got {sparse!r}")
+    if sparse == DEFAULT_SPARSE:
+        return DEFAULT_RATIOS
+    scale = sparse / DEFAULT_SPARSE
+    return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in DEFAULT_RATIOS)
 
 
 @dataclass(frozen=True)
@@ -80,26 +93,49 @@ class PlusSearch:
     #: The first tokens of every sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``); the
     #: candidates are scored with them exact, as the cache reads them.
     sink_tokens: int = 1
+    #: The format's dense slot width (``OakenConfig.middle_bits``): 4 (the paper's), 3 (``oaken-plus-3``) or 2; the
+    #: outliers get one bit more. The candidates are scored, and the profile made, at this width.
+    middle_bits: int = 4
 
     @classmethod
-    def from_flags(cls, shift: bool, rot_k: bool, rot_v: bool, smooth: bool, ratios: bool, sink: int = 1) -> PlusSearch:
-        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..``
-        (each remedy on or off; off ratios means the paper's 4% / 6% split only; ``sink``: tokens kept at 16
-        bits)."""
+    def from_flags(
+        cls,
+        shift: bool,
+        rot_k: bool,
+        rot_v: bool,
+        smooth: bool,
+        ratios: bool,
+        sink: int = 1,
+        bits: int = 4,
+        sparse: float = DEFAULT_SPARSE,
+    ) -> PlusSearch:
+        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..,bits=..,
+        sparse=..`` (each remedy on or off; off ratios means the 40/60 outer/inner split only; ``sink``: tokens kept
+        at 16 bits; ``bits``: the dense slot width; ``sparse``: the inner + outer share, :func:`ratio_choices`)."""
+        choices = ratio_choices(sparse)
         return cls(
             alphas=cls().alphas if smooth else (0.0,),
             key_shift=bool(shift),
             key_rotation=bool(rot_k),
             value_rotation=bool(rot_v),
-            ratios=DEFAULT_RATIOS if ratios else DEFAULT_RATIOS[:1],
+            ratios=choices if ratios else choices[:1],
             sink_tokens=int(sink),
+            middle_bits=int(bits),
         )
+
+    def config(self, outer: float | None = None, inner: float | None = None) -> OakenConfig:
+        """The codec's configuration for candidate ratios ``(outer, inner)`` at this search's slot width (default
+        ratios: the paper's, what a profile file records as its config)."""
+        if outer is None or inner is None:
+            return OakenConfig(middle_bits=self.middle_bits)
+        return OakenConfig(outer_ratio=outer, inner_ratio=inner, middle_bits=self.middle_bits)
 
     def __post_init__(self) -> None:
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError(f"alphas must be a non-empty subset of [0, 1], got {self.alphas}")
+        self.config()  # validates the slot width
         for o, i in self.ratios:
-            OakenConfig(outer_ratio=o, inner_ratio=i)  # validates
+            self.config(o, i)  # validates
         if self.query_runs < 1 or self.query_positions < 1:
             raise ValueError("query_runs and query_positions must be positive")
         if not valid_sink_tokens(self.sink_tokens):  # (checked before minutes of profiling, not after)
@@ -293,7 +329,7 @@ def choose_transforms(
         shift = k_all[:, :, 1:].mean(dim=(0, 2)).reshape(-1) if search.key_shift else None  # token 0: the sink
         key_errs: dict[str, float] = {}
         best: _Candidate | None = None
-        base_cfg = OakenConfig(outer_ratio=search.ratios[-1][0], inner_ratio=search.ratios[-1][1])
+        base_cfg = search.config(search.ratios[-1][0], search.ratios[-1][1])
         for use_shift in (False, True) if shift is not None else (False,):
             for rot in (False, True) if search.key_rotation else (False,):
                 for alpha in search.alphas:
@@ -322,7 +358,7 @@ def choose_transforms(
                         progress(1)
         assert best is not None
         for o, inn in search.ratios[:-1]:
-            cfg = OakenConfig(outer_ratio=o, inner_ratio=inn)
+            cfg = search.config(o, inn)
             name = best.name + f",outer={o:g},inner={inn:g}"
             key_errs[name] = _score_keys(k_all, k_q, v_q, best.lt, cfg, i, err, search.sink_tokens)
             if key_errs[name] < key_errs[best.name]:
@@ -334,7 +370,7 @@ def choose_transforms(
         vbest: _Candidate | None = None
         for rot in (False, True) if search.value_rotation and not record.value_norm else (False,):
             for o, inn in search.ratios:
-                cfg = OakenConfig(outer_ratio=o, inner_ratio=inn)
+                cfg = search.config(o, inn)
                 x = _rotate(v_all) if rot else v_all
                 thr, _ = _thresholds(x, cfg, i, "value")
                 vq = _fake_quant(x[: q.shape[0]], thr, cfg, search.sink_tokens)
@@ -504,14 +540,18 @@ def profile_from_record(
         "choices": notes,
     }
     return Thresholds(
-        OakenConfig(), fingerprint, tuple(keys), tuple(values), tuple(kst), tuple(vst), info, transforms=transforms
+        search.config(), fingerprint, tuple(keys), tuple(values), tuple(kst), tuple(vst), info, transforms=transforms
     )
 
 
 def _search_dict(search: PlusSearch) -> dict[str, Any]:
+    """The search as its profile's notes and cache key hold it. A 4-bit search leaves ``middle_bits`` out: its dict,
+    and so the digest in the name of a cached or shipped profile, is what it was before slot widths existed."""
     d = asdict(search)
     d["ratios"] = [list(r) for r in search.ratios]
     d["alphas"] = list(search.alphas)
+    if search.middle_bits == 4:
+        del d["middle_bits"]
     return d
 
 
@@ -574,7 +614,7 @@ def cached_plus_profiles(
             with warnings.catch_warnings():
                 if quiet:
                     warnings.simplefilter("ignore")
-                th = load_cached_thresholds(candidate, key, OakenConfig())
+                th = load_cached_thresholds(candidate, key, search.config())
             if th is not None and th.transforms is not None and th.transforms.notes.get("search") == wanted:
                 found = th
                 break
@@ -637,6 +677,7 @@ def apply_profile(model: Any, thresholds: Thresholds) -> Any:
 
 __all__: Sequence[str] = [
     "DEFAULT_RATIOS",
+    "DEFAULT_SPARSE",
     "PLUS_CALIBRATION",
     "AttentionRecord",
     "PlusSearch",
@@ -649,5 +690,6 @@ __all__: Sequence[str] = [
     "profile_plus",
     "profile_plus_many",
     "profile_plus_model",
+    "ratio_choices",
     "record_attention",
 ]

@@ -131,7 +131,8 @@ def profile_cmd(
         if plus:
             from oakenkv.calibrate.plus import profile_plus_model
 
-            th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
+            search = PRESETS[preset].search()  # its slot width and sparse share
+            th = profile_plus_model(model, samples=samples, window=window, search=search, progress=True, **source)
         else:
             th = profile_model(
                 model,

@@ -92,6 +92,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
             inner_ratio=params["inner"],
             granularity=params["granularity"],
             key_position="pre_rope" if params["key_position"] == "pre" else "post_rope",
+            middle_bits=params["bits"],
         )
         spec = _calibration(ctx)
         thresholds = cal.oaken_thresholds(
@@ -141,15 +142,17 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
             name += f":residual={params['residual']}"
     else:
         search = PlusSearch.from_flags(
-            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"]
-        )
+            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"],
+            params["bits"], params["sparse"],
+        )  # fmt: skip
         # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
         # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on its preset's (16 x 2048)
         # unless told otherwise.
         spec = OAKEN_PLUS.calibration if ctx.calibration in (None, CalibrationSpec()) else ctx.calibration
         thresholds = cached_plus_profile(ctx.model, ctx.tokenizer, ctx.model_name, spec, search, progress=ctx.progress)
         extra["calibration"] = spec.tag()
-        name = canonical(family, params) + ("" if spec == OAKEN_PLUS.calibration else f"@{spec.tag()}")
+        base = ctx.spec if ctx.spec in ALIASES else canonical(family, params)  # a preset's alias: its name
+        name = base + ("" if spec == OAKEN_PLUS.calibration else f"@{spec.tag()}")
     folded = apply_profile(copy.deepcopy(ctx.model), thresholds)
     extra["transforms"] = thresholds.transforms.digest()[:16]
     extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)

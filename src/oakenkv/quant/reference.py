@@ -203,10 +203,12 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None) -> QuantizedVec
     )
 
 
-def encode(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> EncodedBatch:
-    """``pack(quantize(x, thr, config))``: the reference of ``oakenkv.kernels.codec.encode``."""
+def encode(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None, group: ThresholdsLike | None = None
+) -> EncodedBatch:
+    """``pack(quantize(x, thr, config, group))``: the reference of ``oakenkv.kernels.codec.encode``."""
     config = config or OakenConfig()
-    return pack(quantize(x, thr, config), config)
+    return pack(quantize(x, thr, config, group), config)
 
 
 def decode(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:

@@ -139,6 +139,28 @@ def _sparse_start(first, count, lens, t0):
 def _decode_rows(
     pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
 ):
+    """:func:`_decode_block` compiled once per slot width ``mb`` (a constant inside each copy: the paper's 4-bit
+    slots run the nibble arithmetic they ran before slot widths were a parameter)."""
+    if mb == 4:
+        return _decode_block(
+            pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 4, ib, ob, keep, t0, sp,
+            off, out,
+        )  # fmt: skip
+    if mb == 3:
+        return _decode_block(
+            pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 3, ib, ob, keep, t0, sp,
+            off, out,
+        )  # fmt: skip
+    return _decode_block(
+        pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 2, ib, ob, keep, t0, sp, off,
+        out,
+    )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, fastmath=False, inline="always")
+def _decode_block(
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
+):
     """Decode tokens ``t0 .. t0 + len(out)`` of one stream whose ``keep`` is set into the float32 rows ``out[j]``
     (``out[j]`` is token ``t0 + j``; masked tokens are skipped, their pages never read). ``(sp, off)`` is the
     stream's sparse walker at ``t0`` (page index, byte offset); returns ``(status, sp, off)`` advanced past the
@@ -236,7 +258,7 @@ def _unpack_slots(src, mb, codes):
             codes[j0 + k] = np.uint8((acc >> np.uint64(mb * k)) & mask)
 
 
-@njit(cache=True, nogil=True, fastmath=False)
+@njit(cache=True, nogil=True, fastmath=False, inline="always")
 def _coo_walk(pool, s0, n, src, mb, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
     """Overwrite the outliers of one decoded row with their values: the COO walk of ``oakenkv.format.layout`` (its
     module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low ``mb`` code

@@ -67,7 +67,7 @@ from oakenkv.kernels.cpu.helpers import (
     row_view,
     span_view,
 )
-from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, thresholds_tuple
+from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, grouping_tuple, thresholds_tuple
 
 #: float32 scratch per row for the decode look-up tables: for ``b``-bit slots, ``2^b`` middle codes at 0, then
 #: ``2^(b+1)`` inner codes at ``2^b`` and ``2^(b+1)`` outer codes at ``3 * 2^b``: 16 + 32 + 32 for the paper's 4 bits,
@@ -407,38 +407,44 @@ def _key_value(k):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _min_above(x, lo, hi):
-    """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero.
+def _min_above(x, lo, hi, sub):
+    """Smallest ``v - sub`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero
+    (``lo``: the group's grouping threshold, ``sub``: its shift threshold, ``sub <= lo``).
 
-    ``fl(v - lo)`` does not decrease as ``v`` grows, so it is ``fl(min v - lo)``; the smallest ``v`` is found by
+    ``fl(v - sub)`` does not decrease as ``v`` grows, so it is ``fl(min v - sub)``; the smallest ``v`` is found by
     its int32 key (see _key: integer reductions vectorize, numba's float min() does not; docs/perf-notes.md)."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMAX
     for j in range(x.shape[0]):
         k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = min(best, k if (k > k_lo) & (k <= k_hi) else _KMAX)
-    return _INF32 if best == _KMAX else _key_value(best) - lo
+    return _INF32 if best == _KMAX else _key_value(best) - sub
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _min_below(x, lo, hi):
-    """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none): ``fl(hi - max v)``, as in _min_above."""
+def _min_below(x, lo, hi, sub):
+    """Smallest ``sub - v`` over values ``lo <= v < hi`` (inf if none): ``fl(sub - max v)``, as in _min_above."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMIN
     for j in range(x.shape[0]):
         k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = max(best, k if (k >= k_lo) & (k < k_hi) else _KMIN)
-    return _INF32 if best == _KMIN else hi - _key_value(best)
+    return _INF32 if best == _KMIN else sub - _key_value(best)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid, n_in, n_out):
+def _row_codes(
+    x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
+    n_in, n_out,
+):  # fmt: skip
     """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize.
 
+    ``go_lo, gi_lo, gi_hi, go_hi`` group the values (Eq. 1), ``to_lo, ti_lo, ti_hi, to_hi`` shift them (Eq. 4;
+    the same numbers unless an adaptive encoder groups with thresholds on or beyond them, ``oakenkv.quant.adapt``).
     Branch-free selects so that LLVM can vectorize it; no fast-math (true division, floor, exact order). The row
-    holds no NaN (rejected by pass 1), so four comparisons decide everything: inner is "neither above ti_hi nor
-    below ti_lo", and the reference's ``signed & (s > 0)`` is "above ti_hi" (``s = v - sh`` with ``sh`` ti_hi or
-    to_hi < v, and a difference of distinct floats is never 0), ``signed & (s < 0)`` "below ti_lo".
+    holds no NaN (rejected by pass 1), so four comparisons decide everything: inner is "neither above gi_hi nor
+    below gi_lo", and the reference's ``signed & (s > 0)`` is "above gi_hi" (``s = v - sh`` with ``sh`` ti_hi or
+    to_hi < v, and a difference of distinct floats is never 0), ``signed & (s < 0)`` "below gi_lo".
     """
     zero, one, half = _F32(0.0), _F32(1.0), _F32(0.5)
     # per group: the divisor, and the top code (0 for a zero step: such a group has only code 0)
@@ -450,10 +456,10 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
     safe_o = o_step if o_step > zero else one
     for j in range(x.shape[0]):
         v = f32_at(x, j)
-        up_o = v > to_hi
-        dn_o = v < to_lo
-        up = v > ti_hi
-        dn = v < ti_lo
+        up_o = v > go_hi
+        dn_o = v < go_lo
+        up = v > gi_hi
+        dn = v < gi_lo
         outer = up_o | dn_o
         inner = not (up | dn)
         sh = to_hi if up_o else (to_lo if dn_o else (ti_hi if up else (ti_lo if dn else zero)))
@@ -574,7 +580,10 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
         to the scale dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
         h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
-            keys, compared with ``k16 = threshold_keys16(thr)``), or empty (``k16`` unused).
+            keys, compared with ``k16 = threshold_keys16`` of the grouping thresholds), or empty (``k16`` unused).
+
+    ``thr`` may hold 8 values: the shift thresholds (what the decoder adds back), then the thresholds the values
+    are grouped by, each on or beyond its shift threshold (``oakenkv.quant.adapt``); 4 values group and shift alike.
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -582,6 +591,9 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     d = x.shape[0]
     comb, words, halves, bmask, cmask, ent, ents = scratch
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    go_lo, gi_lo, gi_hi, go_hi = to_lo, ti_lo, ti_hi, to_hi
+    if thr.shape[0] >= 8:
+        go_lo, gi_lo, gi_hi, go_hi = thr[4], thr[5], thr[6], thr[7]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
     if h16.shape[0] == d:
@@ -589,35 +601,35 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     else:
         bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
             x,
-            _key(np.float32(to_lo).view(np.int32)),
-            _key(np.float32(ti_lo).view(np.int32)),
-            _key(np.float32(ti_hi).view(np.int32)),
-            _key(np.float32(to_hi).view(np.int32)),
+            _key(np.float32(go_lo).view(np.int32)),
+            _key(np.float32(gi_lo).view(np.int32)),
+            _key(np.float32(gi_hi).view(np.int32)),
+            _key(np.float32(go_hi).view(np.int32)),
         )
     if bad:
         return -ERR_NONFINITE
     vmax, vmin, v_le_tohi, v_ge_tolo = _key_value(k0), _key_value(k1), _key_value(k2), _key_value(k3)
     v_ge_tilo, v_le_tihi = _key_value(k4), _key_value(k5)
     # outer: largest magnitudes from the row's extremes (v - c is monotonic in v, so max(v) - c = max(v - c))
-    o_has_hi = vmax > to_hi
-    o_has_lo = vmin < to_lo
+    o_has_hi = vmax > go_hi
+    o_has_lo = vmin < go_lo
     o_hi = vmax - to_hi if o_has_hi else zero
     o_lo = to_lo - vmin if o_has_lo else zero
     # middle: extremes among the values inside the outer thresholds
-    m_has_hi = k2 != _KMIN and v_le_tohi > ti_hi
-    m_has_lo = k3 != _KMAX and v_ge_tolo < ti_lo
+    m_has_hi = k2 != _KMIN and v_le_tohi > gi_hi
+    m_has_lo = k3 != _KMAX and v_ge_tolo < gi_lo
     m_hi = v_le_tohi - ti_hi if m_has_hi else zero
     m_lo = ti_lo - v_ge_tolo if m_has_lo else zero
     # a one-sided group also needs its value nearest zero (plain grid): a second, rare pass
-    o_hi_min = _min_above(x, to_hi, _INF32) if o_has_hi and not o_has_lo else _INF32
-    o_lo_min = _min_below(x, -_INF32, to_lo) if o_has_lo and not o_has_hi else _INF32
-    m_hi_min = _min_above(x, ti_hi, to_hi) if m_has_hi and not m_has_lo else _INF32
-    m_lo_min = _min_below(x, to_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
+    o_hi_min = _min_above(x, go_hi, _INF32, to_hi) if o_has_hi and not o_has_lo else _INF32
+    o_lo_min = _min_below(x, -_INF32, go_lo, to_lo) if o_has_lo and not o_has_hi else _INF32
+    m_hi_min = _min_above(x, gi_hi, go_hi, ti_hi) if m_has_hi and not m_has_lo else _INF32
+    m_lo_min = _min_below(x, go_lo, gi_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
     n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
     mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
     og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
-    # inner: min of the values >= ti_lo is the inner minimum if it is <= ti_hi (else the group is empty)
-    i_has = k4 != _KMAX and v_ge_tilo <= ti_hi
+    # inner: min of the values >= gi_lo is the inner minimum if it is <= gi_hi (else the group is empty)
+    i_has = k4 != _KMAX and v_ge_tilo <= gi_hi
     i_min = v_ge_tilo if i_has else zero
     i_max = v_le_tihi if i_has else zero
     mg0, ok0 = _store_scale(mg0, fp16)
@@ -639,7 +651,10 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     if not steps_decode_finite(mg0, m_step, ig0, i_step, og0, o_step, thr, n_mid, n_in, n_out):
         return -ERR_SCALE_RANGE
     # pass 2: codes and groups
-    _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid, n_in, n_out)
+    _row_codes(
+        x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
+        n_in, n_out,
+    )  # fmt: skip
     # pass 3: the dense slots
     if middle_bits == 4:  # nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
         half = d >> 1
@@ -797,7 +812,7 @@ def _encode_rows(
     d = x32.shape[1] if kind == _KIND_F32 else xbits.shape[1]
     cap = scratch.shape[0] // max(n, 1)
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
-    k16 = threshold_keys16(thr)
+    k16 = threshold_keys16(thr[4:8] if thr.shape[0] >= 8 else thr)  # of the grouping thresholds
     x16 = xbits.view(np.int16)
     no_h16 = np.empty((n, 0), np.int16)
     for b in prange(nblocks):
@@ -854,8 +869,11 @@ def first_error(status):
     return -1
 
 
-def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> EncodedBatch:
-    """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``."""
+def encode_batch(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig, group: ThresholdsLike | None = None
+) -> EncodedBatch:
+    """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``
+    (with ``group``: ``quantize(x, thr, config, group)``, grouping thresholds apart from the shift ones)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"encode expects a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2:
@@ -863,7 +881,7 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     d = x.shape[1]
     if not 1 <= d <= MAX_DIM:
         raise ValueError(f"row width D must be in [1, {MAX_DIM}], got {d}")
-    thr_a = _thr_array(thr)
+    thr_a = np.asarray(grouping_tuple(thr, group), dtype=np.float32)
     x = x.detach()
     if x.dtype in (torch.float16, torch.bfloat16):
         kind = _KIND_BF16 if x.dtype == torch.bfloat16 else _KIND_F16
@@ -880,7 +898,8 @@ def encode_trusted(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> Enc
     Args:
         x32: C-contiguous float32 ``[N, D]``, ``1 <= D <= MAX_DIM`` (non-finite values still raise).
         thr: C-contiguous float32 ``[4]``, thresholds validated as :func:`oakenkv.quant.quantizer.thresholds_tuple` does
-            (``PagedKVStore.thr``).
+            (``PagedKVStore.thr``), or ``[8]``: shift thresholds, then grouping ones
+            (:func:`oakenkv.quant.quantizer.grouping_tuple`).
     """
     return _encode(x32, np.empty((x32.shape[0], 0), np.uint16), _KIND_F32, thr, config)
 
@@ -955,8 +974,36 @@ def fill_lut(scales_row, thr, inner_bits, outer_bits, lut, middle_bits=4):
     return ERR_OK
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _walk_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out):
+    """:func:`_walk` compiled once per slot width (``_walk_outliers4`` / ``3`` / ``2``, in each of which
+    ``middle_bits`` is a constant: the paper's 4-bit slots run the nibble arithmetic they ran before slot widths were
+    a parameter; a runtime width had cost their decode ~25%). Inlined: where the caller's width is a constant too,
+    only one call remains."""
+    if middle_bits == 4:
+        return _walk_outliers4(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    if middle_bits == 3:
+        return _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    return _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers4(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 4, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 3, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 2, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out):
     """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (float32 or fp16
     bits as uint16).
 
@@ -1182,21 +1229,45 @@ def _decode_one(dense_r, sr, sp, thr, middle_bits, inner_bits, outer_bits, use_l
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_rows(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, out, status):
     """Decode every row into ``out`` ([N, D] float32, or uint16 fp16 bits); ``status[r]``: ERR_OK or ``ERR_*``."""
-    n, d = out.shape
-    use_lut = d >= _LUT_MIN_DIM
+    n = out.shape[0]
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
-        sc32 = np.empty(NUM_SCALES, np.float32)
-        lut32 = np.empty(LUT_SIZE, np.float32)
-        lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
-        grid = np.empty(6, np.float32)
-        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            # borrowed row views (no reference counting; the arrays outlive the loop)
-            sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
-            status[r] = _decode_one(
-                row_view(dense, r), row_view(scales, r), sp, thr, middle_bits, inner_bits, outer_bits, use_lut, sc32,
-                lut32, lut, grid, row_view(out, r),
-            )  # fmt: skip
+        r0, r1 = b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)
+        _decode_block(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, r0, r1, out, status)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _decode_block(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, r0, r1, out, status):
+    """Rows ``r0:r1`` of :func:`_decode_rows`, with the block's scratch; the row loop is compiled once per slot
+    width (a constant in each copy, see :func:`_walk_outliers`)."""
+    use_lut = out.shape[1] >= _LUT_MIN_DIM
+    sc32 = np.empty(NUM_SCALES, np.float32)
+    lut32 = np.empty(LUT_SIZE, np.float32)
+    lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
+    grid = np.empty(6, np.float32)
+    if middle_bits == 4:
+        _decode_span(dense, sparse, offsets, scales, thr, 4, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+    elif middle_bits == 3:
+        _decode_span(dense, sparse, offsets, scales, thr, 3, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+    else:
+        _decode_span(dense, sparse, offsets, scales, thr, 2, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decode_span(
+    dense, sparse, offsets, scales, thr, mb, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, r0, r1, out,
+    status,
+):  # fmt: skip
+    for r in range(r0, r1):
+        # borrowed row views (no reference counting; the arrays outlive the loop)
+        sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
+        status[r] = _decode_one(
+            row_view(dense, r), row_view(scales, r), sp, thr, mb, inner_bits, outer_bits, use_lut, sc32, lut32, lut,
+            grid, row_view(out, r),
+        )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -1206,6 +1277,16 @@ def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, s
     float32 ``out [n, D]`` on the calling thread: the values :func:`decode_batch` gives for the same rows.
     ``records`` uint8 ``[n, record]``, ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start),
     ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``."""
+    if middle_bits == 4:  # the row loop compiled once per slot width (see _walk_outliers)
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4)
+    elif middle_bits == 3:
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 3)
+    else:
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 2)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, mb):
     n, d = out.shape
     use_lut = d >= _LUT_MIN_DIM
     sr = np.empty(NUM_SCALES, np.float32)
@@ -1222,8 +1303,8 @@ def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, s
                 bits |= np.int64(rec[itemsize * i + k]) << np.int64(8 * k)
             sr[i] = f16_widen(np.uint16(bits)) if fp16 else np.uint32(bits).view(np.float32)
         status[r] = _decode_one(
-            rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], middle_bits, inner_bits, outer_bits, use_lut, sc32,
-            lut32, lut, grid, out[r],
+            rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], mb, inner_bits, outer_bits, use_lut, sc32, lut32,
+            lut, grid, out[r],
         )  # fmt: skip
 
 
