@@ -47,6 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
+from oakenkv.quant.adapt import AdaptConfig
 from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.store.pages import PoolConfig, PoolStats
 
@@ -291,6 +292,9 @@ class OakenCache(Cache):
             residual; ``oakenkv.store.paged``). 0 (default): the paper's Oaken, every token quantized on arrival. A
             window makes short contexts exact and cheap to decode (no encode per step) and costs 32 bits per
             value of the tokens it holds.
+        adapt: adaptive grouping (``oakenkv.quant.adapt``): True (its default settings) or an
+            :class:`~oakenkv.quant.adapt.AdaptConfig` lets each layer's outer thresholds follow the outlier share of
+            the sequence; False (default): the profile's thresholds as they are.
 
     A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.calibrate.plus``) is only valid on a model
     that carries them: build the cache with :meth:`from_profile`, which folds them in first.
@@ -358,15 +362,19 @@ class OakenCache(Cache):
         prefill_chunk: int = PREFILL_CHUNK,
         evict_sliding: bool = True,
         residual: int = 0,
+        adapt: bool | AdaptConfig = False,
     ) -> None:
+        if not isinstance(adapt, (bool, AdaptConfig)):
+            raise TypeError(f"adapt must be True, False or an AdaptConfig, got {type(adapt).__name__}")
         text = config.get_text_config(decoder=True)
         thresholds.check_model(text)
         _check_transforms(thresholds, config)
         num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.store = PagedKVStore(
-            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk, residual
-        )
+            thresholds, num_layers, text.num_key_value_heads, head_dim, pool_config, codec, prefill_chunk, residual,
+            AdaptConfig() if adapt is True else adapt or None,
+        )  # fmt: skip
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(layer_types):

@@ -16,6 +16,7 @@ from typing import Any
 from oakenkv.calibrate.spec import CalibrationSpec
 from oakenkv.format.config import OakenConfig
 from oakenkv.methods.registry import ALIASES, FAMILIES, BuildContext, Method, canonical, check_spec_with_thresholds
+from oakenkv.quant.adapt import AdaptConfig
 
 
 def _name(ctx: BuildContext, family: str, params: dict[str, Any]) -> str:
@@ -84,7 +85,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
         thresholds.check_model(ctx.model)  # shape and weights
         config = thresholds.config
         defaults = FAMILIES[family].defaults()
-        given = [f"{k}={params[k]}" for k in ("only", "residual") if params[k] != defaults[k]]
+        given = [f"{k}={params[k]}" for k in ("only", "residual", "adapt") if params[k] != defaults[k]]
         name = f"oaken[{path or 'thresholds'}]" + (":" + ",".join(given) if given else "")
     else:
         config = OakenConfig(
@@ -111,7 +112,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
     note = (
         "" if only == ("key", "value") else f"ablation: only the {only[0]}s are quantized, the other stays at 16 bits"
     )
-    q = OakenQuantizer(thresholds, config, only)
+    q = OakenQuantizer(thresholds, config, only, AdaptConfig() if params["adapt"] else None)
     return _method(
         ctx,
         family,
@@ -138,8 +139,9 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         if path is not None:
             extra["thresholds_file"] = path
         name = f"{family}[{path or 'thresholds'}]"
-        if params["residual"]:  # the one parameter the file does not decide
-            name += f":residual={params['residual']}"
+        given = [f"{k}={params[k]}" for k in ("residual", "adapt") if params[k]]  # what the file does not decide
+        if given:
+            name += ":" + ",".join(given)
     else:
         search = PlusSearch.from_flags(
             params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"],
@@ -156,7 +158,7 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
     folded = apply_profile(copy.deepcopy(ctx.model), thresholds)
     extra["transforms"] = thresholds.transforms.digest()[:16]
     extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
-    q = PlusQuantizer(thresholds)
+    q = PlusQuantizer(thresholds, AdaptConfig() if params["adapt"] else None)
     return _method(
         ctx, family, params, _fake_quant(ctx, q, params["residual"], folded), name=name, extra=extra, model=folded
     )

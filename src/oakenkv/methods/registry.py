@@ -115,6 +115,10 @@ def _slot_bits() -> Param:
     return Param(4, "dense slot width: bits of a middle code (the outliers get one more)", 2, 4)
 
 
+def _adapt() -> Param:
+    return _switch("adaptive grouping: outer thresholds follow the sequence's outlier share (OakenCache's adapt)", 0)
+
+
 @dataclass(frozen=True)
 class Family:
     """One method family: everything about it that is not its implementation."""
@@ -162,6 +166,7 @@ FAMILIES: dict[str, Family] = {
                 "only": Param("kv", "ablation: quantize keys and values, or only one kind", choices=("kv", "k", "v")),
                 "residual": _residual(0, "OakenCache's window; 0: the paper's Oaken"),
                 "bits": _slot_bits(),
+                "adapt": _adapt(),
             },
             "bits + 8 x outlier share + 96/D (scales) + 16/D (header)",
             "post_rope",
@@ -181,6 +186,7 @@ FAMILIES: dict[str, Family] = {
                 "sink": Param(1, "first tokens of a sequence kept at 16 bits", 0, MAX_SINK_TOKENS),
                 "residual": _residual(0, "OakenCache's window; 0: every token quantized"),
                 "bits": _slot_bits(),
+                "adapt": _adapt(),
                 "sparse": Param(
                     0.1, "share of values in the sparse (inner + outer) groups, split per layer", 0.005, 0.5
                 ),
@@ -367,7 +373,7 @@ _FROM_FILE: dict[str, Callable[[Any], Any]] = {
     "bits": lambda th: th.config.middle_bits,
 }
 #: Parameters a thresholds file never decides: how the cache holds tokens, not how the file quantizes them.
-_NOT_FROM_FILE = ("only", "residual")
+_NOT_FROM_FILE = ("only", "residual", "adapt")
 
 
 def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the thresholds file") -> dict[str, Any]:
