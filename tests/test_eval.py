@@ -934,6 +934,16 @@ def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path
     text = frontier_table(rows)
     assert "| kvquant3 | 3.60 |" in text and "none that small" in text
     assert "| kivi2 | 3.90 |" in text and "| oaken-plus-3 | 3.90 |" in text and "| yes |" in text
+    # the report leads with it: after the header's introduction, before its first section
+    for i, r in enumerate(rows):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    header = tmp_path / "h.md"
+    header.write_text("# Title\n\nIntro.\n\n## Findings\n\nOld.\n")
+    png = tmp_path / "out" / "p.png"
+    report = write_report([tmp_path], tmp_path / "out" / "r.md", png, header, frontier=[tmp_path])
+    assert report.index("Intro.") < report.index("## The accuracy frontier") < report.index("## Findings")
+    assert f"`{tmp_path / '1.json'}`" in report  # each point's JSON file
+    assert (tmp_path / "out" / "p_frontier.png").stat().st_size > 1000
 
 
 def test_a_text_file_result_gets_its_own_table_and_title(tmp_path):

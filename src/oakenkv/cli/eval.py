@@ -199,11 +199,19 @@ def eval_report(
         Path | None,
         typer.Option(help="Markdown to put before the tables (commands, caveats).", exists=True, dir_okay=False),
     ] = None,
+    frontier: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A directory of results (one model, one number of windows) whose frontier table and plot lead the "
+            "report (repeatable; the plot is written beside --plot, as <name>_frontier.png).",
+            exists=True,
+        ),
+    ] = None,
 ) -> None:
     """Collect `eval ppl` / `eval zeroshot` JSON results into markdown tables and a perplexity-vs-bits plot."""
     check_out(out, "--out")
     check_out(plot, "--plot")
     from oakenkv.eval.report import write_report
 
-    write_report(results, out, plot, header)
+    write_report(results, out, plot, header, frontier)
     typer.echo(f"wrote {out} and {plot}")

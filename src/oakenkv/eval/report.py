@@ -160,26 +160,28 @@ def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def frontier_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown of :func:`frontier` (empty when the group has no peer or no FP run)."""
+def frontier_table(rows: list[dict[str, Any]], files: bool = False) -> str:
+    """Markdown of :func:`frontier` (empty when the group has no peer or no FP run); ``files``: a last column with
+    each point's JSON result file."""
     fp = next((r for r in rows if r["method"] == "fp" and not r.get("chunk")), None)
     entries = frontier(rows)
     if fp is None or not entries:
         return ""
-    lines = [
-        "| peer | bits | Δ vs FP | oakenkv at <= its bits | bits | Δ vs FP | oakenkv − peer (95% CI) | holds |",
-        "|---|---:|---:|---|---:|---:|---:|---|",
-    ]
+    head = "| peer | bits | Δ vs FP | oakenkv at <= its bits | bits | Δ vs FP | oakenkv − peer (95% CI) | holds |"
+    lines = [head + (" JSON (peer; oakenkv) |" if files else ""), "|---|---:|---:|---|---:|---:|---:|---|"]
+    if files:
+        lines[1] += "---|"
     for e in entries:
         p, o = e["peer"], e["ours"]
         left = f"| {_name(p)} | {_fmt(p['effective_bits'], 2)} | {p['ppl'] - fp['ppl']:+.3f} |"
+        where = f" `{p.get('_file', '')}`; `{o.get('_file', '')}` |" if files and o else " |" if files else ""
         if o is None:
-            lines.append(left + " none that small | | | | no |")
+            lines.append(left + " none that small | | | | no |" + (f" `{p.get('_file', '')}` |" if files else ""))
             continue
         ci = "" if e["ci"] is None else f" {_ci(e['ci'])}"
         lines.append(
             left + f" {_name(o)} | {_fmt(o['effective_bits'], 2)} | {o['ppl'] - fp['ppl']:+.3f} | "
-            f"{e['delta']:+.3f}{ci} | {'yes' if e['holds'] else 'no'} |"
+            f"{e['delta']:+.3f}{ci} | {'yes' if e['holds'] else 'no'} |" + where
         )
     lines.append(
         "\nFor every peer's point, the oakenkv run (oaken, oaken-plus and their presets) with the least perplexity "
@@ -459,8 +461,40 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None = None) -> str:
-    """Write the markdown report ``out`` and the plot ``plot`` from the results in ``paths``; returns the text."""
+def frontier_section(paths: list[Path], plot: Path) -> str:
+    """The report's lead: for the results in ``paths`` (one directory per model and number of windows), one plot
+    panel and one frontier table each (every point with its JSON file and the command that writes it)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for r in load_results(paths):
+        if r["kind"] == "ppl":
+            groups[(r.get("model", ""), r.get("windows"), r.get("window"), _text(r))].append(r)
+    parts = ["## The accuracy frontier\n", f"![oakenkv's frontier against the peers']({Path(plot).name})\n"]
+    panels = {}
+    for key in sorted(groups):
+        model, windows, window, text = key
+        rows = groups[key]
+        table = frontier_table(rows, files=True)
+        if not table:
+            continue
+        panels[f"{model}, {windows} windows" + ("" if text == "WikiText-2" else f", {text}")] = rows
+        src = "" if text == "WikiText-2" else " --text-file <file>"
+        parts.append(f"### `{model}`, {text}, first {windows} windows of {window} tokens\n")
+        parts.append(
+            f"Each point: `oakenkv eval ppl --model {model} --method <method> --max-windows {windows}{src} "
+            "--json <JSON>` (`benchmarks/eval_frontier.sh`).\n"
+        )
+        parts.append(table + "\n")
+    if panels:
+        plot_pareto(panels, plot)
+    return "\n".join(parts)
+
+
+def write_report(
+    paths: list[Path], out: Path, plot: Path, header: Path | None = None, frontier: list[Path] | None = None
+) -> str:
+    """Write the markdown report ``out`` and the plot ``plot`` from the results in ``paths``; returns the text.
+    ``frontier``: result directories whose frontier (:func:`frontier_section`, its own plot beside ``plot``) leads
+    the report, after the header's introduction (its text before its first ``## `` section)."""
     results = load_results(paths)
     if not results:
         raise ValueError(f"no ppl/zeroshot JSON results found in {', '.join(map(str, paths))}")
@@ -475,6 +509,10 @@ def write_report(paths: list[Path], out: Path, plot: Path, header: Path | None =
         else:
             diffs.append(r)
     parts = [Path(header).read_text().rstrip() + "\n"] if header else ["# Results\n"]
+    if frontier:  # right after the header's introduction (its text before its first "## " section)
+        lead = frontier_section(frontier, Path(plot).with_name(Path(plot).stem + "_frontier.png"))
+        intro, sep, rest = parts[0].partition("\n## ")
+        parts[0:1] = [intro.rstrip() + "\n", lead] + ([sep.lstrip("\n") + rest] if sep else [])
     panels: dict[str, list[dict[str, Any]]] = {}
     for m in sorted(set(ppl) | set(zs)):
         parts.append(f"## Model `{m}`\n")
