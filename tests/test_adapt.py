@@ -23,7 +23,8 @@ def test_scaled_thresholds_move_the_outer_ones_only():
     assert (ti_lo, ti_hi) == THR.float32_tuple()[1:3]
     assert hi == pytest.approx(0.15 + 1.25 * 1.85) and lo == pytest.approx(-0.15 - 1.25 * 1.85)
     # monotone in the scale, in float32 too: the shift thresholds (the lowest scale) are innermost
-    prev = shift_thresholds(THR, AdaptConfig()).float32_tuple()
+    assert shift_thresholds(THR, AdaptConfig()).float32_tuple() == THR.float32_tuple()  # by default: the profile's
+    prev = shift_thresholds(THR, AdaptConfig(low=0.8)).float32_tuple()
     for a in np.linspace(0.8, 1.25, 50):
         g = scaled(THR, float(a))
         assert g[0] <= prev[0] and g[3] >= prev[3]
@@ -37,7 +38,8 @@ def test_next_scale_follows_the_observed_share_within_bounds():
     cfg = AdaptConfig()
     assert next_scale(1.0, 100, 1000, 0.1, cfg) == 1.0
     assert next_scale(1.0, 200, 1000, 0.1, cfg) == pytest.approx(2**0.25)  # twice the share: wider thresholds
-    assert next_scale(1.0, 50, 1000, 0.1, cfg) == pytest.approx(0.5**0.25)
+    assert next_scale(1.0, 50, 1000, 0.1, cfg) == cfg.low == 1.0  # by default the thresholds only widen
+    assert next_scale(1.0, 50, 1000, 0.1, AdaptConfig(low=0.5)) == pytest.approx(0.5**0.25)
     assert next_scale(1.2, 10_000, 1000, 0.1, cfg) == cfg.high
     assert next_scale(1.0, 0, 1000, 0.1, cfg) == cfg.low  # no outlier at all: as if one, clipped
 

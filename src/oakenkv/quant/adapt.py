@@ -10,17 +10,20 @@ bits and the split between the dense and the sparse groups drift. Online, per la
 
 starting at ``a = 1`` (the profile's thresholds) and, after every ``epoch`` tokens of a sequence, multiplied by
 ``(observed share / target share) ** gain`` and clipped to ``[low, high]``: more outliers than the profile's share
-widen the outer thresholds, fewer narrow them. The observed share is the epoch's sparse bytes (one per outlier, plus
-the rare escape bytes: what the format stores) over its values, whatever the batch, so the store and the evaluation
-count the same thing; the target is the profile's share for that layer and kind.
+widen the outer thresholds, fewer narrow them (down to ``low``). The observed share is the epoch's sparse bytes
+(one per outlier, plus the rare escape bytes: what the format stores) over its values, whatever the batch, so the
+store and the evaluation count the same thing; the target is the profile's share for that layer and kind.
 
 The decoders never see ``a``: every token is decoded with the fixed *shift* thresholds ``S = G(low)`` (what a
 store's page view and every reader use), and only the encoder groups with ``G(a)``. That is sound because
 ``G(a)``'s outer thresholds lie on or beyond ``S``'s (``a >= low``): an outer value beyond ``G``'s threshold is
 beyond ``S``'s too, so its shifted value keeps its side's sign (``oakenkv.quant.quantizer``, "group shift"), and a
 middle value between ``S``'s and ``G``'s outer threshold is simply a middle value. What it costs: the outer grid of
-a token spans from ``S``'s threshold, not ``G``'s (a few percent of its step at ``low = 0.8``); the 4-bit middle
-group, which takes most of the error, is untouched.
+a token spans from ``S``'s threshold, not ``G``'s, and that is not free: at ``low = 0.8`` with the scale held at 1,
+the default model's Python-source perplexity rose by 0.068 (docs/plus.md, "Adaptive grouping"). So the default is
+``low = 1``: the shift thresholds are the profile's own, a sequence only ever widens its outer thresholds (fewer
+outliers where the text has more than the profile's share: the bits stay at the budget), and where nothing moves
+the numbers are exactly the non-adaptive ones.
 
 Everything here is float64 Python arithmetic on integers and the profile's numbers, rounded to float32 once:
 deterministic, so two paths that feed it the same counts reach the same thresholds bit for bit.
@@ -46,8 +49,9 @@ class AdaptConfig:
     #: Exponent of the multiplicative update (a share of the correction per epoch; about 1/3 corrects a Gaussian
     #: tail's share in one step).
     gain: float = 0.25
-    #: Bounds of the scale. ``low`` also places the shift thresholds the decoders use (module doc).
-    low: float = 0.8
+    #: Bounds of the scale. ``low`` also places the shift thresholds the decoders use (module doc): below 1 the
+    #: outer thresholds may narrow too, at a cost in the outer grid's resolution.
+    low: float = 1.0
     high: float = 1.25
 
     def __post_init__(self) -> None:
@@ -55,8 +59,10 @@ class AdaptConfig:
             raise ValueError(f"AdaptConfig.epoch must be an int >= 1 (tokens), got {self.epoch!r}")
         for name in ("gain", "low", "high"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"AdaptConfig.{name} must be a positive finite number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"AdaptConfig.{name} must be a finite number >= 0, got {v!r}")
+        if self.low <= 0:
+            raise ValueError(f"AdaptConfig.low must be positive (the shift thresholds sit there), got {self.low!r}")
         if not self.low <= 1.0 <= self.high:
             raise ValueError(
                 f"AdaptConfig needs low <= 1 <= high (a sequence starts at 1), got {self.low}, {self.high}"
