@@ -8,6 +8,7 @@ cache, and a clear error for a profile of the other preset or a cache the model 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def test_for_model_takes_a_profile_and_generates_as_the_constructor_does(default
 
 
 def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(default_model, model_copy):
-    with pytest.raises(ValueError, match="unknown preset 'oaken-pro'; known: oaken, oaken-plus"):
+    with pytest.raises(ValueError, match="unknown preset 'oaken-pro'; known: oaken, oaken-plus, oaken-plus-3"):
         OakenCache.for_model(model_copy, preset="oaken-pro")
     with pytest.raises(ValueError, match="not a profile of the 'oaken-plus' preset"):
         OakenCache.for_model(model_copy, preset="oaken-plus", profile=quick_thresholds(default_model))
@@ -72,8 +73,44 @@ def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(def
 
 
 def test_presets_are_declared_once():
-    assert list(PRESETS) == ["oaken", "oaken-plus"]
+    from oakenkv.methods.registry import ALIASES, parse_spec
+
+    assert list(PRESETS) == ["oaken", "oaken-plus", "oaken-plus-3", "oaken-plus-2"]
     assert get_preset("oaken-plus").transforms and not get_preset("oaken").transforms
+    for name, bits in (("oaken-plus-3", 3), ("oaken-plus-2", 2)):
+        p = get_preset(name)
+        assert p.transforms and p.middle_bits == bits and p.search().middle_bits == bits
+        assert ALIASES[name] == p.spec  # the method registry runs the preset as this spec
+        family, params = parse_spec(name)
+        assert family == "oaken-plus" and params["bits"] == bits and params["sparse"] == p.sparse
+        assert sum(p.search().ratios[0]) == pytest.approx(p.sparse)
+
+
+@pytest.mark.parametrize("adapt", [False, True])
+def test_a_narrow_slot_preset_generates_through_the_packed_pages(adapt):
+    """oaken-plus-3's profile (a 3-bit dense slot) through ``for_model``: prefill, packed decode steps, greedy tokens
+    equal to the float read path's; a 4-bit profile is refused for it."""
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+    from oakenkv.format.config import OakenConfig
+
+    model = _tiny_llama()
+    base = _tiny_profile(model)
+    transforms = Transforms(tuple(LayerTransforms() for _ in range(2)), 2, 16, sink_tokens=1)
+    profile = dataclasses.replace(base, config=OakenConfig(middle_bits=3), transforms=transforms)
+    with pytest.raises(ValueError, match="3-bit dense slots"):
+        OakenCache.for_model(copy.deepcopy(model), preset="oaken-plus", profile=profile)
+    four = dataclasses.replace(profile, config=OakenConfig())
+    with pytest.raises(ValueError, match="4-bit dense slots"):
+        OakenCache.for_model(copy.deepcopy(model), preset="oaken-plus-3", profile=four)
+    cache = OakenCache.for_model(model, preset="oaken-plus-3", profile=profile, adapt=adapt)
+    assert cache.store.config.middle_bits == 3 and (cache.store.adapt_state is not None) == adapt
+    ids = torch.arange(7)[None]
+    kw = {"max_new_tokens": 5, "do_sample": False}
+    with torch.no_grad():
+        got = model.generate(input_ids=ids, cache=cache, **kw)
+        model.config._attn_implementation = "sdpa"  # the float read path over the same pages
+        want = model.generate(input_ids=ids, cache=OakenCache(profile, model.config, adapt=adapt), **kw)
+    assert torch.equal(got, want) and cache.get_seq_length() == got.shape[1] - 1
 
 
 def _tiny_llama():

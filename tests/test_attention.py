@@ -25,11 +25,11 @@ from oakenkv.store.pages import PoolConfig
 H, HD, HQ = 3, 64, 9  # the default model's attention shape: GQA, 3 query heads per KV head
 
 
-def _thresholds(num_layers: int = 2) -> Thresholds:
+def _thresholds(num_layers: int = 2, config: OakenConfig | None = None) -> Thresholds:
     fp = ModelFingerprint("llama", num_layers, H, HD)
     keys = tuple(GroupThresholds(-2.0 - 0.1 * i, -0.15, 0.15, 2.0 + 0.1 * i) for i in range(num_layers))
     values = tuple(GroupThresholds(-1.5 - 0.1 * i, -0.1, 0.1, 1.5 + 0.1 * i) for i in range(num_layers))
-    return Thresholds(OakenConfig(), fp, keys, values)
+    return Thresholds(config or OakenConfig(), fp, keys, values)
 
 
 def _kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +40,12 @@ def _kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def _store(b: int, t: int, seed: int = 0, page_size: int = 4096, chunk: int = 97):
-    store = PagedKVStore(_thresholds(), 2, H, HD, PoolConfig(page_size=page_size), prefill_chunk=chunk)
+def _store(
+    b: int, t: int, seed: int = 0, page_size: int = 4096, chunk: int = 97, config: OakenConfig | None = None,
+    codec: str = "auto",
+):  # fmt: skip
+    th = _thresholds(config=config)
+    store = PagedKVStore(th, 2, H, HD, PoolConfig(page_size=page_size), codec=codec, prefill_chunk=chunk)
     k, v = _kv(b, t, seed)
     for start in range(0, t, chunk):  # several appends: tokens spread over many dense and sparse pages
         store.append(1, k[:, :, start : start + chunk], v[:, :, start : start + chunk])
@@ -81,6 +85,67 @@ def test_kernel_matches_float_attention_over_the_dequantized_cache(b, t, pad, wi
     rel = ((got - exact).norm() / exact.norm()).item()
     print(f"B={b} T={t}: relative error vs the unquantized cache {rel:.4f}")
     assert 0 < rel < 0.1
+
+
+@pytest.mark.parametrize("mb", [4, 3, 2])
+def test_narrow_slots_pages_and_kernel_are_the_references(mb):
+    """3- and 2-bit dense slots (OakenConfig.middle_bits) through the store and the packed attention kernel: the pages
+    are byte for byte what the reference codec writes, the kernel's row decoder gives the reference's floats bit for
+    bit, and the attention matches float attention over them (only the summation order differs). A decode step's
+    single-token appends (encode_records) and a prefill's appends both write pages."""
+    from oakenkv.kernels.cpu import attention as attention_cpu
+
+    # numba compiles a callee without its own fastmath option with its caller's (the fast-math kernel) and caches
+    # that code: the row decoder must say fastmath=False itself to stay bit-exact inside the kernel
+    for f in (attention_cpu._decode_rows, attention_cpu._coo_walk, attention_cpu._unpack_slots, attention_cpu._f16_at):
+        assert f.targetoptions.get("fastmath") is False, f
+    cfg = OakenConfig(middle_bits=mb)
+    b, t = 2, 230
+    fast, k, v, (kh, vh) = _store(b, t, seed=mb, page_size=1024, config=cfg)
+    ref, _, _, _ = _store(b, t, seed=mb, page_size=1024, config=cfg, codec="reference")
+    for i in range(3):  # decode steps: the fused single-token path
+        kt, vt = _kv(b, 1, seed=100 + i)
+        fast.append_token(1, kt, vt)
+        ref.append(1, kt, vt)
+        k, v = torch.cat([k, kt], dim=2), torch.cat([v, vt], dim=2)
+    t += 3
+    kh, vh = PackedKV(fast, 1, KEY, t), PackedKV(fast, 1, VALUE, t)
+    view, rview = fast.layer_view(1), ref.layer_view(1)
+    assert view.middle_bits == mb and view.record_size == 12 + (mb * H * HD + 7) // 8
+    for kind in (KEY, VALUE):
+        want = ref.read(1, kind)
+        assert torch.equal(fast.read(1, kind), want)
+        for r in range(b):  # the same records and streams in both pools
+            for stream in (fast.pool.table(fast.seqs[r], 2 + kind), ref.pool.table(ref.seqs[r], 2 + kind)):
+                assert stream.num_tokens == t
+            assert np.array_equal(
+                fast.pool.read_dense(fast.seqs[r], 2 + kind, 0), ref.pool.read_dense(ref.seqs[r], 2 + kind, 0)
+            )
+            got_sp, got_off = fast.pool.read_sparse(fast.seqs[r], 2 + kind, 0)
+            want_sp, want_off = ref.pool.read_sparse(ref.seqs[r], 2 + kind, 0)
+            assert np.array_equal(got_sp, want_sp) and np.array_equal(got_off, want_off)
+            # the kernel's own row decoder, every token of the stream
+            out = np.empty((t, H * HD), np.float32)
+            keep = np.ones(t, np.uint8)
+            st, _, _ = attention_cpu._decode_rows(
+                view.pool, view.page_size, view.record_size, view.scale_bytes, view.dense_pages[r, kind],
+                view.sparse_pages[r, kind], view.sparse_first[r, kind], view.sparse_counts[r, kind],
+                view.sparse_lengths[r, kind], view.thresholds[kind], mb, view.inner_bits, view.outer_bits, keep, 0,
+                *attention_cpu._sparse_start(
+                    view.sparse_first[r, kind], view.sparse_counts[r, kind], view.sparse_lengths[r, kind], 0
+                ),
+                out,
+            )  # fmt: skip
+            assert st == 0
+            rows = want[r].permute(1, 0, 2).reshape(t, H * HD)
+            assert torch.equal(torch.from_numpy(out).view(torch.int32), rows.contiguous().view(torch.int32))
+    assert rview.record_size == view.record_size
+    q = torch.randn(b, HQ, 1, HD, generator=torch.Generator().manual_seed(mb))
+    mask = _mask(b, t, [0, 17])
+    got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
+    torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5), rtol=2e-5, atol=2e-6)
+    rel = ((got - float_attention(q, k, v, mask, HD**-0.5)).norm() / got.norm()).item()
+    assert 0 < rel < {4: 0.1, 3: 0.2, 2: 0.4}[mb]  # a narrower slot costs accuracy, but stays attention
 
 
 def test_parallel_splits_match_serial():

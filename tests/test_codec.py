@@ -179,6 +179,72 @@ def test_effective_bits_counts_the_bytes():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Narrower dense slots (OakenConfig.middle_bits 3 and 2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_slot_sizes():
+    assert [codec.dense_bytes(d, 3) for d in (1, 2, 3, 8, 9, 64, 192, 4096)] == [1, 1, 2, 3, 4, 24, 72, 1536]
+    assert [codec.dense_bytes(d, 2) for d in (1, 4, 5, 64, 192, 4096)] == [1, 1, 2, 16, 48, 1024]
+    assert [codec.dense_bytes(d, 4) for d in (1, 2, 192)] == [codec.dense_bytes(d) for d in (1, 2, 192)]
+    # 192 values, 10% outliers, fp16 scales: b + 0.8 + 112 / 192 bits per value
+    for b in (4, 3, 2):
+        assert codec.expected_bits(192, 0.1, bits=b) == pytest.approx(b + 0.8 + 112 / 192)
+
+
+def test_three_bit_slots_are_a_little_endian_bit_stream():
+    # codes v0..v8 = 1, 2, 3, 4, 5, 6, 7, 0, 5 (format/layout.py's b = 3 diagram, bits listed high to low):
+    cfg = OakenConfig(middle_bits=3)
+    enc = codec.pack(_qv([1, 2, 3, 4, 5, 6, 7, 0, 5], [0] * 9), cfg)
+    byte0 = 0b11_010_001  # v2[1:0] = 11 | v1 = 010 | v0 = 001
+    byte1 = 0b0_101_100_0  # v5[0] = 0 | v4 = 101 | v3 = 100 | v2[2] = 0
+    byte2 = 0b000_111_11  # v7 = 000 | v6 = 111 | v5[2:1] = 11
+    byte3 = 0b00000_101  # padding | v8 = 101
+    assert enc.dense.tolist() == [[byte0, byte1, byte2, byte3]]
+    _assert_same_q(codec.unpack(enc, cfg), _qv([1, 2, 3, 4, 5, 6, 7, 0, 5], [0] * 9))
+
+
+def test_two_bit_slots_and_the_code_bit_of_narrow_outliers():
+    cfg = OakenConfig(middle_bits=2)
+    # an inner value with the 3-bit code 6 (slot 0b10, code bit 1) at 1, an outer 0b011 at 4
+    q = _qv([1, 6, 3, 0, 3, 2], [GROUP_MIDDLE, GROUP_INNER, GROUP_MIDDLE, GROUP_MIDDLE, GROUP_OUTER, GROUP_MIDDLE])
+    enc = codec.pack(q, cfg)
+    assert enc.dense.tolist() == [[0b00_11_10_01, 0b10_11]]
+    assert enc.sparse.tolist() == [0x80 | 1, 0x40 | 4]  # the code bit (bit 2 of the code) in bit 7
+    _assert_same_q(codec.unpack(enc, cfg), q)
+    with pytest.raises(ValueError, match="does not fit"):  # a middle code of 3 bits in a 2-bit slot
+        codec.pack(_qv([4], [GROUP_MIDDLE]), cfg)
+
+
+@pytest.mark.parametrize("mb", [3, 2])
+@pytest.mark.parametrize("d", [1, 5, 64, 80, 192, 257])
+def test_narrow_slots_round_trip(mb, d):
+    for ib, ob in ((mb + 1, mb + 1), (mb, mb + 1), (mb, mb)):
+        cfg = OakenConfig(middle_bits=mb, inner_bits=ib, outer_bits=ob)
+        x = torch.randn(6, d, generator=torch.Generator().manual_seed(d)) * 2
+        q = quantize(x, THR, cfg)
+        assert int(q.codes.max()) < 2 ** max(mb, ib, ob)
+        enc = codec.pack(q, cfg)
+        assert enc.dense.shape == (6, codec.dense_bytes(d, mb))
+        if ib == ob == mb:
+            assert not bool((enc.sparse & 0x80).any())  # no code bits
+        _assert_same_q(codec.unpack(enc, cfg), q)
+
+
+def test_narrow_slots_refuse_padding_and_code_bits_they_cannot_hold():
+    cfg = OakenConfig(middle_bits=3, inner_bits=3)
+    enc = codec.pack(_qv([1, 2, 3], [0, 0, 0]), cfg)  # 9 stream bits: 7 padding bits in byte 1
+    enc.dense[0, 1] |= 0x80
+    with pytest.raises(CorruptDataError, match="padding"):
+        codec.unpack(enc, cfg)
+    with pytest.raises(CorruptDataError, match="top code bit"):
+        codec.unpack(_enc_with_stream([0x85], cfg=cfg), cfg)
+    # 4-bit bytes read as 3-bit ones have the wrong size
+    with pytest.raises(CorruptDataError, match="3-bit slots"):
+        codec.unpack(codec.pack(_qv([1] * 64, [0] * 64)), cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Corrupt input
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -281,6 +282,51 @@ def test_cli_eval_ppl_writes_json(default_model, tmp_path):
     assert d["method"] == "int4"
     assert d["tokens"] == 127 and d["windows"] == 1 and d["effective_bits"] == pytest.approx(4.5)
     assert len(d["window_nll"]) == 1 and not (tmp_path / "r.partial.json").exists()  # checkpoint removed at the end
+
+
+def test_cli_eval_ppl_on_a_text_file(default_model, tmp_path):
+    """``--text-file``: a user's own text, recorded by path, size and SHA-256; the same windows as that text given
+    any other way. Anything that is not a regular UTF-8 file of at most 64 MiB is one error line, before the model
+    loads."""
+    import hashlib
+
+    from typer.testing import CliRunner
+
+    from oakenkv.cli import app
+
+    text = "def f(x):\n    return x + 1\n\n" * 200
+    src = tmp_path / "code.py"
+    src.write_text(text)
+    out = tmp_path / "r.json"
+    args = ["eval", "ppl", "--method", "int4", "--window", "128", "--max-windows", "2"]
+    res = CliRunner().invoke(app, [*args, "--text-file", str(src), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert d["dataset"] == "file" and d["windows"] == 2
+    assert d["extra"]["text_file"] == {
+        "path": str(src.resolve()), "bytes": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()
+    }  # fmt: skip
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 64 MiB + 1 byte without writing them
+        f.truncate(64 * 2**20 + 1)
+    os.mkfifo(tmp_path / "fifo")
+    for path, why in [
+        (tmp_path / "missing.txt", "does not exist"),
+        (tmp_path, "not a regular file"),
+        (tmp_path / "fifo", "not a regular file"),
+        (tmp_path / "empty.txt", "is empty"),
+        (big, "64 MiB"),
+    ]:
+        res = CliRunner().invoke(app, [*args, "--text-file", str(path)], env={"COLUMNS": "300"})
+        assert res.exit_code != 0 and why in res.output, (path, res.output)
+    res = CliRunner().invoke(app, [*args, "--text-file", str(src), "--dataset", "wikipedia"], env={"COLUMNS": "300"})
+    assert res.exit_code != 0 and "not both" in res.output
+    from oakenkv.assets.data import load_text_file
+
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_text_file(tmp_path / "bad.txt")
 
 
 @pytest.mark.slow
@@ -853,3 +899,64 @@ def test_residual_methods_build_their_window(tiny_llama):
     fp = perplexity(tiny_llama, ids, build_method("fp", tiny_llama, None))
     assert r16.nll == fp.nll and r0.nll != fp.nll
     assert r16.effective_bits == 32.0 and r16.extra["params"]["residual"] == 16
+
+
+def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path):
+    """The frontier table (eval report): for each peer's point, oakenkv's best run at no more bits, paired over the
+    windows; the authors' harness (oaken-official) and ablations are neither side."""
+    from oakenkv.eval.report import frontier, frontier_table
+
+    def ppl(method, family, bits, nll, **extra):
+        return {
+            "kind": "ppl", "method": method, "ppl": math.exp(sum(nll) / (3 * 100)), "effective_bits": bits,
+            "tokens": 300, "windows": 3, "model": "default", "window": 101, "stride": 101, "window_nll": nll,
+            "extra": {"family": family, **extra},
+        }  # fmt: skip
+
+    base = [230.0, 231.0, 232.0]
+    rows = [
+        ppl("fp", "fp", 16, base),
+        ppl("kivi2", "kivi", 3.9, [b + 20 for b in base]),
+        ppl("kvquant3", "kvquant", 3.6, [b + 30 for b in base]),
+        ppl("int8", "int", 8.5, [b + 0.5 for b in base]),
+        ppl("oaken-plus-3", "oaken-plus", 3.9, [b + 10 for b in base]),
+        ppl("oaken-plus", "oaken-plus", 5.4, [b + 3 for b in base]),
+        ppl("oaken-official", "oaken-official", 3.0, [b + 1 for b in base]),  # neither side: never "ours"
+        ppl("oaken:only=k", "oaken", 2.0, [b + 0.1 for b in base], params={"only": "k"}),  # an ablation
+    ]
+    got = {e["peer"]["method"]: e for e in frontier(rows)}
+    assert list(got) == ["kvquant3", "kivi2", "int8"]  # by bits
+    assert got["kvquant3"]["ours"] is None and not got["kvquant3"]["holds"]  # nothing of ours at <= 3.6 bits
+    assert got["kivi2"]["ours"]["method"] == "oaken-plus-3" and got["kivi2"]["holds"]
+    assert got["int8"]["ours"]["method"] == "oaken-plus" and not got["int8"]["holds"]
+    lo, hi = got["kivi2"]["ci"][1:]
+    assert lo <= got["kivi2"]["delta"] <= hi < 0
+    text = frontier_table(rows)
+    assert "| kvquant3 | 3.60 |" in text and "none that small" in text
+    assert "| kivi2 | 3.90 |" in text and "| oaken-plus-3 | 3.90 |" in text and "| yes |" in text
+    # the report leads with it: after the header's introduction, before its first section
+    for i, r in enumerate(rows):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    header = tmp_path / "h.md"
+    header.write_text("# Title\n\nIntro.\n\n## Findings\n\nOld.\n")
+    png = tmp_path / "out" / "p.png"
+    report = write_report([tmp_path], tmp_path / "out" / "r.md", png, header, frontier=[tmp_path])
+    assert report.index("Intro.") < report.index("## The accuracy frontier") < report.index("## Findings")
+    assert f"`{tmp_path / '1.json'}`" in report  # each point's JSON file
+    assert (tmp_path / "out" / "p_frontier.png").stat().st_size > 1000
+
+
+def test_a_text_file_result_gets_its_own_table_and_title(tmp_path):
+    def ppl(method, p, dataset):
+        extra = {"family": method, "text_file": {"path": "/tmp/code.txt"}} if dataset == "file" else {}
+        return {
+            "kind": "ppl", "method": method, "ppl": p, "effective_bits": 16 if method == "fp" else 5.0,
+            "tokens": 100, "windows": 1, "model": "default", "window": 101, "stride": 101, "dataset": dataset,
+            "extra": extra,
+        }  # fmt: skip
+
+    for i, r in enumerate([ppl("fp", 10.0, "wikitext2"), ppl("fp", 7.0, "file"), ppl("int4", 7.5, "file")]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    text = write_report([tmp_path], tmp_path / "r.md", tmp_path / "r.png")
+    assert "### WikiText-2 perplexity" in text and "### text file code.txt perplexity" in text
+    assert text.index("### WikiText-2") < text.index("### text file")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from oakenkv.calibrate.thresholds import GroupThresholds
 from oakenkv.format.config import OakenConfig
-from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity
+from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity, to_records
 from oakenkv.kernels import codec
 from oakenkv.kernels.codec import CorruptDataError, EncodedBatch
 from oakenkv.kernels.cpu import codec as cpu
@@ -43,7 +43,8 @@ def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
 
 
 @st.composite
-def rows(draw):
+def rows(draw, slots=(4,)):
+    """Rows, thresholds and a config with a dense slot of one of ``slots`` bits (OakenConfig.middle_bits)."""
     thr = draw(st.sampled_from(THRESHOLDS))
     d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256, 513, 1024]))
     n = draw(st.integers(1, 5))
@@ -72,10 +73,12 @@ def rows(draw):
         x = g.standard_normal((n, d)) * 0.5
         x[:, : min(d, 64)] = (to_hi + 1.0) * draw(st.sampled_from([1.0, -1.0])) * (1 + g.random((n, min(d, 64))))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    mb = draw(st.sampled_from(slots))
     cfg = OakenConfig(
         scale_dtype=draw(st.sampled_from(["float16", "float32"])),
-        inner_bits=draw(st.sampled_from([5, 5, 4])),
-        outer_bits=draw(st.sampled_from([5, 5, 4])),
+        inner_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
+        outer_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
+        middle_bits=mb,
     )
     return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
 
@@ -83,6 +86,63 @@ def rows(draw):
 @SETTINGS
 @given(rows())
 def test_encode_decode_bit_exact_with_reference(case):
+    _check_bit_exact(case)
+
+
+@SETTINGS
+@given(rows(slots=(3, 2)))
+def test_narrow_slots_encode_decode_bit_exact_with_reference(case):
+    """3- and 2-bit dense slots (oaken-plus-3, oaken-plus-2): every fast entry point, byte and bit for bit."""
+    _check_bit_exact(case)
+
+
+@SETTINGS
+@given(rows(slots=(4, 3)), st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4))
+def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case, widen):
+    """Adaptive grouping's encoder (oakenkv.quant.adapt): values grouped by thresholds on or beyond the ones that
+    shift and decode them, through every fast entry point, byte and bit for bit the reference's."""
+    x, thr, cfg = case
+    to_lo, ti_lo, ti_hi, to_hi = thr
+    group = (to_lo - widen[0], ti_lo - widen[1] * (ti_lo - to_lo), ti_hi + widen[2] * (to_hi - ti_hi), to_hi + widen[3])
+    try:
+        q = quantize(x, thr, cfg, group)
+    except ValueError:
+        with pytest.raises(ValueError):
+            codec.encode(x, thr, cfg, group)
+        return
+    ref = codec.pack(q, cfg)
+    _assert_same_bytes(codec.encode(x, thr, cfg, group), ref)
+    want = dequantize(q, thr, cfg)
+    assert torch.equal(_bits32(codec.decode(ref, thr, cfg)), _bits32(want))  # the decoder knows only thr
+    g8 = np.asarray(thresholds_tuple(thr) + thresholds_tuple(group), np.float32)
+    if x.dtype == torch.float32:
+        _assert_same_bytes(cpu.encode_trusted(x.numpy(), g8, cfg), ref)
+        n, d = x.shape
+        fp16, sb = cfg.scale_dtype == "float16", scale_bytes(cfg)
+        records = np.empty((n, record_size(d, cfg)), np.uint8)
+        sparse = np.empty((n, sparse_capacity(d)), np.uint8)
+        counts = np.empty(n, np.int64)
+        thr_rows = np.repeat(g8[None], n, axis=0)
+        cpu.encode_records(
+            x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts,
+            cfg.middle_bits,
+        )  # fmt: skip
+        dense, flat, offs = to_records(ref)
+        assert np.array_equal(records[:, sb:], dense[:, sb:])
+        assert all(np.array_equal(sparse[r, : counts[r]], flat[offs[r] : offs[r + 1]]) for r in range(n))
+    # grouping by thr itself is the plain encoder
+    _assert_same_bytes(codec.encode(x, thr, cfg, thr), codec.encode(x, thr, cfg))
+
+
+def test_grouping_thresholds_inside_the_shift_ones_are_refused():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="on or beyond"):
+        codec.encode(x, (-2.0, -0.15, 0.15, 2.0), OakenConfig(), (-1.9, -0.15, 0.15, 2.0))
+    with pytest.raises(ValueError, match="on or beyond"):
+        quantize(x, (-2.0, -0.15, 0.15, 2.0), OakenConfig(), (-2.0, -0.1, 0.15, 2.0))
+
+
+def _check_bit_exact(case):
     x, thr, cfg = case
     try:
         q = quantize(x, thr, cfg)
@@ -113,14 +173,29 @@ def test_encode_decode_bit_exact_with_reference(case):
         records = np.empty((n, record_size(d, cfg)), np.uint8)
         sparse = np.empty((n, sparse_capacity(d)), np.uint8)
         counts = np.empty(n, np.int64)
-        cpu.encode_records(
-            x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts
-        )
+        ib, ob, mb = cfg.inner_bits, cfg.outer_bits, cfg.middle_bits
+        if mb == 4:  # the paper's slot is the trailing argument's default
+            cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts)
+        else:
+            cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb)
+        dense, flat, offs = to_records(ref)
+        assert np.array_equal(records[:, sb:], dense[:, sb:])  # the slots; the scales up to the sign of a zero:
+        got_sc = torch.from_numpy(records[:, :sb].copy().view(cfg.scale_np_dtype))
+        assert torch.equal(_bits32(got_sc), _bits32(ref.scales.reshape(n, -1)))
+        assert all(np.array_equal(sparse[r, : counts[r]], flat[offs[r] : offs[r + 1]]) for r in range(n))
         out = np.empty((n, d), np.float32)
         status = np.ones(n, np.int64)
-        cpu.decode_records(records, sparse, counts, thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, out, status)
+        cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, fp16, sb, out, status, mb)
         assert (status == 0).all()
         assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
+        # the single-row decoder other kernels call
+        lut = np.empty(cpu.LUT_SIZE, np.float32)
+        row = np.empty(d, np.float32)
+        sc = ref.scales.float().numpy()
+        for r in range(n):
+            stream = flat[offs[r] : offs[r + 1]]
+            assert cpu.decode_row_into_lut(dense[r, sb:], stream, sc[r], thr32, row, ib, ob, lut, mb) == 0
+            assert torch.equal(_bits32(torch.from_numpy(row)), _bits32(want[r]))
     assert torch.equal(_bits32(cpu.decode_trusted(enc, thr32, cfg)), _bits32(want))
 
 
@@ -294,8 +369,8 @@ def test_nearest_zero_of_a_one_sided_group(seed):
             want_a = np.min(above - lo) if above.size and lo < np.inf else np.float32(np.inf)
             want_b = np.min(hi - below) if below.size else np.float32(np.inf)
             if lo < np.inf:
-                assert cpu._min_above(row, lo, hi) == want_a
-            assert cpu._min_below(row, lo, hi) == want_b
+                assert cpu._min_above(row, lo, hi, lo) == want_a
+            assert cpu._min_below(row, lo, hi, hi) == want_b
 
 
 # Test helpers that call kernels are not cached: numba's cache keys a function on its own source file only, so a
@@ -352,7 +427,8 @@ def corrupted(draw):
     n = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**31 - 1))
     g = np.random.default_rng(seed)
-    cfg = OakenConfig(inner_bits=draw(st.sampled_from([4, 5])))
+    mb = draw(st.sampled_from([4, 4, 3, 2]))  # the dense slot width
+    cfg = OakenConfig(middle_bits=mb, inner_bits=draw(st.sampled_from([mb, mb + 1])))
     x = torch.from_numpy((g.standard_normal((n, d)) * 1.5).astype(np.float32))
     enc = codec.encode(x, THRESHOLDS[0], cfg)
     sparse = enc.sparse.numpy().copy()

@@ -351,9 +351,11 @@ def _random_encoded(seed: int):
     from oakenkv.kernels import codec
 
     g = np.random.default_rng(seed)
+    mb = int(g.choice([4, 4, 3, 2]))  # the dense slot width (oaken-plus-3 and -2: 3 and 2)
     cfg = OakenConfig(
-        inner_bits=int(g.choice([4, 5])),
-        outer_bits=int(g.choice([4, 5])),
+        middle_bits=mb,
+        inner_bits=int(g.choice([mb, mb + 1])),
+        outer_bits=int(g.choice([mb, mb + 1])),
         scale_dtype=str(g.choice(["float16", "float32"])),
     )
     sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
@@ -364,9 +366,10 @@ def _random_encoded(seed: int):
         counts = g.integers(0, 2 * d + 3, n)
         pool = np.array([0, 1, 2, 0x3F, 0x40, 0x7F, 0x80, 0xBF, 0xC0, 0xFF, *g.integers(0, 256, 4)], np.uint8)
         sparse = g.choice(pool, int(counts.sum())).astype(np.uint8)
-        dense = g.integers(0, 256, (n, dense_bytes(d)), dtype=np.uint8)
-        if g.random() < 0.7 and d % 2 and n:
-            dense[:, -1] &= 0x0F  # mostly a clean padding nibble, to reach the rest
+        dense = g.integers(0, 256, (n, dense_bytes(d, mb)), dtype=np.uint8)
+        pad = 8 * dense_bytes(d, mb) - mb * d
+        if g.random() < 0.7 and pad and n:
+            dense[:, -1] &= 0xFF >> pad  # mostly clean padding bits, to reach the rest
         scales = (g.standard_normal((n, 6)) * 10.0 ** g.uniform(-2, 4)).astype(sdt)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     else:  # a valid encoding, then mutated
@@ -479,7 +482,7 @@ def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
     from oakenkv.quant import reference
 
     enc, cfg = _random_encoded(seed)
-    if enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
+    if enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim, cfg.middle_bits):
         return  # a width that does not fit the dense bytes: the batch decoders refuse it (above)
     off = enc.sparse_offsets.numpy()
     thr = np.array(THR, np.float32)
@@ -498,7 +501,7 @@ def test_the_row_decoder_checks_untrusted_bytes_completely(seed):
             if embed:
                 args = [_embedded(x, g) for x in args]
             out = np.full(enc.dim, np.nan, np.float32)
-            err = decode_row_into(*args, out, cfg.inner_bits, cfg.outer_bits)
+            err = decode_row_into(*args, out, cfg.inner_bits, cfg.outer_bits, cfg.middle_bits)
             results.append((err, out.view(np.int32).copy() if err == ERR_OK else None))
         err, out = results[0]
         assert all(r_[0] == err for r_ in results)

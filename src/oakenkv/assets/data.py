@@ -41,11 +41,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MAX_TEXT_FILE_BYTES",
     "TASKS",
     "TEXTS",
     "DataNotFoundError",
+    "check_text_file",
     "load_task",
     "load_text",
+    "load_text_file",
     "locate_task",
     "locate_text",
     "strip_wiki_markup",
@@ -179,6 +182,51 @@ def load_text(name: str, path: str | os.PathLike[str] | None = None, *, allow_hu
         calibration, heldout = split_heldout(pages)
         return "\n\n".join(calibration if name == "wikipedia" else heldout) + "\n"
     raise KeyError(f"unknown text {name!r}; known: {', '.join(TEXTS)}")
+
+
+#: Largest text file :func:`load_text_file` reads (a user's own evaluation text: 64 MiB is ~15M tokens, far more
+#: than any perplexity run here reads).
+MAX_TEXT_FILE_BYTES = 64 * 2**20
+
+
+def check_text_file(path: str | os.PathLike[str]) -> Path:
+    """Validate a user's text file without reading it: it must exist, be a regular file (not a directory, FIFO or
+    device; a symbolic link to a regular file is fine) and hold 1 to ``MAX_TEXT_FILE_BYTES`` bytes. Returns the
+    path; raises :class:`DataNotFoundError` when it is missing and ValueError otherwise, naming the file."""
+    import stat
+
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise DataNotFoundError(f"text file {p} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"text file {p} cannot be read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"text file {p} is not a regular file")
+    if st.st_size == 0:
+        raise ValueError(f"text file {p} is empty")
+    if st.st_size > MAX_TEXT_FILE_BYTES:
+        raise ValueError(
+            f"text file {p} holds {st.st_size} bytes, more than the {MAX_TEXT_FILE_BYTES // 2**20} MiB this reads; "
+            "cut it (e.g. `head -c 64M`)"
+        )
+    return p
+
+
+def load_text_file(path: str | os.PathLike[str]) -> str:
+    """A user's own text (UTF-8, universal newlines), checked as :func:`check_text_file` does; ValueError naming the
+    file when it is not UTF-8 text."""
+    p = check_text_file(path)
+    with open(p, "rb") as f:
+        data = f.read(MAX_TEXT_FILE_BYTES + 1)
+    if len(data) > MAX_TEXT_FILE_BYTES:  # it grew since it was checked
+        raise ValueError(f"text file {p} holds more than {MAX_TEXT_FILE_BYTES // 2**20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _wikitext_from_hub() -> str:

@@ -50,17 +50,18 @@ from oakenkv.calibrate.recording import (
 )
 from oakenkv.calibrate.search import (
     DEFAULT_RATIOS,
+    DEFAULT_SPARSE,
     LayerChoice,
     PlusSearch,
     attention_output,
     candidates_per_layer,
     choose_layer,
     choose_transforms,
+    ratio_choices,
 )
 from oakenkv.calibrate.spec import CalibrationSpec, calibration_windows
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.calibrate.transforms import TransformError, Transforms, fold_into_model, is_folded, rope_partners
-from oakenkv.format.config import OakenConfig
 
 #: Calibration of oaken-plus: 16 windows of 2048 tokens of the Wikipedia excerpt. Long windows matter: the key
 #: shift is the mean of post-RoPE keys, which depends on the positions it is taken over.
@@ -211,7 +212,7 @@ def _profile(choices: list[LayerChoice], fingerprint: ModelFingerprint, search: 
         "choices": [c.notes for c in choices],
     }
     return Thresholds(
-        OakenConfig(),
+        search.config(),
         fingerprint,
         tuple(c.key[0] for c in choices),
         tuple(c.value[0] for c in choices),
@@ -223,9 +224,13 @@ def _profile(choices: list[LayerChoice], fingerprint: ModelFingerprint, search: 
 
 
 def _search_dict(search: PlusSearch) -> dict[str, Any]:
+    """The search as its profile's notes and cache key hold it. A 4-bit search leaves ``middle_bits`` out: its dict,
+    and so the digest in the name of a cached or shipped profile, is what it was before slot widths existed."""
     d = asdict(search)
     d["ratios"] = [list(r) for r in search.ratios]
     d["alphas"] = list(search.alphas)
+    if search.middle_bits == 4:
+        del d["middle_bits"]
     return d
 
 
@@ -244,7 +249,7 @@ def plus_entry(key: Any, search: PlusSearch) -> CacheEntry:
     return CacheEntry(
         key,
         "plus",
-        {"config": OakenConfig().to_dict(), "search": _search_dict(search)},
+        {"config": search.config().to_dict(), "search": _search_dict(search)},
         ("oaken-plus", _search_dict(search)),
     )
 
@@ -344,10 +349,12 @@ def apply_profile(model: Any, thresholds: Thresholds) -> Any:
     return model
 
 
-#: (``DEFAULT_RATIOS``, ``PlusSearch``, ``attention_output``, ``choose_transforms``: ``oakenkv.calibrate.search``;
+#: (``DEFAULT_RATIOS``, ``DEFAULT_SPARSE``, ``ratio_choices``, ``PlusSearch``, ``attention_output``,
+#: ``choose_transforms``: ``oakenkv.calibrate.search``;
 #: ``AttentionRecord``, ``record_attention``: ``oakenkv.calibrate.recording``; re-exported, as users import them here.)
 __all__: Sequence[str] = [
     "DEFAULT_RATIOS",
+    "DEFAULT_SPARSE",
     "PLUS_CALIBRATION",
     "SHIPPED_PROFILES",
     "AttentionRecord",
@@ -362,5 +369,6 @@ __all__: Sequence[str] = [
     "profile_plus",
     "profile_plus_many",
     "profile_plus_model",
+    "ratio_choices",
     "record_attention",
 ]

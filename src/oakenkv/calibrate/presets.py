@@ -1,9 +1,12 @@
-"""The two presets a real cache runs, and how a model's profile for one is found or made.
+"""The presets a real cache runs, and how a model's profile for one is found or made.
 
 - ``oaken``: the paper's method as published: per-layer thresholds at 4% outer / 6% inner, no transforms.
 - ``oaken-plus``: the same online quantizer and bytes after offline transforms chosen per layer on calibration
   text (a key shift, key smoothing folded into the weights, per-layer group ratios, a 16-bit sink token;
   ``oakenkv.calibrate.plus``, docs/plus.md).
+- ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
+  3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
+  budgets (docs/results.md, the frontier).
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -20,7 +23,7 @@ from typing import Any
 
 from oakenkv.calibrate.spec import CalibrationSpec
 
-__all__ = ["OAKEN", "OAKEN_PLUS", "PRESETS", "Preset", "find_profile", "get_preset"]
+__all__ = ["OAKEN", "OAKEN_PLUS", "OAKEN_PLUS_2", "OAKEN_PLUS_3", "PRESETS", "Preset", "find_profile", "get_preset"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,23 @@ class Preset:
     calibration: CalibrationSpec
     #: Whether the profile carries oaken-plus transforms (found by the oaken-plus search).
     transforms: bool
+    #: The format's dense slot width (``OakenConfig.middle_bits``) and, for an oaken-plus search, the share of
+    #: values in the sparse (inner + outer) groups it splits per layer (``oakenkv.calibrate.plus.ratio_choices``).
+    middle_bits: int = 4
+    sparse: float = 0.10
+
+    def search(self) -> Any:
+        """The oaken-plus search of this preset (``oakenkv.calibrate.plus.PlusSearch``; transforms presets only)."""
+        from oakenkv.calibrate.plus import PlusSearch, ratio_choices
+
+        return PlusSearch(ratios=ratio_choices(self.sparse), middle_bits=self.middle_bits)
+
+    @property
+    def spec(self) -> str:
+        """The method spec this preset runs as in the registry (``oakenkv.methods.registry``)."""
+        if not self.transforms or (self.middle_bits, self.sparse) == (4, 0.10):
+            return self.name
+        return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}"
 
 
 #: The paper's Oaken. 16 windows of 256 tokens keep a first profile to about a minute on 2 CPU cores (the paper
@@ -50,7 +70,27 @@ OAKEN_PLUS = Preset(
     CalibrationSpec(samples=16, window=2048),
     transforms=True,
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS)}
+#: oaken-plus with 3-bit middle codes (4-bit outliers) and a 4% sparse share: about 3.9 bits per value on the
+#: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits.
+OAKEN_PLUS_3 = Preset(
+    "oaken-plus-3",
+    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=3,
+    sparse=0.04,
+)
+#: oaken-plus with 2-bit middle codes (3-bit outliers) and a 4% sparse share: about 2.9 bits per value on the
+#: default model, the budget of KIVI-2.
+OAKEN_PLUS_2 = Preset(
+    "oaken-plus-2",
+    "oaken-plus with a 2-bit dense slot: 2-bit middle codes, 3-bit outliers, a 4% sparse share",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=2,
+    sparse=0.04,
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_3, OAKEN_PLUS_2)}
 
 #: The profile each model object was prepared with (``find_profile`` on a model it already folded returns it).
 _PREPARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -122,10 +162,16 @@ def find_profile(
                 f"this profile has {which}, so it is not a profile of the {preset!r} preset; use preset="
                 f"{'oaken-plus' if has else 'oaken'!r}, or a profile made with `oakenkv profile --preset {preset}`"
             )
+        mb = thresholds.config.middle_bits
+        if mb != p.middle_bits:
+            raise ValueError(
+                f"this profile quantizes to {mb}-bit dense slots, the {preset!r} preset to {p.middle_bits}-bit ones; "
+                f"use a profile made with `oakenkv profile --preset {preset}`"
+            )
         return thresholds
     prepared = _PREPARED.get(model)
     if prepared is not None:
-        if (prepared.transforms is not None) != p.transforms:
+        if (prepared.transforms is not None) != p.transforms or prepared.config.middle_bits != p.middle_bits:
             raise ValueError(
                 f"this model was prepared for another preset than {preset!r} (its weights carry that preset's "
                 "transforms); load the model again to use another preset"
@@ -141,9 +187,9 @@ def find_profile(
     tok = tokenizer if tokenizer is not None else _tokenizer(model)
     name = model_name(model)
     if p.transforms:
-        from oakenkv.calibrate.plus import PlusSearch, cached_plus_profile
+        from oakenkv.calibrate.plus import cached_plus_profile
 
-        return cached_plus_profile(model, tok, name, p.calibration, PlusSearch(), progress=progress)
+        return cached_plus_profile(model, tok, name, p.calibration, p.search(), progress=progress)
     from oakenkv.calibrate.profile import cached_thresholds
     from oakenkv.format.config import OakenConfig
 

@@ -29,17 +29,32 @@ from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_token
 
 __all__ = [
     "DEFAULT_RATIOS",
+    "DEFAULT_SPARSE",
     "LayerChoice",
     "PlusSearch",
     "attention_output",
     "candidates_per_layer",
     "choose_layer",
     "choose_transforms",
+    "ratio_choices",
 ]
 
 #: The group ratios (outer, inner) the search chooses from: all put 10% of the values in the sparse groups (the
 #: paper's budget, so the same bits), moving that budget from the inner group to the outer one.
 DEFAULT_RATIOS: tuple[tuple[float, float], ...] = ((0.04, 0.06), (0.08, 0.02), (0.10, 0.0))
+#: The sparse share of :data:`DEFAULT_RATIOS`.
+DEFAULT_SPARSE = 0.10
+
+
+def ratio_choices(sparse: float) -> tuple[tuple[float, float], ...]:
+    """:data:`DEFAULT_RATIOS` scaled to a sparse (inner + outer) share of ``sparse``: the same three splits of the
+    budget, 40/60, 80/20 and 100/0 (``DEFAULT_RATIOS`` itself for 0.10)."""
+    if not isinstance(sparse, (int, float)) or isinstance(sparse, bool) or not 0.0 < sparse < 1.0:
+        raise ValueError(f"the sparse share must be a fraction in (0, 1), got {sparse!r}")
+    if sparse == DEFAULT_SPARSE:
+        return DEFAULT_RATIOS
+    scale = sparse / DEFAULT_SPARSE
+    return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in DEFAULT_RATIOS)
 
 
 @dataclass(frozen=True)
@@ -64,26 +79,49 @@ class PlusSearch:
     #: The first tokens of every sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``); the
     #: candidates are scored with them exact, as the cache reads them.
     sink_tokens: int = 1
+    #: The format's dense slot width (``OakenConfig.middle_bits``): 4 (the paper's), 3 (``oaken-plus-3``) or 2; the
+    #: outliers get one bit more. The candidates are scored, and the profile made, at this width.
+    middle_bits: int = 4
 
     @classmethod
-    def from_flags(cls, shift: bool, rot_k: bool, rot_v: bool, smooth: bool, ratios: bool, sink: int = 1) -> PlusSearch:
-        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..``
-        (each remedy on or off; off ratios means the paper's 4% / 6% split only; ``sink``: tokens kept at 16
-        bits)."""
+    def from_flags(
+        cls,
+        shift: bool,
+        rot_k: bool,
+        rot_v: bool,
+        smooth: bool,
+        ratios: bool,
+        sink: int = 1,
+        bits: int = 4,
+        sparse: float = DEFAULT_SPARSE,
+    ) -> PlusSearch:
+        """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..,bits=..,
+        sparse=..`` (each remedy on or off; off ratios means the 40/60 outer/inner split only; ``sink``: tokens kept
+        at 16 bits; ``bits``: the dense slot width; ``sparse``: the inner + outer share, :func:`ratio_choices`)."""
+        choices = ratio_choices(sparse)
         return cls(
             alphas=cls().alphas if smooth else (0.0,),
             key_shift=bool(shift),
             key_rotation=bool(rot_k),
             value_rotation=bool(rot_v),
-            ratios=DEFAULT_RATIOS if ratios else DEFAULT_RATIOS[:1],
+            ratios=choices if ratios else choices[:1],
             sink_tokens=int(sink),
+            middle_bits=int(bits),
         )
+
+    def config(self, outer: float | None = None, inner: float | None = None) -> OakenConfig:
+        """The codec's configuration for candidate ratios ``(outer, inner)`` at this search's slot width (default
+        ratios: the paper's, what a profile file records as its config)."""
+        if outer is None or inner is None:
+            return OakenConfig(middle_bits=self.middle_bits)
+        return OakenConfig(outer_ratio=outer, inner_ratio=inner, middle_bits=self.middle_bits)
 
     def __post_init__(self) -> None:
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError(f"alphas must be a non-empty subset of [0, 1], got {self.alphas}")
+        self.config()  # validates the slot width
         for o, i in self.ratios:
-            OakenConfig(outer_ratio=o, inner_ratio=i)  # validates
+            self.config(o, i)  # validates
         if self.query_runs < 1 or self.query_positions < 1:
             raise ValueError("query_runs and query_positions must be positive")
         if not valid_sink_tokens(self.sink_tokens):  # (checked before minutes of profiling, not after)
@@ -237,7 +275,7 @@ def choose_layer(
     def err(kh: torch.Tensor, vh: torch.Tensor) -> float:
         return float((attention_output(q, kh, vh, sc, win, pos) - ref).pow(2).sum()) / energy
 
-    configs = [OakenConfig(outer_ratio=o, inner_ratio=inn) for o, inn in search.ratios]
+    configs = [search.config(o, inn) for o, inn in search.ratios]
 
     def key_error(c: _Candidate, cfg: OakenConfig) -> float:
         kq = _fake_quant(c.scored, c.profiled[cfg][0], cfg, search.sink_tokens)

@@ -35,7 +35,8 @@ def profile_cmd(
         typer.Option(
             help="'oaken': the paper's thresholds at fixed group ratios. 'oaken-plus': offline transforms (key "
             "shift, key smoothing folded into the weights, per-head rotations) and group ratios chosen per layer by "
-            "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md)."
+            "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md). "
+            "'oaken-plus-3' / 'oaken-plus-2': the same at a 3- / 2-bit dense slot and a 4% sparse share."
         ),
     ] = "oaken",
     samples: Annotated[
@@ -154,7 +155,8 @@ def profile_cmd(
         if plus:
             from oakenkv.calibrate.plus import profile_plus_model
 
-            th = profile_plus_model(model, samples=samples, window=window, progress=True, **source)
+            search = PRESETS[preset].search()  # its slot width and sparse share
+            th = profile_plus_model(model, samples=samples, window=window, search=search, progress=True, **source)
         else:
             th = profile_model(
                 model,

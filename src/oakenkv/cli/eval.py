@@ -53,6 +53,13 @@ def eval_ppl(
         typer.Option(help=("Feed each window this many tokens per forward call (default: whole window)."), min=1),
     ] = None,
     dataset: Annotated[str, typer.Option(help="Evaluation text (oakenkv.assets.data name).")] = "wikitext2",
+    text_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Evaluate on this text file instead of --dataset (your own text: a regular UTF-8 file, at most "
+            "64 MiB; the result records its SHA-256)."
+        ),
+    ] = None,
     calib_text: Annotated[
         str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
     ] = None,
@@ -83,6 +90,15 @@ def eval_ppl(
     from oakenkv.eval.args import check_run_args
 
     calibration = calib_spec(calib_text, calib_samples, calib_window, calib_path, method=method, thresholds=thresholds)
+    if text_file is not None and dataset != "wikitext2":
+        raise bad_option("--text-file", "give --text-file or --dataset, not both")
+    if text_file is not None:
+        from oakenkv.assets.data import check_text_file
+
+        try:
+            check_text_file(text_file)
+        except (OSError, ValueError) as e:
+            raise bad_option("--text-file", str(e)) from None
     check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
     check_out(json_out, "--json")
     from oakenkv.eval.ppl import run_ppl
@@ -99,6 +115,7 @@ def eval_ppl(
         dataset=dataset,
         calibration=calibration,
         checkpoint=checkpoint,
+        text_file=text_file,
     )
     typer.echo(f"{res.method}: ppl {res.ppl:.4f} at {res.effective_bits:.3f} bits/value ({res.tokens} tokens)")
     write_json(res.to_dict(), json_out)
@@ -198,6 +215,14 @@ def eval_report(
         Path | None,
         typer.Option(help="Markdown to put before the tables (commands, caveats).", exists=True, dir_okay=False),
     ] = None,
+    frontier: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A directory of results (one model, one number of windows) whose frontier table and plot lead the "
+            "report (repeatable; the plot is written beside --plot, as <name>_frontier.png).",
+            exists=True,
+        ),
+    ] = None,
 ) -> None:
     """Collect `eval ppl` / `eval zeroshot` JSON results into markdown tables and a perplexity-vs-bits plot."""
     from oakenkv.util.paths import MAX_RESULT_BYTES
@@ -210,5 +235,5 @@ def eval_report(
     loaded = load_results(results)  # every file read and checked before anything is written
     check_out(out, "--out")
     check_out(plot, "--plot")
-    write_report(results, out, plot, header, loaded=loaded)
+    write_report(results, out, plot, header, frontier, loaded=loaded)
     typer.echo(f"wrote {out} and {plot}")

@@ -23,10 +23,12 @@ def check_run_args(
     window: int | None = None,
     stride: int | None = None,
     chunk: int | None = None,
+    text_file: Any = None,
 ) -> None:
     """Validate an evaluation's arguments without loading anything heavy (no torch; the model is located, not
     loaded): the method spec, a thresholds file (read, and refused when it contradicts the spec or the method is
-    not Oaken), the text and the window sizes. Raises ValueError / FileNotFoundError naming the problem."""
+    not Oaken), the text (a named dataset, or ``text_file``, a user's own: a regular UTF-8 file of at most 64 MiB)
+    and the window sizes. Raises ValueError / FileNotFoundError naming the problem."""
     from oakenkv.assets.data import TEXTS
     from oakenkv.assets.models import locate_model
 
@@ -43,6 +45,10 @@ def check_run_args(
         check_profile_shape(th, model)  # (the weights are compared once the model is loaded)
     if dataset is not None and dataset not in TEXTS:
         raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(TEXTS)}")
+    if text_file is not None:
+        from oakenkv.assets.data import check_text_file
+
+        check_text_file(text_file)
     for name, v, least in (("window", window, 2), ("stride", stride, 1), ("chunk", chunk, 1)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
             raise ValueError(f"{name} must be an int >= {least}, got {v!r}")

@@ -44,6 +44,8 @@ class PplResult:
     chunk: int | None = None
     nll: float = 0.0
     seconds: float = 0.0
+    #: the evaluation text: a named dataset (``oakenkv.assets.data.TEXTS``), or ``"file"`` for ``--text-file``
+    #: (``extra["text_file"]``: its path, size and SHA-256)
     dataset: str = "wikitext2"
     #: every window starts with the tokenizer's BOS token (``oakenkv.assets.data.token_windows``; Gemma: yes)
     bos: bool = False
@@ -229,28 +231,46 @@ def run_ppl(
     calibration: Any = None,
     progress: bool = True,
     checkpoint: str | Path | None = None,
+    text_file: str | Path | None = None,
 ) -> PplResult:
     """Load ``model`` and the evaluation text, build ``method`` and measure perplexity (the CLI's body).
 
-    ``checkpoint``: see :func:`perplexity` (resume an interrupted run).
+    ``checkpoint``: see :func:`perplexity` (resume an interrupted run). ``text_file``: evaluate on this file (a
+    user's own text: a regular UTF-8 file of at most 64 MiB) instead of ``dataset``; the result records its path,
+    size and SHA-256.
 
     Every argument is validated before the model loads (:func:`check_run_args`)."""
-    from oakenkv.assets.data import adds_bos, load_text, token_windows
+    from oakenkv.assets.data import adds_bos, load_text, load_text_file, token_windows
     from oakenkv.assets.models import load_model
     from oakenkv.methods.registry import build_method
 
-    check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)
+    check_run_args(
+        model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk, text_file=text_file
+    )
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)):
         raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     loaded = load_model(model)
-    ids = token_windows(loaded.tokenizer, load_text(dataset), window, stride, max_windows)
+    source = None
+    if text_file is not None:
+        text = load_text_file(text_file)
+        raw = text.encode("utf-8")
+        source = {
+            "path": str(Path(text_file).expanduser().resolve()),
+            "bytes": len(raw),
+            "sha256": hashlib.sha256(raw).hexdigest(),
+        }
+    else:
+        text = load_text(dataset)
+    ids = token_windows(loaded.tokenizer, text, window, stride, max_windows)
     m = build_method(
         method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress
     )
     res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model, checkpoint=checkpoint)
     res.stride = stride or window
-    res.dataset = dataset
+    res.dataset = dataset if source is None else "file"
+    if source is not None:
+        res.extra["text_file"] = source
     res.bos = adds_bos(loaded.tokenizer)
     return res

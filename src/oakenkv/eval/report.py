@@ -1,8 +1,9 @@
-"""Collect ``eval ppl`` / ``eval zeroshot`` JSON results into markdown tables and a Pareto plot.
+"""Collect ``eval ppl`` / ``eval zeroshot`` JSON results into markdown tables and a frontier plot.
 
-Per model: a perplexity table (effective bits, perplexity, increase over FP), a zero-shot table (PIQA and
-HellaSwag acc_norm, Winogrande acc, as the paper reports them) and one panel of the plot: perplexity increase
-over FP against effective bits, with the Pareto frontier (no other method is both smaller and more accurate).
+Per model: a perplexity table (effective bits, perplexity, increase over FP), the frontier table (for every peer's
+point, oakenkv's best preset at no more bits, paired), a zero-shot table (PIQA and HellaSwag acc_norm, Winogrande
+acc, as the paper reports them) and one panel of the plot: perplexity increase over FP against effective bits,
+with oakenkv's frontier and the peers' (the best loss at each number of bits or fewer).
 Result files with ``"kind": "thresholds_diff"`` (written by ``benchmarks/eval_peers.py``) add a section on how
 much the profiled thresholds depend on the calibration text.
 """
@@ -67,6 +68,7 @@ _RESULT_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "window": ((int, type(None)), False),
         "stride": ((int, type(None)), False),
         "chunk": ((int, type(None)), False),
+        "dataset": ((str,), False),
         "extra": ((dict,), False),
         "window_nll": ((list, type(None)), False),
     },
@@ -91,6 +93,7 @@ _EXTRA_FIELDS = {
     "note": ((str, type(None)), False),
     "family": ((str, type(None)), False),
     "params": ((dict, type(None)), False),
+    "text_file": ((dict, type(None)), False),
 }
 _TEXT_FIELDS = {
     "text": ((str,), True),
@@ -139,7 +142,7 @@ def check_result(d: dict[str, Any], source: Any = "<result>") -> None:
                 raise ValueError(f"{source}: texts[{i}] must be an object")
             _check_fields(t, _TEXT_FIELDS, f"{source}: texts[{i}]")
             t["text"] = _md(t["text"])
-    for name in ("method", "model", "reference"):
+    for name in ("method", "model", "reference", "dataset"):
         if isinstance(d.get(name), str):
             d[name] = _md(d[name])
     extra = d.get("extra")
@@ -224,6 +227,90 @@ def _ci(p: tuple[float, float, float] | None) -> str:
 
 def _fmt(x: float, nd: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+#: The method families that are oakenkv's presets (the frontier's "ours"); ``oaken-official`` reproduces the paper
+#: authors' harness and is neither ours nor a peer's system.
+OURS = ("oaken", "oaken-plus")
+NEITHER = ("fp", "oaken-official")
+
+
+def _family(r: dict[str, Any]) -> str:
+    return r.get("extra", {}).get("family") or r["method"].split(":")[0]
+
+
+def _drawn(r: dict[str, Any]) -> bool:
+    """Whether a result is a method's point on the frontier: not FP, not quanto in one forward per window (its
+    prefill is never quantized), not a keys-only or values-only ablation."""
+    return (
+        r["method"] != "fp"
+        and not (_family(r) == "quanto" and not r.get("chunk"))
+        and r.get("extra", {}).get("params", {}).get("only", "kv") == "kv"
+    )
+
+
+def _name(r: dict[str, Any]) -> str:
+    return r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "")
+
+
+def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every peer's point of one group of runs (same model, text and windows), sorted by bits: oakenkv's best
+    run at no more bits (least perplexity) and the paired difference. Each entry: ``peer``, ``ours`` (None when
+    no preset is that small), ``delta`` (ours - peer) with its 95% paired-bootstrap interval ``ci`` (None without
+    per-window NLLs) and ``holds`` (ours loses no more)."""
+    drawn = [r for r in rows if _drawn(r) and _family(r) not in NEITHER]
+    ours = [r for r in drawn if _family(r) in OURS]
+    peers = sorted((r for r in drawn if _family(r) not in OURS), key=lambda r: (r["effective_bits"], r["method"]))
+    out = []
+    for p in peers:
+        fit = [r for r in ours if r["effective_bits"] <= p["effective_bits"] + 1e-9]
+        best = min(fit, key=lambda r: (r["ppl"], r["effective_bits"])) if fit else None
+        entry: dict[str, Any] = {"peer": p, "ours": best, "delta": None, "ci": None, "holds": False}
+        if best is not None:
+            entry["delta"] = best["ppl"] - p["ppl"]
+            entry["ci"] = _paired(best, p)
+            entry["holds"] = entry["delta"] <= 0
+        out.append(entry)
+    return out
+
+
+def frontier_table(rows: list[dict[str, Any]], files: bool = False) -> str:
+    """Markdown of :func:`frontier` (empty when the group has no peer or no FP run); ``files``: a last column with
+    each point's JSON result file."""
+    fp = next((r for r in rows if r["method"] == "fp" and not r.get("chunk")), None)
+    entries = frontier(rows)
+    if fp is None or not entries:
+        return ""
+    head = "| peer | bits | Δ vs FP | oakenkv at <= its bits | bits | Δ vs FP | oakenkv − peer (95% CI) | holds |"
+    lines = [head + (" JSON (peer; oakenkv) |" if files else ""), "|---|---:|---:|---|---:|---:|---:|---|"]
+    if files:
+        lines[1] += "---|"
+    for e in entries:
+        p, o = e["peer"], e["ours"]
+        left = f"| {_name(p)} | {_fmt(p['effective_bits'], 2)} | {p['ppl'] - fp['ppl']:+.3f} |"
+        where = f" `{p.get('_file', '')}`; `{o.get('_file', '')}` |" if files and o else " |" if files else ""
+        if o is None:
+            lines.append(left + " none that small | | | | no |" + (f" `{p.get('_file', '')}` |" if files else ""))
+            continue
+        ci = "" if e["ci"] is None else f" {_ci(e['ci'])}"
+        lines.append(
+            left + f" {_name(o)} | {_fmt(o['effective_bits'], 2)} | {o['ppl'] - fp['ppl']:+.3f} | "
+            f"{e['delta']:+.3f}{ci} | {'yes' if e['holds'] else 'no'} |" + where
+        )
+    lines.append(
+        "\nFor every peer's point, the oakenkv run (oaken, oaken-plus and their presets) with the least perplexity "
+        "at no more bits; holds: it loses no more than the peer (the point estimate; the interval is the paired "
+        "bootstrap over windows)."
+    )
+    return "\n".join(lines)
+
+
+def _text(r: dict[str, Any]) -> str:
+    """The evaluation text of a result, for titles: WikiText-2, or the text file's name."""
+    if r.get("dataset") == "file":
+        path = (r.get("extra", {}).get("text_file") or {}).get("path")
+        return "text file " + (_md(Path(path).name) if isinstance(path, str) else "?")
+    return {"wikitext2": "WikiText-2"}.get(r.get("dataset", "wikitext2"), r.get("dataset", ""))
 
 
 def ppl_table(rows: list[dict[str, Any]]) -> str:
@@ -457,12 +544,20 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
             continue
         pts = [(r["effective_bits"], r["ppl"] - fp["ppl"]) for r in rows]
         for r, (x, y) in zip(rows, pts, strict=True):
-            is_oaken = r["method"].startswith("oaken")
-            ax.scatter(x, y, c="tab:red" if is_oaken else "tab:blue", s=30, zorder=3)
-        labels = [r["method"] + (f" (chunk {r['chunk']})" if r.get("chunk") else "") for r in rows]
+            color = "tab:grey" if _family(r) in NEITHER else "tab:red" if _family(r) in OURS else "tab:blue"
+            ax.scatter(x, y, c=color, s=30, zorder=3)
+        labels = [_name(r) for r in rows]
         to_label.append((ax, pts, labels))
-        front = pareto_front(pts)
-        ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=0.8, label="Pareto frontier")
+        # each side's frontier: the least loss at each number of bits or fewer, as a staircase to the right edge
+        right = max(p[0] for p in pts)
+        for side, color, style in (("oakenkv frontier", "tab:red", "--"), ("peers' frontier", "tab:blue", ":")):
+            mine = side.startswith("oakenkv")
+            idx = [i for i, r in enumerate(rows) if _family(r) not in NEITHER and (_family(r) in OURS) == mine]
+            front = [idx[j] for j in pareto_front([pts[i] for i in idx])]
+            if front:
+                xs = [pts[i][0] for i in front] + [right]
+                ys = [pts[i][1] for i in front] + [pts[front[-1]][1]]
+                ax.step(xs, ys, where="post", color=color, ls=style, lw=1.0, label=side)
         ax.axhline(0, color="grey", lw=0.5)
         ax.margins(x=0.06, y=0.08)  # room for the labels of the outermost points
         if max(p[1] for p in pts) > 20 * max(min(abs(p[1]) for p in pts), 0.05):
@@ -471,7 +566,7 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
                 ax.set_ylim(bottom=-0.1)
         ax.set_xlabel("effective bits per K/V value")
         ax.set_ylabel(f"perplexity increase over FP ({fp['ppl']:.3f})")
-        ax.set_title(f"{m}: WikiText-2, {fp['windows']} x {fp['window']} tokens")
+        ax.set_title(f"{m}: {_text(fp)}, {fp['windows']} x {fp['window']} tokens")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -481,11 +576,47 @@ def plot_pareto(by_model: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def frontier_section(paths: list[Path], plot: Path) -> str:
+    """The report's lead: for the results in ``paths`` (one directory per model and number of windows), one plot
+    panel and one frontier table each (every point with its JSON file and the command that writes it)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for r in load_results(paths):
+        if r["kind"] == "ppl":
+            groups[(r.get("model", ""), r.get("windows"), r.get("window"), _text(r))].append(r)
+    parts = ["## The accuracy frontier\n", f"![oakenkv's frontier against the peers']({Path(plot).name})\n"]
+    panels = {}
+    for key in sorted(groups):
+        model, windows, window, text = key
+        rows = groups[key]
+        table = frontier_table(rows, files=True)
+        if not table:
+            continue
+        panels[f"{model}, {windows} windows" + ("" if text == "WikiText-2" else f", {text}")] = rows
+        src = "" if text == "WikiText-2" else " --text-file <file>"
+        parts.append(f"### `{model}`, {text}, first {windows} windows of {window} tokens\n")
+        parts.append(
+            f"Each point: `oakenkv eval ppl --model {model} --method <method> --max-windows {windows}{src} "
+            "--json <JSON>` (`benchmarks/eval_frontier.sh`).\n"
+        )
+        parts.append(table + "\n")
+    if panels:
+        plot_pareto(panels, plot)
+    return "\n".join(parts)
+
+
 def write_report(
-    paths: list[Path], out: Path, plot: Path, header: Path | None = None, *, loaded: list[dict[str, Any]] | None = None
+    paths: list[Path],
+    out: Path,
+    plot: Path,
+    header: Path | None = None,
+    frontier: list[Path] | None = None,
+    *,
+    loaded: list[dict[str, Any]] | None = None,
 ) -> str:
     """Write the markdown report ``out`` and the plot ``plot`` from the results in ``paths`` (or ``loaded``, what
-    :func:`load_results` returned for them); returns the text."""
+    :func:`load_results` returned for them); returns the text. ``frontier``: result directories whose frontier
+    (:func:`frontier_section`, its own plot beside ``plot``) leads the report, after the header's introduction (its
+    text before its first ``## `` section)."""
     from oakenkv.util.paths import MAX_RESULT_BYTES, read_text_capped
 
     results = load_results(paths) if loaded is None else loaded
@@ -502,6 +633,10 @@ def write_report(
         else:
             diffs.append(r)
     parts = [read_text_capped(header, "--header", MAX_RESULT_BYTES).rstrip() + "\n"] if header else ["# Results\n"]
+    if frontier:  # right after the header's introduction (its text before its first "## " section)
+        lead = frontier_section(frontier, Path(plot).with_name(Path(plot).stem + "_frontier.png"))
+        intro, sep, rest = parts[0].partition("\n## ")
+        parts[0:1] = [intro.rstrip() + "\n", lead] + ([sep.lstrip("\n") + rest] if sep else [])
     panels: dict[str, list[dict[str, Any]]] = {}
     for m in sorted(set(ppl) | set(zs)):
         parts.append(f"## Model `{m}`\n")
@@ -509,16 +644,20 @@ def write_report(
         # the largest first.
         groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
         for r in ppl.get(m, []):
-            groups[(r.get("windows"), r.get("window"), r.get("stride"))].append(r)
-        for key in sorted(groups, key=lambda k: -(k[0] or 0)):
+            groups[(r.get("windows"), r.get("window"), r.get("stride"), _text(r))].append(r)
+        for key in sorted(groups, key=lambda k: (k[3] != "WikiText-2", k[3], -(k[0] or 0))):
             rows = groups[key]
             r0 = rows[0]
             parts.append(
-                f"### WikiText-2 perplexity ({r0.get('windows')} window(s) of {r0.get('window')} tokens, "
+                f"### {key[3]} perplexity ({r0.get('windows')} window(s) of {r0.get('window')} tokens, "
                 f"stride {r0.get('stride')})\n"
             )
             parts.append(ppl_table(rows) + "\n")
-            panels[m if len(groups) == 1 else f"{m}, {key[0]} windows"] = rows
+            front = frontier_table(rows)
+            if front:
+                parts.append("Frontier:\n\n" + front + "\n")
+            text = "" if key[3] == "WikiText-2" else f", {key[3]}"
+            panels[m if len(groups) == 1 else f"{m}, {key[0]} windows{text}"] = rows
         # likewise one zero-shot table per number of documents and set of tasks, the largest first
         zgroups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
         for r in zs.get(m, []):
@@ -539,8 +678,10 @@ def write_report(
     plot_pareto(panels, plot)
     parts.append(
         f"\n![perplexity increase vs effective bits]({Path(plot).name})\n\n"
-        "Red: Oaken variants; blue: peers; dashed: Pareto frontier. quanto's one-forward rows are not drawn (their "
-        "prefill is unquantized, see above), nor the keys-only / values-only ablations.\n"
+        "Red: oakenkv's presets (oaken, oaken-plus and their variants); blue: peers; grey: the paper authors' harness "
+        "(oaken-official); red dashed: oakenkv's frontier, blue dotted: the peers' (the least loss at each number of "
+        "bits or fewer). quanto's one-forward rows are not drawn (their prefill is unquantized, see "
+        "above), nor the keys-only / values-only ablations.\n"
     )
     text = "\n".join(parts)
     atomic_write(out, text)

@@ -3,6 +3,10 @@
 The defaults are the paper's (Kim et al., ISCA 2025, Section 4): 4% outer / 90% middle / 6% inner values per
 decoder layer, the middle group quantized to 4 bits and the inner and outer groups to 5 bits, per-token min/max
 scales stored in fp16, and keys quantized after RoPE (the tensors the cache really stores).
+
+``middle_bits`` is the width of the format's dense slot (one per value, ``oakenkv.format.layout``): 4 is the paper's
+format; 3 and 2 are narrower presets on the same structure (``oaken-plus-3``, ``oaken-plus-2``), whose inner and outer
+codes have ``middle_bits + 1`` bits (the slot plus the COO entry's code bit) by default.
 """
 
 from __future__ import annotations
@@ -13,8 +17,13 @@ from typing import Any, Literal
 
 from oakenkv.util.exact import is_int, is_number, one_of
 
-#: Version of the serialized config; bump when a field changes meaning.
-CONFIG_VERSION = 1
+#: Version of the serialized config; bump when a field changes meaning. Version 2 made ``middle_bits`` (the dense
+#: slot width) a knob; a config that version 1 can express (a 4-bit slot) is still written as version 1, so that the
+#: files and the cache keys derived from them stay byte for byte what they were, and older readers still read them.
+CONFIG_VERSION = 2
+#: Dense slot widths (``middle_bits``) the format and every CPU path support. The encoders keep a value's code and
+#: group in one byte (code + 32 x group), so an outlier's code (``middle_bits + 1`` bits) must stay below 32.
+MIDDLE_BITS_CHOICES = (2, 3, 4)
 #: The most tokens an oaken-plus profile may keep at 16 bits beside their codes (``Transforms.sink_tokens``; a
 #: sink is a few tokens, not a window).
 MAX_SINK_TOKENS = 64
@@ -38,11 +47,13 @@ _V1_KEYS = (
     "chunk_size",
 )
 
-#: Two format constants that version-1 files record next to the knobs (``oakenkv.format.layout.MIDDLE_BITS`` and
-#: ``CHUNK_SIZE``; ``oakenkv.format.layout`` asserts they agree). They are not knobs: :meth:`OakenConfig.to_dict` still
-#: writes them, so files and the cache keys derived from them stay as they were, and :meth:`OakenConfig.from_dict`
-#: accepts them with these values only.
+#: Two format constants that version-1 files record next to the knobs (``oakenkv.format.layout.MIDDLE_BITS``, the
+#: paper's slot width, and ``CHUNK_SIZE``; ``oakenkv.format.layout`` asserts they agree). In version 1 neither is a
+#: knob: :meth:`OakenConfig.to_dict` writes them, so files and the cache keys derived from them stay as they were,
+#: and :meth:`OakenConfig.from_dict` accepts them with these values only. Version 2 makes ``middle_bits`` a knob.
 V1_FIXED_FIELDS = {"middle_bits": 4, "chunk_size": 64}
+#: The format constant every version fixes.
+FIXED_FIELDS = {"chunk_size": 64}
 
 Granularity = Literal["token", "head"]
 KeyPosition = Literal["post_rope", "pre_rope"]
@@ -62,18 +73,29 @@ class OakenConfig:
     outer_ratio: float = 0.04
     #: Fraction of values in the inner (near-zero) group. Paper: 0.06.
     inner_ratio: float = 0.06
-    #: Bits per code of the inner group (4 in the dense slot + 1 in the COO entry). Paper: 5.
-    inner_bits: int = 5
-    #: Bits per code of the outer group (4 in the dense slot + 1 in the COO entry). Paper: 5.
-    outer_bits: int = 5
+    #: Bits per code of the inner group: ``middle_bits`` in the dense slot (+ 1 in the COO entry). Paper: 5. Default
+    #: (None): ``middle_bits + 1``.
+    inner_bits: int = None  # type: ignore[assignment]
+    #: Bits per code of the outer group, as ``inner_bits``. Paper: 5.
+    outer_bits: int = None  # type: ignore[assignment]
     #: "token": one min/max set per token over all KV heads of a layer (the paper); "head": one per token and head.
     granularity: Granularity = "token"
     #: Where keys are quantized: after RoPE (what the cache stores; default) or before (the official harness).
     key_position: KeyPosition = "post_rope"
     #: Storage dtype of the six per-token min/max values.
     scale_dtype: ScaleDtype = "float16"
+    #: Width of the dense slot, one per value, and so the bits of a middle-group code (2, 3 or 4). Paper: 4.
+    middle_bits: int = 4
 
     def __post_init__(self) -> None:
+        mb = self.middle_bits
+        if not is_int(mb) or mb not in MIDDLE_BITS_CHOICES:
+            raise ValueError(
+                f"OakenConfig.middle_bits (the dense slot width) must be one of {MIDDLE_BITS_CHOICES}, got {mb!r}"
+            )
+        for name in ("inner_bits", "outer_bits"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, mb + 1)
         for name in ("outer_ratio", "inner_ratio"):
             r = getattr(self, name)
             if not is_number(r) or not math.isfinite(r) or not 0.0 <= r < 1.0:
@@ -84,8 +106,10 @@ class OakenConfig:
             )
         for name in ("inner_bits", "outer_bits"):
             b = getattr(self, name)
-            if not is_int(b) or b not in (4, 5):  # (5.0 or True would pass `in` and fail inside numba's typing)
-                raise ValueError(f"OakenConfig.{name} must be 4 or 5 (4-bit dense slot + optional COO bit), got {b!r}")
+            if not is_int(b) or b not in (mb, mb + 1):  # (5.0 or True would pass `in` and fail in numba's typing)
+                raise ValueError(
+                    f"OakenConfig.{name} must be {mb} or {mb + 1} ({mb}-bit dense slot + optional COO bit), got {b!r}"
+                )
         if self.granularity not in ("token", "head"):
             raise ValueError(f"granularity must be 'token' or 'head', got {self.granularity!r}")
         if self.key_position not in ("post_rope", "pre_rope"):
@@ -132,8 +156,11 @@ class OakenConfig:
         return OakenConfig(**{**asdict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        d = {**asdict(self), **V1_FIXED_FIELDS}
-        return {"version": CONFIG_VERSION, **{k: d[k] for k in _V1_KEYS}}
+        """The serialized form: version 1 (exactly the keys and values files have always had) when the slot is the
+        paper's 4 bits, else version 2 (the same keys, ``middle_bits`` holding the slot width)."""
+        d = {**asdict(self), **FIXED_FIELDS}
+        version = 1 if self.middle_bits == V1_FIXED_FIELDS["middle_bits"] else CONFIG_VERSION
+        return {"version": version, **{k: d[k] for k in _V1_KEYS}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OakenConfig:
@@ -141,15 +168,20 @@ class OakenConfig:
         if not isinstance(d, dict):
             raise ValueError(f"an OakenConfig must be an object, got {type(d).__name__}")
         d = dict(d)
-        version = d.pop("version", CONFIG_VERSION)
-        if not one_of(version, (CONFIG_VERSION,)):
-            raise ValueError(f"unsupported OakenConfig version {version!r} (this oakenkv reads {CONFIG_VERSION})")
-        for name, fixed in V1_FIXED_FIELDS.items():
+        version = d.pop("version", 1)
+        if not one_of(version, (1, CONFIG_VERSION)):
+            raise ValueError(f"unsupported OakenConfig version {version!r} (this oakenkv reads 1 to {CONFIG_VERSION})")
+        for name, fixed in (V1_FIXED_FIELDS if version == 1 else FIXED_FIELDS).items():
             value = d.pop(name, fixed)
             if not one_of(value, (fixed,)):
                 raise ValueError(
-                    f"{name} must be {fixed} (a constant of the format, oakenkv.format.layout), got {value!r}"
+                    f"{name} must be {fixed} in a version-{version} config (a constant of the format, "
+                    f"oakenkv.format.layout), got {value!r}"
                 )
+        if version == 1:
+            d["middle_bits"] = V1_FIXED_FIELDS["middle_bits"]
+        elif "middle_bits" not in d:
+            raise ValueError("a version-2 OakenConfig must give middle_bits (the dense slot width)")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -158,3 +190,4 @@ class OakenConfig:
 
 
 assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == set(_V1_KEYS)
+assert V1_FIXED_FIELDS["middle_bits"] == OakenConfig().middle_bits

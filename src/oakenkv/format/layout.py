@@ -13,30 +13,42 @@ one layer, all KV heads together (granularity "token", the paper's) or one head 
     field   size                      content
     header  2 bytes (u16 LE)          S = number of sparse bytes of this row                        16 bits
     scales  6 x fp16 | 6 x fp32 (LE)  mid_min mid_max inner_min inner_max outer_min outer_max       96 | 192 bits
-    dense   ceil(D/2) bytes           one 4-bit slot per value                                      4 bits/value
+    dense   ceil(b D / 8) bytes       one b-bit slot per value (b = middle_bits: 4, 3 or 2)         b bits/value
     sparse  S bytes                   one COO entry byte per inner/outer value (+ rare escapes)    8 bits/outlier
 
 Scales: index ``2 * group + {0: min, 1: max}`` (group ids: middle 0, inner 1, outer 2), the quantizer's grid end
 points already rounded to the scale dtype (``OakenConfig.scale_dtype``); the decoder computes
 ``step = (max - min) / (2**bits - 1)`` and ``v = min + code * step`` in float32. An empty group stores ``0, 0``.
 
-Dense slots, nibble order (low nibble first; for odd ``D`` the last high nibble is padding, written 0)::
+Dense slots: a little-endian bit stream of ``b``-bit slots (``b = OakenConfig.middle_bits``), value ``j``'s slot at
+bits ``b j .. b j + b - 1`` (bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``); the bits after the last
+slot, up to the byte's end, are padding, written 0. For the paper's ``b = 4`` this is nibble order, low first (for
+odd ``D`` the last high nibble is padding)::
 
-    byte j:   bit 7 6 5 4 | 3 2 1 0
-              value 2j+1  | value 2j
+    b = 4, byte j:          bit 7 6 5 4 | 3 2 1 0
+                            value 2j+1  | value 2j
 
-A middle value stores its whole 4-bit code there (``MIDDLE_BITS == DENSE_BITS``); an inner or outer value stores
-the low 4 bits of its 5-bit code.
+    b = 3, 8 values (v0..v7 = values 8j..8j+7) in 3 bytes:
+                            byte 3j:     bit 7 6 | 5 4 3 | 2 1 0       = v2[1:0] | v1    | v0
+                            byte 3j+1:   bit 7 | 6 5 4 | 3 2 1 | 0     = v5[0]   | v4    | v3 | v2[2]
+                            byte 3j+2:   bit 7 6 5 | 4 3 2 | 1 0       = v7      | v6    | v5[2:1]
+
+    b = 2, byte j:          bit 7 6 | 5 4 | 3 2 | 1 0
+                            v 4j+3  | 4j+2| 4j+1| 4j
+
+A middle value stores its whole ``b``-bit code there; an inner or outer value stores the low ``b`` bits of its code
+(``b + 1`` bits, or ``b`` when its group has no COO code bit).
 
 COO entry byte (one per inner or outer value, sorted by position)::
 
     bit   7      6      5 4 3 2 1 0
         +------+------+-------------+
-        | c[4] | grp  |  index i    |     position = CHUNK_SIZE * chunk + i,  grp: 0 inner, 1 outer
-        +------+------+-------------+     c[4]: bit 4 of the 5-bit code (0 for a 4-bit group)
+        | c[b] | grp  |  index i    |     position = CHUNK_SIZE * chunk + i,  grp: 0 inner, 1 outer
+        +------+------+-------------+     c[b]: bit b of the (b + 1)-bit code (0 for a b-bit group)
 
 The side (upper/lower) of an outer or middle value is not stored: it is the sign of the dequantized shifted value
-(``oakenkv.quant.quantizer``), so the paper's "sign" bit is the fifth code bit here.
+(``oakenkv.quant.quantizer``), so the paper's "sign" bit is the top code bit here (the "fifth" bit of the 4-bit
+format; the code and the constants keep that name).
 
 The chunk of an entry is implicit. Decoder state: chunk ``c = 0``, last index ``p = -1``, previous byte
 ``prev = 0x00`` (virtual). For each byte ``e``:
@@ -55,14 +67,15 @@ start.
 
 Decoding untrusted bytes validates everything it reads and raises :class:`CorruptDataError`: an escape must be
 followed by its advance and an entry, an advance of 0 is only legal before the first entry, every position must
-be ``< D`` (so positions strictly increase), a fifth code bit is only legal for a 5-bit group, the padding
-nibble of an odd ``D`` must be 0, offsets and shapes must be consistent, and the scales must be finite and
+be ``< D`` (so positions strictly increase), a top (``b``-th) code bit is only legal for a ``b + 1``-bit group,
+the padding bits after the last slot must be 0, offsets and shapes must be consistent, and the scales must be finite and
 decode to finite values: for each group the values of its lowest and highest code, threshold shift included,
 computed in the decoder's float32 arithmetic (every other code's value lies between them). The encoder refuses
 any row that would break the last rule, so it never writes a row the decoder refuses. Dense nibbles carry no
 redundancy and there is no checksum: a bit flip that keeps the stream valid decodes to other numbers, and
-``D`` is not stored (a row read with a width one less than written is only caught by a non-zero padding
-nibble or an entry beyond the end). docs/robustness.md says what is and is not guaranteed.
+``D`` is not stored (a row read with a width one less than written is only caught by non-zero padding bits or
+an entry beyond the end), nor is the slot width ``b``: the config decoding the bytes must be the one that wrote them
+(profiles record it). docs/robustness.md says what is and is not guaranteed.
 
 In memory (:class:`EncodedBatch`) the fields of many rows are separate arrays; the header is what
 ``sparse_offsets[r + 1] - sparse_offsets[r]`` costs when stored per row.
@@ -73,7 +86,7 @@ A paged store (``oakenkv.store.paged`` over ``oakenkv.store.pages``) keeps a row
 
     dense record (fixed size, record_size(D, config) bytes, in the stream's dense pages)
       offset 0                 scales   scale_bytes(config) = NUM_SCALES x itemsize, little-endian, SCALE_NAMES order
-      offset scale_bytes       dense    ceil(D/2) bytes, the row's nibbles as above
+      offset scale_bytes       dense    dense_bytes(D, middle_bits) bytes, the row's slots as above
     sparse record (S bytes, in the stream's sparse pages): the row's COO bytes
     header: S, kept in the page table as the token's uint16 sparse length (pages.StreamTable.sparse_len)
 
@@ -99,9 +112,10 @@ from oakenkv.format.config import V1_FIXED_FIELDS, OakenConfig
 
 #: Values addressed by one 6-bit COO index.
 CHUNK_SIZE = 64
-#: Dense slot width: one nibble per value.
+#: The paper's dense slot width (one nibble per value), the default of ``OakenConfig.middle_bits``: a config's
+#: ``middle_bits`` (2, 3 or 4, ``format.config.MIDDLE_BITS_CHOICES``) is the slot width of its bytes.
 DENSE_BITS = 4
-#: Bits of a middle-group code: the whole dense slot.
+#: Bits of a middle-group code in the paper's format: the whole dense slot.
 MIDDLE_BITS = DENSE_BITS
 #: Bits of one COO entry (6 index + 1 group + 1 fifth code bit).
 COO_ENTRY_BITS = 8
@@ -122,9 +136,14 @@ MAX_ROW_SPARSE_BYTES = 2**HEADER_BITS - 1
 MAX_DIM = 32768
 
 
-def dense_bytes(dim: int) -> int:
-    """Bytes of the dense part of one row of ``dim`` values."""
-    return (dim + 1) // 2
+def dense_bytes(dim: int, bits: int = DENSE_BITS) -> int:
+    """Bytes of the dense part of one row of ``dim`` values in ``bits``-bit slots (``OakenConfig.middle_bits``)."""
+    return (bits * dim + 7) // 8
+
+
+def padding_bits(dim: int, bits: int = DENSE_BITS) -> int:
+    """Padding bits at the end of the dense part of a row (the last byte's bits after its last slot): written 0."""
+    return 8 * dense_bytes(dim, bits) - bits * dim
 
 
 def num_chunks(dim: int) -> int:
@@ -157,19 +176,22 @@ def _describe(a: object) -> str:
     return f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "dtype") and hasattr(a, "shape") else type(a).__name__
 
 
-def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16) -> int:
-    """Bits the format stores for ``num_rows`` rows of ``dim`` values holding ``num_entries`` COO entries in all
-    (one per inner or outer value), escape bytes not counted: header, scales and dense bytes per row, plus the
-    entries."""
-    return num_rows * (HEADER_BITS + NUM_SCALES * scale_bits + 8 * dense_bytes(dim)) + COO_ENTRY_BITS * num_entries
+def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16, bits: int = DENSE_BITS) -> int:
+    """Bits the format stores for ``num_rows`` rows of ``dim`` values in ``bits``-bit slots holding ``num_entries``
+    COO entries in all (one per inner or outer value), escape bytes not counted: header, scales and dense bytes per
+    row, plus the entries."""
+    dense = 8 * dense_bytes(dim, bits)
+    return num_rows * (HEADER_BITS + NUM_SCALES * scale_bits + dense) + COO_ENTRY_BITS * num_entries
 
 
-def expected_bits(dim: int, outlier_fraction: float, scale_bits: int = 16) -> float:
-    """Bits per value of the format without escapes: ``4 + 8 f + (6 * scale_bits + 16) / D`` (the paper's formula
-    plus our header); for odd ``D`` the dense padding nibble is included."""
+def expected_bits(dim: int, outlier_fraction: float, scale_bits: int = 16, bits: int = DENSE_BITS) -> float:
+    """Bits per value of the format without escapes: ``b + 8 f + (6 * scale_bits + 16) / D`` for ``b``-bit slots
+    (the paper's formula, ``b = 4``, plus our header); the dense padding bits are included."""
     check_dim(dim)
     return (
-        8 * dense_bytes(dim) / dim + COO_ENTRY_BITS * outlier_fraction + (NUM_SCALES * scale_bits + HEADER_BITS) / dim
+        8 * dense_bytes(dim, bits) / dim
+        + COO_ENTRY_BITS * outlier_fraction
+        + (NUM_SCALES * scale_bits + HEADER_BITS) / dim
     )
 
 
@@ -205,13 +227,15 @@ ERROR_MESSAGES = {
     ERR_ZERO_ADVANCE: "an escape with a zero chunk advance after an entry (positions must increase)",
     ERR_ESCAPE_NO_ENTRY: "an escape is not followed by an entry (truncated sparse stream)",
     ERR_POSITION_RANGE: "a COO entry points past the end of the row",
-    ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group",
+    ERR_FIFTH_BIT: "a COO entry sets the fifth code bit of a 4-bit group (the top code bit of a group whose codes "
+    "fit the dense slot)",
     ERR_SHAPE: "row buffers have inconsistent sizes",
     ERR_EVICTED: "attention reached a token whose pages were evicted (it left the sliding window; check the mask)",
     ERR_SCALE_NONFINITE: "scales contain NaN or infinite values, or decode to values beyond the float32 range",
     ERR_SCALE_RANGE: "a group's range, or a value restored from it, exceeds the float32 range (|x| > 3.4e38): "
     "the KV cache cannot quantize values or thresholds this large",
-    ERR_PADDING: "the padding nibble of an odd-width row is not 0 (bytes of a row of another width?)",
+    ERR_PADDING: "the padding bits after a row's last dense slot (the padding nibble of an odd-width row of 4-bit "
+    "slots) are not 0 (bytes of a row of another width?)",
     ERR_THRESHOLDS: "thresholds must be 4 finite float32 values with to_lo < ti_lo <= ti_hi < to_hi",
 }
 
@@ -228,7 +252,9 @@ class EncodedBatch:
     """Rows in the fused dense-and-sparse format.
 
     Attributes:
-        dense: uint8 ``[N, ceil(D/2)]``; nibble ``j % 2`` (low first) of byte ``j // 2`` is value ``j``'s slot.
+        dense: uint8 ``[N, dense_bytes(D, b)]``: value ``j``'s ``b``-bit slot at bits ``b j ..`` of each row's
+            little-endian bit stream (``b = OakenConfig.middle_bits``; for 4, nibble ``j % 2``, low first, of byte
+            ``j // 2``). The batch does not record ``b``: its config does.
         scales: ``[N, 6]`` float16 (or float32): ``mid_min, mid_max, inner_min, inner_max, outer_min, outer_max``.
         sparse: uint8 ``[S]``; the COO byte streams of all rows, concatenated.
         sparse_offsets: int64 ``[N + 1]``; row ``r``'s stream is ``sparse[off[r]:off[r + 1]]``. The stored per-row
@@ -271,15 +297,17 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
     if not isinstance(enc, EncodedBatch):
         raise CorruptDataError(f"expected an EncodedBatch, got {type(enc).__name__}")
     check_dim_corrupt(enc.dim)
+    mb = config.middle_bits
+    nd = dense_bytes(enc.dim, mb)
     for name in ("dense", "scales", "sparse", "sparse_offsets"):
         t = getattr(enc, name)
         if not isinstance(t, torch.Tensor):
             raise CorruptDataError(f"EncodedBatch.{name} must be a torch.Tensor")
         if t.device.type != "cpu":
             raise CorruptDataError(f"EncodedBatch.{name} is on {t.device}; the CPU codec reads CPU tensors")
-    if enc.dense.dtype != torch.uint8 or enc.dense.dim() != 2 or enc.dense.shape[1] != dense_bytes(enc.dim):
+    if enc.dense.dtype != torch.uint8 or enc.dense.dim() != 2 or enc.dense.shape[1] != nd:
         raise CorruptDataError(
-            f"dense must be uint8 [N, {dense_bytes(enc.dim)}] for D = {enc.dim}, got {enc.dense.dtype} "
+            f"dense must be uint8 [N, {nd}] for D = {enc.dim} in {mb}-bit slots, got {enc.dense.dtype} "
             f"{tuple(enc.dense.shape)}"
         )
     n = enc.dense.shape[0]
@@ -306,8 +334,9 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
     counts = off_np[1:] - off_np[:-1]
     if n and (bool((counts < 0).any()) or int(counts.max()) > MAX_ROW_SPARSE_BYTES):
         raise CorruptDataError(f"sparse_offsets must be non-decreasing with row counts <= {MAX_ROW_SPARSE_BYTES}")
-    if enc.dim % 2 and n:
-        pad = np.flatnonzero(enc.dense[:, -1].detach().cpu().numpy() >> 4)
+    pad_bits = padding_bits(enc.dim, mb)
+    if pad_bits and n:
+        pad = np.flatnonzero(enc.dense[:, -1].detach().cpu().numpy() >> (8 - pad_bits))
         if pad.size:
             raise CorruptDataError(f"row {int(pad[0])}: {ERROR_MESSAGES[ERR_PADDING]}")
 
@@ -321,8 +350,8 @@ def scale_bytes(config: OakenConfig) -> int:
 
 
 def record_size(dim: int, config: OakenConfig) -> int:
-    """Bytes of one dense page record: the six scales, then the ``ceil(D / 2)`` nibble bytes."""
-    return scale_bytes(config) + dense_bytes(dim)
+    """Bytes of one dense page record: the six scales, then the ``dense_bytes(D, config.middle_bits)`` slot bytes."""
+    return scale_bytes(config) + dense_bytes(dim, config.middle_bits)
 
 
 def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -347,7 +376,8 @@ def from_records(
             raise CorruptDataError(f"{name} records must be a {nd}-D uint8 array, got {_describe(a)}")
     if dense.shape[1] != size:
         raise CorruptDataError(
-            f"dense records must be {size} bytes for D = {dim} and {config.scale_dtype} scales, got {dense.shape[1]}"
+            f"dense records must be {size} bytes for D = {dim}, {config.middle_bits}-bit slots and "
+            f"{config.scale_dtype} scales, got {dense.shape[1]}"
         )
     offsets = np.asarray(offsets)
     if offsets.dtype.kind not in "iu" or offsets.shape != (dense.shape[0] + 1,):
@@ -412,8 +442,12 @@ class LayerView(NamedTuple):
     sparse_lengths: np.ndarray
     #: float32 ``[2, 4]``: the layer's key and value thresholds ``(to_lo, ti_lo, ti_hi, to_hi)``.
     thresholds: np.ndarray
-    #: Bits of the inner and outer groups' codes (4 or 5).
+    #: Bits of the inner and outer groups' codes (``middle_bits`` or ``middle_bits + 1``).
     inner_bits: int
     outer_bits: int
     #: KV heads: a row of ``D = num_kv_heads * head_dim`` values holds every head of the token.
     num_kv_heads: int
+    #: Dense slot width (``OakenConfig.middle_bits``): the bits of a middle code. Last, with the paper's 4 as its
+    #: default, so that a view built without it (positionally, before slot widths other than 4 existed) reads 4-bit
+    #: records.
+    middle_bits: int = DENSE_BITS

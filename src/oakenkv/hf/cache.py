@@ -60,6 +60,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
+from oakenkv.quant.adapt import AdaptConfig
 from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
 from oakenkv.store.pages import PoolConfig, PoolStats
 
@@ -347,6 +348,11 @@ _DEVICE_LEFT_PADDING = (
     "at a time)"
 )
 
+#: Why adaptive grouping is refused on the device store (its Triton encoder takes the profile's thresholds as they are).
+_DEVICE_ADAPT = (
+    "adaptive grouping (adapt=) runs on the CPU store only: the device store (backend 'triton') has no adapt yet"
+)
+
 
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
@@ -374,6 +380,10 @@ class OakenCache(Cache):
             (``oakenkv.store.paged``), the model's GPU and the Triton kernels for CUDA tensors
             (``oakenkv.store.device``, ``docs/gpu.md``); ``"numba"`` or ``"triton"`` force one (``"triton"`` on CPU
             tensors runs the kernels under the Triton interpreter, ``TRITON_INTERPRET=1``: slow, for tests).
+        adapt: adaptive grouping (``oakenkv.quant.adapt``): True (its default settings) or an
+            :class:`~oakenkv.quant.adapt.AdaptConfig` lets each layer's outer thresholds follow the outlier share of
+            the sequence; False (default): the profile's thresholds as they are. The CPU store only (the device store
+            refuses it).
 
     A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.calibrate.plus``) is only valid on a model
     that carries them: build the cache with :meth:`from_profile`, which folds them in first.
@@ -442,9 +452,12 @@ class OakenCache(Cache):
         evict_sliding: bool = True,
         residual: int = 0,
         backend: str = "auto",
+        adapt: bool | AdaptConfig = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(adapt, (bool, AdaptConfig)):
+            raise TypeError(f"adapt must be True, False or an AdaptConfig, got {type(adapt).__name__}")
         from oakenkv.calibrate.match import check_profile_model, is_model
 
         if not isinstance(thresholds, Thresholds):
@@ -472,6 +485,8 @@ class OakenCache(Cache):
         )
         #: Whether the store is chosen (only ``"auto"`` chooses late: at the first update).
         self._store_chosen = backend != "auto"
+        #: Adaptive grouping's settings (``oakenkv.quant.adapt``), or None.
+        self._adapt = AdaptConfig() if adapt is True else adapt or None
         self.store = self._make_store(backend)
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []
@@ -489,8 +504,10 @@ class OakenCache(Cache):
         if backend == "triton":
             from oakenkv.store.device import DeviceKVStore
 
+            if self._adapt is not None:
+                raise NotImplementedError(_DEVICE_ADAPT)
             return DeviceKVStore(*self._store_args, device=device)
-        return PagedKVStore(*self._store_args)
+        return PagedKVStore(*self._store_args, self._adapt)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

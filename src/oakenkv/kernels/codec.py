@@ -108,14 +108,18 @@ def effective_bits(enc: EncodedBatch) -> BitBreakdown:
     )
 
 
-def encode(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> EncodedBatch:
-    """Quantize and pack rows in one fast pass: equal to ``pack(quantize(x, thr, config))`` byte for byte.
+def encode(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None, group: ThresholdsLike | None = None
+) -> EncodedBatch:
+    """Quantize and pack rows in one fast pass: equal to ``pack(quantize(x, thr, config, group))`` byte for byte.
 
     Args:
         x: float ``[N, D]`` (fp32, fp16 or bf16), one row per quantization vector; finite.
         thr: the layer's ``(to_lo, ti_lo, ti_hi, to_hi)``.
+        group: thresholds to group the values by, ``thr`` then only shifting (and decoding) them: adaptive
+            grouping (``oakenkv.quant.adapt``).
     """
-    return encode_batch(x, thr, config or OakenConfig())
+    return encode_batch(x, thr, config or OakenConfig(), group)
 
 
 def decode(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:

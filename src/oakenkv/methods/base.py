@@ -68,6 +68,11 @@ class KVFakeQuantizer(ABC):
     #: through :meth:`sink`; 0 for every other method.
     sink_tokens: int = 0
 
+    def for_sequence(self) -> KVFakeQuantizer:
+        """The quantizer a new cache (one sequence, or one batch of them) runs: ``self`` for a stateless method; a
+        fresh copy with its own state for one that adapts to what it has seen (Oaken's adaptive grouping)."""
+        return self
+
     def sink(self, layer_idx: int, kind: Kind, x: torch.Tensor) -> torch.Tensor:
         """The first ``sink_tokens`` tokens ``x`` as the attention reads them (only where ``sink_tokens > 0``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no sink tokens")

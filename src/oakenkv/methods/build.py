@@ -16,6 +16,7 @@ from typing import Any
 from oakenkv.calibrate.spec import CalibrationSpec
 from oakenkv.format.config import OakenConfig
 from oakenkv.methods.registry import ALIASES, FAMILIES, BuildContext, Method, canonical, check_spec_with_thresholds
+from oakenkv.quant.adapt import AdaptConfig
 
 
 def _name(ctx: BuildContext, family: str, params: dict[str, Any]) -> str:
@@ -86,7 +87,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
         check_profile_model(thresholds, ctx.model)  # shape, weights, and no oaken-plus transforms
         config = thresholds.config
         defaults = FAMILIES[family].defaults()
-        given = [f"{k}={params[k]}" for k in ("only", "residual") if params[k] != defaults[k]]
+        given = [f"{k}={params[k]}" for k in ("only", "residual", "adapt") if params[k] != defaults[k]]
         name = f"oaken[{path or 'thresholds'}]" + (":" + ",".join(given) if given else "")
     else:
         config = OakenConfig(
@@ -94,6 +95,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
             inner_ratio=params["inner"],
             granularity=params["granularity"],
             key_position="pre_rope" if params["key_position"] == "pre" else "post_rope",
+            middle_bits=params["bits"],
         )
         spec = _calibration(ctx)
         thresholds = cal.oaken_thresholds(
@@ -112,7 +114,7 @@ def build_oaken(ctx: BuildContext, params: dict[str, Any]) -> Method:
     note = (
         "" if only == ("key", "value") else f"ablation: only the {only[0]}s are quantized, the other stays at 16 bits"
     )
-    q = OakenQuantizer(thresholds, config, only)
+    q = OakenQuantizer(thresholds, config, only, AdaptConfig() if params["adapt"] else None)
     return _method(
         ctx,
         family,
@@ -139,23 +141,26 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         if path is not None:
             extra["thresholds_file"] = path
         name = f"{family}[{path or 'thresholds'}]"
-        if params["residual"]:  # the one parameter the file does not decide
-            name += f":residual={params['residual']}"
+        given = [f"{k}={params[k]}" for k in ("residual", "adapt") if params[k]]  # what the file does not decide
+        if given:
+            name += ":" + ",".join(given)
     else:
         search = PlusSearch.from_flags(
-            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"]
-        )
+            params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"],
+            params["bits"], params["sparse"],
+        )  # fmt: skip
         # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
         # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on its preset's (16 x 2048)
         # unless told otherwise.
         spec = OAKEN_PLUS.calibration if ctx.calibration in (None, CalibrationSpec()) else ctx.calibration
         thresholds = cached_plus_profile(ctx.model, ctx.tokenizer, ctx.model_name, spec, search, progress=ctx.progress)
         extra["calibration"] = spec.tag()
-        name = canonical(family, params) + ("" if spec == OAKEN_PLUS.calibration else f"@{spec.tag()}")
+        base = ctx.spec if ctx.spec in ALIASES else canonical(family, params)  # a preset's alias: its name
+        name = base + ("" if spec == OAKEN_PLUS.calibration else f"@{spec.tag()}")
     folded = apply_profile(copy.deepcopy(ctx.model), thresholds)
     extra["transforms"] = thresholds.transforms.digest()[:16]
     extra["thresholds_sha256"] = thresholds.sha256()  # what ran, by content (checkpoints compare it)
-    q = PlusQuantizer(thresholds)
+    q = PlusQuantizer(thresholds, AdaptConfig() if params["adapt"] else None)
     return _method(
         ctx, family, params, _fake_quant(ctx, q, params["residual"], folded), name=name, extra=extra, model=folded
     )

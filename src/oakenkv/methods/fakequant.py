@@ -158,7 +158,7 @@ class FakeQuantCache(DynamicCache):
         super().__init__()
         self.layers = layers
         self.layer_class_to_replicate = None
-        self.quantizer = quantizer
+        self.quantizer = quantizer.for_sequence()  # (a stateful method's state is this cache's)
         self.residual = residual
         #: bits of the quantized tokens, counted as they are quantized (the residual window's: stored_bits)
         self.counter = BitCounter()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS
+from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS, OAKEN_PLUS_2, OAKEN_PLUS_3
 from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig
 
 __all__ = [
@@ -120,6 +120,14 @@ def _residual(default: int, what: str) -> Param:
     return Param(default, f"newest tokens of each layer kept unquantized ({what})", 0, MAX_RESIDUAL)
 
 
+def _slot_bits() -> Param:
+    return Param(4, "dense slot width: bits of a middle code (the outliers get one more)", 2, 4)
+
+
+def _adapt() -> Param:
+    return _switch("adaptive grouping: outer thresholds follow the sequence's outlier share (OakenCache's adapt)", 0)
+
+
 @dataclass(frozen=True)
 class Family:
     """One method family: everything about it that is not its implementation."""
@@ -166,8 +174,10 @@ FAMILIES: dict[str, Family] = {
                 "kurtosis": _switch("per-layer ratios tuned by kurtosis", 0),
                 "only": Param("kv", "ablation: quantize keys and values, or only one kind", choices=("kv", "k", "v")),
                 "residual": _residual(0, "OakenCache's window; 0: the paper's Oaken"),
+                "bits": _slot_bits(),
+                "adapt": _adapt(),
             },
-            "4 + 8 x outlier share + 96/D (scales) + 16/D (header)",
+            "bits + 8 x outlier share + 96/D (scales) + 16/D (header)",
             "post_rope",
             "methods.build:build_oaken",
             profile="paper",
@@ -184,6 +194,11 @@ FAMILIES: dict[str, Family] = {
                 "ratios": _switch("per-layer group ratios (else the paper's 4% / 6%)"),
                 "sink": Param(1, "first tokens of a sequence kept at 16 bits", 0, MAX_SINK_TOKENS),
                 "residual": _residual(0, "OakenCache's window; 0: every token quantized"),
+                "bits": _slot_bits(),
+                "adapt": _adapt(),
+                "sparse": Param(
+                    0.1, "share of values in the sparse (inner + outer) groups, split per layer", 0.005, 0.5
+                ),
             },
             "as oaken, plus 16 bits x sink tokens",
             "post_rope",
@@ -280,6 +295,8 @@ ALIASES: dict[str, str] = {
     "quanto2": "quanto:bits=2",
     "quanto4": "quanto:bits=4",
     "oaken-kurtosis": "oaken:kurtosis=1",
+    # the narrower oaken-plus presets (oakenkv.calibrate.presets)
+    **{p.name: p.spec for p in (OAKEN_PLUS_3, OAKEN_PLUS_2)},
 }
 
 
@@ -362,9 +379,10 @@ _FROM_FILE: dict[str, Callable[[Any], Any]] = {
     "granularity": lambda th: th.config.granularity,
     "key_position": lambda th: "pre" if th.config.key_position == "pre_rope" else "post",
     "kurtosis": lambda th: int(bool(th.profile.get("kurtosis_tuning", False))),
+    "bits": lambda th: th.config.middle_bits,
 }
 #: Parameters a thresholds file never decides: how the cache holds tokens, not how the file quantizes them.
-_NOT_FROM_FILE = ("only", "residual")
+_NOT_FROM_FILE = ("only", "residual", "adapt")
 
 
 def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the thresholds file") -> dict[str, Any]:
@@ -391,9 +409,20 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
                 f"{source} holds no oaken-plus transforms: profile with `oakenkv profile --preset {OAKEN_PLUS.name}`, "
                 f"or use --method {OAKEN.name}"
             )
-        given = sorted(given_params(spec) - set(_NOT_FROM_FILE))
-        if given:
-            raise ValueError(f"--method sets {', '.join(given)}, but with a thresholds file its transforms decide them")
+        given = given_params(spec)
+        # the slot width and the sparse share: a preset's alias names them; they must be the file's
+        recorded = {"bits": thresholds.config.middle_bits, "sparse": _plus_sparse(thresholds)}
+        for key, value in recorded.items():
+            if key in given and value is not None and params[key] != value:
+                raise ValueError(
+                    f"--method sets {key}={params[key]} but {source} was profiled with {key}={value:g}: drop it from "
+                    "the method (the file decides it) or use a profile made with that setting"
+                )
+            if value is not None:
+                params[key] = value
+        extra = sorted(given - set(_NOT_FROM_FILE) - set(recorded))
+        if extra:
+            raise ValueError(f"--method sets {', '.join(extra)}, but with a thresholds file its transforms decide them")
         return params
     if has_transforms:
         raise ValueError(
@@ -410,6 +439,16 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
             )
         params[key] = value
     return params
+
+
+def _plus_sparse(thresholds: Any) -> float | None:
+    """The sparse (inner + outer) share an oaken-plus profile's search split per layer (from the search its
+    transforms record), or None when the file does not say."""
+    try:
+        outer, inner = thresholds.transforms.notes["search"]["ratios"][0]
+        return round(float(outer) + float(inner), 6)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def sweep_config(outlier_share: float) -> OakenConfig:

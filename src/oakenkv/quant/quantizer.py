@@ -10,7 +10,8 @@ Per row, with the layer's thresholds ``(to_lo, ti_lo, ti_hi, to_hi)`` (Kim et al
 2. **Group shift (Eq. 4).** Outer values minus ``to_hi`` (upper side) or ``to_lo`` (lower side); middle values
    minus ``ti_hi`` or ``ti_lo``; inner values unshifted. Shifted outer and middle values are never 0: the upper side
    is strictly positive and the lower side strictly negative.
-3. **Per-group min/max uniform quantization (Eq. 2/3).** Middle to 4 bits, inner and outer to 5 bits.
+3. **Per-group min/max uniform quantization (Eq. 2/3).** Middle to 4 bits, inner and outer to 5 bits (the paper's;
+   ``OakenConfig.middle_bits`` narrows the middle code to 3 or 2 bits, the outliers' to one more by default).
 
 Why the grid of the middle and outer groups is not the plain ``[min, max]`` one
 ----------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from oakenkv.format.config import OakenConfig
-from oakenkv.format.layout import ERR_SCALE_RANGE, ERROR_MESSAGES, MIDDLE_BITS
+from oakenkv.format.layout import ERR_SCALE_RANGE, ERROR_MESSAGES
 from oakenkv.quant.groups import GroupThresholds
 
 #: Group ids, stored in ``QuantizedVectors.groups`` and used to index ``mins``/``maxs``.
@@ -69,7 +70,7 @@ class QuantizedVectors:
     """The output of :func:`quantize`: everything a decoder needs, one row per quantization vector.
 
     Attributes:
-        codes: uint8 ``[N, D]``; middle codes in ``0..15``, inner/outer codes in ``0..2^b-1``.
+        codes: uint8 ``[N, D]``; each value's code in ``0..2^b-1``, ``b`` its group's bits (``group_bits``).
         groups: uint8 ``[N, D]``; ``GROUP_MIDDLE``, ``GROUP_INNER`` or ``GROUP_OUTER`` per value.
         mins: ``[N, 3]`` in the config's scale dtype; per group (indexed by group id) the value of code 0.
         maxs: ``[N, 3]`` in the config's scale dtype; per group the value of the top code ``2^b - 1``.
@@ -115,9 +116,26 @@ def thresholds_tuple(thr: ThresholdsLike) -> tuple[float, float, float, float]:
     return t  # type: ignore[return-value]
 
 
+def grouping_tuple(thr: ThresholdsLike, group: ThresholdsLike | None) -> tuple[float, ...]:
+    """The thresholds an encoder takes: ``thresholds_tuple(thr)`` (4 numbers), or with ``group`` (the thresholds
+    the values are grouped by, Eq. 1, while ``thr`` shifts them, Eq. 4, and decodes them) those 4 then ``group``'s
+    (8 numbers). ``group`` must lie on or beyond ``thr`` away from the inner interval (``to_lo' <= to_lo``,
+    ``ti_lo' <= ti_lo``, ``ti_hi' >= ti_hi``, ``to_hi' >= to_hi``), so that every shifted middle or outer value keeps
+    its side's sign (``oakenkv.quant.adapt``); ValueError otherwise."""
+    t = thresholds_tuple(thr)
+    if group is None:
+        return t
+    g = thresholds_tuple(group)
+    if not (g[0] <= t[0] and g[1] <= t[1] and g[2] >= t[2] and g[3] >= t[3]):
+        raise ValueError(
+            f"grouping thresholds {g} must lie on or beyond the shift thresholds {t}, away from the inner interval"
+        )
+    return t + g
+
+
 def group_bits(config: OakenConfig) -> tuple[int, int, int]:
     """Bits per code, indexed by group id (the middle group's code fills the format's dense slot)."""
-    return (MIDDLE_BITS, config.inner_bits, config.outer_bits)
+    return (config.middle_bits, config.inner_bits, config.outer_bits)
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:
@@ -241,13 +259,17 @@ def _grid_step(gmin: torch.Tensor, gmax: torch.Tensor, bits: int) -> torch.Tenso
     return (gmax.to(torch.float32) - gmin.to(torch.float32)) / torch.tensor(2.0**bits - 1.0, dtype=torch.float32)
 
 
-def quantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> QuantizedVectors:
+def quantize(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None, group: ThresholdsLike | None = None
+) -> QuantizedVectors:
     """Quantize rows of ``x``.
 
     Args:
         x: float ``[N, D]`` (fp32, fp16 or bf16); one row per quantization vector.
         thr: the layer's ``(to_lo, ti_lo, ti_hi, to_hi)`` for this kind (key or value).
         config: the method's configuration (default: the paper's).
+        group: thresholds to group the values by instead of ``thr``, which then only shifts them (and decodes
+            them): adaptive grouping (``oakenkv.quant.adapt``; :func:`grouping_tuple` says which are allowed).
 
     Returns:
         The codes, group of each value and the per-row grid end points (see :class:`QuantizedVectors`).
@@ -256,7 +278,8 @@ def quantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = 
     if x.dim() != 2:
         raise ValueError(f"quantize expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
     x32 = _check_input(x)
-    groups = assign_groups(x32, thr)
+    g = grouping_tuple(thr, group)
+    groups = assign_groups(x32, g[4:] if group is not None else thr)
     s = group_shift(x32, groups, thr)
     bits = group_bits(config)
     n_rows = x32.shape[0]

@@ -115,22 +115,39 @@ def _check_quantized(q: QuantizedVectors, config: OakenConfig) -> None:
             raise ValueError(f"a code of group {g} does not fit in its {b} bits")
 
 
+def _pack_slots(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The dense bytes of codes uint8 ``[N, D]``: the low ``bits`` bits of each, as a little-endian bit stream per row
+    (value ``j`` at stream bits ``bits * j ..``), zero-padded to whole bytes: uint8 ``[N, dense_bytes(D, bits)]``."""
+    n, d = codes.shape
+    slots = (codes & ((1 << bits) - 1)).to(torch.int64)
+    # every bit of the stream, in order: bit i of value j is stream bit bits * j + i
+    stream = ((slots[:, :, None] >> torch.arange(bits)) & 1).reshape(n, d * bits)
+    nbytes = dense_bytes(d, bits)
+    stream = torch.cat([stream, torch.zeros((n, 8 * nbytes - d * bits), dtype=torch.int64)], dim=1)
+    return (stream.reshape(n, nbytes, 8) << torch.arange(8)).sum(dim=2).to(torch.uint8).contiguous()
+
+
+def _unpack_slots(dense: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """The inverse of :func:`_pack_slots`: the ``bits``-bit slot of each of ``dim`` values, uint8 ``[N, dim]``."""
+    n = dense.shape[0]
+    stream = ((dense.to(torch.int64)[:, :, None] >> torch.arange(8)) & 1).reshape(n, 8 * dense.shape[1])
+    stream = stream[:, : dim * bits]
+    return (stream.reshape(n, dim, bits) << torch.arange(bits)).sum(dim=2).to(torch.uint8)
+
+
 def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch:
     """Reference packer: the quantizer's codes and scales as an :class:`EncodedBatch` (bit-exact, lossless).
 
     Args:
         q: output of :func:`oakenkv.quant.quantizer.quantize` (codes/groups uint8 ``[N, D]``, mins/maxs ``[N, 3]``).
-        config: the config ``q`` was quantized with (only the group bits are used; default: the paper's).
+        config: the config ``q`` was quantized with (only the slot width and the group bits are used; default: the
+            paper's).
     """
     config = config or OakenConfig()
     _check_quantized(q, config)
     n, d = q.codes.shape
     codes = q.codes.to(torch.uint8)
-    # dense: pad odd D with one 0 nibble, then low nibble = even value, high nibble = odd value.
-    nib = codes & 0xF
-    if d % 2:
-        nib = torch.cat([nib, torch.zeros((n, 1), dtype=torch.uint8)], dim=1)
-    dense = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    dense = _pack_slots(codes, config.middle_bits)
     # scales: [mid_min, mid_max, inner_min, inner_max, outer_min, outer_max]
     scales = torch.stack([q.mins, q.maxs], dim=2).reshape(n, NUM_SCALES).to(config.scale_torch_dtype).contiguous()
     # sparse: one entry byte per outlier, then the per-row stream with escapes.
@@ -139,7 +156,7 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch
     entry = (
         (col % CHUNK_SIZE).to(torch.int64)
         | torch.where(q.groups == GROUP_OUTER, COO_GROUP_BIT, 0)
-        | (((codes.to(torch.int64) >> 4) & 1) << 7)
+        | (((codes.to(torch.int64) >> config.middle_bits) & 1) << 7)
     )
     streams: list[int] = []
     offsets = [0]
@@ -164,8 +181,8 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None) -> QuantizedVec
     config = config or OakenConfig()
     check_encoded(enc, config)
     n, d = enc.num_rows, enc.dim
-    nib = torch.stack([enc.dense & 0xF, enc.dense >> 4], dim=2).reshape(n, 2 * dense_bytes(d))[:, :d]
-    codes = nib.clone()
+    mb = config.middle_bits
+    codes = _unpack_slots(enc.dense, d, mb)
     groups = torch.zeros((n, d), dtype=torch.uint8)
     bits = group_bits(config)
     sparse = enc.sparse.tolist()
@@ -174,21 +191,24 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None) -> QuantizedVec
         positions, entries = _decode_coo_row(sparse[off[r] : off[r + 1]], d, r)
         for pos, e in zip(positions, entries, strict=True):
             g = GROUP_OUTER if e & COO_GROUP_BIT else GROUP_INNER
-            b4 = (e >> 7) & 1
-            if b4 and bits[g] < 5:
-                raise CorruptDataError(f"row {r}: value {pos} has a fifth code bit but its group has {bits[g]} bits")
+            top = (e >> 7) & 1
+            if top and bits[g] <= mb:
+                which = "fifth" if mb == 4 else "top"
+                raise CorruptDataError(f"row {r}: value {pos} has a {which} code bit but its group has {bits[g]} bits")
             groups[r, pos] = g
-            codes[r, pos] = int(codes[r, pos]) | (b4 << 4)
+            codes[r, pos] = int(codes[r, pos]) | (top << mb)
     scales = enc.scales.reshape(n, 3, 2)
     return QuantizedVectors(
         codes=codes, groups=groups, mins=scales[:, :, 0].contiguous(), maxs=scales[:, :, 1].contiguous()
     )
 
 
-def encode(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> EncodedBatch:
-    """``pack(quantize(x, thr, config))``: the reference of ``oakenkv.kernels.codec.encode``."""
+def encode(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None, group: ThresholdsLike | None = None
+) -> EncodedBatch:
+    """``pack(quantize(x, thr, config, group))``: the reference of ``oakenkv.kernels.codec.encode``."""
     config = config or OakenConfig()
-    return pack(quantize(x, thr, config), config)
+    return pack(quantize(x, thr, config, group), config)
 
 
 def decode(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:

@@ -56,6 +56,7 @@ from oakenkv.format.layout import (
     to_records,
 )
 from oakenkv.kernels.cpu.codec import decode_records, decode_trusted, encode_records, encode_trusted, first_error
+from oakenkv.quant.adapt import AdaptConfig, new_state
 from oakenkv.store.pages import PagePool, PoolConfig, PoolStats, TokenTargets
 from oakenkv.store.view import LayerTables, grown
 
@@ -137,6 +138,25 @@ def _packed_sparse(sparse, counts):
     return offsets, flat
 
 
+def _merge_tokens(parts: list[EncodedBatch], b: int) -> EncodedBatch:
+    """Consecutive token ranges of ``b`` rows, each encoded as one batch (rows ordered ``(row, token)``), as one
+    batch of all their tokens in that order: what one encode call over the whole range returns."""
+    if len(parts) == 1:
+        return parts[0]
+    nd, ns = parts[0].dense.shape[1], parts[0].scales.shape[1]
+    dense = torch.cat([p.dense.reshape(b, -1, nd) for p in parts], dim=1).reshape(-1, nd)
+    scales = torch.cat([p.scales.reshape(b, -1, ns) for p in parts], dim=1).reshape(-1, ns)
+    counts = torch.cat([(p.sparse_offsets[1:] - p.sparse_offsets[:-1]).reshape(b, -1) for p in parts], dim=1)
+    streams = []
+    for r in range(b):
+        for p in parts:
+            s = p.num_rows // b
+            streams.append(p.sparse[int(p.sparse_offsets[r * s]) : int(p.sparse_offsets[(r + 1) * s])])
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(counts.reshape(-1), 0)
+    return EncodedBatch(dense.contiguous(), scales.contiguous(), torch.cat(streams), offsets, parts[0].dim)
+
+
 def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
     """Raise ValueError naming the first row ``encode_records`` refused (``counts[r] < 0``, an ``-ERR_*``):
     ``counts`` holds keys' rows, then values', each ``(row, token)`` with ``tokens`` tokens per row."""
@@ -208,6 +228,10 @@ class PagedKVStore:
         codec: "auto" or "fast" (the numba kernels), or "reference" (plain PyTorch: slow, the same bytes).
         prefill_chunk: tokens encoded per chunk of a long update (``PREFILL_CHUNK``).
         residual: tokens of the full-precision window (module doc): 0 (default) encodes every token on arrival.
+        adapt: adaptive grouping (``oakenkv.quant.adapt``): an :class:`~oakenkv.quant.adapt.AdaptConfig`, or None
+            (default) for the profile's thresholds as they are. Every token is then decoded with the fixed shift
+            thresholds (:attr:`thr`, what the page view carries) and encoded grouped by the thresholds of its epoch;
+            the state (:attr:`adapt_state`) is shared by the batch's rows, per layer and kind.
     """
 
     def __init__(
@@ -220,7 +244,10 @@ class PagedKVStore:
         codec: str = "auto",
         prefill_chunk: int = PREFILL_CHUNK,
         residual: int = 0,
+        adapt: AdaptConfig | None = None,
     ) -> None:
+        if adapt is not None and not isinstance(adapt, AdaptConfig):
+            raise TypeError(f"adapt must be an AdaptConfig or None, got {type(adapt).__name__}")
         if thresholds.num_layers != num_layers:
             raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
         config = thresholds.config
@@ -244,8 +271,10 @@ class PagedKVStore:
         #: Bytes of one dense page record, and of the scales at its start (``oakenkv.format.layout``).
         self.rec_size = record_size(self.dim, config)
         self.scale_bytes = scale_bytes(config)
-        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes).
+        #: ``encode_records``' and ``decode_records``' format arguments (inner bits, outer bits, fp16, scale bytes),
+        #: and their last one, the dense slot width (``OakenConfig.middle_bits``).
         self._record_format = (config.inner_bits, config.outer_bits, config.scale_dtype == "float16", self.scale_bytes)
+        self._slot_bits = config.middle_bits
         self.pool = PagePool(_pool_config(pool_config, self.dim, config))
         self.encode, self.decode = codec_functions(codec)
         #: Whether the numba kernels are in use (then a decode step takes the fused single-token path).
@@ -260,10 +289,19 @@ class PagedKVStore:
         self._targets: list[TokenTargets] = []
         #: The pool's storage as one flat array (a view, renewed when the pool grows).
         self._flat: tuple[np.ndarray, np.ndarray] = (self.pool.data, self.pool.data.reshape(-1))
+        #: Adaptive grouping's state (``oakenkv.quant.adapt``), or None.
+        self.adapt_state = None if adapt is None else new_state(thresholds, adapt)
+        #: Per layer and kind, the thresholds every token is decoded with: the profile's, or under adaptive
+        #: grouping its fixed shift thresholds.
+        self._decode_thresholds = [
+            [
+                thresholds.layer(i, k) if adapt is None else self.adapt_state.shift(i, kind)
+                for kind, k in enumerate(KINDS)
+            ]
+            for i in range(num_layers)
+        ]
         #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
-        self.thr = np.array(
-            [[thresholds.layer(i, k).as_tuple() for k in KINDS] for i in range(num_layers)], dtype=np.float32
-        )
+        self.thr = np.array([[t.as_tuple() for t in row] for row in self._decode_thresholds], dtype=np.float32)
         #: The online part of an ``oaken-plus`` profile (``oakenkv.calibrate.transforms``): None without one; else which
         #: layers transform their keys, and the float32 key shifts ``[num_layers, D]``.
         self.transforms = thresholds.transforms if thresholds.transforms and thresholds.transforms.online_keys else None
@@ -405,7 +443,22 @@ class PagedKVStore:
 
     def _append_rows(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray) -> tuple[EncodedBatch, ...]:
         """:meth:`append` of float32 rows ``[B, S, D]`` (keys already transformed: :meth:`_float_rows`); the rows
-        may be overwritten (the encoder works in them)."""
+        may be overwritten (the encoder works in them). Under adaptive grouping, one epoch at a time (each part
+        atomic, as the chunks of a long update are)."""
+        state = self.adapt_state
+        s = key_rows.shape[1]
+        if state is None or state.segment(layer, KEY, s) == s:
+            return self._append_segment(layer, key_rows, value_rows)
+        parts, a = [], 0
+        while a < s:
+            e = a + state.segment(layer, KEY, s - a)
+            parts.append(self._append_segment(layer, key_rows[:, a:e], value_rows[:, a:e]))
+            a = e
+        b = key_rows.shape[0]
+        return tuple(_merge_tokens([p[kind] for p in parts], b) for kind in (KEY, VALUE))  # type: ignore[return-value]
+
+    def _append_segment(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray) -> tuple[EncodedBatch, ...]:
+        """:meth:`_append_rows` of tokens of one adaptive epoch (or of any tokens without adaptive grouping)."""
         b, s, _ = key_rows.shape
         past = self.tables[layer].num_tokens
         encoded = []
@@ -435,6 +488,9 @@ class PagedKVStore:
         for kind, parts in enumerate(sink_rows):  # after the pages took the tokens: the append stays atomic
             for r, j, x in parts:
                 self.sinks[layer][r, kind, j : j + x.shape[0]] = x
+        if self.adapt_state is not None:
+            for kind, enc in enumerate(encoded):
+                self.adapt_state.record(layer, kind, s, enc.sparse.numel(), enc.num_rows * self.dim)
         return encoded[0], encoded[1]
 
     def append_decoded(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -449,7 +505,8 @@ class PagedKVStore:
         (docs/perf-notes.md)."""
         self._check_kv(keys, values)
         b, _, s, _ = keys.shape
-        if not self.fast or b * s >= SERIAL_BELOW_ROWS:
+        state = self.adapt_state
+        if not self.fast or b * s >= SERIAL_BELOW_ROWS or (state is not None and state.segment(layer, KEY, s) < s):
             encoded = self.append(layer, keys, values)
             return tuple(  # type: ignore[return-value]
                 self.decode_encoded(layer, kind, e).numpy().reshape(b, s, self.dim) for kind, e in enumerate(encoded)
@@ -465,11 +522,11 @@ class PagedKVStore:
         if sink_at:  # (a float16 copy now: the encoder works in the rows)
             r4 = rows.reshape(2, b, s, self.dim)
             sinks = [(r, j, r4[:, r, a:e].astype(np.float16)) for r, a, e, j in sink_at]
-        thr = np.repeat(self.thr[layer], n, axis=0)  # each row's thresholds
+        thr = np.repeat(self._encode_thr(layer), n, axis=0)  # each row's thresholds
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
-        encode_records(rows, thr, *self._record_format, records, sparse, counts)
+        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits)
         _check_encoded_rows(counts, s)
         offsets, flat = _packed_sparse(sparse, counts)
         items = []
@@ -483,9 +540,12 @@ class PagedKVStore:
         if sinks is not None:
             for r, j, x in sinks:  # x: [2, n', D]
                 self.sinks[layer][r, :, j : j + x.shape[1]] = x
+        if state is not None:
+            for kind in (KEY, VALUE):
+                state.record(layer, kind, s, int(counts[kind * n : (kind + 1) * n].sum()), n * self.dim)
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
-        decode_records(records, sparse, counts, thr, *self._record_format, rows, status)
+        decode_records(records, sparse, counts, thr, *self._record_format, rows, status, self._slot_bits)
         r = first_error(status)
         if r >= 0:  # (our own records: this would be a bug)
             raise RuntimeError(
@@ -495,17 +555,29 @@ class PagedKVStore:
         return out[KEY], out[VALUE]
 
     def _encode(self, layer: int, kind: int, rows: np.ndarray) -> EncodedBatch:
-        """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind``."""
+        """Encode float32 rows ``[N, D]`` (C order) with ``layer``'s thresholds for ``kind`` (under adaptive
+        grouping: shifted by the fixed ones, grouped by the current epoch's)."""
         if self.fast:  # the numba codec without the public wrapper's checks: rows and thresholds are ours
-            return encode_trusted(rows, self.thr[layer, kind], self.config)
-        return self.encode(torch.from_numpy(rows), self.thresholds.layer(layer, KINDS[kind]), self.config)
+            return encode_trusted(rows, self._encode_thr(layer)[kind], self.config)
+        thr = self._decode_thresholds[layer][kind]
+        if self.adapt_state is None:
+            return self.encode(torch.from_numpy(rows), thr, self.config)
+        return self.encode(torch.from_numpy(rows), thr, self.config, self.adapt_state.grouping(layer, kind))
+
+    def _encode_thr(self, layer: int) -> np.ndarray:
+        """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping: the shift thresholds, then the grouping ones of
+        the current epoch): what the encoders take for ``layer``'s keys and values."""
+        if self.adapt_state is None:
+            return self.thr[layer]
+        g = np.array([self.adapt_state.grouping(layer, kind) for kind in (KEY, VALUE)], dtype=np.float32)
+        return np.concatenate([self.thr[layer], g], axis=1)
 
     def decode_encoded(self, layer: int, kind: int, enc: EncodedBatch) -> torch.Tensor:
         """float32 ``[N, D]``: ``enc`` decoded, a batch this store encoded for ``layer`` and ``kind`` (what
         :meth:`append` returned): the codec's decode without its structural checks of foreign input."""
         if self.fast:
             return decode_trusted(enc, self.thr[layer, kind], self.config)
-        return self.decode(enc, self.thresholds.layer(layer, KINDS[kind]), self.config)
+        return self.decode(enc, self._decode_thresholds[layer][kind], self.config)
 
     def window_update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -612,9 +684,16 @@ class PagedKVStore:
         t = self.tables[layer].num_tokens
         # (a copy before the encoder works in the rows)
         sink = rows.astype(np.float16) if t < self._sink_end and self._sink_slices(t, 1) else None
-        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts)
+        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts, self._slot_bits)
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
+        state = self.adapt_state
+        if state is not None:  # the epoch's counts; at its end the layer's grouping thresholds move
+            moved = [state.record(layer, kind, 1, int(counts[kind * b : (kind + 1) * b].sum()), b * self.dim)
+                     for kind in (KEY, VALUE)]  # fmt: skip
+            if any(moved):
+                g = self._encode_thr(layer)
+                thr[layer, :b], thr[layer, b:] = g[KEY], g[VALUE]
         if sink is not None:
             for r, _, _, j in self._sink_slices(t, 1):
                 self.sinks[layer][r, KEY, j] = sink[r]
@@ -630,11 +709,13 @@ class PagedKVStore:
             lt.sync(r, kind, table, table.dense_pages.n - 1, max(0, table.sparse_pages.n - 1), t + 1)
 
     def _make_token_scratch(self, b: int) -> tuple[Any, ...]:
-        """append_token's buffers for ``2 b`` rows, and each layer's thresholds per row."""
+        """append_token's buffers for ``2 b`` rows, and each layer's thresholds per row (``[.., 8]`` under adaptive
+        grouping: :meth:`_encode_thr`)."""
         m = 2 * b
-        thr = np.empty((self.num_layers, m, 4), np.float32)
-        thr[:, :b] = self.thr[:, None, KEY]
-        thr[:, b:] = self.thr[:, None, VALUE]
+        thr = np.empty((self.num_layers, m, 4 if self.adapt_state is None else 8), np.float32)
+        for layer in range(self.num_layers):
+            g = self._encode_thr(layer)
+            thr[layer, :b], thr[layer, b:] = g[KEY], g[VALUE]
         return (
             np.empty((m, self.dim), np.float32),
             np.empty((m, self.rec_size), np.uint8),
@@ -657,7 +738,7 @@ class PagedKVStore:
         cfg = self.config
         return lt.view(
             self._flat[1], self.pool.config.page_size, self.rec_size, self.scale_bytes, self.thr[layer],
-            cfg.inner_bits, cfg.outer_bits, self.num_kv_heads,
+            cfg.inner_bits, cfg.outer_bits, self.num_kv_heads, middle_bits=cfg.middle_bits,
         )  # fmt: skip
 
     def check_tables(self) -> None:
@@ -714,7 +795,7 @@ class PagedKVStore:
             dense = self.pool.read_dense(seq, stream, start)
             sparse, offs = self.pool.read_sparse(seq, stream, start)
             enc = from_records(dense, sparse, offs, self.dim, self.config)
-            thr = self.thresholds.layer(layer, KINDS[kind])
+            thr = self._decode_thresholds[layer][kind]
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
                 x = self.decode(enc, thr, self.config) if enc.num_rows else torch.zeros(0, self.dim)
             if start:
@@ -845,6 +926,9 @@ class PagedKVStore:
     def reset(self) -> None:
         for seq in self.seqs:
             self.pool.free(seq)
+        if self.adapt_state is not None:
+            self.adapt_state.reset()
+            self._token_scratch = None  # (its grouping thresholds are the old sequence's)
         self.seqs = []
         self.tables = []
         self._targets = []

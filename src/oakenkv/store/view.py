@@ -134,10 +134,11 @@ class LayerTables:
         outer_bits: int,
         num_kv_heads: int,
         rows: int | None = None,
+        middle_bits: int = 4,
     ) -> LayerView:
         """The :class:`LayerView` of these tables over ``pool`` (the storage, flat uint8), with the layer's
-        ``thresholds`` (float32 ``[2, 4]``) and format; the first ``rows`` rows only, when given (views, no copy).
-        Valid until the tables' next write."""
+        ``thresholds`` (float32 ``[2, 4]``) and format (``middle_bits``: the dense slot width); the first ``rows``
+        rows only, when given (views, no copy). Valid until the tables' next write."""
         if rows is None:
             dp, sp, sf, sc, sl = (
                 self.dense_pages, self.sparse_pages, self.sparse_first, self.sparse_counts, self.sparse_lengths,
@@ -147,7 +148,7 @@ class LayerTables:
             sc, sl = self.sparse_counts[:rows], self.sparse_lengths[:rows]
         return LayerView(
             pool, page_size, record_size, scale_bytes, self.num_tokens, dp, sp, sf, sc, sl, thresholds, inner_bits,
-            outer_bits, num_kv_heads,
+            outer_bits, num_kv_heads, middle_bits,
         )  # fmt: skip
 
 

@@ -122,6 +122,11 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
         raise ValueError(f"{path}: vLLM caches keys after RoPE; profile with key_position='post_rope'")
     if cfg.scale_dtype != "float16":
         raise ValueError(f"{path}: the vLLM plugin stores fp16 scales; this profile uses float32 scales")
+    if cfg.middle_bits != 4:
+        raise ValueError(
+            f"{path}: the vLLM plugin's blocks hold 4-bit dense slots; this profile has {cfg.middle_bits}-bit slots "
+            "(oaken-plus-3 and -2 run in OakenCache and eval only, for now)"
+        )
 
 
 def load_profile(path: os.PathLike[str] | str) -> Any:

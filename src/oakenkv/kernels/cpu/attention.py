@@ -28,7 +28,10 @@ an unmasked token on a released page stops the row with ``ERR_EVICTED``.
 
 Fast math: the attention loops may reassociate and contract (vectorized reductions, FMA), but keep IEEE
 infinities (a masked score is ``-inf``; numba's plain ``fastmath=True`` would assume none exist). The row
-decoder is compiled without any, so the dequantized values are the codec's to the bit.
+decoder is compiled without any, so the dequantized values are the codec's to the bit: its functions say
+``fastmath=False`` explicitly, because numba compiles a callee that sets no fastmath option with its caller's
+(``inherit_if_not_set``), and caches that code for direct calls too (the row decoder had been contracting
+``lo + code * step`` into FMAs inside the kernel, 1 ulp off the codec's values).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from oakenkv.format.config import MIDDLE_BITS_CHOICES
 from oakenkv.format.layout import (
     ADVANCE_CONTINUE,
     CHUNK_SIZE,
@@ -83,11 +87,11 @@ _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 _F32 = np.float32
 
-#: An outlier's entry in the look-up table of :func:`_coo_walk`: ``16 * (e >> _CLASS_SHIFT) + nibble`` for COO
-#: byte ``e``; ``e >> _CLASS_SHIFT`` is its (fifth code bit, group bit) pair.
+#: An outlier's entry in the look-up table of :func:`_coo_walk`: ``2^b * (e >> _CLASS_SHIFT) + slot`` for COO
+#: byte ``e`` and ``b``-bit slots; ``e >> _CLASS_SHIFT`` is its (top code bit, group bit) pair.
 _CLASS_SHIFT = 6
 assert COO_GROUP_BIT == 1 << _CLASS_SHIFT and COO_CODE_BIT4 == 1 << (_CLASS_SHIFT + 1)
-_LUT_SIZE = 64
+_LUT_SIZE = 4 << max(MIDDLE_BITS_CHOICES)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -109,7 +113,7 @@ def _exp(x):
     return p * scale if x > _F32(-87.3) else _F32(0.0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _f16_at(pool, i):
     """The fp16 stored little-endian at ``pool[i:i + 2]``, as float32 (exact)."""
     return f16_widen(np.uint16(np.int64(pool[i]) | (np.int64(pool[i + 1]) << 8)))
@@ -131,18 +135,41 @@ def _sparse_start(first, count, lens, t0):
     return sp, off
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _decode_rows(
-    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, ib, ob, keep, t0, sp, off, out
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
+):
+    """:func:`_decode_block` compiled once per slot width ``mb`` (a constant inside each copy: the paper's 4-bit
+    slots run the nibble arithmetic they ran before slot widths were a parameter)."""
+    if mb == 4:
+        return _decode_block(
+            pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 4, ib, ob, keep, t0, sp,
+            off, out,
+        )  # fmt: skip
+    if mb == 3:
+        return _decode_block(
+            pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 3, ib, ob, keep, t0, sp,
+            off, out,
+        )  # fmt: skip
+    return _decode_block(
+        pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 2, ib, ob, keep, t0, sp, off,
+        out,
+    )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, fastmath=False, inline="always")
+def _decode_block(
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
 ):
     """Decode tokens ``t0 .. t0 + len(out)`` of one stream whose ``keep`` is set into the float32 rows ``out[j]``
     (``out[j]`` is token ``t0 + j``; masked tokens are skipped, their pages never read). ``(sp, off)`` is the
     stream's sparse walker at ``t0`` (page index, byte offset); returns ``(status, sp, off)`` advanced past the
-    block.
+    block. ``mb``, ``ib``, ``ob``: the middle (slot), inner and outer code bits.
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.codec.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
-    nibbles are first split into a uint8 code row (``codes``, which the COO walk reads too), then the middle
+    nibbles (or 3- or 2-bit slots) are first split into a uint8 code row (``codes``, which the COO walk reads too),
+    then the middle
     values are computed from it in one contiguous loop that LLVM vectorizes (through int32, not int64: numba
     would widen the codes; two loops are faster than one that stores the even and odd values interleaved,
     docs/perf-notes.md); each COO entry then overwrites its value (:func:`_coo_walk`). Compiled without fastmath
@@ -156,6 +183,8 @@ def _decode_rows(
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     in_div = _F32((1 << ib) - 1)
     out_div = _F32((1 << ob) - 1)
+    mid_div = _F32((1 << mb) - 1)
+    nbytes = (mb * d + 7) >> 3
     pi = t0 // rpp
     slot = t0 - pi * rpp
     codes = np.empty(d, np.uint8)  # the row's nibbles, one per value
@@ -177,14 +206,17 @@ def _decode_rows(
             base = page * page_size + slot * rec
             row = row_view(out, j)
             lo = _f16_at(pool, base)
-            step = (_f16_at(pool, base + 2) - lo) / _F32(15.0)
-            src = span_view(pool, base + sb, base + sb + half + (d & 1))
-            for i in range(half):
-                byte = src[i]
-                codes[2 * i] = byte & np.uint8(15)
-                codes[2 * i + 1] = byte >> np.uint8(4)
-            if d & 1:
-                codes[d - 1] = src[half] & np.uint8(15)
+            step = (_f16_at(pool, base + 2) - lo) / mid_div
+            src = span_view(pool, base + sb, base + sb + nbytes)
+            if mb == 4:
+                for i in range(half):
+                    byte = src[i]
+                    codes[2 * i] = byte & np.uint8(15)
+                    codes[2 * i + 1] = byte >> np.uint8(4)
+                if d & 1:
+                    codes[d - 1] = src[half] & np.uint8(15)
+            else:
+                _unpack_slots(src, mb, codes)
             for i in range(d):
                 v0 = lo + _F32(np.int32(codes[i])) * step
                 row[i] = v0 + (ti_hi if v0 > zero else ti_lo)
@@ -197,8 +229,9 @@ def _decode_rows(
                 out_lo = _f16_at(pool, base + 8)
                 out_step = (_f16_at(pool, base + 10) - out_lo) / out_div
                 st = _coo_walk(
-                    pool, spage * page_size + s0, n, codes, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut
-                )
+                    pool, spage * page_size + s0, n, codes, mb, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row,
+                    lut,
+                )  # fmt: skip
                 if st != ERR_OK:
                     return st, sp, off
         slot += 1
@@ -208,28 +241,47 @@ def _decode_rows(
     return ERR_OK, sp, off
 
 
-@njit(cache=True, nogil=True)
-def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
+@njit(cache=True, nogil=True, fastmath=False)
+def _unpack_slots(src, mb, codes):
+    """The ``mb``-bit slots (2 or 3 bits) of a row's dense bytes ``src`` into ``codes`` (one uint8 per value): eight
+    values (``mb`` bytes) at a time from a 64-bit word of the bit stream (``oakenkv.format.layout``)."""
+    d = codes.shape[0]
+    nbytes = src.shape[0]
+    mask = np.uint64((1 << mb) - 1)
+    for g in range((d + 7) >> 3):
+        base = g * mb
+        acc = np.uint64(0)
+        for i in range(min(mb, nbytes - base)):
+            acc |= np.uint64(src[base + i]) << np.uint64(8 * i)
+        j0 = g * 8
+        for k in range(min(8, d - j0)):
+            codes[j0 + k] = np.uint8((acc >> np.uint64(mb * k)) & mask)
+
+
+@njit(cache=True, nogil=True, fastmath=False, inline="always")
+def _coo_walk(pool, s0, n, src, mb, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row, lut):
     """Overwrite the outliers of one decoded row with their values: the COO walk of ``oakenkv.format.layout`` (its
-    module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low four code
-    bits come from the row's codes ``src`` (one uint8 per value). Returns ``ERR_OK`` or an ``ERR_*`` code.
+    module docstring: implicit chunks, escapes for the rare jumps) over ``pool[s0:s0 + n]``; the low ``mb`` code
+    bits (the slot) come from the row's codes ``src`` (one uint8 per value). Returns ``ERR_OK`` or an ``ERR_*``
+    code.
 
     The values of every code of both outlier groups go to ``lut`` (float32 ``[_LUT_SIZE]``) first, in a loop LLVM
-    vectorizes; an entry then costs one look-up, ``lut[16 * (e >> _CLASS_SHIFT) + nibble]`` (12% faster than
+    vectorizes; an entry then costs one look-up, ``lut[2^mb * (e >> _CLASS_SHIFT) + slot]`` (12% faster than
     computing each entry's value, docs/perf-notes.md). Entries are taken two at a time while neither is an escape
     (one loop test and one range check per pair: positions only increase, so the second one's check covers
     both); escapes and a last odd entry take the one-entry path. Unsigned indices spare numba's negative-index
     checks."""
     zero = _F32(0.0)
     d = row.shape[0]
-    # block k = e >> _CLASS_SHIFT of the table holds group k & 1's codes 16 * (k >> 1) + nibble (group 0 inner)
-    for c in range(16):
+    # block k = e >> _CLASS_SHIFT of the table holds group k & 1's codes 2^mb * (k >> 1) + slot (group 0 inner)
+    ns = np.int64(1) << mb
+    for c in range(ns):
         lut[c] = in_lo + _F32(np.int32(c)) * in_step
-        lut[32 + c] = in_lo + _F32(np.int32(c + 16)) * in_step
+        lut[2 * ns + c] = in_lo + _F32(np.int32(c + ns)) * in_step
         vo = out_lo + _F32(np.int32(c)) * out_step
-        lut[16 + c] = vo + (to_hi if vo > zero else to_lo)
-        vo = out_lo + _F32(np.int32(c + 16)) * out_step
-        lut[48 + c] = vo + (to_hi if vo > zero else to_lo)
+        lut[ns + c] = vo + (to_hi if vo > zero else to_lo)
+        vo = out_lo + _F32(np.int32(c + ns)) * out_step
+        lut[3 * ns + c] = vo + (to_hi if vo > zero else to_lo)
     coo = span_view(pool, s0, s0 + n)
     base, p, prev = 0, -1, 0
     j = 0
@@ -246,8 +298,8 @@ def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, 
                 pos1 = base + i1
                 if pos1 >= d:  # positions only increase: pos < pos1
                     return ERR_POSITION_RANGE
-                row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos)]))]
-                row[np.uint64(pos1)] = lut[np.uint64(((e1 >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos1)]))]
+                row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << mb) | np.int64(src[np.uint64(pos)]))]
+                row[np.uint64(pos1)] = lut[np.uint64(((e1 >> _CLASS_SHIFT) << mb) | np.int64(src[np.uint64(pos1)]))]
                 p = i1
                 prev = e1
                 j += 2
@@ -272,7 +324,7 @@ def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, 
         pos = base + i
         if pos >= d:
             return ERR_POSITION_RANGE
-        row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << 4) | np.int64(src[np.uint64(pos)]))]
+        row[np.uint64(pos)] = lut[np.uint64(((e >> _CLASS_SHIFT) << mb) | np.int64(src[np.uint64(pos)]))]
         p = i
         prev = e
     return ERR_OK
@@ -285,6 +337,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     accumulator per query head to ``part_*[b, s]``; returns ``ERR_OK`` or the first codec error code met."""
     pool, page_size, rec, sb = view.pool, view.page_size, view.record_size, view.scale_bytes
     thr, ib, ob, num_kv_heads = view.thresholds, view.inner_bits, view.outer_bits, view.num_kv_heads
+    mb = view.middle_bits
     t_n = view.num_tokens
     hq_n, hd = q.shape[1], q.shape[2]
     d = num_kv_heads * hd
@@ -322,14 +375,14 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
             nlive += keep_b[tb + j] != 0
         # 1. the block's key rows
         st, ksp, koff = _decode_rows(
-            pool, page_size, rec, sb, k_dense, k_pages, k_first, k_count, k_len, thr_k, ib, ob, keep_b, tb, ksp,
+            pool, page_size, rec, sb, k_dense, k_pages, k_first, k_count, k_len, thr_k, mb, ib, ob, keep_b, tb, ksp,
             koff, kbuf[:nb],
         )  # fmt: skip
         if st != ERR_OK:
             return st  # the first error ends the item: a walker past a bad record would misread what follows
         if nlive == 0:  # nothing to attend to: only the value walker moves on
             st, vsp, voff = _decode_rows(
-                pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, ib, ob, keep_b, tb,
+                pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, mb, ib, ob, keep_b, tb,
                 vsp, voff, vbuf[:nb],
             )  # fmt: skip
             continue
@@ -369,7 +422,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
             ell[h] += total
         # 3. the block's value rows, added into every query head's accumulator
         st, vsp, voff = _decode_rows(
-            pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, ib, ob, keep_b, tb, vsp,
+            pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, mb, ib, ob, keep_b, tb, vsp,
             voff, vbuf[:nb],
         )  # fmt: skip
         if st != ERR_OK:

@@ -23,7 +23,7 @@ from numba import njit, prange, types
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from numba.extending import overload
 
-from oakenkv.format.config import OakenConfig
+from oakenkv.format.config import MIDDLE_BITS_CHOICES, OakenConfig
 from oakenkv.format.layout import (
     ADVANCE_CONTINUE,
     CHUNK_SIZE,
@@ -67,12 +67,14 @@ from oakenkv.kernels.cpu.helpers import (
     row_view,
     span_view,
 )
-from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, thresholds_tuple
+from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, grouping_tuple, thresholds_tuple
 
-#: float32 scratch per row for the decode look-up tables: 16 middle + 32 inner + 32 outer codes.
-LUT_SIZE = 80
-_LUT_INNER = 16
-_LUT_OUTER = 48
+#: float32 scratch per row for the decode look-up tables: for ``b``-bit slots, ``2^b`` middle codes at 0, then
+#: ``2^(b+1)`` inner codes at ``2^b`` and ``2^(b+1)`` outer codes at ``3 * 2^b``: 16 + 32 + 32 for the paper's 4 bits,
+#: the widest slot.
+LUT_SIZE = 5 << max(MIDDLE_BITS_CHOICES)
+# A value's code and group share one byte in the encoder (code + 32 x group): an outlier's code must stay below 32.
+assert max(MIDDLE_BITS_CHOICES) + 1 <= 5 and min(MIDDLE_BITS_CHOICES) >= 1
 
 #: Rows per parallel work item: amortises scratch allocation, small enough to balance 2..64 threads.
 _BLOCK_ROWS = 64
@@ -121,14 +123,14 @@ def _group_ends_zero(lo, step, n_codes, shift_lo, shift_hi):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def steps_decode_finite(m_lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_in, n_out):
+def steps_decode_finite(m_lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_mid, n_in, n_out):
     """The format's rule on one row's scales, given each group's code-0 value and step (float32, as the decoders
-    compute them) and ``thr`` (float32 ``[4]``): every code of each group decodes to a finite value. The decoders
-    refuse a row that breaks it (``ERR_SCALE_NONFINITE``) and the encoder never writes one (``ERR_SCALE_RANGE``);
-    NaN or infinite scales break it."""
+    compute them), its number of codes, and ``thr`` (float32 ``[4]``): every code of each group decodes to a finite
+    value. The decoders refuse a row that breaks it (``ERR_SCALE_NONFINITE``) and the encoder never writes one
+    (``ERR_SCALE_RANGE``); NaN or infinite scales break it."""
     zero = _F32(0.0)
     z = (
-        _group_ends_zero(m_lo, m_step, 16, thr[1], thr[2])
+        _group_ends_zero(m_lo, m_step, n_mid, thr[1], thr[2])
         + _group_ends_zero(i_lo, i_step, n_in, zero, zero)
         + _group_ends_zero(o_lo, o_step, n_out, thr[0], thr[3])
     )
@@ -136,20 +138,45 @@ def steps_decode_finite(m_lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_in, n_o
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def scales_decode_finite(mid_lo, mid_hi, in_lo, in_hi, out_lo, out_hi, thr, inner_bits, outer_bits):
-    """:func:`steps_decode_finite` from the six scales (float32) and the outlier groups' bits."""
-    n_in, n_out = 1 << inner_bits, 1 << outer_bits
+def scales_decode_finite(mid_lo, mid_hi, in_lo, in_hi, out_lo, out_hi, thr, inner_bits, outer_bits, middle_bits=4):
+    """:func:`steps_decode_finite` from the six scales (float32) and the groups' bits."""
+    n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
     return steps_decode_finite(
         mid_lo,
-        (mid_hi - mid_lo) / _F32(15.0),
+        (mid_hi - mid_lo) / _F32(n_mid - 1),
         in_lo,
         (in_hi - in_lo) / _F32(n_in - 1),
         out_lo,
         (out_hi - out_lo) / _F32(n_out - 1),
         thr,
+        n_mid,
         n_in,
         n_out,
     )
+
+
+@njit(cache=True, nogil=True)
+def bits_valid(middle_bits, inner_bits, outer_bits):
+    """Whether the groups' bits are a format the kernels read: a supported slot width (2..4) and outlier codes of
+    the slot's width or one more (the COO entry's code bit)."""
+    return (
+        2 <= middle_bits <= 4
+        and middle_bits <= inner_bits <= middle_bits + 1
+        and middle_bits <= outer_bits <= middle_bits + 1
+    )
+
+
+@njit(cache=True, nogil=True)
+def slot_at(dense_row, j, mb):
+    """The ``mb``-bit dense slot of value ``j`` (int64): bits ``mb * j ..`` of the row's little-endian bit stream
+    (``oakenkv.format.layout``); a 3-bit slot may straddle two bytes. The caller checks ``j < D``."""
+    o = np.uint64(j * mb)
+    i = o >> np.uint64(3)
+    sh = o & np.uint64(7)
+    v = np.int64(dense_row[i]) >> np.int64(sh)
+    if sh + np.uint64(mb) > np.uint64(8):
+        v |= np.int64(dense_row[i + np.uint64(1)]) << np.int64(np.uint64(8) - sh)
+    return v & ((np.int64(1) << mb) - 1)
 
 
 @njit(cache=True, nogil=True)
@@ -380,42 +407,48 @@ def _key_value(k):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _min_above(x, lo, hi):
-    """Smallest ``v - lo`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero.
+def _min_above(x, lo, hi, sub):
+    """Smallest ``v - sub`` over values ``lo < v <= hi`` (inf if none): a one-sided group's value nearest zero
+    (``lo``: the group's grouping threshold, ``sub``: its shift threshold, ``sub <= lo``).
 
-    ``fl(v - lo)`` does not decrease as ``v`` grows, so it is ``fl(min v - lo)``; the smallest ``v`` is found by
+    ``fl(v - sub)`` does not decrease as ``v`` grows, so it is ``fl(min v - sub)``; the smallest ``v`` is found by
     its int32 key (see _key: integer reductions vectorize, numba's float min() does not; docs/perf-notes.md)."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMAX
     for j in range(x.shape[0]):
         k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = min(best, k if (k > k_lo) & (k <= k_hi) else _KMAX)
-    return _INF32 if best == _KMAX else _key_value(best) - lo
+    return _INF32 if best == _KMAX else _key_value(best) - sub
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _min_below(x, lo, hi):
-    """Smallest ``hi - v`` over values ``lo <= v < hi`` (inf if none): ``fl(hi - max v)``, as in _min_above."""
+def _min_below(x, lo, hi, sub):
+    """Smallest ``sub - v`` over values ``lo <= v < hi`` (inf if none): ``fl(sub - max v)``, as in _min_above."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMIN
     for j in range(x.shape[0]):
         k = _key(np.float32(f32_at(x, j)).view(np.int32))
         best = max(best, k if (k >= k_lo) & (k < k_hi) else _KMIN)
-    return _INF32 if best == _KMIN else hi - _key_value(best)
+    return _INF32 if best == _KMIN else sub - _key_value(best)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out):
+def _row_codes(
+    x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
+    n_in, n_out,
+):  # fmt: skip
     """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize.
 
+    ``go_lo, gi_lo, gi_hi, go_hi`` group the values (Eq. 1), ``to_lo, ti_lo, ti_hi, to_hi`` shift them (Eq. 4;
+    the same numbers unless an adaptive encoder groups with thresholds on or beyond them, ``oakenkv.quant.adapt``).
     Branch-free selects so that LLVM can vectorize it; no fast-math (true division, floor, exact order). The row
-    holds no NaN (rejected by pass 1), so four comparisons decide everything: inner is "neither above ti_hi nor
-    below ti_lo", and the reference's ``signed & (s > 0)`` is "above ti_hi" (``s = v - sh`` with ``sh`` ti_hi or
-    to_hi < v, and a difference of distinct floats is never 0), ``signed & (s < 0)`` "below ti_lo".
+    holds no NaN (rejected by pass 1), so four comparisons decide everything: inner is "neither above gi_hi nor
+    below gi_lo", and the reference's ``signed & (s > 0)`` is "above gi_hi" (``s = v - sh`` with ``sh`` ti_hi or
+    to_hi < v, and a difference of distinct floats is never 0), ``signed & (s < 0)`` "below gi_lo".
     """
     zero, one, half = _F32(0.0), _F32(1.0), _F32(0.5)
     # per group: the divisor, and the top code (0 for a zero step: such a group has only code 0)
-    top_m = _F32(15.0) if m_step > zero else zero
+    top_m = _F32(n_mid - 1) if m_step > zero else zero
     top_i = _F32(n_in - 1) if i_step > zero else zero
     top_o = _F32(n_out - 1) if o_step > zero else zero
     safe_m = m_step if m_step > zero else one
@@ -423,10 +456,10 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
     safe_o = o_step if o_step > zero else one
     for j in range(x.shape[0]):
         v = f32_at(x, j)
-        up_o = v > to_hi
-        dn_o = v < to_lo
-        up = v > ti_hi
-        dn = v < ti_lo
+        up_o = v > go_hi
+        dn_o = v < go_lo
+        up = v > gi_hi
+        dn = v < gi_lo
         outer = up_o | dn_o
         inner = not (up | dn)
         sh = to_hi if up_o else (to_lo if dn_o else (ti_hi if up else (ti_lo if dn else zero)))
@@ -449,10 +482,10 @@ def _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og
 _LANES = np.uint64(0x0706050403020100)  # each byte's index inside its 8-byte word
 _LANE_STEP = np.uint64(0x0808080808080808)
 # A code byte is code + 32 * group (group 0 middle, 1 inner, 2 outer): its bit 6 is the entry's group bit (outer)
-# and its bit 4 the fifth code bit, which the entry keeps in bit 7. Per byte of a uint64 word:
-assert COO_GROUP_BIT == 0x40 and COO_CODE_BIT4 == 0x10 << 3
+# and its bit b (b = the slot width) the top code bit, which the entry keeps in bit 7. Per byte of a uint64 word:
+assert COO_GROUP_BIT == 0x40 and COO_CODE_BIT4 == 0x80
 _GROUP_BITS = np.uint64(0x4040404040404040)
-_CODE_BIT4S = np.uint64(0x1010101010101010)
+_TOP_BITS = np.uint64(0x8080808080808080)
 
 
 @njit(cache=True, nogil=True)
@@ -536,17 +569,21 @@ _emit_coo = _coo_compress if HW_COMPRESS else _coo_bits
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16):
+def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16):
     """Quantize and pack one row.
 
     Args:
         x: float32 ``[D]``, or fp16 bit patterns (uint16 ``[D]``, each value widened exactly where it is read);
             thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
-        dense_row: uint8 ``[ceil(D/2)]`` (out); scales_row: float32 ``[6]`` (out; already rounded to the scale
-        dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
+        middle_bits, inner_bits, outer_bits: the groups' code bits (the slot width; it or one more).
+        dense_row: uint8 ``[dense_bytes(D, middle_bits)]`` (out); scales_row: float32 ``[6]`` (out; already rounded
+        to the scale dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
         h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
-            keys, compared with ``k16 = threshold_keys16(thr)``), or empty (``k16`` unused).
+            keys, compared with ``k16 = threshold_keys16`` of the grouping thresholds), or empty (``k16`` unused).
+
+    ``thr`` may hold 8 values: the shift thresholds (what the decoder adds back), then the thresholds the values
+    are grouped by, each on or beyond its shift threshold (``oakenkv.quant.adapt``); 4 values group and shift alike.
 
     Returns:
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
@@ -554,6 +591,9 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     d = x.shape[0]
     comb, words, halves, bmask, cmask, ent, ents = scratch
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    go_lo, gi_lo, gi_hi, go_hi = to_lo, ti_lo, ti_hi, to_hi
+    if thr.shape[0] >= 8:
+        go_lo, gi_lo, gi_hi, go_hi = thr[4], thr[5], thr[6], thr[7]
     zero = _F32(0.0)
     # pass 1: extremes as order-preserving int32 keys -> float32 statistics of the shifted values
     if h16.shape[0] == d:
@@ -561,35 +601,35 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     else:
         bad, k0, k1, k2, k3, k4, k5 = _row_key_stats(
             x,
-            _key(np.float32(to_lo).view(np.int32)),
-            _key(np.float32(ti_lo).view(np.int32)),
-            _key(np.float32(ti_hi).view(np.int32)),
-            _key(np.float32(to_hi).view(np.int32)),
+            _key(np.float32(go_lo).view(np.int32)),
+            _key(np.float32(gi_lo).view(np.int32)),
+            _key(np.float32(gi_hi).view(np.int32)),
+            _key(np.float32(go_hi).view(np.int32)),
         )
     if bad:
         return -ERR_NONFINITE
     vmax, vmin, v_le_tohi, v_ge_tolo = _key_value(k0), _key_value(k1), _key_value(k2), _key_value(k3)
     v_ge_tilo, v_le_tihi = _key_value(k4), _key_value(k5)
     # outer: largest magnitudes from the row's extremes (v - c is monotonic in v, so max(v) - c = max(v - c))
-    o_has_hi = vmax > to_hi
-    o_has_lo = vmin < to_lo
+    o_has_hi = vmax > go_hi
+    o_has_lo = vmin < go_lo
     o_hi = vmax - to_hi if o_has_hi else zero
     o_lo = to_lo - vmin if o_has_lo else zero
     # middle: extremes among the values inside the outer thresholds
-    m_has_hi = k2 != _KMIN and v_le_tohi > ti_hi
-    m_has_lo = k3 != _KMAX and v_ge_tolo < ti_lo
+    m_has_hi = k2 != _KMIN and v_le_tohi > gi_hi
+    m_has_lo = k3 != _KMAX and v_ge_tolo < gi_lo
     m_hi = v_le_tohi - ti_hi if m_has_hi else zero
     m_lo = ti_lo - v_ge_tolo if m_has_lo else zero
     # a one-sided group also needs its value nearest zero (plain grid): a second, rare pass
-    o_hi_min = _min_above(x, to_hi, _INF32) if o_has_hi and not o_has_lo else _INF32
-    o_lo_min = _min_below(x, -_INF32, to_lo) if o_has_lo and not o_has_hi else _INF32
-    m_hi_min = _min_above(x, ti_hi, to_hi) if m_has_hi and not m_has_lo else _INF32
-    m_lo_min = _min_below(x, to_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
-    n_mid, n_in, n_out = 16, 1 << inner_bits, 1 << outer_bits
+    o_hi_min = _min_above(x, go_hi, _INF32, to_hi) if o_has_hi and not o_has_lo else _INF32
+    o_lo_min = _min_below(x, -_INF32, go_lo, to_lo) if o_has_lo and not o_has_hi else _INF32
+    m_hi_min = _min_above(x, gi_hi, go_hi, ti_hi) if m_has_hi and not m_has_lo else _INF32
+    m_lo_min = _min_below(x, go_lo, gi_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
+    n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
     mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
     og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
-    # inner: min of the values >= ti_lo is the inner minimum if it is <= ti_hi (else the group is empty)
-    i_has = k4 != _KMAX and v_ge_tilo <= ti_hi
+    # inner: min of the values >= gi_lo is the inner minimum if it is <= gi_hi (else the group is empty)
+    i_has = k4 != _KMAX and v_ge_tilo <= gi_hi
     i_min = v_ge_tilo if i_has else zero
     i_max = v_le_tihi if i_has else zero
     mg0, ok0 = _store_scale(mg0, fp16)
@@ -608,30 +648,55 @@ def encode_row(x, thr, inner_bits, outer_bits, fp16, dense_row, scales_row, spar
     o_step = (og1 - og0) / _F32(n_out - 1)
     # never write a row the decoder refuses: infinite fp32 scales (a range beyond float32), or values that the
     # threshold shift takes beyond it
-    if not steps_decode_finite(mg0, m_step, ig0, i_step, og0, o_step, thr, n_in, n_out):
+    if not steps_decode_finite(mg0, m_step, ig0, i_step, og0, o_step, thr, n_mid, n_in, n_out):
         return -ERR_SCALE_RANGE
     # pass 2: codes and groups
-    _row_codes(x, comb, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_in, n_out)
-    # pass 3: dense nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
-    half = d >> 1
-    for j in range(half):
-        w = halves[j]
-        dense_row[j] = np.uint8((w & np.uint16(0xF)) | ((w >> np.uint16(4)) & np.uint16(0xF0)))
-    if d & 1:
-        dense_row[half] = np.uint8(comb[d - 1] & 0xF)
+    _row_codes(
+        x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
+        n_in, n_out,
+    )  # fmt: skip
+    # pass 3: the dense slots
+    if middle_bits == 4:  # nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
+        half = d >> 1
+        for j in range(half):
+            w = halves[j]
+            dense_row[j] = np.uint8((w & np.uint16(0xF)) | ((w >> np.uint16(4)) & np.uint16(0xF0)))
+        if d & 1:
+            dense_row[half] = np.uint8(comb[d - 1] & 0xF)
+    else:
+        _pack_slots(words, d, middle_bits, dense_row)
+    # bit 7 of each byte of a word shifted left by 7 - b is the byte's code bit b (the top bit of a b + 1-bit code)
+    top_shift = np.uint64(7 - middle_bits)
     # pass 4: one bit per value, set for an outlier (a byte >= 32: it has a group bit). Per 8 bytes: adding 0x60
     # to each byte (<= 95, no carry) sets its bit 7 iff it is >= 32, and the multiplication gathers the 8 bits into
     # the top byte. Vectorizes; the byte masks of 8 consecutive words are one chunk's 64-bit mask (little-endian).
     # comb's tail beyond D is zero (middle, code 0). Also each value's COO entry, were it an outlier: its index in
-    # the chunk, the group bit (bit 6 of its byte: outer), the fifth code bit (bit 4, moved to bit 7).
+    # the chunk, the group bit (bit 6 of its byte: outer), the top code bit (bit b, moved to bit 7).
     for w in range(words.shape[0]):
         cw = words[w]
         g = ((cw + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
         bmask[w] = np.uint8((g * np.uint64(0x0102040810204080)) >> np.uint64(56))
         lanes = _LANES + np.uint64(w & 7) * _LANE_STEP
-        ents[w] = lanes | (cw & _GROUP_BITS) | ((cw & _CODE_BIT4S) << np.uint64(3))
+        ents[w] = lanes | (cw & _GROUP_BITS) | ((cw << top_shift) & _TOP_BITS)
     # pass 5: the COO stream
     return _emit_coo(ent, cmask, sparse_row)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pack_slots(words, d, mb, dense_row):
+    """Pass 3 of encode_row for slots of ``mb`` bits other than 4: the low ``mb`` bits of each code byte (8 per
+    uint64 word of ``comb``) into the row's little-endian bit stream, ``mb`` bytes per word; the last word writes
+    only the bytes the row has. comb's tail beyond D is zero, so the padding bits are 0."""
+    nbytes = dense_row.shape[0]
+    mask = np.uint64((1 << mb) - 1)
+    for w in range((d + 7) >> 3):
+        cw = words[w]
+        acc = np.uint64(0)
+        for k in range(8):
+            acc |= ((cw >> np.uint64(8 * k)) & mask) << np.uint64(mb * k)
+        base = w * mb
+        for i in range(min(mb, nbytes - base)):
+            dense_row[base + i] = np.uint8((acc >> np.uint64(8 * i)) & np.uint64(0xFF))
 
 
 @njit(cache=True, nogil=True)
@@ -648,11 +713,13 @@ def comb_scratch(d):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts):
+def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits=4):
     """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
 
     Args:
         x: float32 ``[n, D]``; thr: float32 ``[n, 4]``, each row's thresholds (a step mixes keys and values).
+        inner_bits, outer_bits, middle_bits: the groups' code bits (``middle_bits``, the slot width, last: it came
+            after the others, and the paper's 4 is its default).
         fp16, scale_bytes: the scales' dtype (fp16, else fp32) and the bytes they take in a record
             (``oakenkv.format.layout.scale_bytes``).
         records: uint8 ``[n, record_size]`` (out): the page-record layout of ``oakenkv.format.layout`` (the six scales
@@ -669,8 +736,9 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, s
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
         cnt = encode_row(
-            x[r], thr[r], inner_bits, outer_bits, fp16, records[r, scale_bytes:], sc, sparse[r], scr, no_h16, no_h16
-        )
+            x[r], thr[r], middle_bits, inner_bits, outer_bits, fp16, records[r, scale_bytes:], sc, sparse[r], scr,
+            no_h16, no_h16,
+        )  # fmt: skip
         counts[r] = cnt
         if cnt < 0:
             continue
@@ -693,8 +761,9 @@ _KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_block(
-    xs, hs, r0, r1, rows, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts, k16
-):
+    xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
+    k16,
+):  # fmt: skip
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
     helpers that take arrays): a numba call costs time per array argument and encode_row takes fourteen;
@@ -718,7 +787,7 @@ def _encode_block(
         # borrowed views (the arrays outlive the loop; cursor + cap <= len(scratch))
         sp, dense_r = span_view(scratch, cursor, cursor + cap), row_view(dense, r)
         x_r, h_r = row_view(xs, r - rows), row_view(hs, r - rows)
-        cnt = encode_row(x_r, thr_b, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b)
+        cnt = encode_row(x_r, thr_b, middle_bits, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b)
         for i in range(NUM_SCALES):
             scales[r, i] = out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
         counts[r] = cnt
@@ -728,7 +797,9 @@ def _encode_block(
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts):
+def _encode_rows(
+    x32, xbits, kind, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts
+):
     """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
     ``xbits`` (uint16 ``[N, D]``; fp16 is read in place, bf16 widened exactly per block); the other input is
     unused (pass any ``[N, 0]``).
@@ -741,15 +812,15 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
     d = x32.shape[1] if kind == _KIND_F32 else xbits.shape[1]
     cap = scratch.shape[0] // max(n, 1)
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
-    k16 = threshold_keys16(thr)
+    k16 = threshold_keys16(thr[4:8] if thr.shape[0] >= 8 else thr)  # of the grouping thresholds
     x16 = xbits.view(np.int16)
     no_h16 = np.empty((n, 0), np.int16)
     for b in prange(nblocks):
         r0, r1 = b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)
         if kind == _KIND_F16:  # read in place, each value widened where it is used
             _encode_block(
-                xbits, x16, r0, r1, 0, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-                counts, k16,
+                xbits, x16, r0, r1, 0, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
+                starts, counts, k16,
             )  # fmt: skip
         else:  # float32 rows; bf16 blocks are widened exactly to float32 first
             xs, rows = x32, 0
@@ -758,8 +829,8 @@ def _encode_rows(x32, xbits, kind, thr, inner_bits, outer_bits, fp16, dense, sca
                 for r in range(r0, r1):
                     widen_bf16_row(xbits[r], xs[r - r0])
             _encode_block(
-                xs, no_h16, r0, r1, rows, thr, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-                counts, k16,
+                xs, no_h16, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
+                starts, counts, k16,
             )  # fmt: skip
 
 
@@ -798,8 +869,11 @@ def first_error(status):
     return -1
 
 
-def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> EncodedBatch:
-    """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``."""
+def encode_batch(
+    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig, group: ThresholdsLike | None = None
+) -> EncodedBatch:
+    """Quantize and pack rows ``x`` (float ``[N, D]``: fp32, fp16 or bf16). Same bytes as ``pack(quantize(x))``
+    (with ``group``: ``quantize(x, thr, config, group)``, grouping thresholds apart from the shift ones)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"encode expects a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2:
@@ -807,7 +881,7 @@ def encode_batch(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> E
     d = x.shape[1]
     if not 1 <= d <= MAX_DIM:
         raise ValueError(f"row width D must be in [1, {MAX_DIM}], got {d}")
-    thr_a = _thr_array(thr)
+    thr_a = np.asarray(grouping_tuple(thr, group), dtype=np.float32)
     x = x.detach()
     if x.dtype in (torch.float16, torch.bfloat16):
         kind = _KIND_BF16 if x.dtype == torch.bfloat16 else _KIND_F16
@@ -824,7 +898,8 @@ def encode_trusted(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> Enc
     Args:
         x32: C-contiguous float32 ``[N, D]``, ``1 <= D <= MAX_DIM`` (non-finite values still raise).
         thr: C-contiguous float32 ``[4]``, thresholds validated as :func:`oakenkv.quant.quantizer.thresholds_tuple` does
-            (``PagedKVStore.thr``).
+            (``PagedKVStore.thr``), or ``[8]``: shift thresholds, then grouping ones
+            (:func:`oakenkv.quant.quantizer.grouping_tuple`).
     """
     return _encode(x32, np.empty((x32.shape[0], 0), np.uint16), _KIND_F32, thr, config)
 
@@ -832,7 +907,7 @@ def encode_trusted(x32: np.ndarray, thr: np.ndarray, config: OakenConfig) -> Enc
 def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, config: OakenConfig) -> EncodedBatch:
     n, d = x32.shape if kind == _KIND_F32 else xbits.shape
     fp16 = config.scale_dtype == "float16"
-    dense = np.empty((n, dense_bytes(d)), np.uint8)
+    dense = np.empty((n, dense_bytes(d, config.middle_bits)), np.uint8)
     scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
     # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only the
     # bytes really written are touched (fresh pages cost a fault each; docs/perf-notes.md).
@@ -840,8 +915,9 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
     _encode_rows(
-        x32, xbits, kind, thr_a, config.inner_bits, config.outer_bits, fp16, dense, scales, scratch, starts, counts
-    )
+        x32, xbits, kind, thr_a, config.middle_bits, config.inner_bits, config.outer_bits, fp16, dense, scales,
+        scratch, starts, counts,
+    )  # fmt: skip
     offsets = np.empty(n + 1, np.int64)
     r = _sparse_offsets(counts, offsets)
     if r >= 0:
@@ -863,43 +939,71 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
 
 
 @njit(cache=True, nogil=True)
-def fill_lut(scales_row, thr, inner_bits, outer_bits, lut):
+def fill_lut(scales_row, thr, inner_bits, outer_bits, lut, middle_bits=4):
     """The dequantized value of every code of the row's three groups (float32, exactly quant.dequantize).
 
-    ``lut``: float32 ``[LUT_SIZE]``: middle codes at 0..15, inner at 16.., outer at 48... Returns ``ERR_OK``, or
-    ``ERR_SHAPE`` (nothing written) when an array is too short or a group's bits are not 4 or 5 (the table's
-    layout holds 32 codes per outlier group).
+    ``lut``: float32 ``[LUT_SIZE]``: for ``b = middle_bits``, middle codes at ``0..2^b - 1``, inner at ``2^b..``,
+    outer at ``3 * 2^b..`` (the paper's 4 bits: 0..15, 16.., 48..). Returns ``ERR_OK``, or ``ERR_SHAPE`` (nothing
+    written) when an array is too short or the groups' bits are not a format the kernels read (:func:`bits_valid`).
     """
     if (
         lut.shape[0] < LUT_SIZE
         or scales_row.shape[0] < NUM_SCALES
         or thr.shape[0] < 4
-        or not 4 <= inner_bits <= 5
-        or not 4 <= outer_bits <= 5
+        or not bits_valid(middle_bits, inner_bits, outer_bits)
     ):
         return ERR_SHAPE
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
+    n_mid = 1 << middle_bits
     lo = scales_row[0]
-    step = (scales_row[1] - lo) / _F32(15.0)
-    for c in range(16):
+    step = (scales_row[1] - lo) / _F32(n_mid - 1)
+    for c in range(n_mid):
         v = lo + _F32(c) * step
         lut[c] = v + (ti_hi if v > _F32(0.0) else ti_lo)
     n_in = 1 << inner_bits
     lo = scales_row[2]
     step = (scales_row[3] - lo) / _F32(n_in - 1)
     for c in range(n_in):
-        lut[_LUT_INNER + c] = lo + _F32(c) * step
+        lut[n_mid + c] = lo + _F32(c) * step
     n_out = 1 << outer_bits
     lo = scales_row[4]
     step = (scales_row[5] - lo) / _F32(n_out - 1)
     for c in range(n_out):
         v = lo + _F32(c) * step
-        lut[_LUT_OUTER + c] = v + (to_hi if v > _F32(0.0) else to_lo)
+        lut[3 * n_mid + c] = v + (to_hi if v > _F32(0.0) else to_lo)
     return ERR_OK
 
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _walk_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out):
+    """:func:`_walk` compiled once per slot width (``_walk_outliers4`` / ``3`` / ``2``, in each of which
+    ``middle_bits`` is a constant: the paper's 4-bit slots run the nibble arithmetic they ran before slot widths were
+    a parameter; a runtime width had cost their decode ~25%). Inlined: where the caller's width is a constant too,
+    only one call remains."""
+    if middle_bits == 4:
+        return _walk_outliers4(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    if middle_bits == 3:
+        return _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    return _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+def _walk_outliers4(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 4, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 3, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
+    return _walk(dense_row, sparse_row, d, 2, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out):
     """Walk one row's COO stream, validating every byte, and overwrite its outliers in ``out`` (float32 or fp16
     bits as uint16).
 
@@ -914,9 +1018,12 @@ def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, 
     zero = _F32(0.0)
     # Indices are cast to unsigned: they are >= 0 by construction and bounds-checked against ns / d, and numba
     # then skips its negative-index wrap-around checks (docs/perf-notes.md).
-    # entry bits that must be 0 for each group: a 4-bit group has no fifth code bit
-    f_in = np.int64(0x80 if inner_bits < 5 else 0)
-    f_out = np.int64(0x80 if outer_bits < 5 else 0)
+    # entry bits that must be 0 for each group: a group whose codes fit the slot has no top code bit
+    f_in = np.int64(0x80 if inner_bits <= middle_bits else 0)
+    f_out = np.int64(0x80 if outer_bits <= middle_bits else 0)
+    nib = middle_bits == 4
+    # lut index of an outlier: inner codes at 2^b.., outer at 3 * 2^b.. (the group bit, 0x40, shifted to 2^(b+1))
+    lut_group_shift = np.int64(5 - middle_bits)
     bad_bits = np.int64(0)
     c, p, prev = 0, -1, 0  # prev = -1 stands for "None" (after an escape)
     j = 0
@@ -951,38 +1058,42 @@ def _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, 
         outer = (e & COO_GROUP_BIT) != 0
         bad_bits |= e & (f_out if outer else f_in)
         upos = np.uint64(pos)
-        code = ((np.int64(dense_row[upos >> np.uint64(1)]) >> ((pos & 1) << 2)) & 0xF) | ((e >> 7) << 4)
+        if nib:
+            code = ((np.int64(dense_row[upos >> np.uint64(1)]) >> ((pos & 1) << 2)) & 0xF) | ((e >> 7) << 4)
+        else:
+            code = slot_at(dense_row, pos, middle_bits) | ((e >> 7) << middle_bits)
         if direct:
             # branch-free: the group of consecutive outliers is random, a branch on it would mispredict
             v = (o_lo if outer else i_lo) + _F32(code) * (o_step if outer else i_step)
             w = v + (to_hi if v > zero else to_lo)
             out[upos] = out_elem(w if outer else v, out)
         else:
-            # lut index: inner codes at 16.., outer at 48..
-            out[upos] = lut[_LUT_INNER + ((e & COO_GROUP_BIT) >> 1) + code]
+            # lut index: inner codes at 2^b.., outer at 3 * 2^b.. (16.. and 48.. for 4-bit slots)
+            out[upos] = lut[(np.int64(1) << middle_bits) + ((e & COO_GROUP_BIT) >> lut_group_shift) + code]
         p = i
         prev = e
     return ERR_FIFTH_BIT if bad_bits else ERR_OK
 
 
 @njit(cache=True, nogil=True)
-def _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out):
+def _scatter_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, out):
     """Walk one row's COO stream and overwrite its outliers in ``out`` from ``lut`` (see _walk_outliers)."""
-    return _walk_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, _NO_GRID, out)
+    return _walk_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, _NO_GRID, out)
 
 
 @njit(cache=True, nogil=True)
-def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut):
+def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut, middle_bits=4):
     """Decode one row into ``out`` using caller-provided scratch ``lut`` (float32 ``[LUT_SIZE]``).
 
     Args:
-        dense_row: uint8 ``[ceil(D/2)]``; sparse_row: uint8 ``[S]`` (this row's COO stream only);
-        scales_row: float32 ``[6]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; out: float32 ``[D]``.
+        dense_row: uint8 ``[dense_bytes(D, middle_bits)]``; sparse_row: uint8 ``[S]`` (this row's COO stream
+        only); scales_row: float32 ``[6]``; thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; out: float32
+        ``[D]``; inner_bits, outer_bits, middle_bits: the groups' code bits (:func:`bits_valid`).
 
     Every input is checked before it is used, so untrusted bytes never make it read or write out of bounds:
-    ``ERR_SHAPE`` for arrays of other dtypes or sizes (``1 <= D <= MAX_DIM``) or bits other than 4 and 5,
+    ``ERR_SHAPE`` for arrays of other dtypes or sizes (``1 <= D <= MAX_DIM``) or bits the format does not have,
     ``ERR_THRESHOLDS`` for thresholds that are not finite and ordered, ``ERR_SCALE_NONFINITE`` for scales that
-    do not decode to finite values, ``ERR_PADDING`` for a non-zero padding nibble, and the stream's codes.
+    do not decode to finite values, ``ERR_PADDING`` for non-zero padding bits, and the stream's codes.
 
     Returns:
         ``ERR_OK`` (0) or an ``ERR_*`` code; ``out`` is then partly written and must not be used.
@@ -992,37 +1103,44 @@ def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits,
     d = out.shape[0]
     if (
         not 1 <= d <= MAX_DIM
-        or dense_row.shape[0] != (d + 1) // 2
+        or not 2 <= middle_bits <= 4
+        or dense_row.shape[0] != (middle_bits * d + 7) // 8
         or scales_row.ndim != 1
         or thr.ndim != 1
-        or fill_lut(scales_row, thr, inner_bits, outer_bits, lut) != ERR_OK
+        or fill_lut(scales_row, thr, inner_bits, outer_bits, lut, middle_bits) != ERR_OK
     ):
         return ERR_SHAPE
     if not thresholds_valid(thr):
         return ERR_THRESHOLDS
     # the decoded values of each group's end codes, as in _decode_rows (lut holds them: fill_lut's arithmetic)
-    n_in, n_out = 1 << inner_bits, 1 << outer_bits
-    ends = (lut[0], lut[15], lut[_LUT_INNER], lut[_LUT_INNER + n_in - 1], lut[_LUT_OUTER], lut[_LUT_OUTER + n_out - 1])
+    n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
+    ends = (lut[0], lut[n_mid - 1], lut[n_mid], lut[n_mid + n_in - 1], lut[3 * n_mid], lut[3 * n_mid + n_out - 1])
     for v in ends:
         if not np.isfinite(v):
             return ERR_SCALE_NONFINITE
-    half = d >> 1
-    if d & 1 and dense_row[half] >> 4:
+    nbytes = dense_row.shape[0]
+    pad = 8 * nbytes - middle_bits * d
+    if pad and dense_row[nbytes - 1] >> (8 - pad):
         return ERR_PADDING
-    for j in range(half):
-        b = dense_row[j]
-        out[2 * j] = lut[b & 0xF]
-        out[2 * j + 1] = lut[b >> 4]
-    if d & 1:
-        out[d - 1] = lut[dense_row[half] & 0xF]
-    return _scatter_outliers(dense_row, sparse_row, d, inner_bits, outer_bits, lut, out)
+    if middle_bits == 4:
+        half = d >> 1
+        for j in range(half):
+            b = dense_row[j]
+            out[2 * j] = lut[b & 0xF]
+            out[2 * j + 1] = lut[b >> 4]
+        if d & 1:
+            out[d - 1] = lut[dense_row[half] & 0xF]
+    else:
+        for j in range(d):
+            out[j] = lut[slot_at(dense_row, j, middle_bits)]
+    return _scatter_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, out)
 
 
 @njit(cache=True, nogil=True)
-def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, outer_bits=5):
-    """Decode one row into float32 ``out[D]`` (allocates its 80-float look-up table; see decode_row_into_lut)."""
+def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, outer_bits=5, middle_bits=4):
+    """Decode one row into float32 ``out[D]`` (allocates its look-up table; see decode_row_into_lut)."""
     lut = np.empty(LUT_SIZE, np.float32)
-    return decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut)
+    return decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits, outer_bits, lut, middle_bits)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1033,11 +1151,14 @@ def decode_row_into(dense_row, sparse_row, scales_row, thr, out, inner_bits=5, o
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
-    """Every nibble of ``dense_row`` dequantized as a middle-group code into ``out`` (float32 or fp16 bits), with
-    ``fill_lut``'s float32 operations; the outliers are overwritten afterwards. Vectorizes (no table look-up)."""
+def _dense_middle(dense_row, mb, lo, step, ti_lo, ti_hi, out):
+    """Every ``mb``-bit slot of ``dense_row`` dequantized as a middle-group code into ``out`` (float32 or fp16 bits),
+    with ``fill_lut``'s float32 operations; the outliers are overwritten afterwards. Vectorizes (no table look-up)."""
     zero = _F32(0.0)
     d = out.shape[0]
+    if mb != 4:
+        _dense_middle_slots(dense_row, mb, lo, step, ti_lo, ti_hi, out)
+        return
     for j in range(d >> 1):
         b = np.int32(dense_row[j])
         # int32 casts: numba types int32 & int32 as int64, and 64-bit lanes would narrow the vectorization
@@ -1050,6 +1171,25 @@ def _dense_middle(dense_row, lo, step, ti_lo, ti_hi, out):
         out[d - 1] = out_elem(v + (ti_hi if v > zero else ti_lo), out)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dense_middle_slots(dense_row, mb, lo, step, ti_lo, ti_hi, out):
+    """_dense_middle for slots of 2 or 3 bits: eight values (``mb`` bytes) at a time from a 64-bit word of the bit
+    stream; the last group reads only the bytes the row has."""
+    zero = _F32(0.0)
+    d = out.shape[0]
+    nbytes = dense_row.shape[0]
+    mask = np.int64((1 << mb) - 1)
+    for g in range((d + 7) >> 3):
+        base = g * mb
+        acc = np.int64(0)
+        for i in range(min(mb, nbytes - base)):
+            acc |= np.int64(dense_row[base + i]) << np.int64(8 * i)
+        j0 = g * 8
+        for k in range(min(8, d - j0)):
+            v = lo + _F32(np.int32((acc >> np.int64(mb * k)) & mask)) * step
+            out[j0 + k] = out_elem(v + (ti_hi if v > zero else ti_lo), out)
+
+
 #: Rows at least this wide take their outliers' values from a per-row table (~40 outliers or more), narrower rows
 #: compute each one (see _walk_outliers).
 _LUT_MIN_DIM = 512
@@ -1060,58 +1200,93 @@ _NO_GRID = np.zeros(6, np.float32)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _decode_one(dense_r, sr, sp, thr, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, out_r):
+def _decode_one(dense_r, sr, sp, thr, middle_bits, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, out_r):
     """One row of the batch decoders: nibbles ``dense_r``, six scales ``sr`` (float32, or fp16 bits as uint16),
     COO stream ``sp``, thresholds ``thr`` (float32 ``[4]``) into ``out_r`` (float32 or fp16 bits); returns ERR_OK
     or ``ERR_*``. ``sc32``, ``lut32``, ``lut`` and ``grid`` are the caller's scratch. Inlined into its callers (a
     numba call costs time per array argument)."""
-    n_in, n_out = _F32((1 << inner_bits) - 1), _F32((1 << outer_bits) - 1)
+    n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
     lo, i_lo, o_lo = f32_at(sr, 0), f32_at(sr, 2), f32_at(sr, 4)
-    m_step = (f32_at(sr, 1) - lo) / _F32(15.0)
-    i_step = (f32_at(sr, 3) - i_lo) / n_in
-    o_step = (f32_at(sr, 5) - o_lo) / n_out
-    if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, 1 << inner_bits, 1 << outer_bits):
+    m_step = (f32_at(sr, 1) - lo) / _F32(n_mid - 1)
+    i_step = (f32_at(sr, 3) - i_lo) / _F32(n_in - 1)
+    o_step = (f32_at(sr, 5) - o_lo) / _F32(n_out - 1)
+    if not steps_decode_finite(lo, m_step, i_lo, i_step, o_lo, o_step, thr, n_mid, n_in, n_out):
         return ERR_SCALE_NONFINITE
-    _dense_middle(dense_r, lo, m_step, thr[1], thr[2], out_r)
+    _dense_middle(dense_r, middle_bits, lo, m_step, thr[1], thr[2], out_r)
     grid[4], grid[5] = thr[0], thr[3]
     if use_lut:
         for i in range(NUM_SCALES):
             sc32[i] = f32_at(sr, i)
-        fill_lut(sc32, thr, inner_bits, outer_bits, lut32)
+        fill_lut(sc32, thr, inner_bits, outer_bits, lut32, middle_bits)
         for i in range(LUT_SIZE):
             lut[i] = out_elem(lut32[i], lut)
     else:
         grid[0], grid[1] = i_lo, i_step
         grid[2], grid[3] = o_lo, o_step
-    return _walk_outliers(dense_r, sp, out_r.shape[0], inner_bits, outer_bits, lut, grid, out_r)
+    return _walk_outliers(dense_r, sp, out_r.shape[0], middle_bits, inner_bits, outer_bits, lut, grid, out_r)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _decode_rows(dense, sparse, offsets, scales, thr, inner_bits, outer_bits, out, status):
+def _decode_rows(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, out, status):
     """Decode every row into ``out`` ([N, D] float32, or uint16 fp16 bits); ``status[r]``: ERR_OK or ``ERR_*``."""
-    n, d = out.shape
-    use_lut = d >= _LUT_MIN_DIM
+    n = out.shape[0]
     nblocks = (n + _BLOCK_ROWS - 1) // _BLOCK_ROWS
     for b in prange(nblocks):
-        sc32 = np.empty(NUM_SCALES, np.float32)
-        lut32 = np.empty(LUT_SIZE, np.float32)
-        lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
-        grid = np.empty(6, np.float32)
-        for r in range(b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)):
-            # borrowed row views (no reference counting; the arrays outlive the loop)
-            sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
-            status[r] = _decode_one(
-                row_view(dense, r), row_view(scales, r), sp, thr, inner_bits, outer_bits, use_lut, sc32, lut32, lut,
-                grid, row_view(out, r),
-            )  # fmt: skip
+        r0, r1 = b * _BLOCK_ROWS, min(n, (b + 1) * _BLOCK_ROWS)
+        _decode_block(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, r0, r1, out, status)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status):
-    """Decode rows in page-record form (what :func:`encode_records` writes, the same arguments before ``out``) into
+def _decode_block(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, r0, r1, out, status):
+    """Rows ``r0:r1`` of :func:`_decode_rows`, with the block's scratch; the row loop is compiled once per slot
+    width (a constant in each copy, see :func:`_walk_outliers`)."""
+    use_lut = out.shape[1] >= _LUT_MIN_DIM
+    sc32 = np.empty(NUM_SCALES, np.float32)
+    lut32 = np.empty(LUT_SIZE, np.float32)
+    lut = np.empty(LUT_SIZE if use_lut else 0, out.dtype)
+    grid = np.empty(6, np.float32)
+    if middle_bits == 4:
+        _decode_span(dense, sparse, offsets, scales, thr, 4, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+    elif middle_bits == 3:
+        _decode_span(dense, sparse, offsets, scales, thr, 3, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+    else:
+        _decode_span(dense, sparse, offsets, scales, thr, 2, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
+                     r0, r1, out, status)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decode_span(
+    dense, sparse, offsets, scales, thr, mb, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid, r0, r1, out,
+    status,
+):  # fmt: skip
+    for r in range(r0, r1):
+        # borrowed row views (no reference counting; the arrays outlive the loop)
+        sp = span_view(sparse, offsets[r], offsets[r + 1])  # offsets validated by check_encoded
+        status[r] = _decode_one(
+            row_view(dense, r), row_view(scales, r), sp, thr, mb, inner_bits, outer_bits, use_lut, sc32, lut32, lut,
+            grid, row_view(out, r),
+        )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits=4):
+    """Decode rows in page-record form (what :func:`encode_records` writes, the same arguments before ``out``, and
+    ``middle_bits`` last, as there) into
     float32 ``out [n, D]`` on the calling thread: the values :func:`decode_batch` gives for the same rows.
     ``records`` uint8 ``[n, record]``, ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start),
     ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``."""
+    if middle_bits == 4:  # the row loop compiled once per slot width (see _walk_outliers)
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4)
+    elif middle_bits == 3:
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 3)
+    else:
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 2)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, mb):
     n, d = out.shape
     use_lut = d >= _LUT_MIN_DIM
     sr = np.empty(NUM_SCALES, np.float32)
@@ -1128,8 +1303,8 @@ def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, s
                 bits |= np.int64(rec[itemsize * i + k]) << np.int64(8 * k)
             sr[i] = f16_widen(np.uint16(bits)) if fp16 else np.uint32(bits).view(np.float32)
         status[r] = _decode_one(
-            rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], inner_bits, outer_bits, use_lut, sc32, lut32, lut,
-            grid, out[r],
+            rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], mb, inner_bits, outer_bits, use_lut, sc32, lut32,
+            lut, grid, out[r],
         )  # fmt: skip
 
 
@@ -1183,7 +1358,9 @@ def _decode(enc: EncodedBatch, thr_a: np.ndarray, config: OakenConfig, out: torc
     scales = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.float16 else scales.numpy()
     out_np = out.numpy() if out.dtype == torch.float32 else out.view(torch.int16).numpy().view(np.uint16)
     status = np.empty(n, np.int64)
-    _decode_rows(dense, sparse, offsets, scales, thr_a, config.inner_bits, config.outer_bits, out_np, status)
+    _decode_rows(
+        dense, sparse, offsets, scales, thr_a, config.middle_bits, config.inner_bits, config.outer_bits, out_np, status
+    )
     r = first_error(status)
     if r >= 0:
         raise CorruptDataError(f"row {r}: {ERROR_MESSAGES[int(status[r])]}")

@@ -95,6 +95,16 @@ assert 2 * DENSE_BITS == 8 and MIDDLE_BITS == DENSE_BITS
 assert SCALE_NAMES == ("mid_min", "mid_max", "inner_min", "inner_max", "outer_min", "outer_max")
 
 
+def check_slot_bits(middle_bits: int) -> None:
+    """Refuse slot widths other than the paper's 4 bits: these kernels read nibbles (``OakenConfig.middle_bits``
+    3 and 2, ``oaken-plus-3`` / ``oaken-plus-2``, run on the CPU kernels, ``oakenkv.kernels.cpu``)."""
+    if middle_bits != DENSE_BITS:
+        raise ValueError(
+            f"the Triton kernels read {DENSE_BITS}-bit dense slots only, these records have {middle_bits}-bit slots "
+            f"(OakenConfig.middle_bits={middle_bits}): use the CPU kernels (codec='fast') for this profile"
+        )
+
+
 def fp16_scales(record_scale_bytes: int) -> bool:
     """Whether records whose scales take ``record_scale_bytes`` hold fp16 scales (True) or fp32 ones (False)."""
     fp16 = record_scale_bytes == FP16_SCALE_BYTES
@@ -139,6 +149,7 @@ __all__ = [
     "LayerView",
     "OakenConfig",
     "ThresholdsLike",
+    "check_slot_bits",
     "dense_bytes",
     "fp16_scales",
     "num_chunks",

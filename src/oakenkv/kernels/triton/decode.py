@@ -211,6 +211,7 @@ def decode_batch(
     """``dequantize(unpack(enc))`` on ``device`` (default: the batch's): float32 ``[N, D]`` (or float16, the
     float32 result rounded once). Raises :class:`~oakenkv.format.layout.CorruptDataError` for a corrupt stream."""
     config = config or F.OakenConfig()
+    F.check_slot_bits(config.middle_bits)
     dev = torch.device(device) if device is not None else enc.dense.device
     n, d = enc.num_rows, enc.dim
     sb = F.scale_bytes(config)

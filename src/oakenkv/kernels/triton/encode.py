@@ -302,6 +302,7 @@ def encode_records(
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()
     dev = x.device
+    F.check_slot_bits(config.middle_bits)
     fp16 = config.scale_dtype == "float16"
     rec = F.record_size(d, config)
     cap = F.sparse_capacity(d)
