@@ -55,12 +55,11 @@ from oakenkv.kernels.cpu.helpers import f16_widen, row_view, span_view
 _BLOCK = 32
 
 #: Below this many (row, token) pairs a decode step runs :func:`packed_decode_attention_serial`: waking the threads
-#: costs more than they save. Measured inside the model, where numba's threads sleep between layers and torch's
-#: run the matmuls around them (2 threads, 2 cores; docs/notebook/perf-notes.md, session 15): the serial kernel made the
-#: whole step faster at 1024, 2048 and 4096 tokens x 1 row and 256 x 8 (step 0.92 against 1.04 at 1024 x 1), the
-#: parallel one at 8192 x 1 and 1024 x 8; 6144 splits the difference (with a full-precision window, 1024 x 8 leaves
-#: ~7200 pairs in the pages, and the serial kernel there lost: 0.98 of DynamicCache's tokens/s against 1.17).
-#: Alone and warm, the kernel had looked 1.25x faster on two threads from 512 pairs (session 14's threshold).
+#: costs more than they save. The trade-off is set inside the model, where numba's threads sleep between layers and
+#: torch's run the matmuls around them: the wake-up then costs far more than in a kernel timed alone and warm
+#: (which favours threads from a few hundred pairs). The value sits between the largest context x batch where the
+#: serial kernel made the whole step faster and the smallest where the parallel one did, on 2 threads
+#: (docs/notebook/perf-notes.md, session 15, has the steps; ``benchmarks/bench_step_parts.py`` measures them).
 PARALLEL_MIN_TOKENS = 6144
 #: Smallest token range worth a parallel work item of its own.
 THREADS_MIN_TOKENS = 128
@@ -215,8 +214,8 @@ def _coo_walk(pool, s0, n, src, in_lo, in_step, out_lo, out_step, to_lo, to_hi, 
     bits come from the row's codes ``src`` (one uint8 per value). Returns ``ERR_OK`` or an ``ERR_*`` code.
 
     The values of every code of both outlier groups go to ``lut`` (float32 ``[_LUT_SIZE]``) first, in a loop LLVM
-    vectorizes; an entry then costs one look-up, ``lut[16 * (e >> _CLASS_SHIFT) + nibble]`` (12% faster than
-    computing each entry's value, docs/notebook/perf-notes.md). Entries are taken two at a time while neither is an
+    vectorizes; an entry then costs one look-up, ``lut[16 * (e >> _CLASS_SHIFT) + nibble]`` (cheaper than
+    computing each entry's value: docs/notebook/perf-notes.md). Entries are taken two at a time while neither is an
     escape (one loop test and one range check per pair: positions only increase, so the second one's check covers
     both); escapes and a last odd entry take the one-entry path. Unsigned indices spare numba's negative-index
     checks."""
