@@ -1,5 +1,9 @@
 """Decode attention over packed Oaken pages (numba, CPU): one query token per row, flash-decoding style.
 
+Why one module (over 600 lines): the serial and parallel kernels and the window and sink merges share the
+inlined row decoder, COO walk and block loop, and numba's disk cache is invalidated only by a change of the
+function's own file: kept together, an edit of a shared helper recompiles every kernel that inlines it.
+
 The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
 straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
 ``oakenkv.kernels.cpu.codec.decode_row_into_lut``, bit-exact with ``oakenkv.quant.quantizer.dequantize``) and folds it

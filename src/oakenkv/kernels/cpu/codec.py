@@ -1,5 +1,9 @@
 """Fast CPU kernels (numba) for the fused dense-and-sparse format: quantize+pack and unpack+dequantize.
 
+Why one module (over 600 lines): numba's disk cache is invalidated only by a change of the function's own file,
+and encode and decode share helpers that numba compiles into them (``steps_decode_finite``: the one scale check
+both apply); split over files, an edit of a helper would leave stale compiled callers in the other files.
+
 Bit-exact with the reference (``oakenkv.quant.quantizer`` + ``oakenkv.quant.reference``): every step repeats the
 reference's float32
 operations in the same order (``np.float32`` constants, no fastmath, no FMA contraction, true divisions, never a
