@@ -2,7 +2,8 @@
 
 Same as ``oakenkv bench decode``; kept here so that every benchmark has a script under ``benchmarks/``::
 
-    .venv/bin/python benchmarks/bench_decode.py --context 1024,4096,16384 --json results/bench_decode.json
+    # --save writes benchmarks/results/decode/<point>.json
+    .venv/bin/python benchmarks/bench_decode.py --context 1024,4096,16384 --save
 """
 
 from oakenkv.cli import app

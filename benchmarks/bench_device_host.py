@@ -7,7 +7,7 @@ Python walk over the ``2 B`` streams of each layer, twice. This times it per ste
 single-token append (``PagePool.append_token``, the same walk plus the records' copy) as the baseline measured in
 the same run, and writes one JSON.
 
-    python benchmarks/bench_device_host.py [--out benchmarks/results/device_host.json] [--batches 1,16,64]
+    python benchmarks/bench_device_host.py [--out benchmarks/results/device_host/batch1-16-64.json] [--batches 1,16,64]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _pools(batch: int):
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/device_host.json")
+    p.add_argument("--out", default="benchmarks/results/device_host/batch1-16-64.json")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=40, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=5)

@@ -4,7 +4,8 @@ For each context: the real prefill K/V of WikiText-2 tiled to the context length
 (a prefill), then one decode step's token; the bytes are counted after that step (OakenCache: pages in use plus
 tables; DynamicCache: its tensors, a ``window``-token fp32 window for sliding layers)::
 
-    .venv/bin/python benchmarks/bench_sliding_bytes.py --context 1024,4096,16384 --json out/sliding_bytes.json
+    .venv/bin/python benchmarks/bench_sliding_bytes.py --context 1024,4096,16384 \\
+        --json benchmarks/results/sliding_bytes/gemma3-270m.json
 """
 
 from __future__ import annotations

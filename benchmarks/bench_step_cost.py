@@ -11,7 +11,7 @@ time, not this process's CPU time. Meant to be run for two source trees alternat
         PYTHONPATH=/tmp/main/src python benchmarks/bench_step_cost.py --tag main >> /tmp/step.jsonl
         PYTHONPATH=src python benchmarks/bench_step_cost.py --tag new >> /tmp/step.jsonl
     done
-    python benchmarks/bench_step_cost.py --summarize /tmp/step.jsonl --json benchmarks/results/step_cost.json
+    python benchmarks/bench_step_cost.py --summarize /tmp/step.jsonl --json benchmarks/results/step_cost/128.json
 
 Each run prints one JSON line of medians (us per call).
 """

@@ -6,11 +6,11 @@ the vLLM venv (``make vllm-venv``)::
 
     python benchmarks/bench_vllm.py serve-load --thresholds thr.json --kv-mib 18 --requests 24 \\
         --prompt-tokens 256 --output-tokens 128 --max-model-len 512 --rounds 2 \\
-        --json benchmarks/results/bench_vllm_serve_load.json
-    python benchmarks/bench_vllm.py ppl --thresholds thr.json --windows 8 --json benchmarks/results/bench_vllm_ppl.json
-    python benchmarks/bench_vllm.py serve --kinds bf16,oaken-plus --json benchmarks/results/bench_vllm_serve.json
+        --json benchmarks/results/vllm/serve_load.json
+    python benchmarks/bench_vllm.py ppl --thresholds thr.json --windows 8 --json benchmarks/results/vllm/ppl.json
+    python benchmarks/bench_vllm.py serve --kinds bf16,oaken-plus --json benchmarks/results/vllm/serve.json
     python benchmarks/bench_vllm.py greedy --thresholds thr.json --prompts 16 \\
-        --json benchmarks/results/bench_vllm_greedy.json
+        --json benchmarks/results/vllm/greedy.json
 
 Kinds: ``bf16`` (vLLM's own cache in the model dtype), ``fp8`` (``kv_cache_dtype="fp8"``), ``oaken`` (the plugin with
 the paper's profile ``--thresholds``, through ``OAKENKV_VLLM_PROFILE``), ``oaken-plus`` (the plugin on the directory

@@ -8,7 +8,7 @@ above 1 is faster).
     # the previous commit, exported next to the working tree
     git archive main src | tar -x -C /tmp/old
     python benchmarks/compare_trees.py --old /tmp/old/src --new src --rounds 5 \\
-        --json benchmarks/results/compare_trees.json
+        --json benchmarks/results/compare_trees/<point>.json
 
 ``--summarize DIR`` rebuilds the result from the per-run JSON files a previous call left in ``DIR``.
 """

@@ -7,7 +7,7 @@ token, records that overflowed (fraction of all K and V records), values the cli
 group, and how much that raised the squared error of the stored keys and values. Needs no vLLM::
 
     python benchmarks/vllm_overflow.py --thresholds thr.json --windows 8 --window 1024 \\
-        --json benchmarks/results/vllm_overflow.json
+        --json benchmarks/results/vllm_overflow/default.json
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def run_demo(
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    with console.status(f"Loading model {markup_safe(repr(model))} (the first time converts the GGUF, ~20 s)..."):
+    with console.status(f"Loading model {markup_safe(repr(model))} (the first time converts the GGUF, once)..."):
         lm = load_model(model)
     timings["load_model_s"] = time.perf_counter() - t0
     cfg = lm.model.config

@@ -55,14 +55,14 @@ from oakenkv.calibrate.thresholds import ModelFingerprint, Thresholds
 from oakenkv.format.config import OakenConfig
 from oakenkv.methods.registry import NAMES
 
-#: Default calibration of a diagnosis: 4 windows of 512 tokens of the Wikipedia excerpt (about a minute for the
-#: default model on 2 busy cores without the oaken-plus search).
+#: Default calibration of a diagnosis: 4 windows of 512 tokens of the Wikipedia excerpt (short: a diagnosis comes
+#: before any long run; the oaken-plus search is what costs more).
 DIAGNOSE_CALIBRATION = CalibrationSpec(samples=4, window=512)
 #: Verdict rule: a layer has fixed-channel key outliers when its top-k post-RoPE key channels hold at least this
 #: share of its outer-group key values, about 12 times what a uniform spread gives (``TOP_SHARE``). One channel
-#: whose values are all outliers holds ``1 / (outer_ratio * D)`` of them (13% at D = 192, 4% outer). Measured on
-#: 2 x 256 Wikipedia tokens: the default model 38-52% in every layer, Gemma-3-270m 23-47%, Qwen2.5-0.5B 26-60%; a
-#: randomly initialised Llama a few percent.
+#: whose values are all outliers holds ``1 / (outer_ratio * D)`` of them (13% at D = 192, 4% outer). The rule sits
+#: between the shares of the embedded models (all far above it) and of a randomly initialised Llama (a few
+#: percent); docs/diagnose.md and docs/notebook/perf-notes.md have the measured shares.
 FIXED_CHANNEL_SHARE = 0.25
 #: Verdict rule: a layer's keys carry per-channel offsets when the per-channel means (over positions, post-RoPE)
 #: carry at least this share of the keys' power (mean square): a key shift removes that much.

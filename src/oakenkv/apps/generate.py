@@ -376,7 +376,7 @@ def oaken_demo_side(
     if max_new_tokens > 0:
         from oakenkv.hf.attention import load_kernels
 
-        # the decode kernels' first use loads them from numba's disk cache (~0.5-1 s): not part of the tokens/s
+        # the decode kernels' first use loads them from numba's disk cache: not part of the tokens/s
         with status("Loading the decode kernels..."):
             out["kernel_load_s"] = load_kernels()
         with status(f"Generating {max_new_tokens} tokens greedily with the Oaken cache..."):

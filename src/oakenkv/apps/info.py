@@ -72,7 +72,7 @@ def collect_info() -> dict[str, Any]:
             continue
         if len(parts) == 1:
             cached = models.locate_model(name).cached
-            note = f"converted: {cached}" if cached else "not converted yet (the first load takes ~20 s)"
+            note = f"converted: {cached}" if cached else "not converted yet (the first load converts it, once)"
             info["models"][name] = _found(parts[0], note)
         else:
             # Assembling a split GGUF copies ~250 MB: info only reports the parts, load_model assembles.

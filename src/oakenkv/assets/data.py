@@ -430,7 +430,8 @@ def adds_bos(tokenizer: Any) -> bool:
 
 
 def _tokenize_prefix(tokenizer: Any, text: str, need: int | None) -> list[int]:
-    """Token ids of ``text``, or of a prefix holding ``need`` tokens (tokenizing 1.3 MB takes ~1 s).
+    """Token ids of ``text``, or of a prefix holding ``need`` tokens (a prefix spares tokenizing a whole corpus
+    for a few windows).
 
     A prefix is cut at a character position, which may split the last word; its last tokens are therefore
     dropped (a margin of 16), so the kept tokens equal those of the full text.

@@ -16,9 +16,9 @@ Hugging Face hub:
 
 The packages are located with :func:`importlib.util.find_spec` and never imported: we only need their files.
 
-transformers dequantizes a GGUF to float32 on load, which takes ~20 s. We do it once and cache the result as
-safetensors under ``$OAKENKV_CACHE`` (default ``~/.cache/oakenkv``) in a directory keyed by the GGUF's sha256,
-so a later load is a plain ``from_pretrained`` of a local directory (well under 3 s). The cache write is
+transformers dequantizes a GGUF to float32 on load, which is slow (docs/notebook/perf-notes.md). We do it once
+and cache the result as safetensors under ``$OAKENKV_CACHE`` (default ``~/.cache/oakenkv``) in a directory keyed
+by the GGUF's sha256, so a later load is a plain ``from_pretrained`` of a local directory. The cache write is
 atomic (temp directory in the cache root, then ``os.rename``) because several processes (pytest workers, a
 demo and a test run) may convert at the same time.
 """
@@ -93,8 +93,8 @@ _GGUF_MAX_DIMS = 8
 def check_gguf_header(path: str | os.PathLike[str]) -> None:
     """Raise :class:`ModelFileError` unless ``path`` holds a complete GGUF header: the magic, a version
     transformers reads, plausible counts, every metadata key and value and every tensor's description, each
-    tensor's data starting inside the file. Read sequentially without loading a tensor (about 0.1 s for the
-    default model's 49k-token vocabulary), so that a truncated or corrupt file is named before transformers
+    tensor's data starting inside the file. Read sequentially without loading a tensor (cheap next to the
+    conversion, even for a large vocabulary), so that a truncated or corrupt file is named before transformers
     starts (which fails with a bare ``struct.error``)."""
     p = Path(path)
     size = p.stat().st_size

@@ -47,8 +47,8 @@ def _best_time(fn: Callable[[], Any], reps: int) -> float:
 def _best_times(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
     """Best wall time of each function over ``reps`` rounds that run them in turn (after one warm-up each).
 
-    Interleaving gives every function the same machine: here memory bandwidth drifts by 1.5x within minutes
-    (other tenants), and a baseline timed minutes apart from the codec would move its ratios by as much.
+    Interleaving gives every function the same machine: on a shared machine memory bandwidth drifts within
+    minutes (other tenants), and a baseline timed minutes apart from the codec would move its ratios by as much.
     """
     for fn in fns.values():
         fn()

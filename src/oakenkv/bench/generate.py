@@ -14,8 +14,8 @@ the starting method rotating, each with a fresh cache, so that the drifting load
 method alike; ``oaken`` reports per-round ratios to every other method (median, and rounds won). Before the
 timed rounds every method runs one untimed generate of two tokens (numba kernels loaded, memory allocated): on
 the whole prompt up to ``WARMUP_FULL_TOKENS`` prompt tokens in all rows, on its first 16 tokens above that (a
-fresh process's first prefill of a size pays the allocator's page faults: 0.3 s of OakenCache's 2.0 s at
-128 x 8, docs/perf-notes.md; for a 16K prompt a full warm-up would cost minutes). KV bytes are
+fresh process's first prefill of a size pays the allocator's page faults, a visible share of a short prompt's
+prefill: docs/notebook/perf-notes.md; for a 16K prompt a full warm-up would cost minutes). KV bytes are
 counted after the generation (``oakenkv.hf.cache.kv_bytes``: pages in use plus tables for OakenCache, tensor
 storage for the others). The greedy tokens are compared with ``dynamic``'s (the fraction of equal new tokens).
 """

@@ -63,15 +63,14 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     sha256 collisions): a fine-tune, another checkpoint of one family, or the same weights loaded in another
     dtype all differ. The config is not part of it (its shape is in :class:`ModelFingerprint`).
 
-    Every byte is hashed, no sampling: the tensors are hashed in parallel threads (hashlib releases the GIL), about
-    0.4-0.7 s for the 135M fp32 parameters (538 MB) of the default model on 2 busy cores, and linear in the bytes
-    beyond (docs/robustness.md).
+    Every byte is hashed, no sampling: the tensors are hashed in parallel threads (hashlib releases the GIL); the
+    time is linear in the weights' bytes (docs/robustness.md, "Cost", has it for the embedded models).
 
     The digest is remembered per model object, with each tensor's storage and version counter: a model whose
     tensors were neither replaced nor written in place since (torch counts every in-place op, an optimizer step
-    and ``load_state_dict`` included) gets it back without hashing, so making a cache per request costs ~1 ms,
-    not a hash of every weight. Writes torch does not count (through ``param.data``, or a numpy view of the
-    memory) are not seen: pass ``reuse=False`` after those.
+    and ``load_state_dict`` included) gets it back without hashing, so making a cache per request costs a walk
+    over the tensors' version counters, not a hash of every weight. Writes torch does not count (through
+    ``param.data``, or a numpy view of the memory) are not seen: pass ``reuse=False`` after those.
 
     Args:
         model: a ``torch.nn.Module`` (anything with ``state_dict()`` returning tensors); tensors on another

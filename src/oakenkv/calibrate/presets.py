@@ -55,8 +55,9 @@ class Preset:
         return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}"
 
 
-#: The paper's Oaken. 16 windows of 256 tokens keep a first profile to about a minute on 2 CPU cores (the paper
-#: averages ~100 runs: ``oakenkv profile --samples 100`` makes such a profile, which ``profile=`` then takes).
+#: The paper's Oaken. 16 windows of 256 tokens keep a first profile short, since ``for_model`` makes it while the
+#: user waits (docs/notebook/perf-notes.md has the time; the paper averages ~100 runs: ``oakenkv profile
+#: --samples 100`` makes such a profile, which ``profile=`` then takes).
 OAKEN = Preset(
     "oaken",
     "the paper's Oaken: profiled thresholds at 4% outer / 6% inner, 4-bit middle and 5-bit outliers",

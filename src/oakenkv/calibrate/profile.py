@@ -103,7 +103,7 @@ __all__ = [
 RECOMMENDED_RUNS = 100
 #: Default number of calibration windows (= runs) of ``oakenkv profile``.
 DEFAULT_SAMPLES = 100
-#: Default tokens per calibration window: 256 keeps 100 runs of the default model at a few minutes on 2 CPU cores
+#: Default tokens per calibration window: 256 keeps 100 runs short (docs/notebook/perf-notes.md has the time)
 #: while the first (attention-sink) token, whose keys are atypical, is under 0.4% of a run's values.
 DEFAULT_WINDOW = 256
 

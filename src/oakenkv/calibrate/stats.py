@@ -81,7 +81,7 @@ def _as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
 
 # The statistics run in numpy on purpose: they are single-threaded there, and torch's multi-threaded sort of a
 # 50k-element run costs far more CPU time than numpy's on a busy 2-core machine (OpenMP threads spin while they
-# wait), which made the statistics cost as much as the model's forward pass (docs/perf-notes.md).
+# wait), which made the statistics cost as much as the model's forward pass (docs/notebook/perf-notes.md).
 
 
 def exact_quantiles(x: torch.Tensor | np.ndarray, q: Sequence[float] | torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,9 @@ def profile_cmd(
     window: Annotated[
         int | None,
         typer.Option(
-            help="Tokens per calibration window. Default: 256 for oaken (about 1-2 s per run for the default model "
-            "on 2 CPU cores, so 100 runs take a few minutes); 2048 for oaken-plus, whose key shift is a mean over "
-            "the positions it sees (about 10-20 minutes for the default model).",
+            help="Tokens per calibration window. Default: 256 for oaken (enough positions for per-layer thresholds, "
+            "and short runs); 2048 for oaken-plus, whose key shift is a mean over the positions it sees (longer "
+            "runs: the profile takes many times as long).",
             min=2,
             max=MAX_TOKENS,
         ),
@@ -103,8 +103,7 @@ def profile_cmd(
         int | None,
         typer.Option(
             help="torch CPU threads (default: torch's choice). On a machine shared with other jobs, 1 is much "
-            "faster than oversubscribed threads (measured: 100 runs of the default model on a busy 2-core box "
-            "take 2.8 min with 1 thread, 20 min with 2).",
+            "faster than threads that wait for each other's time slices (docs/notebook/perf-notes.md).",
             min=1,
         ),
     ] = None,

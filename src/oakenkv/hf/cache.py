@@ -106,8 +106,8 @@ class OakenLayer(CacheLayerMixin):
         cfg = self._model_config
         if cfg is None:
             return False
-        # transformers' property reads this attribute; its config class's __getattribute__ costs ~2-3 us a call,
-        # once per layer and step (docs/perf-notes.md), so the attribute is read directly where it exists
+        # transformers' property reads this attribute through its config class's __getattribute__, once per layer
+        # and step (its cost: docs/notebook/perf-notes.md), so the attribute is read directly where it exists
         impl = vars(cfg).get("_attn_implementation_internal", _MISSING)
         return (cfg._attn_implementation if impl is _MISSING else impl) == ATTN_IMPLEMENTATION
 

@@ -174,7 +174,7 @@ def hw_report(vectors: int = 400, synth: bool = True, progress: bool = False, sy
         }
     if synth:
         for eng in ("quant", "dequant"):
-            out[eng]["synth"] = synth_stats(eng, synth_lanes, abc=False)  # ABC takes > 12 min on a shared CPU
+            out[eng]["synth"] = synth_stats(eng, synth_lanes, abc=False)  # ABC's mapping takes many minutes
             if progress:
                 print(f"synth {eng}: {out[eng]['synth']['cells']} cells", flush=True)
         q, d = out["quant"]["synth"]["cells"], out["dequant"]["synth"]["cells"]

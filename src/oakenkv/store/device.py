@@ -1,6 +1,10 @@
 """The device store: every layer's keys and values of a batch in pages on the model's device (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``), written and read by the Triton kernels (``oakenkv.kernels.triton``).
 
+Why one module (over 600 lines): :class:`DevicePagePool`, :class:`DeviceTables` and :class:`DeviceKVStore` keep
+one set of host tables and device tensors consistent through one protocol per step (reserve, encode, settle),
+which reads best, and is checked best, in one file.
+
 :class:`DeviceKVStore` is :class:`~oakenkv.store.paged.PagedKVStore`'s counterpart for GPU models (``docs/gpu.md``):
 the same bytes (the Triton encoder is bit-exact with the reference), the same page tables and policies, with
 

@@ -65,14 +65,13 @@ KEY, VALUE = 0, 1
 KINDS = ("key", "value")
 
 #: Tokens per chunk of a long update (a prefill): each chunk is one encode call over ``B * chunk`` rows. Small
-#: chunks cost a call's fixed work each and run below ``SERIAL_BELOW_ROWS`` on one thread: a 4096-token prefill
-#: layer took 20.6 ms with chunks of 256, 8.3 with 2048, 6.6 with 4096 (batch 1, docs/perf-notes.md). The
-#: encoder's temporaries are a few times the chunk's float rows: small next to the float tensors the prefill's
-#: attention gets.
+#: chunks cost a call's fixed work each and run below ``SERIAL_BELOW_ROWS`` on one thread, so a long prefill wants
+#: chunks as large as memory allows (measured per chunk size in docs/notebook/perf-notes.md). The encoder's
+#: temporaries are a few times the chunk's float rows: small next to the float tensors the prefill's attention gets.
 PREFILL_CHUNK = 4096
 
 #: Below this many rows a numba call runs on one thread: waking the thread pool costs more than the work
-#: (measured in ``docs/perf-notes.md``).
+#: (measured in ``docs/notebook/perf-notes.md``).
 SERIAL_BELOW_ROWS = 1024
 
 
@@ -417,7 +416,7 @@ class PagedKVStore:
         in the caller's tensor.
 
         The copy is done by numpy on this thread: torch's multi-threaded copy of these small tensors waits for
-        thread wake-ups on a loaded machine (docs/perf-notes.md)."""
+        thread wake-ups on a loaded machine (docs/notebook/perf-notes.md)."""
         b, _, s, _ = x.shape
         x32 = x.detach().to(torch.float32).numpy()
         rows = np.empty((b * s, self.dim), np.float32) if out is None else out
@@ -465,7 +464,7 @@ class PagedKVStore:
         items = []
         sink_rows = []
         sink_at = self._sink_slices(past, s)
-        # One serial section for both kinds: switching numba's thread count costs time (docs/perf-notes.md).
+        # One serial section for both kinds: switching numba's thread count costs time (docs/notebook/perf-notes.md).
         with serial_numba(b * s < SERIAL_BELOW_ROWS):
             for kind, x in ((KEY, key_rows), (VALUE, value_rows)):
                 rows_np = np.ascontiguousarray(x).reshape(b * s, self.dim)
@@ -502,7 +501,7 @@ class PagedKVStore:
         encoded straight into page records by one serial numba call (``encode_records``, as a decode step), decoded
         from the records by another (``decode_records``): the same bytes and numbers as :meth:`append` and the
         codec's decode, without their per-call work, which costs more than a short prefill's encoding
-        (docs/perf-notes.md)."""
+        (docs/notebook/perf-notes.md)."""
         self._check_kv(keys, values)
         b, _, s, _ = keys.shape
         state = self.adapt_state

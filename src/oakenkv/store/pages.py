@@ -1,5 +1,9 @@
 """The page pool: Oaken's software MMU for the packed KV cache (paper Section 5.3, Figure 10).
 
+Why one module (over 600 lines): the invariants below span the allocator, the stream tables and the record
+writers, and every operation keeps all of them at once (ask-then-commit); split, each part would reach into the
+others' private state, and :meth:`PagePool.check_invariants` checks them in one place.
+
 The pool stores opaque per-token byte records and knows nothing of quantization. Every (sequence, stream)
 pair owns two chains of fixed-size pages: a *stream* is one layer's keys or one layer's values of one
 sequence (the cache uses ``stream = 2 * layer + kind``).

@@ -1,5 +1,8 @@
 """Oaken records inside vLLM's KV-cache blocks: the block layout, writing, the kernels' tables, and attention.
 
+Why one module (over 600 lines): the block layout's offsets are computed by the writer, the table builder and
+the attention readers alike; one file keeps one definition of them, free of vLLM imports.
+
 No vLLM import: everything here works on a plain ``uint8`` array holding one layer's blocks, so it is tested
 without vLLM (``tests/test_vllm_plugin.py``). ``docs/vllm.md`` has the diagram; in short, one block of ``B``
 tokens of one layer, in units of ``rec = record_size(D)`` bytes (a dense record: six fp16 scales + nibbles)::

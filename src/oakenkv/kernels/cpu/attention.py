@@ -1,5 +1,9 @@
 """Decode attention over packed Oaken pages (numba, CPU): one query token per row, flash-decoding style.
 
+Why one module (over 600 lines): the serial and parallel kernels and the window and sink merges share the
+inlined row decoder, COO walk and block loop, and numba's disk cache is invalidated only by a change of the
+function's own file: kept together, an edit of a shared helper recompiles every kernel that inlines it.
+
 The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
 straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
 ``oakenkv.kernels.cpu.codec.decode_row_into_lut``, bit-exact with ``oakenkv.quant.quantizer.dequantize``) and folds it
@@ -13,7 +17,7 @@ accumulators once, and finally decodes the block's value rows and adds them into
 accumulator, four rows per pass (the accumulator is loaded and stored once for four rows). Loops
 over the buffers use borrowed views (``numba_helpers.row_view`` / ``span_view``): a numba slice costs an atomic
 reference-count increment and decrement, which per token and head was most of the old kernel's time
-(docs/perf-notes.md).
+(docs/notebook/perf-notes.md).
 
 Parallelism: the tokens of each batch row are split into ``num_splits`` contiguous ranges (split-K, as in
 flash-decoding); each (row, split) work item keeps its own running max, sum and accumulator per query head, and a
@@ -59,12 +63,11 @@ from oakenkv.kernels.cpu.helpers import f16_widen, row_view, span_view
 _BLOCK = 32
 
 #: Below this many (row, token) pairs a decode step runs :func:`packed_decode_attention_serial`: waking the threads
-#: costs more than they save. Measured inside the model, where numba's threads sleep between layers and torch's
-#: run the matmuls around them (2 threads, 2 cores; docs/perf-notes.md, session 15): the serial kernel made the
-#: whole step faster at 1024, 2048 and 4096 tokens x 1 row and 256 x 8 (step 0.92 against 1.04 at 1024 x 1), the
-#: parallel one at 8192 x 1 and 1024 x 8; 6144 splits the difference (with a full-precision window, 1024 x 8 leaves
-#: ~7200 pairs in the pages, and the serial kernel there lost: 0.98 of DynamicCache's tokens/s against 1.17).
-#: Alone and warm, the kernel had looked 1.25x faster on two threads from 512 pairs (session 14's threshold).
+#: costs more than they save. The trade-off is set inside the model, where numba's threads sleep between layers and
+#: torch's run the matmuls around them: the wake-up then costs far more than in a kernel timed alone and warm
+#: (which favours threads from a few hundred pairs). The value sits between the largest context x batch where the
+#: serial kernel made the whole step faster and the smallest where the parallel one did, on 2 threads
+#: (docs/notebook/perf-notes.md, session 15, has the steps; ``benchmarks/bench_step_parts.py`` measures them).
 PARALLEL_MIN_TOKENS = 6144
 #: Smallest token range worth a parallel work item of its own.
 THREADS_MIN_TOKENS = 128
@@ -172,9 +175,9 @@ def _decode_block(
     then the middle
     values are computed from it in one contiguous loop that LLVM vectorizes (through int32, not int64: numba
     would widen the codes; two loops are faster than one that stores the even and odd values interleaved,
-    docs/perf-notes.md); each COO entry then overwrites its value (:func:`_coo_walk`). Compiled without fastmath
-    (no FMA contraction), so the numbers stay bit-exact inside the fast-math attention kernel. A block per call,
-    not a row: the call and the page arithmetic cost as much as a row's nibbles (docs/perf-notes.md).
+    docs/notebook/perf-notes.md); each COO entry then overwrites its value (:func:`_coo_walk`). Compiled without
+    fastmath (no FMA contraction), so the numbers stay bit-exact inside the fast-math attention kernel. A block per
+    call, not a row: the call and the page arithmetic cost as much as a row's nibbles (docs/notebook/perf-notes.md).
     """
     rpp = page_size // rec
     d = out.shape[1]
@@ -266,9 +269,9 @@ def _coo_walk(pool, s0, n, src, mb, in_lo, in_step, out_lo, out_step, to_lo, to_
     code.
 
     The values of every code of both outlier groups go to ``lut`` (float32 ``[_LUT_SIZE]``) first, in a loop LLVM
-    vectorizes; an entry then costs one look-up, ``lut[2^mb * (e >> _CLASS_SHIFT) + slot]`` (12% faster than
-    computing each entry's value, docs/perf-notes.md). Entries are taken two at a time while neither is an escape
-    (one loop test and one range check per pair: positions only increase, so the second one's check covers
+    vectorizes; an entry then costs one look-up, ``lut[2^mb * (e >> _CLASS_SHIFT) + slot]`` (cheaper than
+    computing each entry's value: docs/notebook/perf-notes.md). Entries are taken two at a time while neither is an
+    escape (one loop test and one range check per pair: positions only increase, so the second one's check covers
     both); escapes and a last odd entry take the one-entry path. Unsigned indices spare numba's negative-index
     checks."""
     zero = _F32(0.0)

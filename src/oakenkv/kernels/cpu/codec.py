@@ -1,5 +1,9 @@
 """Fast CPU kernels (numba) for the fused dense-and-sparse format: quantize+pack and unpack+dequantize.
 
+Why one module (over 600 lines): numba's disk cache is invalidated only by a change of the function's own file,
+and encode and decode share helpers that numba compiles into them (``steps_decode_finite``: the one scale check
+both apply); split over files, an edit of a helper would leave stale compiled callers in the other files.
+
 Bit-exact with the reference (``oakenkv.quant.quantizer`` + ``oakenkv.quant.reference``): every step repeats the
 reference's float32
 operations in the same order (``np.float32`` constants, no fastmath, no FMA contraction, true divisions, never a
@@ -224,7 +228,7 @@ def _signed_grid(lo_mag, lo_minmag, has_lo, hi_mag, hi_min, has_hi, n, fp16):
     # then rises: the first minimum is floor(kc) or floor(kc) + 1 (only U: k = -1, only L: k = n - 1, each the
     # first or second of its two candidates), unless it is FLOOR, which can hold over a range of k: a scan
     # leftwards then finds its first k. Two evaluations and no data-dependent branch in the common case: the local
-    # search this replaced mispredicted about once per grid (docs/perf-notes.md).
+    # search this replaced mispredicted about once per grid (docs/notebook/perf-notes.md).
     nm1 = _F32(n - 1)
     if not has_lo:
         a = -1
@@ -412,7 +416,8 @@ def _min_above(x, lo, hi, sub):
     (``lo``: the group's grouping threshold, ``sub``: its shift threshold, ``sub <= lo``).
 
     ``fl(v - sub)`` does not decrease as ``v`` grows, so it is ``fl(min v - sub)``; the smallest ``v`` is found by
-    its int32 key (see _key: integer reductions vectorize, numba's float min() does not; docs/perf-notes.md)."""
+    its int32 key (see _key: integer reductions vectorize, numba's float min() does not;
+    docs/notebook/perf-notes.md)."""
     k_lo, k_hi = _key(np.float32(lo).view(np.int32)), _key(np.float32(hi).view(np.int32))
     best = _KMAX
     for j in range(x.shape[0]):
@@ -767,7 +772,7 @@ def _encode_block(
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
     helpers that take arrays): a numba call costs time per array argument and encode_row takes fourteen;
-    inlining into the parallel _encode_rows instead compiles much slower (docs/perf-notes.md)."""
+    inlining into the parallel _encode_rows instead compiles much slower (docs/notebook/perf-notes.md)."""
     d = xs.shape[1]
     sc = np.empty(NUM_SCALES, np.float32)
     scr = comb_scratch(d)
@@ -910,7 +915,7 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
     dense = np.empty((n, dense_bytes(d, config.middle_bits)), np.uint8)
     scales = np.empty((n, NUM_SCALES), np.uint16 if fp16 else np.float32)
     # Each block of rows packs its sparse bytes back to back in its part of one scratch buffer, so only the
-    # bytes really written are touched (fresh pages cost a fault each; docs/perf-notes.md).
+    # bytes really written are touched (fresh pages cost a fault each; docs/notebook/perf-notes.md).
     scratch = np.empty(n * sparse_capacity(d), np.uint8)
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
@@ -1017,7 +1022,7 @@ def _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, gr
     i_lo, i_step, o_lo, o_step, to_lo, to_hi = grid[0], grid[1], grid[2], grid[3], grid[4], grid[5]
     zero = _F32(0.0)
     # Indices are cast to unsigned: they are >= 0 by construction and bounds-checked against ns / d, and numba
-    # then skips its negative-index wrap-around checks (docs/perf-notes.md).
+    # then skips its negative-index wrap-around checks (docs/notebook/perf-notes.md).
     # entry bits that must be 0 for each group: a group whose codes fit the slot has no top code bit
     f_in = np.int64(0x80 if inner_bits <= middle_bits else 0)
     f_out = np.int64(0x80 if outer_bits <= middle_bits else 0)

@@ -212,7 +212,7 @@ def row_view(typingctx, a, r):
     """Row ``r`` of the 2-D C-contiguous array ``a`` as a 1-D view that holds no reference to ``a``.
 
     A view ``a[r]`` costs an atomic reference-count increment and decrement per row (measurable on a narrow row's
-    decode: docs/perf-notes.md); this one costs nothing, for loops over the rows of an array the caller keeps
+    decode: docs/notebook/perf-notes.md); this one costs nothing, for loops over the rows of an array the caller keeps
     alive. No bounds check.
     """
     if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and isinstance(r, types.Integer)):

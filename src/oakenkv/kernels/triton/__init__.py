@@ -2,7 +2,10 @@
 
 - ``encode``: float rows -> page records + COO bytes (bit-exact with ``quant.quantize`` + ``codec.pack``).
 - ``decode``: page records (or pages) -> float rows (bit-exact with ``quant.dequantize`` + ``codec.unpack``).
+- ``coo``: reading COO streams a block of bytes at a time (no per-byte loop), for decode and attention.
 - ``attention``: paged decode attention (flash-decoding) over a layer's dense and sparse pages.
+- ``prefill``: paged prefill attention (flash-attention style) of a chunk of queries over a layer's pages.
+- ``rotate``: oaken-plus's online key transform on the device (the CPU kernel's bits).
 - ``view``: a store's per-layer ``format.LayerView`` on a device, with the per-token sparse addresses the
   kernels read (``DeviceLayerView``).
 

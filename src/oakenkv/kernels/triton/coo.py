@@ -58,8 +58,9 @@ def _transition(e, e1):
 def _scan_maps(f, SBLK: tl.constexpr, SBLK_LOG: tl.constexpr):
     """Inclusive scan of packed state maps along axis 1 (Hillis-Steele: log2(SBLK) rounds of gather + compose).
 
-    Not ``tl.associative_scan``: the interpreter runs a custom combine element by element (~4 ms per call, 40x
-    this on a 64-byte block), and on a GPU the six rounds over a 64-lane row are as cheap."""
+    Not ``tl.associative_scan``: the interpreter runs a custom combine element by element, which made the CPU tests
+    (``TRITON_INTERPRET=1``) far slower than these whole-block rounds, and on a GPU the six rounds over a 64-lane
+    row are as cheap."""
     lane = tl.arange(0, SBLK)[None, :] + tl.zeros_like(f)
     for r in tl.static_range(SBLK_LOG):
         src = tl.gather(f, tl.maximum(lane - (1 << r), 0), axis=1)
