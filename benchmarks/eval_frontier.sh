@@ -53,9 +53,9 @@ for part in "${parts[@]}"; do
       for m in "${PEERS[@]}" "${OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
     report)  # the frontier (default, Gemma-3-270m and Qwen2.5-Coder-0.5B where run) leads docs/results.md
       front=()
-      for d in "$OUT"/default-20w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w "$OUT"/qwen2.5-coder-0.5b-6w \
+      for d in "$OUT"/default-4w "$OUT"/default-20w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w "$OUT"/qwen2.5-coder-0.5b-6w \
                "$OUT"/default-python; do [[ -d "$d" ]] && front+=(--frontier "$d"); done
-      $OAK eval report "${front[@]}" "$OUT"/default "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
+      $OAK eval report "${front[@]}" "$OUT"/default "$OUT"/default-4w "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
         "$OUT"/default-zs200 "$OUT"/default-zsall-piqa-winogrande "$OUT"/default-zs2000-hellaswag \
         "$OUT"/gemma3-270m "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-full "$OUT"/gemma3-270m-zs200 \
         "$OUT"/qwen2.5-coder-0.5b-6w --header benchmarks/results_header.md --out docs/results.md \
