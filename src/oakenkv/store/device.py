@@ -908,17 +908,7 @@ class DeviceKVStore:
         if any(not 0 <= j < len(self.seqs) for j in index):
             raise IndexError(f"reorder index {index} out of range for {len(self.seqs)} rows")
         self.settle()
-        used: set[int] = set()
-        new = []
-        for j in index:
-            if j in used:
-                new.append(self.pool.fork(self.seqs[j]))
-            else:
-                used.add(j)
-                new.append(self.seqs[j])
-        for j, seq in enumerate(self.seqs):
-            if j not in used:
-                self.pool.free(seq)
+        new = self.pool.reorder(self.seqs, index)
         self._set_rows(new, list(index))
 
     def reset(self) -> None:

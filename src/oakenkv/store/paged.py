@@ -902,19 +902,7 @@ class PagedKVStore:
         """New row ``i`` = old row ``index[i]`` (beam search, batch selection): forks and frees, no KV copies."""
         if not self.seqs:
             return
-        if any(not 0 <= j < len(self.seqs) for j in index):
-            raise IndexError(f"reorder index {index} out of range for {len(self.seqs)} rows")
-        used: set[int] = set()
-        new = []
-        for j in index:
-            if j in used:
-                new.append(self.pool.fork(self.seqs[j]))
-            else:
-                used.add(j)
-                new.append(self.seqs[j])
-        for j, seq in enumerate(self.seqs):
-            if j not in used:
-                self.pool.free(seq)
+        new = self.pool.reorder(self.seqs, index)
         self.sinks = [sink[index] for sink in self.sinks]
         if self.row_starts is not None and self.row_starts.shape[0] == len(self.seqs):
             self.row_starts = self.row_starts[index]

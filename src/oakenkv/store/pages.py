@@ -311,6 +311,25 @@ class PagePool:
         del self._seqs[seq]
         self._generation += 1
 
+    def reorder(self, seqs: list[int], index: list[int]) -> list[int]:
+        """The sequences of rows reordered as ``new row i = old row index[i]`` (beam search, batch selection), for
+        rows held as ``seqs``: a row taken again is forked (pages shared, copy on write), a row not taken is freed;
+        no KV bytes are copied. IndexError (before any change) for an index out of range."""
+        if any(not 0 <= j < len(seqs) for j in index):
+            raise IndexError(f"reorder index {index} out of range for {len(seqs)} rows")
+        used: set[int] = set()
+        new = []
+        for j in index:
+            if j in used:
+                new.append(self.fork(seqs[j]))
+            else:
+                used.add(j)
+                new.append(seqs[j])
+        for j, seq in enumerate(seqs):
+            if j not in used:
+                self.free(seq)
+        return new
+
     def sequences(self) -> list[int]:
         return list(self._seqs)
 
