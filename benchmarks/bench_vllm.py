@@ -41,6 +41,7 @@ Set ``OMP_WAIT_POLICY=PASSIVE`` on a busy machine (the transformers runs are in 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -104,6 +105,19 @@ def _num_blocks(worker: Any) -> dict[str, int]:
         "page_bytes": int(spec.page_size_bytes),
         "num_layers": len(cfg.kv_cache_groups[0].layer_names),
     }
+
+
+def _numba_signatures(worker: Any) -> dict[str, int]:
+    """Runs in the vLLM worker: compiled signatures of every numba dispatcher in oakenkv's loaded modules (a count
+    that grows only when a kernel is compiled, or loaded from numba's cache, for a new signature)."""
+    seen: dict[str, int] = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("oakenkv") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if hasattr(obj, "overloads") and hasattr(obj, "py_func"):
+                seen[f"{obj.py_func.__module__}.{obj.py_func.__qualname__}"] = len(obj.overloads)
+    return seen
 
 
 def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **extra: Any):
@@ -171,7 +185,18 @@ def one_serve_load(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     per_seq_blocks = math.ceil(seq / blocks["block_size"])
     prompts = [TokensPrompt(prompt_token_ids=w) for w in _windows(args.prompt_tokens, args.requests, args.model)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up (numba, first-call costs)
+    # The first request after the engine starts, timed, then a second of the same shape (other prompts, so no prefix
+    # cache hit); numba signatures counted around both: a kernel compiled (or loaded) inside a request shows there.
+    # They double as the warm-up of the timed run below.
+    small = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    sigs = [llm.collective_rpc(_numba_signatures)[0]]
+    first_s = []
+    for part in (prompts[:2], prompts[2:4]):
+        t = time.perf_counter()
+        llm.generate(part, small, use_tqdm=False)
+        first_s.append(time.perf_counter() - t)
+        sigs.append(llm.collective_rpc(_numba_signatures)[0])
+    grew = [sorted(k for k in b if b[k] > a.get(k, 0)) for a, b in itertools.pairwise(sigs)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -193,6 +218,11 @@ def one_serve_load(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics is not None),
         "oaken_overflow": _overflow(llm, kind),
         "engine_start_s": engine_start_s,
+        "first_request_s": first_s[0],
+        "second_request_s": first_s[1],
+        "numba_signatures_after_start": sum(sigs[0].values()),
+        "numba_compiled_in_first_request": grew[0],
+        "numba_compiled_in_second_request": grew[1],
         "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(),
     }
@@ -464,6 +494,11 @@ def main() -> None:
                 "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in mine],
                 "ttft_median_s": statistics.median(r["ttft_median_s"] for r in mine),
                 "preemptions": [r["preemptions"] for r in mine],
+                "first_request_s": [r["first_request_s"] for r in mine],
+                "second_request_s": [r["second_request_s"] for r in mine],
+                "numba_compiled_in_first_request": sorted(
+                    {k for r in mine for k in r["numba_compiled_in_first_request"]}
+                ),
             }
         for kind, row in summary.items():
             for b in ("bf16", "fp8"):
