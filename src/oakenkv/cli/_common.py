@@ -23,6 +23,12 @@ app = typer.Typer(
 )
 
 
+#: The ``--model`` option of every command that loads a model.
+ModelOption = Annotated[
+    str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
+]
+
+
 #: Exit code of an error the user can fix (click's code for a usage error).
 USER_ERROR = 2
 

@@ -10,6 +10,7 @@ import typer
 from oakenkv.cli._common import (
     MAX_TOKENS,
     MAX_WINDOWS,
+    ModelOption,
     ResidualOption,
     app,
     bad_option,
@@ -33,9 +34,7 @@ def info() -> None:
 
 @app.command()
 def demo(
-    model: Annotated[
-        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
-    ] = "default",
+    model: ModelOption = "default",
     windows: Annotated[int, typer.Option(help="Number of WikiText-2 windows for perplexity.", min=1)] = 4,
     window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2, max=MAX_TOKENS)] = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate greedily.", min=0)] = 32,
@@ -79,9 +78,7 @@ def demo(
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Option(help="The prompt (sent through the chat template when there is one).")],
-    model: Annotated[
-        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
-    ] = "default",
+    model: ModelOption = "default",
     thresholds: Annotated[
         Path | None,
         typer.Option(help="Thresholds file from `oakenkv profile` (default: the preset's cached profile)."),

@@ -11,6 +11,7 @@ import typer
 from oakenkv.cli._common import (
     MAX_TOKENS,
     MAX_WINDOWS,
+    ModelOption,
     app,
     bad_option,
     check_input,
@@ -27,9 +28,7 @@ if TYPE_CHECKING:
 
 @app.command("profile")
 def profile_cmd(
-    model: Annotated[
-        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
-    ] = "default",
+    model: ModelOption = "default",
     preset: Annotated[
         str,
         typer.Option(

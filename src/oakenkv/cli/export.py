@@ -7,15 +7,13 @@ from typing import Annotated
 
 import typer
 
-from oakenkv.cli._common import app, bad_option, check_model, load_thresholds
+from oakenkv.cli._common import ModelOption, app, bad_option, check_model, load_thresholds
 
 
 @app.command("export")
 def export_cmd(
     out: Annotated[Path, typer.Option(help="The directory to write (new, or a previous export, which is replaced).")],
-    model: Annotated[
-        str, typer.Option(help="Model: 'default', a Hugging Face id, a local directory or a .gguf path.")
-    ] = "default",
+    model: ModelOption = "default",
     preset: Annotated[
         str,
         typer.Option(
