@@ -529,9 +529,10 @@ class OakenCache(Cache):
         or once every row's are stored, nothing is done."""
         store = self.store
         if not hasattr(store, "set_row_starts"):  # the device store: sink tokens at each row's positions 0..
-            starts = row_starts_from_mask(mask) if store.sink_tokens else None
-            if starts is not None and bool((starts > 0).any()) and self.get_seq_length() == 0:
-                raise NotImplementedError(_DEVICE_LEFT_PADDING)
+            if store.sink_tokens and self.get_seq_length() == 0:  # (the prompt's forward only, not every step)
+                starts = row_starts_from_mask(mask)
+                if starts is not None and bool((starts > 0).any()):
+                    raise NotImplementedError(_DEVICE_LEFT_PADDING)
             return
         if not store.sink_tokens or (store.row_starts is not None and self.get_seq_length() >= store._sink_end):
             return
