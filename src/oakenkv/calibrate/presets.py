@@ -7,6 +7,7 @@
 - ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
   3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
   budgets (docs/results.md, the frontier).
+- ``oaken-plus-4``: oaken-plus's 4-bit slot with a 1.5% sparse share (about 4.7 bits), KVQuant-style 4's budget.
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -23,7 +24,17 @@ from typing import Any
 
 from oakenkv.calibrate.spec import CalibrationSpec
 
-__all__ = ["OAKEN", "OAKEN_PLUS", "OAKEN_PLUS_2", "OAKEN_PLUS_3", "PRESETS", "Preset", "find_profile", "get_preset"]
+__all__ = [
+    "OAKEN",
+    "OAKEN_PLUS",
+    "OAKEN_PLUS_2",
+    "OAKEN_PLUS_3",
+    "OAKEN_PLUS_4",
+    "PRESETS",
+    "Preset",
+    "find_profile",
+    "get_preset",
+]
 
 
 @dataclass(frozen=True)
@@ -40,19 +51,28 @@ class Preset:
     #: values in the sparse (inner + outer) groups it splits per layer (``oakenkv.calibrate.plus.ratio_choices``).
     middle_bits: int = 4
     sparse: float = 0.10
+    #: Whether the search may rotate keys and values per head (``PlusSearch.key_rotation`` / ``value_rotation``;
+    #: it still chooses per layer).
+    rotations: bool = False
 
     def search(self) -> Any:
         """The oaken-plus search of this preset (``oakenkv.calibrate.plus.PlusSearch``; transforms presets only)."""
         from oakenkv.calibrate.plus import PlusSearch, ratio_choices
 
-        return PlusSearch(ratios=ratio_choices(self.sparse), middle_bits=self.middle_bits)
+        return PlusSearch(
+            key_rotation=self.rotations,
+            value_rotation=self.rotations,
+            ratios=ratio_choices(self.sparse),
+            middle_bits=self.middle_bits,
+        )
 
     @property
     def spec(self) -> str:
         """The method spec this preset runs as in the registry (``oakenkv.methods.registry``)."""
-        if not self.transforms or (self.middle_bits, self.sparse) == (4, 0.10):
+        if not self.transforms or (self.middle_bits, self.sparse, self.rotations) == (4, 0.10, False):
             return self.name
-        return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}"
+        rot = ",rot_k=1,rot_v=1" if self.rotations else ""
+        return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}{rot}"
 
 
 #: The paper's Oaken. 16 windows of 256 tokens keep a first profile short, since ``for_model`` makes it while the
@@ -91,7 +111,17 @@ OAKEN_PLUS_2 = Preset(
     middle_bits=2,
     sparse=0.04,
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_3, OAKEN_PLUS_2)}
+#: oaken-plus at its 4-bit slot with a 1.5% sparse share: about 4.7 bits per value on the default model
+#: (4 + 8 x 0.015 + 112 / 192, and the sink token), no more than KVQuant-style 4's 4.73 (docs/results.md).
+OAKEN_PLUS_4 = Preset(
+    "oaken-plus-4",
+    "oaken-plus with a 1.5% sparse share: 4-bit middle codes, 5-bit outliers, about 4.7 bits per value",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=4,
+    sparse=0.015,
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_4, OAKEN_PLUS_3, OAKEN_PLUS_2)}
 
 #: The profile each model object was prepared with (``find_profile`` on a model it already folded returns it).
 _PREPARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
