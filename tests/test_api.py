@@ -63,7 +63,7 @@ def test_for_model_takes_a_profile_and_generates_as_the_constructor_does(default
 
 
 def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(default_model, model_copy):
-    with pytest.raises(ValueError, match="unknown preset 'oaken-pro'; known: oaken, oaken-plus, oaken-plus-4"):
+    with pytest.raises(ValueError, match="unknown preset 'oaken-pro'; known: oaken, oaken-plus, oaken-plus-3"):
         OakenCache.for_model(model_copy, preset="oaken-pro")
     with pytest.raises(ValueError, match="not a profile of the 'oaken-plus' preset"):
         OakenCache.for_model(model_copy, preset="oaken-plus", profile=quick_thresholds(default_model))
@@ -76,9 +76,9 @@ def test_presets_are_declared_once():
     from oakenkv.calibrate.search import PlusSearch
     from oakenkv.methods.registry import ALIASES, parse_spec
 
-    assert list(PRESETS) == ["oaken", "oaken-plus", "oaken-plus-4", "oaken-plus-3", "oaken-plus-2"]
+    assert list(PRESETS) == ["oaken", "oaken-plus", "oaken-plus-3", "oaken-plus-2"]
     assert get_preset("oaken-plus").transforms and not get_preset("oaken").transforms
-    for name, bits in (("oaken-plus-4", 4), ("oaken-plus-3", 3), ("oaken-plus-2", 2)):
+    for name, bits in (("oaken-plus-3", 3), ("oaken-plus-2", 2)):
         p = get_preset(name)
         assert p.transforms and p.middle_bits == bits and p.search().middle_bits == bits
         assert ALIASES[name] == p.spec  # the method registry runs the preset as this spec

@@ -7,7 +7,6 @@
 - ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
   3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
   budgets (docs/results.md, the frontier).
-- ``oaken-plus-4``: oaken-plus's 4-bit slot with a 1.5% sparse share (about 4.7 bits), KVQuant-style 4's budget.
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -29,7 +28,6 @@ __all__ = [
     "OAKEN_PLUS",
     "OAKEN_PLUS_2",
     "OAKEN_PLUS_3",
-    "OAKEN_PLUS_4",
     "PRESETS",
     "Preset",
     "find_profile",
@@ -111,17 +109,7 @@ OAKEN_PLUS_2 = Preset(
     middle_bits=2,
     sparse=0.04,
 )
-#: oaken-plus at its 4-bit slot with a 1.5% sparse share: about 4.7 bits per value on the default model
-#: (4 + 8 x 0.015 + 112 / 192, and the sink token), no more than KVQuant-style 4's 4.73 (docs/results.md).
-OAKEN_PLUS_4 = Preset(
-    "oaken-plus-4",
-    "oaken-plus with a 1.5% sparse share: 4-bit middle codes, 5-bit outliers, about 4.7 bits per value",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=4,
-    sparse=0.015,
-)
-PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_4, OAKEN_PLUS_3, OAKEN_PLUS_2)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_3, OAKEN_PLUS_2)}
 
 #: The profile each model object was prepared with (``find_profile`` on a model it already folded returns it).
 _PREPARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS, OAKEN_PLUS_2, OAKEN_PLUS_3, OAKEN_PLUS_4
+from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS, OAKEN_PLUS_2, OAKEN_PLUS_3
 from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig
 
 __all__ = [
@@ -296,7 +296,7 @@ ALIASES: dict[str, str] = {
     "quanto4": "quanto:bits=4",
     "oaken-kurtosis": "oaken:kurtosis=1",
     # the narrower oaken-plus presets (oakenkv.calibrate.presets)
-    **{p.name: p.spec for p in (OAKEN_PLUS_4, OAKEN_PLUS_3, OAKEN_PLUS_2)},
+    **{p.name: p.spec for p in (OAKEN_PLUS_3, OAKEN_PLUS_2)},
 }
 
 
