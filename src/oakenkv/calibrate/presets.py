@@ -6,7 +6,7 @@
   ``oakenkv.calibrate.plus``, docs/plus.md).
 - ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
   3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
-  budgets (docs/results.md, the frontier).
+  budgets (docs/results.md, the frontier); ``oaken-plus-3``'s search may also rotate keys and values.
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -90,14 +90,17 @@ OAKEN_PLUS = Preset(
     transforms=True,
 )
 #: oaken-plus with 3-bit middle codes (4-bit outliers) and a 4% sparse share: about 3.9 bits per value on the
-#: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits.
+#: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits. Its search
+#: may rotate keys and values per head: at a 3-bit slot that lowers the loss (docs/plus.md, "Below 5 bits"), where
+#: at oaken-plus's 4-bit slot it did not.
 OAKEN_PLUS_3 = Preset(
     "oaken-plus-3",
-    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share",
+    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share, Hadamard rotations",
     CalibrationSpec(samples=16, window=2048),
     transforms=True,
     middle_bits=3,
     sparse=0.04,
+    rotations=True,
 )
 #: oaken-plus with 2-bit middle codes (3-bit outliers) and a 4% sparse share: about 2.9 bits per value on the
 #: default model, the budget of KIVI-2.
