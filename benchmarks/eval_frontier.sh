@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The accuracy frontier (issue 36): every method's perplexity against its bits on each model, oakenkv's presets at
-# every budget (oaken-plus-2, oaken-plus-3, oaken-plus, oaken-plus:sparse=0.2) against the peers' points; adaptive
+# every budget (oaken-plus-2, oaken-plus-3, oaken-plus, oaken-plus:sparse=0.2; a 3-bit slot with rotations at 1.7%
+# sparse, ~3.73 bits, for KVQuant-style 3's and KIVI-2's budgets) against the peers' points; adaptive
 # grouping in and out of domain. Results under docs/results/<model>-<N>w (WikiText-2) and docs/results/default-python
 # (Python source); `report` rewrites docs/results.md and its plot.
 #
@@ -21,7 +22,7 @@ WINDOWS="${WINDOWS:-20}"
 PYTEXT="${PYTEXT:-/tmp/oakenkv-python-stdlib.txt}"
 parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(default python adapt report)
 
-OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2")
+OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2" "oaken-plus:bits=3,sparse=0.017,rot_k=1,rot_v=1")
 PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
 
 stem() { echo "$1" | tr ':=,' '___'; }

@@ -73,6 +73,7 @@ def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(def
 
 
 def test_presets_are_declared_once():
+    from oakenkv.calibrate.search import PlusSearch
     from oakenkv.methods.registry import ALIASES, parse_spec
 
     assert list(PRESETS) == ["oaken", "oaken-plus", "oaken-plus-3", "oaken-plus-2"]
@@ -83,6 +84,8 @@ def test_presets_are_declared_once():
         assert ALIASES[name] == p.spec  # the method registry runs the preset as this spec
         family, params = parse_spec(name)
         assert family == "oaken-plus" and params["bits"] == bits and params["sparse"] == p.sparse
+        flags = [params[k] for k in ("shift", "rot_k", "rot_v", "smooth", "ratios", "sink", "bits", "sparse")]
+        assert p.search() == PlusSearch.from_flags(*flags)  # the eval's search of the alias is the preset's
         assert sum(p.search().ratios[0]) == pytest.approx(p.sparse)
 
 

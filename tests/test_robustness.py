@@ -1077,6 +1077,28 @@ def test_a_profile_with_transforms_needs_oaken_plus_and_decides_its_switches():
     assert check_spec_with_thresholds("oaken-plus", plus_profile)["shift"] == 1
 
 
+def test_a_presets_rotations_must_be_the_files():
+    """A preset's alias that allows the rotations (or not) runs only with a file whose search did the same: the
+    file records which remedies its search allowed, and a spec that says otherwise is refused."""
+    from types import SimpleNamespace
+
+    from oakenkv.methods.registry import check_spec_with_thresholds
+
+    def profile(rot):
+        search = {"ratios": [[0.017, 0.0]], "key_rotation": rot, "value_rotation": rot}
+        return SimpleNamespace(
+            transforms=SimpleNamespace(notes={"search": search}), config=OakenConfig(middle_bits=3), profile={}
+        )
+
+    spec = "oaken-plus:bits=3,sparse=0.017,rot_k=1,rot_v=1"
+    got = check_spec_with_thresholds(spec, profile(True))
+    assert (got["rot_k"], got["rot_v"], got["bits"]) == (1, 1, 3)
+    with pytest.raises(ValueError, match=r"sets rot_k=1 but .* was profiled with rot_k=0"):
+        check_spec_with_thresholds(spec, profile(False))
+    # a spec that leaves them out records what the file's search allowed
+    assert check_spec_with_thresholds("oaken-plus:bits=3", profile(True))["rot_v"] == 1
+
+
 # ================================================================================== issue 35: round two
 # Every entry point as strict as the CLI (docs/robustness.md, rules 8-12).
 

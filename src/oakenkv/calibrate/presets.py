@@ -6,7 +6,7 @@
   ``oakenkv.calibrate.plus``, docs/plus.md).
 - ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
   3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
-  budgets (docs/results.md, the frontier).
+  budgets (docs/results.md, the frontier); ``oaken-plus-3``'s search may also rotate keys and values.
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -23,7 +23,16 @@ from typing import Any
 
 from oakenkv.calibrate.spec import CalibrationSpec
 
-__all__ = ["OAKEN", "OAKEN_PLUS", "OAKEN_PLUS_2", "OAKEN_PLUS_3", "PRESETS", "Preset", "find_profile", "get_preset"]
+__all__ = [
+    "OAKEN",
+    "OAKEN_PLUS",
+    "OAKEN_PLUS_2",
+    "OAKEN_PLUS_3",
+    "PRESETS",
+    "Preset",
+    "find_profile",
+    "get_preset",
+]
 
 
 @dataclass(frozen=True)
@@ -40,19 +49,28 @@ class Preset:
     #: values in the sparse (inner + outer) groups it splits per layer (``oakenkv.calibrate.plus.ratio_choices``).
     middle_bits: int = 4
     sparse: float = 0.10
+    #: Whether the search may rotate keys and values per head (``PlusSearch.key_rotation`` / ``value_rotation``;
+    #: it still chooses per layer).
+    rotations: bool = False
 
     def search(self) -> Any:
         """The oaken-plus search of this preset (``oakenkv.calibrate.plus.PlusSearch``; transforms presets only)."""
         from oakenkv.calibrate.plus import PlusSearch, ratio_choices
 
-        return PlusSearch(ratios=ratio_choices(self.sparse), middle_bits=self.middle_bits)
+        return PlusSearch(
+            key_rotation=self.rotations,
+            value_rotation=self.rotations,
+            ratios=ratio_choices(self.sparse),
+            middle_bits=self.middle_bits,
+        )
 
     @property
     def spec(self) -> str:
         """The method spec this preset runs as in the registry (``oakenkv.methods.registry``)."""
-        if not self.transforms or (self.middle_bits, self.sparse) == (4, 0.10):
+        if not self.transforms or (self.middle_bits, self.sparse, self.rotations) == (4, 0.10, False):
             return self.name
-        return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}"
+        rot = ",rot_k=1,rot_v=1" if self.rotations else ""
+        return f"{OAKEN_PLUS.name}:bits={self.middle_bits},sparse={self.sparse:g}{rot}"
 
 
 #: The paper's Oaken. 16 windows of 256 tokens keep a first profile short, since ``for_model`` makes it while the
@@ -72,14 +90,17 @@ OAKEN_PLUS = Preset(
     transforms=True,
 )
 #: oaken-plus with 3-bit middle codes (4-bit outliers) and a 4% sparse share: about 3.9 bits per value on the
-#: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits.
+#: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits. Its search
+#: may rotate keys and values per head: at a 3-bit slot that lowers the loss (docs/plus.md, "Below 5 bits"), where
+#: at oaken-plus's 4-bit slot it did not.
 OAKEN_PLUS_3 = Preset(
     "oaken-plus-3",
-    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share",
+    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share, Hadamard rotations",
     CalibrationSpec(samples=16, window=2048),
     transforms=True,
     middle_bits=3,
     sparse=0.04,
+    rotations=True,
 )
 #: oaken-plus with 2-bit middle codes (3-bit outliers) and a 4% sparse share: about 2.9 bits per value on the
 #: default model, the budget of KIVI-2.

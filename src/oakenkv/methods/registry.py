@@ -410,8 +410,14 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
                 f"or use --method {OAKEN.name}"
             )
         given = given_params(spec)
-        # the slot width and the sparse share: a preset's alias names them; they must be the file's
-        recorded = {"bits": thresholds.config.middle_bits, "sparse": _plus_sparse(thresholds)}
+        # the slot width, the sparse share and the rotations the search allowed: a preset's alias names them; they
+        # must be the file's
+        recorded = {
+            "bits": thresholds.config.middle_bits,
+            "sparse": _plus_sparse(thresholds),
+            "rot_k": _plus_search_flag(thresholds, "key_rotation"),
+            "rot_v": _plus_search_flag(thresholds, "value_rotation"),
+        }
         for key, value in recorded.items():
             if key in given and value is not None and params[key] != value:
                 raise ValueError(
@@ -439,6 +445,16 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
             )
         params[key] = value
     return params
+
+
+def _plus_search_flag(thresholds: Any, name: str) -> int | None:
+    """Whether an oaken-plus profile's search allowed one remedy (``key_rotation``, ``value_rotation``; the search
+    its transforms record), or None when the file does not say."""
+    try:
+        flag = thresholds.transforms.notes["search"][name]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return int(flag) if isinstance(flag, bool) else None
 
 
 def _plus_sparse(thresholds: Any) -> float | None:
