@@ -169,6 +169,10 @@ def _attend(
     return probs @ vv, probs
 
 
+#: Fewest scoring positions at which the query heads of one KV head are stacked (:class:`_Scorer`).
+STACK_MIN_POSITIONS = 64
+
+
 class _Scorer:
     """The attention output of one layer's scoring queries (the last ``positions`` of each query window) for
     candidate keys or values, and its error against the exact output: the same numbers as :func:`_attend`, bit for
@@ -188,12 +192,16 @@ class _Scorer:
         h = k.shape[1]
         g, p = hq // h, min(positions, s)
         self.shape = (r, hq, p, hd)
+        # stacked, a head's rows give the same products as alone only in a matrix-matrix product: with a few rows the
+        # plain attention's matmul takes another kernel (tests/test_search.py), so few positions repeat the keys
+        self.repeat = 1 if p >= STACK_MIN_POSITIONS else g
+        heads, rows = (h, g * p) if self.repeat == 1 else (hq, p)
         mantissa, _ = math.frexp(scaling)
         self.post_scale = None if mantissa == 0.5 else scaling
         qq = q[:, :, s - p :]
         if self.post_scale is None:
             qq = qq * scaling
-        self.q = qq.reshape(r, h, g * p, hd).contiguous()  # query head h * g + j is row block j of KV head h
+        self.q = qq.reshape(r, heads, rows, hd).contiguous()  # query head h * g + j: row block j of KV head h
         pq = torch.arange(s - p, s)[:, None]
         pk = torch.arange(s)[None, :]
         hide = pk > pq
@@ -201,15 +209,17 @@ class _Scorer:
             hide |= pk <= pq - window
         cols = hide.any(dim=0).nonzero().flatten()
         self.c0, self.c1 = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
-        self.hide = hide[:, self.c0 : self.c1].repeat(g, 1)
-        self.probs = torch.empty((r, h, g * p, s), dtype=torch.float32)
+        self.hide = hide[:, self.c0 : self.c1].repeat(rows // p, 1)
+        self.probs = torch.empty((r, heads, rows, s), dtype=torch.float32)
         self.work = torch.empty_like(self.probs)
-        self.out = torch.empty((r, h, g * p, hd), dtype=torch.float32)
+        self.out = torch.empty((r, heads, rows, hd), dtype=torch.float32)
         self._softmax(k, self.probs)
         self.ref = self.output(v, self.probs).clone()
         self.energy = float(self.ref.pow(2).sum())
 
     def _softmax(self, k: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        if self.repeat > 1:
+            k = k.repeat_interleave(self.repeat, dim=1)
         torch.matmul(self.q, k.transpose(-1, -2), out=into)
         if self.post_scale is not None:
             into.mul_(self.post_scale)
@@ -220,6 +230,8 @@ class _Scorer:
     def output(self, v: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output ``[R, Hq, positions, hd]`` (a view of a reused buffer) for values ``v [R, H, S, hd]``
         and the probabilities ``probs`` (default: the exact keys')."""
+        if self.repeat > 1:
+            v = v.repeat_interleave(self.repeat, dim=1)
         torch.matmul(self.probs if probs is None else probs, v, out=self.out)
         return self.out.view(self.shape)
 
