@@ -215,6 +215,7 @@ class _Scorer:
         self.out = torch.empty((r, heads, rows, hd), dtype=torch.float32)
         self._softmax(k, self.probs)
         self.ref = self.output(v, self.probs).clone()
+        self.diff = torch.empty(self.shape, dtype=torch.float32)
         self.energy = float(self.ref.pow(2).sum())
 
     def _softmax(self, k: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,8 @@ class _Scorer:
         return self.out.view(self.shape)
 
     def error(self, out: torch.Tensor) -> float:
-        return float((out - self.ref.view(self.shape)).pow(2).sum()) / self.energy
+        diff = torch.sub(out, self.ref.view(self.shape), out=self.diff)
+        return float(diff.pow_(2).sum()) / self.energy
 
     def key_error(self, k: torch.Tensor, v: torch.Tensor) -> float:
         """The error of keys ``k [R, H, S, hd]`` with values ``v``."""
@@ -310,18 +312,19 @@ def _key_transform(k: torch.Tensor, lt: LayerTransforms, h: int, hd: int) -> tor
     if lt.key_scale is not None:
         k = k / torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd)
     if lt.key_shift is not None:  # in the folded model's frame (already divided by the scale)
-        k = k - torch.tensor(lt.key_shift, dtype=torch.float32).reshape(1, h, 1, hd)
+        shift = torch.tensor(lt.key_shift, dtype=torch.float32).reshape(1, h, 1, hd)
+        k = k - shift if lt.key_scale is None else k.sub_(shift)  # (in place on a tensor of our own)
     if lt.key_rotation:
         k = torch.from_numpy(fwht(k.numpy()))
     return k
 
 
 def _key_restore(k: torch.Tensor, lt: LayerTransforms, h: int, hd: int) -> torch.Tensor:
-    """Keys back in the unfolded model's frame up to the shift (which softmax ignores)."""
+    """Keys back in the unfolded model's frame up to the shift (which softmax ignores); ``k`` is overwritten."""
     if lt.key_rotation:
         k = torch.from_numpy(fwht(k.numpy()))
     if lt.key_scale is not None:
-        k = k * torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd)
+        k = k.mul_(torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd))
     return k
 
 
