@@ -136,37 +136,21 @@ def attention_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None, positions: int
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of the last ``positions`` queries: q ``[R, Hq, S, hd]``,
-    k/v ``[R, H, S, hd]`` -> ``[R, Hq, positions, hd]``."""
-    return _attend(q, k, v, scaling, window, positions)[0]
-
-
-def _attend(
-    q: torch.Tensor | None,
-    k: torch.Tensor | None,
-    v: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    positions: int,
-    probs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_output` and its attention probabilities ``[R, Hq, positions, S]``; given ``probs`` (of the
-    same queries and keys), only ``probs @ v``: scoring values against exact keys needs no new scores. The scores
-    are scaled and masked in place (the same numbers, without two more tensors of the scores' size)."""
-    group = probs.shape[1] // v.shape[1] if probs is not None else q.shape[1] // k.shape[1]
-    vv = v.repeat_interleave(group, dim=1)
-    if probs is None:
-        s = q.shape[2]
-        positions = min(positions, s)
-        qq = q[:, :, s - positions :]
-        scores = qq @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
-        scores.mul_(scaling)
-        pq = torch.arange(s - positions, s)[:, None]
-        pk = torch.arange(s)[None, :]
-        hide = pk > pq
-        if window is not None:
-            hide |= pk <= pq - window
-        probs = torch.softmax(scores.masked_fill_(hide, float("-inf")), dim=-1)
-    return probs @ vv, probs
+    k/v ``[R, H, S, hd]`` -> ``[R, Hq, positions, hd]``. The plain definition of what the search scores
+    (:class:`_Scorer` computes the same numbers faster)."""
+    group = q.shape[1] // k.shape[1]
+    s = q.shape[2]
+    positions = min(positions, s)
+    qq = q[:, :, s - positions :]
+    scores = qq @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
+    scores.mul_(scaling)
+    pq = torch.arange(s - positions, s)[:, None]
+    pk = torch.arange(s)[None, :]
+    hide = pk > pq
+    if window is not None:
+        hide |= pk <= pq - window
+    probs = torch.softmax(scores.masked_fill_(hide, float("-inf")), dim=-1)
+    return probs @ v.repeat_interleave(group, dim=1)
 
 
 #: Fewest scoring positions at which the query heads of one KV head are stacked (:class:`_Scorer`).
@@ -175,8 +159,8 @@ STACK_MIN_POSITIONS = 64
 
 class _Scorer:
     """The attention output of one layer's scoring queries (the last ``positions`` of each query window) for
-    candidate keys or values, and its error against the exact output: the same numbers as :func:`_attend`, bit for
-    bit (``tests/test_search.py``), at a fraction of its cost.
+    candidate keys or values, and its error against the exact output: the same numbers as
+    :func:`attention_output`, bit for bit (``tests/test_search.py``), at a fraction of its cost.
 
     Every candidate's scores and probabilities go into one buffer allocated once per layer (a fresh tensor of the
     scores' size is mapped and zeroed by the OS on every call: that cost as much as the matmuls), the softmax runs in
