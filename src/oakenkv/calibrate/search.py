@@ -12,6 +12,7 @@ taken over all windows of the layer, so a layer is scored once all of them are r
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from oakenkv.calibrate.recording import AttentionRecord, LayerRecord
-from oakenkv.calibrate.stats import RunAccumulator, run_thresholds
+from oakenkv.calibrate.stats import RunAccumulator, kurtosis, run_quantiles
 from oakenkv.calibrate.thresholds import GroupThresholds, LayerStats
 from oakenkv.calibrate.transforms import LayerTransforms, fwht, tie_rope_pairs
 from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_tokens
@@ -135,37 +136,101 @@ def attention_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None, positions: int
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of the last ``positions`` queries: q ``[R, Hq, S, hd]``,
-    k/v ``[R, H, S, hd]`` -> ``[R, Hq, positions, hd]``."""
-    return _attend(q, k, v, scaling, window, positions)[0]
+    k/v ``[R, H, S, hd]`` -> ``[R, Hq, positions, hd]``. The plain definition of what the search scores
+    (:class:`_Scorer` computes the same numbers faster)."""
+    group = q.shape[1] // k.shape[1]
+    s = q.shape[2]
+    positions = min(positions, s)
+    qq = q[:, :, s - positions :]
+    scores = qq @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
+    scores.mul_(scaling)
+    pq = torch.arange(s - positions, s)[:, None]
+    pk = torch.arange(s)[None, :]
+    hide = pk > pq
+    if window is not None:
+        hide |= pk <= pq - window
+    probs = torch.softmax(scores.masked_fill_(hide, float("-inf")), dim=-1)
+    return probs @ v.repeat_interleave(group, dim=1)
 
 
-def _attend(
-    q: torch.Tensor | None,
-    k: torch.Tensor | None,
-    v: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    positions: int,
-    probs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_output` and its attention probabilities ``[R, Hq, positions, S]``; given ``probs`` (of the
-    same queries and keys), only ``probs @ v``: scoring values against exact keys needs no new scores. The scores
-    are scaled and masked in place (the same numbers, without two more tensors of the scores' size)."""
-    group = probs.shape[1] // v.shape[1] if probs is not None else q.shape[1] // k.shape[1]
-    vv = v.repeat_interleave(group, dim=1)
-    if probs is None:
-        s = q.shape[2]
-        positions = min(positions, s)
-        qq = q[:, :, s - positions :]
-        scores = qq @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
-        scores.mul_(scaling)
-        pq = torch.arange(s - positions, s)[:, None]
+#: Fewest scoring positions at which the query heads of one KV head are stacked (:class:`_Scorer`).
+STACK_MIN_POSITIONS = 64
+
+
+class _Scorer:
+    """The attention output of one layer's scoring queries (the last ``positions`` of each query window) for
+    candidate keys or values, and its error against the exact output: the same numbers as
+    :func:`attention_output`, bit for bit (``tests/test_search.py``), at a fraction of its cost.
+
+    Every candidate's scores and probabilities go into one buffer allocated once per layer (a fresh tensor of the
+    scores' size is mapped and zeroed by the OS on every call: that cost as much as the matmuls), the softmax runs in
+    place, the query heads that share a KV head are stacked along the query axis (one matmul per KV head, no
+    repeated keys or values), a power-of-two softmax scale is folded into the queries once (exact: it scales each
+    product and sum by a power of two), and only the columns that hide something are masked.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None, positions: int
+    ):
+        r, hq, s, hd = q.shape
+        h = k.shape[1]
+        g, p = hq // h, min(positions, s)
+        self.shape = (r, hq, p, hd)
+        # stacked, a head's rows give the same products as alone only in a matrix-matrix product: with a few rows the
+        # plain attention's matmul takes another kernel (tests/test_search.py), so few positions repeat the keys
+        self.repeat = 1 if p >= STACK_MIN_POSITIONS else g
+        heads, rows = (h, g * p) if self.repeat == 1 else (hq, p)
+        mantissa, _ = math.frexp(scaling)
+        self.post_scale = None if mantissa == 0.5 else scaling
+        qq = q[:, :, s - p :]
+        if self.post_scale is None:
+            qq = qq * scaling
+        self.q = qq.reshape(r, heads, rows, hd).contiguous()  # query head h * g + j: row block j of KV head h
+        pq = torch.arange(s - p, s)[:, None]
         pk = torch.arange(s)[None, :]
         hide = pk > pq
         if window is not None:
             hide |= pk <= pq - window
-        probs = torch.softmax(scores.masked_fill_(hide, float("-inf")), dim=-1)
-    return probs @ vv, probs
+        cols = hide.any(dim=0).nonzero().flatten()
+        self.c0, self.c1 = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
+        self.hide = hide[:, self.c0 : self.c1].repeat(rows // p, 1)
+        self.probs = torch.empty((r, heads, rows, s), dtype=torch.float32)
+        self.work = torch.empty_like(self.probs)
+        self.out = torch.empty((r, heads, rows, hd), dtype=torch.float32)
+        self._softmax(k, self.probs)
+        self.ref = self.output(v, self.probs).clone()
+        self.diff = torch.empty(self.shape, dtype=torch.float32)
+        self.energy = float(self.ref.pow(2).sum())
+
+    def _softmax(self, k: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        if self.repeat > 1:
+            k = k.repeat_interleave(self.repeat, dim=1)
+        torch.matmul(self.q, k.transpose(-1, -2), out=into)
+        if self.post_scale is not None:
+            into.mul_(self.post_scale)
+        if self.c1 > self.c0:
+            into[..., self.c0 : self.c1].masked_fill_(self.hide, float("-inf"))
+        return torch.softmax(into, dim=-1, out=into)
+
+    def output(self, v: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output ``[R, Hq, positions, hd]`` (a view of a reused buffer) for values ``v [R, H, S, hd]``
+        and the probabilities ``probs`` (default: the exact keys')."""
+        if self.repeat > 1:
+            v = v.repeat_interleave(self.repeat, dim=1)
+        torch.matmul(self.probs if probs is None else probs, v, out=self.out)
+        return self.out.view(self.shape)
+
+    def error(self, out: torch.Tensor) -> float:
+        diff = torch.sub(out, self.ref.view(self.shape), out=self.diff)
+        return float(diff.pow_(2).sum()) / self.energy
+
+    def key_error(self, k: torch.Tensor, v: torch.Tensor) -> float:
+        """The error of keys ``k [R, H, S, hd]`` with values ``v``."""
+        return self.error(self.output(v, self._softmax(k, self.work)))
+
+    def value_error(self, v: torch.Tensor) -> float:
+        """The error of values ``v`` with the exact keys (their probabilities are kept)."""
+        return self.error(self.output(v))
 
 
 def _fake_quant(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig, sink_tokens: int = 0) -> torch.Tensor:
@@ -185,18 +250,35 @@ def _fake_quant(x: torch.Tensor, thr: GroupThresholds, config: OakenConfig, sink
 Profiled = tuple[GroupThresholds, LayerStats]
 
 
-def _thresholds(x: torch.Tensor, configs: Sequence[OakenConfig], layer: int, kind: str) -> dict[OakenConfig, Profiled]:
-    """Thresholds of ``x [R, H, S, hd]`` (one run per window) for each of ``configs``, exactly as
-    ``oakenkv.calibrate.profile`` averages them. One pass over the runs serves every config: a run's quantiles at
-    several ratios come from one partition, and each is the same number as alone (exact order statistics). The
-    runs are taken on two threads (numpy's partition releases the GIL) and averaged in their order."""
-    configs = list(dict.fromkeys(configs))
-    outer, inner = tuple(c.outer_ratio for c in configs), tuple(c.inner_ratio for c in configs)
-    accs = [RunAccumulator() for _ in configs]
-    for r, (o, i, k) in enumerate(_pool().map(lambda r: run_thresholds(x[r], outer, inner), range(x.shape[0]))):
-        for j, acc in enumerate(accs):
-            acc.add(o[j : j + 1], i[j : j + 1], k, x[r].numel())
-    return {c: acc.finish(c, False, layer, kind) for c, acc in zip(configs, accs, strict=True)}
+class _Profile:
+    """The thresholds of one candidate's vectors ``x [R, H, S, hd]`` (one run per window) at every ratio of the
+    search, exactly as ``oakenkv.calibrate.profile`` averages them. One pass over the runs serves every ratio: a
+    run's quantiles at several ratios come from one partition, and each is the same number as alone (exact order
+    statistics). The runs are taken on two threads (numpy's partition releases the GIL) and averaged in their order.
+    The statistics (:meth:`profiled`) also need each run's kurtosis, which costs more than its quantiles: they are
+    made for the chosen candidate only, from its vectors made again."""
+
+    def __init__(self, x: torch.Tensor, configs: Sequence[OakenConfig], layer: int, kind: str):
+        self.configs = list(dict.fromkeys(configs))
+        self.layer, self.kind, self.num_values = layer, kind, x[0].numel()
+        outer, inner = tuple(c.outer_ratio for c in self.configs), tuple(c.inner_ratio for c in self.configs)
+        self.runs = list(_pool().map(lambda r: run_quantiles(x[r], outer, inner), range(x.shape[0])))
+        # the averaged thresholds do not depend on the kurtosis (no kurtosis tuning): a stand-in for it
+        self.thresholds = {
+            c: self._accumulate(j, [0.0] * len(self.runs)).finish(c, False, layer, kind)[0]
+            for j, c in enumerate(self.configs)
+        }
+
+    def _accumulate(self, j: int, kurt: Sequence[float]) -> RunAccumulator:
+        acc = RunAccumulator()
+        for (o, i), k in zip(self.runs, kurt, strict=True):
+            acc.add(o[j : j + 1], i[j : j + 1], k, self.num_values)
+        return acc
+
+    def profiled(self, x: torch.Tensor, config: OakenConfig) -> Profiled:
+        """The thresholds and statistics at ``config``; ``x``: the vectors this profile was made of."""
+        kurt = list(_pool().map(lambda r: kurtosis(x[r]), range(x.shape[0])))
+        return self._accumulate(self.configs.index(config), kurt).finish(config, False, self.layer, self.kind)
 
 
 @functools.cache
@@ -214,18 +296,19 @@ def _key_transform(k: torch.Tensor, lt: LayerTransforms, h: int, hd: int) -> tor
     if lt.key_scale is not None:
         k = k / torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd)
     if lt.key_shift is not None:  # in the folded model's frame (already divided by the scale)
-        k = k - torch.tensor(lt.key_shift, dtype=torch.float32).reshape(1, h, 1, hd)
+        shift = torch.tensor(lt.key_shift, dtype=torch.float32).reshape(1, h, 1, hd)
+        k = k - shift if lt.key_scale is None else k.sub_(shift)  # (in place on a tensor of our own)
     if lt.key_rotation:
         k = torch.from_numpy(fwht(k.numpy()))
     return k
 
 
 def _key_restore(k: torch.Tensor, lt: LayerTransforms, h: int, hd: int) -> torch.Tensor:
-    """Keys back in the unfolded model's frame up to the shift (which softmax ignores)."""
+    """Keys back in the unfolded model's frame up to the shift (which softmax ignores); ``k`` is overwritten."""
     if lt.key_rotation:
         k = torch.from_numpy(fwht(k.numpy()))
     if lt.key_scale is not None:
-        k = k * torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd)
+        k = k.mul_(torch.tensor(lt.key_scale, dtype=torch.float32).reshape(1, h, 1, hd))
     return k
 
 
@@ -235,7 +318,7 @@ class _Candidate:
     lt: LayerTransforms
     config: OakenConfig
     #: The candidate's thresholds at every ratio of the search, and its transformed vectors of the query windows.
-    profiled: dict[OakenConfig, Profiled]
+    profile: _Profile
     scored: torch.Tensor
 
 
@@ -269,23 +352,20 @@ def choose_layer(
     rq = q.shape[0]
     k_q, v_q = k_all[:rq], v_all[:rq]
     sc, win, pos = layer.scaling, layer.sliding_window, search.query_positions
-    ref, probs = _attend(q, k_q, v_q, sc, win, pos)
-    energy = float(ref.pow(2).sum())
-
-    def err(kh: torch.Tensor, vh: torch.Tensor) -> float:
-        return float((attention_output(q, kh, vh, sc, win, pos) - ref).pow(2).sum()) / energy
+    scorer = _Scorer(q, k_q, v_q, sc, win, pos)
 
     configs = [search.config(o, inn) for o, inn in search.ratios]
 
     def key_error(c: _Candidate, cfg: OakenConfig) -> float:
-        kq = _fake_quant(c.scored, c.profiled[cfg][0], cfg, search.sink_tokens)
-        return err(_key_restore(kq, c.lt, h, hd), v_q)
+        kq = _fake_quant(c.scored, c.profile.thresholds[cfg], cfg, search.sink_tokens)
+        return scorer.key_error(_key_restore(kq, c.lt, h, hd), v_q)
 
     # keys: shift, rotation and smoothing first (at the middle ratios), then the ratios for the winner
     shift = k_all[:, :, 1:].mean(dim=(0, 2)).reshape(-1) if search.key_shift else None  # token 0: the sink
     key_errs: dict[str, float] = {}
     best: _Candidate | None = None
     base_cfg = configs[-1]
+    absmax: dict[bool, torch.Tensor] = {}
     for use_shift in (False, True) if shift is not None else (False,):
         for rot in (False, True) if search.key_rotation else (False,):
             for alpha in search.alphas:
@@ -293,8 +373,10 @@ def choose_layer(
                     continue
                 lam = None
                 if alpha:
-                    centred = k_all[:, :, 1:] - (shift.reshape(1, h, 1, hd) if use_shift else 0.0)
-                    amax = centred.abs().amax(dim=(0, 2))  # [h, hd]
+                    if use_shift not in absmax:  # (one per shift: every alpha and rotation takes the same)
+                        centred = k_all[:, :, 1:] - (shift.reshape(1, h, 1, hd) if use_shift else 0.0)
+                        absmax[use_shift] = centred.abs().amax(dim=(0, 2))  # [h, hd]
+                    amax = absmax[use_shift]
                     if layer.key_scale_shared_by_heads:  # one norm weight for every head: one set of scales
                         amax = amax.amax(dim=0, keepdim=True).expand(h, hd)
                     a = tie_rope_pairs(amax.clamp_min(1e-6), partners) ** alpha
@@ -308,7 +390,7 @@ def choose_layer(
                 )
                 name = f"shift={int(use_shift)},rot={int(rot)},alpha={alpha:g}"
                 x = _key_transform(k_all, lt, h, hd)
-                cand = _Candidate(name, lt, base_cfg, _thresholds(x, configs, i, "key"), x[:rq].clone())
+                cand = _Candidate(name, lt, base_cfg, _Profile(x, configs, i, "key"), x[:rq].clone())
                 del x
                 key_errs[name] = key_error(cand, base_cfg)
                 if best is None or key_errs[name] < key_errs[best.name]:
@@ -320,7 +402,7 @@ def choose_layer(
         name = best.name + f",outer={cfg.outer_ratio:g},inner={cfg.inner_ratio:g}"
         key_errs[name] = key_error(best, cfg)
         if key_errs[name] < key_errs[best.name]:
-            best = _Candidate(name, best.lt, cfg, best.profiled, best.scored)
+            best = _Candidate(name, best.lt, cfg, best.profile, best.scored)
         if progress:
             progress(1)
     # values: rotation, then ratios
@@ -328,15 +410,15 @@ def choose_layer(
     vbest: _Candidate | None = None
     for rot in (False, True) if search.value_rotation and not layer.value_norm else (False,):
         x = _rotate(v_all) if rot else v_all
-        profiled = _thresholds(x, configs, i, "value")
+        profile = _Profile(x, configs, i, "value")
         for cfg in configs:
-            vq = _fake_quant(x[:rq], profiled[cfg][0], cfg, search.sink_tokens)
+            vq = _fake_quant(x[:rq], profile.thresholds[cfg], cfg, search.sink_tokens)
             vh = _rotate(vq) if rot else vq
             name = f"rot={int(rot)},outer={cfg.outer_ratio:g},inner={cfg.inner_ratio:g}"
             # exact keys: the reference's attention probabilities, so the error of P @ vh (the same numbers)
-            val_errs[name] = float((_attend(None, None, vh, sc, win, pos, probs)[0] - ref).pow(2).sum()) / energy
+            val_errs[name] = scorer.value_error(vh)
             if vbest is None or val_errs[name] < val_errs[vbest.name]:
-                vbest = _Candidate(name, LayerTransforms(value_rotation=rot), cfg, profiled, vq)
+                vbest = _Candidate(name, LayerTransforms(value_rotation=rot), cfg, profile, vq)
             if progress:
                 progress(1)
     assert vbest is not None
@@ -349,8 +431,8 @@ def choose_layer(
         ),
         best.config,
         vbest.config,
-        best.profiled[best.config],
-        vbest.profiled[vbest.config],
+        best.profile.profiled(_key_transform(k_all, best.lt, h, hd), best.config),
+        vbest.profile.profiled(_rotate(v_all) if vbest.lt.value_rotation else v_all, vbest.config),
         {
             "key": best.name,
             "value": vbest.name,

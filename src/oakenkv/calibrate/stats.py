@@ -54,6 +54,7 @@ __all__ = [
     "exact_quantiles",
     "kurtosis",
     "order_statistics",
+    "run_quantiles",
     "run_thresholds",
 ]
 
@@ -127,20 +128,24 @@ def order_statistics(flat: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     ``np.partition(flat, ranks)[ranks]`` (NaN sorting last, as there).
 
     For a large array, ranks close together (a tail, the middle) share a bracket: two values read off a sorted
-    random sample of ``flat`` (a fixed seed: the same every time) with some reach beyond. One pass counts the
-    values below the bracket and gathers those inside it, and a rank's value is that of rank (rank - count) among
-    those alone: a partition of a few % of the values instead of all of them. When the count shows a bracket does
-    not hold its ranks (an unlucky sample), that bracket's ranks are taken from a partition of everything, so the
+    random sample of ``flat`` (a fixed seed: the same every time) with some reach beyond. A loop counts the values
+    below each bracket and inside it, another gathers those inside (``oakenkv.kernels.cpu.select``), and a rank's
+    value is that of rank (rank - count) among those alone: a partition of a few % of the values instead of all of
+    them. When the count shows a bracket does not hold its ranks (an unlucky sample), that bracket's ranks are
+    taken from a partition of everything, so the
     result never depends on the sample.
     """
     n = flat.size
     out = np.empty(ranks.size, dtype=flat.dtype)
-    if n < BRACKET_MIN_VALUES:
+    if n < BRACKET_MIN_VALUES or flat.dtype not in (np.float32, np.float64):
         out[:] = np.partition(flat, ranks)[ranks]
         return out
     sample = np.sort(flat[np.random.default_rng(_SAMPLE_SEED).integers(0, n, _SAMPLE)])
     m, gap = sample.size, n // 16
     missed: list[int] = []
+    groups: list[tuple[int, int]] = []  # (start, end) of the ranks of each bracket
+    lows: list[float] = []
+    highs: list[float] = []
     start = 0
     while start < ranks.size:
         end = start + 1
@@ -150,23 +155,23 @@ def order_statistics(flat: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         p0, p1 = k0 / n, k1 / n
         r0 = int(np.floor(p0 * m - _REACH * np.sqrt(m * p0 * (1 - p0)) - 2))
         r1 = int(np.ceil(p1 * m + _REACH * np.sqrt(m * p1 * (1 - p1)) + 2))
-        low = sample[r0] if r0 >= 0 else None
-        high = sample[r1] if r1 < m else None
-        if low is None and high is None:
+        if r0 < 0 and r1 >= m:
             missed.extend(range(start, end))
         else:
-            if low is None:
-                below, inside = 0, flat[flat <= high]
-            elif high is None:
-                below, inside = int(np.count_nonzero(flat < low)), flat[flat >= low]
-            else:
-                below, inside = int(np.count_nonzero(flat < low)), flat[(flat >= low) & (flat <= high)]
-            if below <= k0 and k1 < below + inside.size:
-                local = ranks[start:end] - below
-                out[start:end] = np.partition(inside, local)[local]
+            groups.append((start, end))
+            lows.append(sample[r0] if r0 >= 0 else -np.inf)
+            highs.append(sample[r1] if r1 < m else np.inf)
+        start = end
+    if groups:
+        from oakenkv.kernels.cpu.select import bracket_values
+
+        below, inside = bracket_values(flat, np.array(lows, dtype=flat.dtype), np.array(highs, dtype=flat.dtype))
+        for (start, end), b, values in zip(groups, below.tolist(), inside, strict=True):
+            if b <= ranks[start] and ranks[end - 1] < b + values.size:
+                local = ranks[start:end] - b
+                out[start:end] = np.partition(values, local)[local]
             else:
                 missed.extend(range(start, end))
-        start = end
     if missed:
         out[missed] = np.partition(flat, ranks[missed])[ranks[missed]]
     return out
@@ -178,13 +183,16 @@ def kurtosis(x: torch.Tensor | np.ndarray) -> float:
     Raises ValueError for a constant tensor (kurtosis undefined): a layer whose values are all equal means the
     recording is broken, and silently returning a number would hide it.
     """
-    x64 = _as_numpy(x).astype(np.float64)
-    c = x64 - x64.mean()
-    c2 = c * c
-    var = c2.mean()
+    # in place, one array: a fresh array per step (three more of 8 bytes a value) cost 6x the arithmetic in page
+    # faults; the same operations in the same order, so the same number
+    c = _as_numpy(x).astype(np.float64)
+    np.subtract(c, c.mean(), out=c)
+    np.multiply(c, c, out=c)
+    var = c.mean()
     if not var > 0:
         raise ValueError("cannot compute kurtosis: all recorded values are equal (broken recording?)")
-    return float((c2 * c2).mean() / (var * var))
+    np.multiply(c, c, out=c)
+    return float(c.mean() / (var * var))
 
 
 def run_thresholds(
@@ -193,7 +201,19 @@ def run_thresholds(
     inner_ratios: tuple[float, ...],
     inner_center: InnerCenter = "median",
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The thresholds of one run for several candidate ratios, and the run's kurtosis.
+    """The thresholds of one run for several candidate ratios (:func:`run_quantiles`), and the run's kurtosis."""
+    outer, inner = run_quantiles(x, outer_ratios, inner_ratios, inner_center)
+    return outer, inner, kurtosis(x)
+
+
+def run_quantiles(
+    x: torch.Tensor,
+    outer_ratios: tuple[float, ...],
+    inner_ratios: tuple[float, ...],
+    inner_center: InnerCenter = "median",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The thresholds of one run for several candidate ratios (:func:`run_thresholds` without the kurtosis, which
+    costs more than the quantiles: the oaken-plus search needs it of the chosen candidate only).
 
     Args:
         x: float tensor, all values of one layer's keys (or values) in one run, any shape (e.g. ``[H, S, D]``).
@@ -202,11 +222,11 @@ def run_thresholds(
         inner_center: "median" (quantiles around the median) or "zero" (smallest magnitudes); see module doc.
 
     Returns:
-        ``outer`` float64 ``[len(outer_ratios), 2]`` (to_lo, to_hi) per candidate, ``inner`` float64
-        ``[len(inner_ratios), 2]`` (ti_lo, ti_hi) per candidate, and the Pearson kurtosis.
+        ``outer`` float64 ``[len(outer_ratios), 2]`` (to_lo, to_hi) per candidate and ``inner`` float64
+        ``[len(inner_ratios), 2]`` (ti_lo, ti_hi) per candidate.
 
     Raises:
-        ValueError: ``x`` holds NaN or Inf, or all its values are equal.
+        ValueError: ``x`` holds NaN or Inf.
     """
     flat = _as_numpy(x)
     if not np.isfinite(flat).all():
@@ -223,7 +243,7 @@ def run_thresholds(
         inner = torch.stack([-t, t], dim=1)
     else:
         raise ValueError(f"inner_center must be 'median' or 'zero', got {inner_center!r}")
-    return outer, inner, kurtosis(flat)
+    return outer, inner
 
 
 def candidate_ratios(config: OakenConfig, tuning: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
