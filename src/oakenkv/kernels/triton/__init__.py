@@ -9,12 +9,22 @@
 - ``view``: a store's per-layer ``format.LayerView`` on a device, with the per-token sparse addresses the
   kernels read (``DeviceLayerView``).
 
+- ``interpret``: the interpreter's per-call cost of helper functions cut (``TRITON_INTERPRET=1`` only).
+
 Only ``_oaken`` imports oakenkv (``format`` and ``quant``: nothing above them).
-Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton; :func:`available` says
-whether it can be.
+Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton (:func:`available` says
+whether it can be), except under the interpreter (``TRITON_INTERPRET=1``), where ``interpret``'s shortcut is installed
+before any kernel runs.
 """
 
 from __future__ import annotations
+
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from oakenkv.kernels.triton.interpret import skip_nested_patching
+
+    skip_nested_patching()
 
 
 def available() -> bool:
