@@ -3,7 +3,7 @@
 Without a GPU the Triton kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/conftest.py sets it): the
 whole device store runs here, ``model.generate`` included. The interpreter runs each program in Python (tenths of
 a second per program), so the shapes are tiny: 2 KV heads x 16 (``D = 32``), 256-byte pages (many page
-boundaries), a few tokens; the default model's greedy run is marked slow.
+boundaries), a few tokens; the default model's greedy run is marked slow (docs/gpu.md: where its time goes).
 
 The reference is the CPU store (``PagedKVStore``), itself tested against the plain-PyTorch quantizer: the device
 store must hold the same bytes for every token (dense and sparse records, at the addresses its tables give), the
