@@ -36,7 +36,7 @@ def _kernel(x_ptr, out_ptr, N: tl.constexpr):
 def test_helpers_called_inside_a_launch_give_the_same_numbers_and_helpers_outside_still_patch():
     from triton.runtime import interpreter as ti
 
-    assert skip_nested_patching()  # (installed already by importing oakenkv.kernels.triton: idempotent)
+    assert skip_nested_patching()  # (installed already by the kernel modules: idempotent)
     assert ti.InterpretedFunction.__call__.__module__ == "oakenkv.kernels.triton.interpret"
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     out = torch.empty(3)

@@ -12,19 +12,11 @@
 - ``interpret``: the interpreter's per-call cost of helper functions cut (``TRITON_INTERPRET=1`` only).
 
 Only ``_oaken`` imports oakenkv (``format`` and ``quant``: nothing above them).
-Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton (:func:`available` says
-whether it can be), except under the interpreter (``TRITON_INTERPRET=1``), where ``interpret``'s shortcut is installed
-before any kernel runs.
+Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton; :func:`available` says
+whether it can be.
 """
 
 from __future__ import annotations
-
-import os
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from oakenkv.kernels.triton.interpret import skip_nested_patching
-
-    skip_nested_patching()
 
 
 def available() -> bool:

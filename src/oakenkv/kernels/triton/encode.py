@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 from oakenkv.kernels.triton import _oaken as F
+from oakenkv.kernels.triton.interpret import install
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Widest row the encoder holds in registers (one program per row). Wider rows (up to the format's 32768)
 #: are refused with a clear error; the CPU codec takes them.

@@ -12,12 +12,13 @@ the interpreter on the default model, that re-patching was 28% of the wall time 
 same language namespaces (a helper outside any launch still patches, as before). A later call's patch would only
 set the same attributes again (the interpreter never undoes a helper's patch: the patched builtins stay patched),
 so it changes no number: the helpers run the same code over the same patched modules. Only for the interpreter;
-on a GPU nothing here runs. Installed when the package ``oakenkv.kernels.triton`` is imported with
-``TRITON_INTERPRET=1`` (before any of its kernel modules).
+on a GPU nothing here runs. Installed by :func:`install`, which every kernel module calls at import (a no-op unless
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 _installed = False
@@ -71,3 +72,9 @@ def skip_nested_patching() -> bool:
     ti.InterpretedFunction.__call__ = helper
     _installed = True
     return True
+
+
+def install() -> None:
+    """:func:`skip_nested_patching` when the kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        skip_nested_patching()
