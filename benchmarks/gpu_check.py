@@ -736,9 +736,61 @@ def stage_store(run: Run) -> None:
         and after_evict["dense_mismatch"] == after_evict["sparse_mismatch"] == 0
         and released[0] == released[1]
     )
+    out["rows_own_sinks_adapt"] = _store_own_starts_adapt(run, thr, kv, hd, hq, page_size, prefill, steps)
     run.res["store"] = out
     print(f"  device store vs CPU store: {json.dumps(out)}")
     run.save()
+
+
+def _store_own_starts_adapt(run: Run, thr, kv: int, hd: int, hq: int, page_size: int, prefill: int, steps: int):
+    """Left-padded rows (each row's sink tokens from its own start, ``set_row_starts``) under adaptive grouping
+    (short epochs, so that the thresholds move): the device store against the CPU store, records, floats read back,
+    the adaptive scales, and decode attention with a padding mask against float attention over the CPU read."""
+    torch = run.torch
+    from oakenkv.hf.attention import float_attention
+    from oakenkv.quant.adapt import AdaptConfig
+    from oakenkv.store.device import DeviceKVStore
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
+
+    t0 = time.perf_counter()
+    ad = AdaptConfig(epoch=3 if run.args.dry_run else 16, gain=1.0, high=3.0)
+    pc = PoolConfig(page_size=page_size, budget_bytes=(1 << 20) if run.args.dry_run else (256 << 20))
+    chunk = 4 if run.args.dry_run else 128
+    cpu = PagedKVStore(thr, 2, kv, hd, pc, prefill_chunk=chunk, adapt=ad)
+    dev = DeviceKVStore(thr, 2, kv, hd, pc, prefill_chunk=chunk, device=run.dev, adapt=ad)
+    pad = 3
+    for st in (cpu, dev):
+        st.set_row_starts([0, pad])
+    g = torch.Generator().manual_seed(1)
+    for s in [prefill] + [1] * steps:
+        k = torch.randn(2, kv, s, hd, generator=g) * 2.0
+        v = torch.randn(2, kv, s, hd, generator=g) * 2.0
+        cpu.append(0, k, v)
+        dev.append(0, k.to(run.dev), v.to(run.dev))
+    rec = _records_equal(cpu, dev, 0)
+    read_same = all(torch.equal(dev.read(0, kind).cpu(), cpu.read(0, kind)) for kind in (0, 1))
+    n = cpu.num_tokens(0)
+    q = torch.randn(2, hq, 1, hd, generator=g)
+    keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    keep[1, ..., :pad] = False
+    got = dev.attention(q.to(run.dev), 0, keep.to(run.dev), hd**-0.5).cpu()
+    want = float_attention(q, cpu.read(0, 0), cpu.read(0, 1), keep, hd**-0.5)
+    dev.settle()
+    return {
+        "records": rec,
+        "read_bit_exact": bool(read_same),
+        "adapt_scales_equal": dev.adapt_state.scale == cpu.adapt_state.scale,
+        "adapt_moved": any(a != 1.0 for row in cpu.adapt_state.scale for a in row),
+        "decode_attention_max_abs_err": float((got - want).abs().max()),
+        "ok": bool(
+            rec["dense_mismatch"] == rec["sparse_mismatch"] == 0
+            and read_same
+            and dev.adapt_state.scale == cpu.adapt_state.scale
+            and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+        ),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 #: The default model's architecture (SmolLM2-135M-Instruct), for a random-weight stand-in where its file is absent.
@@ -995,6 +1047,8 @@ def stage_goals(run: Run) -> None:
     goals["encode_share_of_attention"] = {"goal": "< 0.05 at 4K", "cases": shares}
     store = run.res.get("store", {})
     goals["store_bytes_equal_cpu"] = {"goal": "true", "value": store.get("bytes_equal")}
+    own = store.get("rows_own_sinks_adapt", {})
+    goals["store_left_padding_adapt_equal_cpu"] = {"goal": "true", "value": own.get("ok")}
     model = run.res.get("model", {})
     goals["greedy_tokens_equal_cpu"] = {"goal": "true", "value": model.get("greedy", {}).get("same_tokens")}
     goals["perplexity_within_0.5%_of_cpu"] = {"goal": "<= 0.005", "value": model.get("perplexity", {}).get("rel_diff")}

@@ -3,7 +3,7 @@
 Without a GPU the Triton kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/conftest.py sets it): the
 whole device store runs here, ``model.generate`` included. The interpreter runs each program in Python (tenths of
 a second per program), so the shapes are tiny: 2 KV heads x 16 (``D = 32``), 256-byte pages (many page
-boundaries), a few tokens; the default model's greedy run is marked slow.
+boundaries), a few tokens; the default model's greedy run is marked slow (docs/gpu.md: where its time goes).
 
 The reference is the CPU store (``PagedKVStore``), itself tested against the plain-PyTorch quantizer: the device
 store must hold the same bytes for every token (dense and sparse records, at the addresses its tables give), the
@@ -254,8 +254,6 @@ def test_generate_with_the_triton_backend_gives_the_numba_backends_tokens():
     cfg = _tiny_config()
     model = LlamaForCausalLM(cfg).eval()
     thr = _thresholds(_plus(sink_tokens=1))
-    # (no left padding: the device store keeps each row's first tokens as its sinks, and refuses a left-padded
-    # batch under sink tokens, below)
     ids = torch.tensor([[3, 4, 5, 17, 33, 2, 64], [7, 8, 9, 10, 11, 12, 13]])
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kw = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
@@ -281,23 +279,120 @@ def test_generate_with_the_triton_backend_gives_the_numba_backends_tokens():
     cache.store.pool.check_invariants()
 
 
-def test_the_device_store_refuses_a_left_padded_batch_under_sink_tokens():
-    """The CPU store takes each row's sink tokens from its first real token (the attention mask); the device store
-    keeps positions 0.. and so refuses a left-padded batch under sink tokens instead of keeping a pad token at 16
-    bits (silently wrong), with either backend choice that reaches it."""
+def test_left_padded_rows_keep_their_own_sink_tokens_on_the_device():
+    """Rows with their own starts (left padding, ``set_row_starts``): each row's sink tokens are its first real ones,
+    as on the CPU store: the same bytes, the same floats read back, the same sink bytes; attention (prefill over
+    pages and decode) masks each row's sink positions out of the pages' part and merges their 16-bit part."""
+    cpu, dev = _pair(_plus(sink_tokens=2), chunk=4)
+    for st in (cpu, dev):
+        st.set_row_starts([0, 3])
+    k, v = _kv(2, 9, seed=40)
+    _both((cpu, dev), 1, k, v)  # chunks of 4: row 1's sinks (tokens 3, 4) across a chunk boundary
+    for step in range(2):
+        k, v = _kv(2, 1, seed=41 + step)
+        _both((cpu, dev), 1, k, v)
+    _assert_same_records(cpu, dev, 1)
+    for kind in (KEY, VALUE):
+        assert torch.equal(dev.read(1, kind).cpu(), cpu.read(1, kind))
+    assert dev.sink_bytes() == cpu.sink_bytes() > 0
+    g = torch.Generator().manual_seed(9)
+    t = 11
+    kr, vr = cpu.read(1, KEY), cpu.read(1, VALUE)
+    q = torch.randn(2, HQ, 1, HD, generator=g)
+    keep = torch.ones(2, 1, 1, t, dtype=torch.bool)
+    keep[1, ..., :3] = False  # row 1's padding
+    want = float_attention(q, kr, vr, keep, 0.25)
+    torch.testing.assert_close(dev.attention(q.to(DEV), 1, keep.to(DEV), 0.25).cpu(), want, rtol=1e-5, atol=2e-6)
+    kh, vh = PackedKV(cpu, 1, KEY, t), PackedKV(cpu, 1, VALUE, t)
+    torch.testing.assert_close(cpu_attention(q, kh, vh, keep, 0.25), want, rtol=1e-5, atol=2e-6)
+    # a prefill chunk's queries (the last 4 tokens), causal and with an explicit mask
+    q = torch.randn(2, HQ, 4, HD, generator=g)
+    mask = torch.ones(2, 1, t, t, dtype=torch.bool).tril()[:, :, -4:]
+    mask[1, ..., :3] = False
+    want = float_attention(q, kr, vr, mask, 0.25)
+    torch.testing.assert_close(dev.attention(q.to(DEV), 1, mask.to(DEV), 0.25).cpu(), want, rtol=1e-5, atol=2e-6)
+    causal = torch.ones(2, 1, t, t, dtype=torch.bool).tril()[:, :, -4:]
+    torch.testing.assert_close(
+        dev.attention(q.to(DEV), 1, None, 0.25).cpu(), float_attention(q, kr, vr, causal, 0.25), rtol=1e-5, atol=2e-6
+    )
+    for st in (cpu, dev):
+        st.reorder([1, 1])  # the starts follow their rows
+    assert dev.row_starts.tolist() == cpu.row_starts.tolist() == [3, 3]
+    for kind in (KEY, VALUE):
+        assert torch.equal(dev.read(1, kind).cpu(), cpu.read(1, kind))
+    dev.settle()
+
+
+def test_adaptive_grouping_on_the_device_moves_the_cpu_stores_thresholds():
+    """``adapt=``: the device store feeds the adaptive state the CPU store's counts (prefill chunks split at epoch
+    ends, decode steps at settle), so every epoch's grouping thresholds, and every token's bytes, are the CPU
+    store's; the page view keeps the shift thresholds."""
+    from oakenkv.quant.adapt import AdaptConfig
+
+    ad = AdaptConfig(epoch=3, gain=1.0, low=1.0, high=3.0)
+    thr = _thresholds()
+    pc = PoolConfig(page_size=256, budget_bytes=1 << 20)
+    cpu = PagedKVStore(thr, 2, H, HD, pc, prefill_chunk=5, adapt=ad)
+    dev = DeviceKVStore(thr, 2, H, HD, pc, prefill_chunk=5, device=DEV, adapt=ad)
+    k, v = _kv(1, 7, seed=50)
+    for layer in (0, 1):
+        _both((cpu, dev), layer, k * 2, v * 2)  # many outliers: the outer thresholds widen
+    for step in range(5):
+        k, v = _kv(1, 1, seed=51 + step)
+        for layer in (0, 1):
+            _both((cpu, dev), layer, k * (2 + step), v * 2)
+    dev.settle()
+    assert dev.adapt_state.scale == cpu.adapt_state.scale
+    assert any(a != 1.0 for row in cpu.adapt_state.scale for a in row)
+    assert np.array_equal(dev.thr, cpu.thr)
+    for layer in (0, 1):
+        _assert_same_records(cpu, dev, layer)
+        for kind in (KEY, VALUE):
+            assert torch.equal(dev.read(layer, kind).cpu(), cpu.read(layer, kind))
+    dev.reset()
+    assert dev.adapt_state.scale == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_generate_left_padded_under_sink_tokens_and_adaptive_grouping_gives_the_numba_tokens():
+    """``model.generate`` with ``backend="triton"`` on a left-padded batch under an oaken-plus profile with sink
+    tokens (each row's from its first real token, learned from the attention mask) and adaptive grouping (3-token
+    epochs: the thresholds move during the run): the float path the numba backend's logits exactly, the packed
+    attention its greedy tokens; both backend choices that reach the device store ("triton"; "auto" is the same
+    store once it sees CUDA tensors)."""
     from transformers import LlamaForCausalLM
 
+    from kv_helpers import assert_same_greedy
+    from oakenkv.hf.attention import oaken_attention
     from oakenkv.hf.cache import OakenCache
+    from oakenkv.quant.adapt import AdaptConfig
     from oakenkv.util.compat import cache_kwargs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_tiny_config()).eval()
     thr = _thresholds(_plus(sink_tokens=1))
     ids = torch.tensor([[0, 0, 5, 17, 33, 2, 64], [7, 8, 9, 10, 11, 12, 13]])
-    cache = OakenCache.from_profile(model, thr, backend="triton", pool_config=PoolConfig(page_size=256))
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="left-padded"):
-        model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=2, do_sample=False,
-                       **cache_kwargs(model, cache))  # fmt: skip
+    inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    kw = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    pc = PoolConfig(page_size=256, budget_bytes=1 << 20)
+    ad = AdaptConfig(epoch=3, gain=1.0, high=3.0)
+
+    def run(backend, packed):
+        cache = OakenCache.from_profile(model, thr, backend=backend, pool_config=pc, adapt=ad)
+        with torch.no_grad(), oaken_attention(model) if packed else contextlib.nullcontext():
+            return model.generate(**inputs, **cache_kwargs(model, cache), **kw), cache
+
+    want, cpu_cache = run("numba", False)
+    got, cache = run("triton", False)
+    assert cache.store.row_starts.tolist() == cpu_cache.store.row_starts.tolist() == [2, 0]
+    assert cache.store.adapt_state.scale == cpu_cache.store.adapt_state.scale
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(want.logits, got.logits, strict=True))
+    want, _ = run("numba", True)
+    got, cache = run("triton", True)
+    assert_same_greedy(want, got, first_atol=1e-4)
+    assert type(cache.store) is DeviceKVStore
+    cache.store.check_tables()
+    cache.store.pool.check_invariants()
 
 
 #: How far the default model's logits may drift between the backends with the packed attention. Unlike the CPU

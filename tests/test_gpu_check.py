@@ -42,6 +42,8 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     store = saved["store"]
     assert store["bytes_equal"] and store["read_bit_exact"] and store["attention_allclose"]
     assert store["records"]["tokens"] > 0 and store["evicted_slots"][0] > 0
+    own = store["rows_own_sinks_adapt"]  # left-padded rows' own sink tokens under adaptive grouping
+    assert own["ok"] and own["adapt_moved"] and own["records"]["tokens"] > 0
     model = saved["model"]
     assert model["cpu_store"] == "PagedKVStore" and model["device_store"] == "DeviceKVStore"
     assert model["greedy"]["same_tokens"] and model["perplexity"]["within_0.5%"]
@@ -49,3 +51,4 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     assert step["oaken"]["median_ms"] > 0 and step["dynamic_fp16"]["median_ms"] > 0 and step["oaken_kv_bytes"] > 0
     assert "CUDA backend" in saved["vllm"]["skipped"]
     assert goals["store_bytes_equal_cpu"]["value"] is True and goals["greedy_tokens_equal_cpu"]["value"] is True
+    assert goals["store_left_padding_adapt_equal_cpu"]["value"] is True

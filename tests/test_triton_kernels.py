@@ -167,6 +167,32 @@ def test_encode_per_row_thresholds():
         assert torch.equal(sparse[r, : int(counts[r])].cpu(), ref.sparse)
 
 
+def test_encode_per_row_grouping_thresholds_bit_exact():
+    """Adaptive grouping (``oakenkv.quant.adapt``): per-row ``[N, 8]`` thresholds, shift then grouping ones, give
+    ``pack(quantize(x, shift, group=grouping))`` byte for byte (values between the two outer thresholds are middle
+    values shifted by the inner ones)."""
+    from oakenkv.quant.adapt import scaled
+    from oakenkv.quant.groups import GroupThresholds
+
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5)) * 1.5
+    rows = []
+    for r in range(6):
+        t = THRESHOLDS[r % 2 * 3]  # (THR and the wide one)
+        g = scaled(GroupThresholds(*t), 1.0 + 0.1 * r)
+        rows.append(tuple(t) + tuple(g))
+    thr = torch.tensor(rows, dtype=torch.float32)
+    records, sparse, counts = tencode.encode_records(x.to(DEV), thr.to(DEV), OakenConfig())
+    sb = scale_bytes(OakenConfig())
+    for r in range(6):
+        ref = codec.pack(quantize(x[r : r + 1], rows[r][:4], OakenConfig(), rows[r][4:]))
+        assert torch.equal(records[r, sb:].cpu(), ref.dense[0])
+        assert torch.equal(records[r, :sb].cpu().view(ref.scales.dtype), ref.scales[0])
+        assert torch.equal(sparse[r, : int(counts[r])].cpu(), ref.sparse)
+    changed = [not torch.equal(records[r].cpu(), tencode.encode_records(x[r : r + 1].to(DEV), thr[r, :4].to(DEV)[None],
+               OakenConfig())[0][0].cpu()) for r in range(1, 6)]  # fmt: skip
+    assert any(changed)  # (the grouping thresholds made a difference somewhere)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter, on NaN rows
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # and on fp16 scales past 65504
 def test_encode_rejects_bad_input():

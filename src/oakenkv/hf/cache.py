@@ -341,19 +341,6 @@ def _guard_cache_keyword(model: Any) -> None:
     setattr(model, _GUARDED, True)
 
 
-#: Why a left-padded batch is refused on the device store (it has no per-row sink positions yet).
-_DEVICE_LEFT_PADDING = (
-    "the device store (backend 'triton') keeps each row's first tokens as its sink tokens: a left-padded batch "
-    "under an oaken-plus profile with sink tokens needs the CPU store for now (pad on the right, or run the rows one "
-    "at a time)"
-)
-
-#: Why adaptive grouping is refused on the device store (its Triton encoder takes the profile's thresholds as they are).
-_DEVICE_ADAPT = (
-    "adaptive grouping (adapt=) runs on the CPU store only: the device store (backend 'triton') has no adapt yet"
-)
-
-
 class OakenCache(Cache):
     """A transformers ``Cache`` holding the KV cache in the Oaken format, in pages.
 
@@ -382,8 +369,8 @@ class OakenCache(Cache):
             tensors runs the kernels under the Triton interpreter, ``TRITON_INTERPRET=1``: slow, for tests).
         adapt: adaptive grouping (``oakenkv.quant.adapt``): True (its default settings) or an
             :class:`~oakenkv.quant.adapt.AdaptConfig` lets each layer's outer thresholds follow the outlier share of
-            the sequence; False (default): the profile's thresholds as they are. The CPU store only (the device store
-            refuses it).
+            the sequence; False (default): the profile's thresholds as they are. Both stores (the same thresholds
+            at every epoch).
 
     A profile with offline transforms (the ``oaken-plus`` preset, ``oakenkv.calibrate.plus``) is only valid on a model
     that carries them: build the cache with :meth:`from_profile`, which folds them in first.
@@ -504,9 +491,7 @@ class OakenCache(Cache):
         if backend == "triton":
             from oakenkv.store.device import DeviceKVStore
 
-            if self._adapt is not None:
-                raise NotImplementedError(_DEVICE_ADAPT)
-            return DeviceKVStore(*self._store_args, device=device)
+            return DeviceKVStore(*self._store_args, device=device, adapt=self._adapt)
         return PagedKVStore(*self._store_args, self._adapt)
 
     def update(
@@ -515,10 +500,10 @@ class OakenCache(Cache):
         if not self._store_chosen:  # backend "auto": CUDA tensors get the device store, CPU ones keep the host's
             self._store_chosen = True
             if key_states.device.type == "cuda":
-                starts = self.store.row_starts
-                if starts is not None and bool((starts > 0).any()):
-                    raise NotImplementedError(_DEVICE_LEFT_PADDING)
+                starts = self.store.row_starts  # (the prompt's mask, noted before this first update)
                 self.store = self._make_store("triton", key_states.device)
+                if starts is not None:
+                    self.store.set_row_starts(starts)
                 for layer in self.layers:
                     layer.store = self.store
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -528,12 +513,6 @@ class OakenCache(Cache):
         :func:`track_padding`'s hook). Rows whose sink tokens are already stored keep them; without sink tokens,
         or once every row's are stored, nothing is done."""
         store = self.store
-        if not hasattr(store, "set_row_starts"):  # the device store: sink tokens at each row's positions 0..
-            if store.sink_tokens and self.get_seq_length() == 0:  # (the prompt's forward only, not every step)
-                starts = row_starts_from_mask(mask)
-                if starts is not None and bool((starts > 0).any()):
-                    raise NotImplementedError(_DEVICE_LEFT_PADDING)
-            return
         if not store.sink_tokens or (store.row_starts is not None and self.get_seq_length() >= store._sink_end):
             return
         starts = row_starts_from_mask(mask)

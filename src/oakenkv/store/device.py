@@ -33,7 +33,14 @@ the same bytes (the Triton encoder is bit-exact with the reference), the same pa
   never materialized in floats;
 * the ``oaken-plus`` online key transform (shift, per-head Hadamard rotation) and the query rotation by a Triton
   kernel (:mod:`oakenkv.kernels.triton.rotate`: the CPU kernel's bits), and the sink tokens at 16 bits on the
-  device, merged into attention through its log-sum-exp.
+  device, merged into attention through its log-sum-exp. A row's sink tokens are its first real tokens, as on the
+  CPU (:meth:`DeviceKVStore.set_row_starts`, from the attention mask: a left-padded row's start after its padding);
+  attention then masks each row's sink positions out of the pages' part and gathers their mask for the 16-bit part;
+* adaptive grouping (``adapt=``, ``oakenkv.quant.adapt``): the state the CPU store keeps, fed the same counts (sparse
+  bytes per epoch), so every epoch's grouping thresholds are the CPU store's; the encoder takes per-row shift and
+  grouping thresholds (``[2B, 8]``), the view the fixed shift thresholds. A prefill chunk is split at epoch ends
+  (its counts reach the host anyway); a decode step's counts reach the state at :meth:`DeviceKVStore.settle`, which
+  runs before the next step's first encode, so the next token is grouped as on the CPU.
 
 Not supported on the device yet: the full-precision window (``residual > 0``) and ``codec="reference"`` (the
 reference is the CPU store's); both are refused at construction. Errors the encoder reports in a decode step (a
@@ -51,7 +58,8 @@ from numba import njit
 
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.layout import ERROR_MESSAGES, EVICTED, CorruptDataError, record_size, scale_bytes, sparse_capacity
-from oakenkv.store.paged import KEY, PREFILL_CHUNK, VALUE, _check_encoded_rows
+from oakenkv.quant.adapt import AdaptConfig, new_state
+from oakenkv.store.paged import KEY, KINDS, PREFILL_CHUNK, VALUE, _check_encoded_rows
 from oakenkv.store.pages import (
     AppendPlan,
     PagePool,
@@ -409,7 +417,10 @@ class DeviceKVStore:
         prefill_chunk: int = PREFILL_CHUNK,
         residual: int = 0,
         device: torch.device | str | None = None,
+        adapt: AdaptConfig | None = None,
     ) -> None:
+        if adapt is not None and not isinstance(adapt, AdaptConfig):
+            raise TypeError(f"adapt must be an AdaptConfig or None, got {type(adapt).__name__}")
         if thresholds.num_layers != num_layers:
             raise ValueError(f"thresholds hold {thresholds.num_layers} layers, the model has {num_layers}")
         config = thresholds.config
@@ -456,14 +467,31 @@ class DeviceKVStore:
         self.fast = True
         self.residual = 0
         self.window_len: list[int] = [0] * num_layers
-        #: float32 ``[num_layers, 2, 4]`` on the host: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind.
+        #: Adaptive grouping's state (``oakenkv.quant.adapt``; the CPU store's), or None.
+        self.adapt_state = None if adapt is None else new_state(thresholds, adapt)
+        #: float32 ``[num_layers, 2, 4]`` on the host: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, what
+        #: every token is decoded with (under adaptive grouping the fixed shift thresholds).
         self.thr = np.array(
-            [[thresholds.layer(i, k).as_tuple() for k in ("key", "value")] for i in range(num_layers)],
+            [
+                [
+                    (thresholds.layer(i, k) if adapt is None else self.adapt_state.shift(i, kind)).as_tuple()
+                    for kind, k in enumerate(KINDS)
+                ]
+                for i in range(num_layers)
+            ],
             dtype=np.float32,
         )
         t = thresholds.transforms
         self.transforms = t if t is not None and t.online_keys else None
         self.sink_tokens = t.sink_tokens if t is not None else 0
+        #: int64 ``[B]``: each row's first real token, its first sink token (None: 0 for every row;
+        #: :meth:`set_row_starts`), and its copy on the device (None with it).
+        self.row_starts: np.ndarray | None = None
+        #: Whether some row's sinks are not at tokens 0.. (set with the starts).
+        self._own_starts = False
+        self._starts_device: torch.Tensor | None = None
+        #: No row has a sink token at or after this position (``max(row_starts) + sink_tokens``).
+        self._sink_end = self.sink_tokens
         self.device: torch.device | None = None
         self.seqs: list[int] = []
         self.tables: list[DeviceTables] = []
@@ -549,13 +577,28 @@ class DeviceKVStore:
         m = 2 * b
         # one token per stream and layer: keys' rows, then values'
         self._rows = torch.empty((m, self.dim), dtype=torch.float32, device=dev)
-        self._thr_rows = self.thr_device.repeat_interleave(b, dim=1).contiguous()  # [L, 2B, 4]
+        self._thr_rows = self._encode_thr_rows(b)  # [L, 2B, 4] (8 under adaptive grouping)
         pin = dev.type == "cuda"
         self._stage = torch.empty((self.num_layers, 2, m), dtype=torch.int64, pin_memory=pin)
         self._offsets = torch.empty((self.num_layers, 2, m), dtype=torch.int64, device=dev)
         # every layer's counts of the step, then the attention's error code: read by settle() in one copy
         self._sync = torch.zeros(self.num_layers * m + 1, dtype=torch.int32, device=dev)
         self._status = self._sync[-1:]
+
+    def _encode_thr(self, layer: int) -> np.ndarray:
+        """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping: the shift thresholds, then the current epoch's
+        grouping ones): what the encoder takes for ``layer``'s keys and values (``PagedKVStore._encode_thr``)."""
+        if self.adapt_state is None:
+            return self.thr[layer]
+        g = np.array([self.adapt_state.grouping(layer, kind) for kind in (KEY, VALUE)], dtype=np.float32)
+        return np.concatenate([self.thr[layer], g], axis=1)
+
+    def _encode_thr_rows(self, b: int) -> torch.Tensor:
+        """float32 ``[L, 2B, 4 or 8]`` on the device: every layer's encoder thresholds per row of a decode step."""
+        if self.adapt_state is None:
+            return self.thr_device.repeat_interleave(b, dim=1).contiguous()
+        thr = np.stack([self._encode_thr(layer) for layer in range(self.num_layers)])  # [L, 2, 8]
+        return torch.from_numpy(np.repeat(thr, b, axis=1)).to(self.device)
 
     def num_tokens(self, layer: int) -> int:
         return self.tables[layer].num_tokens if self.seqs else 0
@@ -585,8 +628,14 @@ class DeviceKVStore:
         if s == 1 and self.tables[layer].num_tokens:
             self._append_token(layer, keys, values)
             return
+        self.settle()  # (the adaptive state takes pending decode steps' counts before it splits the update)
+        state = self.adapt_state
         for a in range(0, s, self.prefill_chunk):
-            self._append_chunk(layer, keys[:, :, a : a + self.prefill_chunk], values[:, :, a : a + self.prefill_chunk])
+            e = min(s, a + self.prefill_chunk)
+            while a < e:  # under adaptive grouping, one epoch at a time (PagedKVStore._append_rows)
+                m = e if state is None else a + state.segment(layer, KEY, e - a)
+                self._append_chunk(layer, keys[:, :, a:m], values[:, :, a:m])
+                a = m
 
     def _transform_keys(self, layer: int, rows: torch.Tensor) -> None:
         """The online key transform (``Transforms.key_rows``' bits), in place on float32 key rows ``[N, D]``."""
@@ -616,8 +665,12 @@ class DeviceKVStore:
         rows[:b].copy_(keys.reshape(b, self.dim))
         rows[b:].copy_(values.reshape(b, self.dim))
         self._transform_keys(layer, rows[:b])
-        if t < self.sink_tokens:
-            self.sinks[layer][:, :, t] = rows.view(2, b, self.dim).transpose(0, 1).to(torch.float16)
+        if t < self._sink_end:
+            if not self._own_starts:
+                self.sinks[layer][:, :, t] = rows.view(2, b, self.dim).transpose(0, 1).to(torch.float16)
+            else:
+                for r, _, _, j in self._sink_slices(t, 1):
+                    self.sinks[layer][r, :, j] = rows.view(2, b, self.dim)[:, r].to(torch.float16)
         counts = self._sync[layer * m : (layer + 1) * m]
         encode_records(
             rows, self._thr_rows[layer], self.config, records=self.bytes, record_offsets=off[0], sparse=self.bytes,
@@ -657,8 +710,9 @@ class DeviceKVStore:
         self._transform_keys(layer, flat[:n])
         lt = self.tables[layer]
         past = lt.num_tokens
-        sink = rows[:, :, : self.sink_tokens - past].to(torch.float16) if past < self.sink_tokens else None
-        thr = self.thr_device[layer].repeat_interleave(n, dim=0)  # [2n, 4]: keys' rows, then values'
+        sink_at = self._sink_slices(past, s)
+        # [2n, 4] (8 under adaptive grouping): keys' rows, then values'
+        thr = torch.from_numpy(self._encode_thr(layer)).to(dev).repeat_interleave(n, dim=0)
         records, sparse, counts = encode_records(flat, thr, self.config, check=False)
         counts_h = counts.cpu().numpy().astype(np.int64)  # the chunk's one device-to-host copy
         _check_encoded_rows(counts_h, s)
@@ -688,8 +742,10 @@ class DeviceKVStore:
         for i, (_, _, cow_from) in enumerate(placed):
             if cow_from < past:  # the last sparse page was copied on write: its earlier tokens moved
                 self._resync_addresses(layer, i % b, i // b, cow_from, past)
-        if sink is not None:
-            self.sinks[layer][:, :, past : past + sink.shape[2]] = sink.transpose(0, 1)
+        for r, a, e, j in sink_at:  # (after the pages took the tokens: the append stays atomic)
+            self.sinks[layer][r, :, j : j + e - a] = rows[:, r, a:e].to(torch.float16)
+        if self.adapt_state is not None:
+            self._adapt_record(layer, s, counts_h)
 
     def settle(self) -> None:
         """Bring the host tables up to the device after decode steps: one device-to-host copy of every pending
@@ -709,6 +765,8 @@ class DeviceKVStore:
                 errors.append((layer, counts.copy()))
                 counts[bad] = 0
             self.pool.settle_tokens(self._targets[layer], counts, sparse_at, new_page)
+            if self.adapt_state is not None:  # the step's counts; at an epoch's end the layer's grouping moves
+                self._adapt_record(layer, 1, counts)
         status = int(host[-1])
         if status:
             self._status.zero_()
@@ -719,6 +777,18 @@ class DeviceKVStore:
                 _check_encoded_rows(counts, 1)
             except ValueError as e:
                 raise ValueError(f"layer {layer}: {e} (the cache must be reset)") from None
+
+    def _adapt_record(self, layer: int, tokens: int, counts: np.ndarray) -> None:
+        """Feed ``tokens`` new tokens' sparse bytes of ``layer`` (int64 ``[2 B tokens]``: keys' rows, then values')
+        to the adaptive state; where an epoch ended, the layer's decode-step thresholds on the device follow."""
+        b = len(self.seqs)
+        n = b * tokens
+        state = self.adapt_state
+        moved = [state.record(layer, kind, tokens, int(counts[kind * n : (kind + 1) * n].sum()), n * self.dim)
+                 for kind in (KEY, VALUE)]  # fmt: skip
+        if any(moved):
+            g = torch.from_numpy(self._encode_thr(layer)).to(self.device)
+            self._thr_rows[layer] = g.repeat_interleave(b, dim=0)
 
     # ---------------------------------------------------------------------------------------------- reads
 
@@ -768,12 +838,71 @@ class DeviceKVStore:
 
     def apply_sinks(self, layer: int, kind: int, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Put the layer's sink tokens into ``x`` (``[B, H, T, hd]``, in the pages' frame) from token ``start`` on."""
-        n = min(self.sink_tokens, x.shape[2])
-        if n <= start:
+        t = x.shape[2]
+        if not self._own_starts:
+            n = min(self.sink_tokens, t)
+            if n <= start:
+                return x
+            sink = self.sinks[layer][:, kind, start:n].to(x.dtype)  # [B, n', D]
+            x[:, :, start:n] = sink.view(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
             return x
-        sink = self.sinks[layer][:, kind, start:n].to(x.dtype)  # [B, n', D]
-        x[:, :, start:n] = sink.view(x.shape[0], n - start, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        for r, a, e, j in self._sink_slices(start, t - start):
+            sink = self.sinks[layer][r, kind, j : j + e - a].to(x.dtype)  # [n', D]
+            x[r, :, start + a : start + e] = sink.view(e - a, self.num_kv_heads, self.head_dim).transpose(0, 1)
         return x
+
+    def set_row_starts(self, starts: np.ndarray | list[int]) -> None:
+        """Declare where each batch row's real tokens begin (its first sink token): int ``[B]``, from the attention
+        mask (``oakenkv.hf.cache``); ``PagedKVStore.set_row_starts``' rule: a row whose first sink token is already
+        stored keeps the start it was stored with."""
+        new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
+        if (new < 0).any():
+            raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
+        if self.seqs and new.shape[0] != len(self.seqs):
+            raise ValueError(f"{new.shape[0]} row starts for a cache of {len(self.seqs)} rows")
+        held = self.num_tokens(0) if self.seqs else 0
+        if held:
+            old = self.row_starts if self.row_starts is not None else np.zeros_like(new)
+            new = np.where(old < held, old, new)
+        self._use_starts(new)
+
+    def _use_starts(self, starts: np.ndarray | None) -> None:
+        """Take ``starts`` (None: every row's sinks at tokens 0..) as the rows' starts."""
+        self.row_starts = starts
+        self._own_starts = starts is not None and bool(starts.any())
+        self._starts_device = None  # (made on the first attention that needs it)
+        self._sink_end = (0 if starts is None else int(starts.max(initial=0))) + self.sink_tokens
+
+    def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
+        """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
+        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...`` (``PagedKVStore._sink_slices``)."""
+        n = self.sink_tokens
+        if not n or past >= self._sink_end or s <= 0:
+            return []
+        b = len(self.seqs)
+        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
+        out = []
+        for r in range(b):
+            p = 0 if starts is None else int(starts[r])
+            lo, hi = max(p, past), min(p + n, past + s)
+            if lo < hi:
+                out.append((r, lo - past, hi - past, lo - p))
+        return out
+
+    def _split_sinks(self, keep: torch.Tensor, t_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with their own starts: ``keep`` (uint8 ``[B, S, T]``, 1 = attend) as ``(keep with every row's sink
+        positions cleared, uint8 [B, S, sink_tokens]: the mask of each row's sink tokens ``j`` (0 for sink tokens
+        not stored yet))``, on the device."""
+        n = self.sink_tokens
+        if self._starts_device is None:
+            self._starts_device = torch.from_numpy(self.row_starts).to(keep.device)
+        p = self._starts_device[:, None]  # [B, 1]
+        pos = torch.arange(t_n, device=keep.device)[None, :]
+        at_sink = (pos >= p) & (pos < p + n)  # [B, T]
+        idx = p + torch.arange(n, device=keep.device)[None, :]  # [B, n]
+        stored = (idx < t_n)[:, None, :]
+        sink_keep = keep.gather(2, idx.clamp(max=t_n - 1)[:, None, :].expand(-1, keep.shape[1], -1)) * stored
+        return keep * at_sink.logical_not()[:, None, :].to(keep.dtype), sink_keep.to(torch.uint8)
 
     def restore_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Keys ``[..., hd]`` (float32) in the model's frame: an oaken-plus rotation undone (its own inverse)."""
@@ -820,6 +949,8 @@ class DeviceKVStore:
         q = self.rotate(layer, query.to(torch.float32))
         view = self.view(layer)
         n_sink = min(self.sink_tokens, t_n)
+        if n_sink and self._own_starts:
+            return self._attention_own_starts(q, layer, view, attention_mask, scaling, softcap).to(query.dtype)
         if s == 1:
             keep = tattn.keep_from_mask(attention_mask, b, t_n, query.device)
             if keep is None:
@@ -851,6 +982,40 @@ class DeviceKVStore:
                 sink_keep = (torch.arange(n_sink, device=query.device)[None, :] <= pos[:, None]).expand(b, s, n_sink)
             out, lse = self._merge_sinks(layer, q, out, lse, sink_keep, scaling, softcap)
         return out.transpose(1, 2).to(query.dtype)
+
+    def _attention_own_starts(self, q, layer, view, attention_mask, scaling, softcap) -> torch.Tensor:
+        """:meth:`attention` when rows have their own sink positions (:meth:`set_row_starts`): an explicit mask
+        with every row's sink positions cleared for the pages' part, their mask gathered for the 16-bit part.
+        Returns float32 ``[B, S, Hq, hd]``."""
+        from oakenkv.kernels.triton import attention as tattn
+        from oakenkv.kernels.triton import prefill as tpre
+
+        b, _, s, _ = q.shape
+        t_n = self.tables[layer].num_tokens
+        past = t_n - s
+        dev = q.device
+        if s == 1:
+            keep = tattn.keep_from_mask(attention_mask, b, t_n, dev)
+            keep = torch.ones((b, 1, t_n), dtype=torch.uint8, device=dev) if keep is None else keep[:, None]
+        else:
+            keep = tpre.prefill_mask(attention_mask, b, s, t_n, dev)
+            if keep is None:  # causal, the chunk at positions past ..
+                pos = past + torch.arange(s, device=dev)
+                keep = (torch.arange(t_n, device=dev)[None, :] <= pos[:, None]).to(torch.uint8)
+                keep = keep[None].expand(b, s, t_n)
+        page_keep, sink_keep = self._split_sinks(keep, t_n)
+        if s == 1:
+            out, lse, _ = tattn.paged_decode_attention_parts(
+                q[:, :, 0], view, page_keep[:, 0].contiguous(), scaling, softcap, status=self._status
+            )
+            out, lse = out[:, :, None], lse[:, :, None]
+        else:
+            dot = tpre.dot_kind(q.dtype)
+            out, lse, _ = tpre.paged_prefill_attention(
+                q, view, past, page_keep.contiguous(), scaling, softcap, dot=dot, status=self._status
+            )
+        out, _ = self._merge_sinks(layer, q, out, lse, sink_keep, scaling, softcap)
+        return out.transpose(1, 2)
 
     def _merge_sinks(self, layer, q, out, lse, keep, scaling, softcap):
         """Merge the sink tokens' part (16-bit keys and values, ``keep [B, S, n]``) into attention ``out [B, Hq, S,
@@ -910,6 +1075,8 @@ class DeviceKVStore:
         self.settle()
         new = self.pool.reorder(self.seqs, index)
         self._set_rows(new, list(index))
+        if self.row_starts is not None:
+            self._use_starts(self.row_starts[index])
 
     def reset(self) -> None:
         for seq in self.seqs:
@@ -920,13 +1087,19 @@ class DeviceKVStore:
         self.sinks = []
         self._pending = []
         self._pending_layers.clear()
+        self._use_starts(None)
+        if self.adapt_state is not None:
+            self.adapt_state.reset()
 
     # ---------------------------------------------------------------------------------------------- accounting
 
     def sink_bytes(self) -> int:
         if not self.sink_tokens or not self.seqs:
             return 0
-        return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
+        if not self._own_starts:
+            return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
+        held = sum(e - a for lt in self.tables for _, a, e, _ in self._sink_slices(0, lt.num_tokens))
+        return 2 * held * self.dim * 2
 
     def window_bytes(self) -> int:
         return 0

@@ -34,7 +34,10 @@ import triton.language as tl
 from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
 from oakenkv.kernels.triton.decode import load_scales, middle_values, outlier_values
+from oakenkv.kernels.triton.interpret import install
 from oakenkv.kernels.triton.view import DeviceLayerView, view_from_store
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Tokens per tile (default; ``tile_tokens``).
 TILE_TOKENS = 16

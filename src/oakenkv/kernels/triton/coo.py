@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 from oakenkv.kernels.triton import _oaken as F
+from oakenkv.kernels.triton.interpret import install
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Walker states (module docstring).
 ST_N, ST_E, ST_A, ST_X = 0, 1, 2, 3

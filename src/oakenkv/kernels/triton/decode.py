@@ -19,6 +19,9 @@ import triton.language as tl
 
 from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton.coo import coo_block, coo_end_error, flags_to_error
+from oakenkv.kernels.triton.interpret import install
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Bytes of the COO streams read per step of the walk (per row of the tile), and its log2.
 SPARSE_BLOCK_LOG = 6

@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 from oakenkv.kernels.triton import _oaken as F
+from oakenkv.kernels.triton.interpret import install
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Widest row the encoder holds in registers (one program per row). Wider rows (up to the format's 32768)
 #: are refused with a clear error; the CPU codec takes them.
@@ -114,7 +117,7 @@ def _reduce_min(x):
 @triton.jit
 def _encode_kernel(
     x_ptr, stride_x,  # [N, D] float rows (fp32, fp16 or bf16), row stride in elements
-    thr_ptr, stride_thr,  # float32 [N, 4] (to_lo, ti_lo, ti_hi, to_hi); stride 0: one set for every row
+    thr_ptr, stride_thr,  # float32 [N, 4] (to_lo, ti_lo, ti_hi, to_hi), or [N, 8] with GROUP; stride 0: one set
     rec_ptr, rec_dst_ptr,  # uint8 records out; int64 [N] byte offset of each row's record (HAS_REC_DST)
     sp_ptr, sp_dst_ptr,  # uint8 sparse bytes out; int64 [N] byte offset of each row's stream (HAS_SP_DST)
     count_ptr,  # int32 [N] out: sparse bytes of each row, or -ERR_*
@@ -122,7 +125,7 @@ def _encode_kernel(
     NCH_P: tl.constexpr, INNER_BITS: tl.constexpr, OUTER_BITS: tl.constexpr, FP16: tl.constexpr,
     SB: tl.constexpr, HAS_REC_DST: tl.constexpr, HAS_SP_DST: tl.constexpr, KP: tl.constexpr,
     NE: tl.constexpr, FLOOR: tl.constexpr, FP16_MAX: tl.constexpr, ERR_NONFINITE: tl.constexpr,
-    ERR_SCALE_OVERFLOW: tl.constexpr,
+    ERR_SCALE_OVERFLOW: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     BLOCK: tl.constexpr = NCH_P * F.CHUNK
     row = tl.program_id(0).to(tl.int64)
@@ -134,17 +137,24 @@ def _encode_kernel(
     ti_lo = tl.load(tb + 1)
     ti_hi = tl.load(tb + 2)
     to_hi = tl.load(tb + 3)
+    # adaptive grouping (oakenkv.quant.adapt): the values are grouped by the row's columns 4..7, shifted by 0..3
+    go_lo, gi_lo, gi_hi, go_hi = to_lo, ti_lo, ti_hi, to_hi
+    if GROUP:
+        go_lo = tl.load(tb + 4)
+        gi_lo = tl.load(tb + 5)
+        gi_hi = tl.load(tb + 6)
+        go_hi = tl.load(tb + 7)
     # a NaN fails x == x, an infinity has x - x = NaN
     bad = _reduce_max(tl.where(valid & ((x - x) != 0.0), 1, 0)) > 0
 
     # Eq. 1 groups and Eq. 4 shift (quant.assign_groups / group_shift)
-    up_o = valid & (x > to_hi)
-    dn_o = valid & (x < to_lo)
+    up_o = valid & (x > go_hi)
+    dn_o = valid & (x < go_lo)
     outer = up_o | dn_o
-    inner = valid & (x >= ti_lo) & (x <= ti_hi) & (~outer)
+    inner = valid & (x >= gi_lo) & (x <= gi_hi) & (~outer)
     middle = valid & (~outer) & (~inner)
-    up_m = middle & (x > ti_hi)
-    dn_m = middle & (x < ti_lo)
+    up_m = middle & (x > gi_hi)
+    dn_m = middle & (x < gi_lo)
     shift = tl.where(up_o, to_hi, tl.where(dn_o, to_lo, tl.where(up_m, ti_hi, tl.where(dn_m, ti_lo, 0.0))))
     s = x - shift
 
@@ -256,11 +266,13 @@ def _pow2(n: int) -> int:
 
 def thresholds_rows(thr: F.ThresholdsLike | torch.Tensor, n: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """float32 thresholds for the kernel and their row stride: one validated set for all rows (stride 0), or a
-    ``[n, 4]`` tensor of per-row sets (a decode step encodes keys and values of several layers at once)."""
+    ``[n, 4]`` tensor of per-row sets (a decode step encodes keys and values of several layers at once), or
+    ``[n, 8]``: per row the shift thresholds, then the grouping ones (adaptive grouping,
+    ``oakenkv.quant.quantizer.grouping_tuple``; the caller's, not checked here)."""
     if isinstance(thr, torch.Tensor) and thr.dim() == 2:
-        if tuple(thr.shape) != (n, 4):
-            raise ValueError(f"per-row thresholds must be [N, 4] = [{n}, 4], got {tuple(thr.shape)}")
-        return thr.to(device=device, dtype=torch.float32).contiguous(), 4
+        if thr.shape[0] != n or thr.shape[1] not in (4, 8):
+            raise ValueError(f"per-row thresholds must be [N, 4] or [N, 8] (N = {n}), got {tuple(thr.shape)}")
+        return thr.to(device=device, dtype=torch.float32).contiguous(), int(thr.shape[1])
     return torch.tensor(F.thresholds_tuple(thr), dtype=torch.float32, device=device), 0
 
 
@@ -280,7 +292,8 @@ def encode_records(
 
     Args:
         x: float ``[N, D]`` (fp32, fp16, bf16), any row stride, unit column stride; ``D <= MAX_TRITON_DIM``.
-        thr: the layer's ``(to_lo, ti_lo, ti_hi, to_hi)`` for every row, or float32 ``[N, 4]`` per row.
+        thr: the layer's ``(to_lo, ti_lo, ti_hi, to_hi)`` for every row, or float32 ``[N, 4]`` per row, or
+            ``[N, 8]`` per row: shift thresholds, then grouping thresholds (:func:`thresholds_rows`).
         records: uint8 out, flat: row ``r``'s record (``record_size(D)`` bytes: scales then nibbles) is written at
             ``record_offsets[r]`` (int64 ``[N]``; default ``r * record_size``, a fresh ``[N, rec]`` buffer), so a
             caller can write straight into its dense pages.
@@ -324,7 +337,7 @@ def encode_records(
             SB=F.scale_bytes(config), HAS_REC_DST=record_offsets is not None,
             HAS_SP_DST=sparse_offsets is not None, KP=_pow2(2 ** max(F.MIDDLE_BITS, config.outer_bits) + 1),
             NE=_pow2(2 + (nch - 1) // F.ADVANCE_CONTINUE), FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX,
-            ERR_NONFINITE=F.ERR_NONFINITE, ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW,
+            ERR_NONFINITE=F.ERR_NONFINITE, ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW, GROUP=stride_thr == 8,
             num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False,
         )  # fmt: skip
     if check and n:

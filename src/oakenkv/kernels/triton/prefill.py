@@ -28,7 +28,10 @@ import triton.language as tl
 from oakenkv.kernels.triton import _oaken as F
 from oakenkv.kernels.triton.attention import SPARSE_BLOCK_LOG, _or_all, _tile_values
 from oakenkv.kernels.triton.coo import flags_to_error
+from oakenkv.kernels.triton.interpret import install
 from oakenkv.kernels.triton.view import DeviceLayerView
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
 
 #: Query positions per program (times the group's ``G`` query heads: the rows of the score tile).
 QUERY_BLOCK = 16

@@ -19,6 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from oakenkv.kernels.triton.interpret import install
+
+install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
+
 
 @triton.jit
 def _shift_rotate_kernel(
