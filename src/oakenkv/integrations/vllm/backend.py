@@ -44,6 +44,7 @@ from oakenkv.integrations.vllm.layout import (
     BlockLayout,
     BlockTables,
     BlockWriter,
+    DecodeScratch,
     LayerParams,
     decode_attention_rows,
     pool_view,
@@ -342,6 +343,8 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         if model_config is not None:
             self.profile.check_model(model_config.hf_config)
         self._state: _LayerState | None = None
+        #: The decode step's buffers, reused by every step of this layer.
+        self._scratch = DecodeScratch()
         #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
         #: step's time goes (``worker_stats``).
         self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
@@ -451,12 +454,12 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         nd = md.num_decodes
         if nd:
             _numba_threads(self.threads)
-            q = query[:nd].detach()
-            q = q.numpy() if q.dtype == torch.float32 else q.to(torch.float32).numpy()
-            out = decode_attention_rows(
-                tables, st.layer_index, st.pool, q.reshape(nd, self.num_heads, hd), st.params, self.threads
-            )
-            output[:nd] = torch.from_numpy(out).reshape(output[:nd].shape).to(output.dtype)
+            # the query converted once, into the scratch buffer the kernel reads (rotated there in place); the
+            # result converted once, straight into vLLM's output
+            q = self._scratch.get("query", (nd, self.num_heads, hd), np.float32)
+            torch.from_numpy(q).copy_(query[:nd].detach().reshape(nd, self.num_heads, hd))
+            out = decode_attention_rows(tables, st.layer_index, st.pool, q, st.params, self.threads, self._scratch)
+            output[:nd].view(nd, self.num_heads, hd).copy_(torch.from_numpy(out))
             t1 = time.perf_counter()
             self.times["decode"] += t1 - t0
             self.times["decode_calls"] += 1

@@ -740,11 +740,12 @@ class BlockTables:
         self._layers[layer] = (lt, self.step)
         return lt
 
-    def sinks(self, pool: np.ndarray, rows: int, start: int = 0) -> np.ndarray:
+    def sinks(self, pool: np.ndarray, rows: int, start: int = 0, scratch: DecodeScratch | None = None) -> np.ndarray:
         """uint16 ``[rows, 2, sink_tokens, D]``: the sink tokens (fp16 bits) of rows ``start .. start + rows - 1``
-        in this layer, from each row's first block."""
+        in this layer, from each row's first block (in a buffer of ``scratch`` when one is given)."""
         lay = self.layout
-        out = np.empty((rows, 2, lay.sink_tokens, lay.dim), np.uint16)
+        shape = (rows, 2, lay.sink_tokens, lay.dim)
+        out = scratch.get("sinks", shape, np.uint16) if scratch is not None else np.empty(shape, np.uint16)
         _gather_sinks(
             pool, lay.unit, self.units_per_block, lay.sink_unit, lay.sink_tokens, self.block_table[start:], rows, out
         )
@@ -768,6 +769,25 @@ def _rotate(q: np.ndarray, params: LayerParams) -> np.ndarray:
     return _oaken.fwht(q) if params.key_rotation else q
 
 
+_NO_SHIFT = np.zeros(0, np.float32)
+
+
+class DecodeScratch:
+    """The decode step's buffers (rotated query, output, log-sum-exp, status), kept by a caller across steps and
+    grown when a step has more rows or splits: a layer's decode then allocates nothing."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """A C-contiguous ``shape`` view of buffer ``name`` (its contents are whatever the last step left)."""
+        n = math.prod(shape)
+        a = self._bufs.get(name)
+        if a is None or a.size < n or a.dtype != dtype:
+            a = self._bufs[name] = np.empty(max(n, 2 * (a.size if a is not None else 0)), dtype)
+        return a[:n].reshape(shape)
+
+
 def decode_attention_rows(
     tables: BlockTables,
     layer: int,
@@ -775,25 +795,32 @@ def decode_attention_rows(
     query: np.ndarray,
     params: LayerParams,
     threads: int = 1,
+    scratch: DecodeScratch | None = None,
 ) -> np.ndarray:
     """Attention of one query token for each of the first ``rows = len(query)`` rows (float32 ``[rows, Hq, hd]``)
     over their stored tokens in one layer's blocks: ``packed_decode_attention`` on the blocks' ``LayerView`` (split
     over threads from ``PARALLEL_MIN_TOKENS`` (row, token) pairs: ``split_work``), sink tokens merged at 16 bits.
-    Returns float32 ``[rows, Hq, hd]``."""
+    Returns float32 ``[rows, Hq, hd]``: a buffer of ``scratch`` when one is given (valid until its next use), else
+    a new array."""
     lay = tables.layout
     rows, hq, hd = query.shape
+    sc = scratch or DecodeScratch()
     lt = tables.layer(layer, pool)
     t_max = int(tables.seq_lens[:rows].max()) if rows else 0
     view = lt.view(
         pool, lay.unit, lay.unit, lay.scale_bytes, params.thresholds, lay.inner_bits, lay.outer_bits,
         params.num_kv_heads, rows=rows,
     )._replace(num_tokens=t_max)  # fmt: skip
-    q = np.ascontiguousarray(_rotate(query, params), dtype=np.float32)
+    q = sc.get("q", (rows, hq, hd), np.float32)
+    q[...] = query
+    if params.key_rotation:  # fwht's arithmetic (calibrate.transforms), in place on the buffer
+        _oaken.shift_rotate_rows(q.reshape(-1, hd), _NO_SHIFT, True, hd, np.float32(1.0 / math.sqrt(hd)))
     parallel, splits = _oaken.split_work(rows, t_max, threads)
     kernel = _oaken.packed_decode_attention if parallel else _oaken.packed_decode_attention_serial
-    out = np.empty((rows, hq, hd), np.float32)
-    lse = np.empty((rows, hq), np.float32)
-    status = np.zeros(rows * splits, np.int64)
+    out = sc.get("out", (rows, hq, hd), np.float32) if scratch is not None else np.empty((rows, hq, hd), np.float32)
+    lse = sc.get("lse", (rows, hq), np.float32)
+    status = sc.get("status", (rows * splits,), np.int64)
+    status[:] = 0
     scale, softcap = np.float32(params.scale), np.float32(params.softcap)
     kernel(q, tables.keep[:rows], scale, softcap, splits, out, status, lse, *view)
     if status.any():
@@ -801,9 +828,18 @@ def decode_attention_rows(
         raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[code]}")
     n = lay.sink_tokens
     if n:
-        sink_keep = (np.arange(n)[None, :] < tables.seq_lens[:rows, None]).astype(np.uint8)
-        _oaken.merge_sinks(q, sink_keep, tables.sinks(pool, rows), scale, softcap, out, lse)
+        sink_keep = sc.get("sink_keep", (rows, n), np.uint8)
+        _sink_keep(tables.seq_lens, sink_keep)
+        _oaken.merge_sinks(q, sink_keep, tables.sinks(pool, rows, scratch=sc), scale, softcap, out, lse)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _sink_keep(seq_lens, keep):
+    """``keep[r, j]`` = 1 where row ``r`` holds sink token ``j`` (``j < seq_lens[r]``)."""
+    for r in range(keep.shape[0]):
+        for j in range(keep.shape[1]):
+            keep[r, j] = 1 if j < seq_lens[r] else 0
 
 
 def _flash_with_lse():

@@ -19,19 +19,24 @@ def shift_rotate_rows(rows: np.ndarray, shift: np.ndarray, rotate: bool, width: 
     by ``scale`` (``1 / sqrt(width)``)."""
     n, d = rows.shape
     for r in range(n):
+        x = rows[r]
         if shift.shape[0]:
             for j in range(d):
-                rows[r, j] -= shift[j]
+                x[j] -= shift[j]
         if rotate:
             for base in range(0, d, width):
                 h = 1
                 while h < width:
                     for i in range(base, base + width, 2 * h):
-                        for j in range(i, i + h):
-                            a = rows[r, j]
-                            b = rows[r, j + h]
-                            rows[r, j] = a + b
-                            rows[r, j + h] = a - b
+                        # the two halves as views of their own: LLVM then vectorizes the butterflies (each value
+                        # still gets the same one addition or subtraction, so the bits do not change)
+                        a = x[i : i + h]
+                        b = x[i + h : i + 2 * h]
+                        for j in range(h):
+                            ta = a[j]
+                            tb = b[j]
+                            a[j] = ta + tb
+                            b[j] = ta - tb
                     h *= 2
                 for j in range(base, base + width):
-                    rows[r, j] *= scale
+                    x[j] *= scale
