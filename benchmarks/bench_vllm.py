@@ -92,7 +92,16 @@ def machine() -> dict[str, Any]:
         model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
     except OSError:
         pass
-    return {"cpu": model, "cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()}
+    return {"cpu": model, "cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg(),
+            "uptime": _uptime()}  # fmt: skip
+
+
+def _uptime() -> str:
+    """``uptime``'s line (the machine is shared: its load is part of every timing here)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
 
 
 def _num_blocks(worker: Any) -> dict[str, int]:
@@ -573,6 +582,7 @@ def main() -> None:
             print(f"transformers sdpa vs eager, {name}: {yard[name]['equal_sequences']} of {len(firsts)} equal")
         result["transformers_sdpa_vs_eager"] = yard
     result["machine"]["load_avg_end"] = os.getloadavg()
+    result["machine"]["uptime_end"] = _uptime()
     result["seconds"] = time.time() - t0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
