@@ -252,8 +252,8 @@ def _decode_block(
 
 @njit(cache=True, nogil=True, fastmath=False)
 def _unpack_slots(src, mb, codes):
-    """The ``mb``-bit slots (2..7 bits, not 4) of a row's dense bytes ``src`` into ``codes`` (one uint8 per value): eight
-    values (``mb`` bytes) at a time from a 64-bit word of the bit stream (``oakenkv.format.layout``)."""
+    """The ``mb``-bit slots (2..7 bits, not 4) of a row's dense bytes ``src`` into ``codes`` (one uint8 per value):
+    eight values (``mb`` bytes) at a time from a 64-bit word of the bit stream (``oakenkv.format.layout``)."""
     d = codes.shape[0]
     nbytes = src.shape[0]
     mask = np.uint64((1 << mb) - 1)

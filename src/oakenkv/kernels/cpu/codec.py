@@ -1280,8 +1280,8 @@ def _dense_middle(dense_row, mb, lo, step, ti_lo, ti_hi, out):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _dense_middle_slots(dense_row, mb, lo, step, ti_lo, ti_hi, out):
-    """_dense_middle for slots other than 4 bits (2..7): eight values (``mb`` bytes) at a time from a 64-bit word of the bit
-    stream; the last group reads only the bytes the row has."""
+    """_dense_middle for slots other than 4 bits (2..7): eight values (``mb`` bytes) at a time from a 64-bit word of
+    the bit stream; the last group reads only the bytes the row has."""
     zero = _F32(0.0)
     d = out.shape[0]
     nbytes = dense_row.shape[0]
