@@ -1325,7 +1325,7 @@ def _decode_one(dense_r, sr, sp, thr, middle_bits, inner_bits, outer_bits, use_l
         for i in range(NUM_SCALES):
             sc32[i] = f32_at(sr, i)
         fill_lut(sc32, thr, inner_bits, outer_bits, lut32, middle_bits)
-        for i in range(LUT_SIZE):
+        for i in range(5 << middle_bits):  # the entries fill_lut wrote (LUT_SIZE is the widest slot's)
             lut[i] = out_elem(lut32[i], lut)
     else:
         grid[0], grid[1] = i_lo, i_step
