@@ -60,6 +60,9 @@ def summarize(work: Path, rounds: int, only: tuple[str, ...] = tuple(BENCHES)) -
         for key in ("encode_gbps", "decode_gbps", "encode_vs_memcpy", "decode_vs_memcpy"):
             vals = {t: [run["shapes"][i][key] for run in codec[t]] for t in codec}
             codec_out[f"{shape['name']} {key}"] = _median_ratio(vals["old"], vals["new"])
+        for key in ("encode", "decode"):  # CPU time, one thread: what the machine's other tenants disturb least
+            vals = {t: [run["shapes"][i]["per_core_cpu_time_gbps"][key] for run in codec[t]] for t in codec}
+            codec_out[f"{shape['name']} {key} per-core cpu gbps"] = _median_ratio(vals["old"], vals["new"])
     return {
         "what": "new / old of `oakenkv bench decode` and `bench codec`, trees alternating in one session",
         "decode_command": "oakenkv " + " ".join(DECODE_ARGS) if "decode" in only else None,
