@@ -749,7 +749,7 @@ def _scratch_wide(scratch):  # pragma: no cover - only its overload runs, inside
     raise NotImplementedError
 
 
-@overload(_scratch_wide, inline="always")
+@overload(_scratch_wide)
 def _scratch_wide_impl(scratch):
     wide = isinstance(scratch, types.BaseTuple) and len(scratch) == 9
     return lambda scratch: wide
@@ -760,7 +760,7 @@ def _group_arrays(scratch):  # pragma: no cover - only its overload runs, inside
     raise NotImplementedError
 
 
-@overload(_group_arrays, inline="always")
+@overload(_group_arrays)
 def _group_arrays_impl(scratch):
     if isinstance(scratch, types.BaseTuple) and len(scratch) == 9:
         return lambda scratch: (scratch[7], scratch[8])
@@ -772,7 +772,7 @@ def _borrowed(scratch):  # pragma: no cover - only its overload runs, inside @nj
     raise NotImplementedError
 
 
-@overload(_borrowed, inline="always")
+@overload(_borrowed)
 def _borrowed_impl(scratch):
     if isinstance(scratch, types.BaseTuple) and len(scratch) == 9:
         return lambda scratch: (
