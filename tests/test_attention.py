@@ -146,7 +146,7 @@ def test_slot_widths_pages_and_kernel_are_the_references(mb):
     got = packed_decode_attention(q, kh, vh, mask, HD**-0.5)
     torch.testing.assert_close(got, reference_packed_attention(q, kh, vh, mask, HD**-0.5), rtol=2e-5, atol=2e-6)
     rel = ((got - float_attention(q, k, v, mask, HD**-0.5)).norm() / got.norm()).item()
-    assert 0 < rel < {4: 0.1, 3: 0.2, 2: 0.4}[mb]  # a narrower slot costs accuracy, but stays attention
+    assert 0 < rel < {3: 0.2, 2: 0.4}.get(mb, 0.1)  # a narrower slot costs accuracy, but stays attention
 
 
 def test_parallel_splits_match_serial():
