@@ -28,11 +28,14 @@ DECODE_ARGS = ["bench", "decode", "--context", "1024,4096", "--methods", "oaken,
 CODEC_ARGS = ["bench", "codec", "--no-quanto", "--no-real-kv", "--reps", "5"]
 
 
-def run_all(old: Path, new: Path, rounds: int, work: Path) -> None:
+BENCHES = {"decode": DECODE_ARGS, "codec": CODEC_ARGS}
+
+
+def run_all(old: Path, new: Path, rounds: int, work: Path, only: tuple[str, ...] = tuple(BENCHES)) -> None:
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     for r in range(1, rounds + 1):
         for tree, src in (("old", old), ("new", new)):
-            for name, args in (("decode", DECODE_ARGS), ("codec", CODEC_ARGS)):
+            for name, args in ((n, BENCHES[n]) for n in only):
                 out = work / f"{name}_{tree}_{r}.json"
                 cmd = [sys.executable, "-m", "oakenkv.cli", *args, "--json", str(out)]
                 print(f"round {r} {tree} {name} {time.strftime('%H:%M:%S')}", flush=True)
@@ -44,13 +47,34 @@ def _median_ratio(old: list[float], new: list[float]) -> dict[str, float]:
     return {"old_median": mo, "new_median": mn, "new_over_old": mn / mo, "old": old, "new": new}
 
 
-def summarize(work: Path, rounds: int) -> dict:
+def summarize(work: Path, rounds: int, only: tuple[str, ...] = tuple(BENCHES)) -> dict:
     def load(name: str, tree: str) -> list[dict]:
         return [json.loads((work / f"{name}_{tree}_{r}.json").read_text()) for r in range(1, rounds + 1)]
 
-    dec = {t: load("decode", t) for t in ("old", "new")}
-    codec = {t: load("codec", t) for t in ("old", "new")}
+    codec = {t: load("codec", t) for t in ("old", "new")} if "codec" in only else {"old": [{"shapes": []}]}
     decode_out = {}
+    if "decode" in only:
+        _summarize_decode({t: load("decode", t) for t in ("old", "new")}, decode_out)
+    codec_out = {}
+    for i, shape in enumerate(codec["old"][0]["shapes"]):
+        for key in ("encode_gbps", "decode_gbps", "encode_vs_memcpy", "decode_vs_memcpy"):
+            vals = {t: [run["shapes"][i][key] for run in codec[t]] for t in codec}
+            codec_out[f"{shape['name']} {key}"] = _median_ratio(vals["old"], vals["new"])
+        for key in ("encode", "decode"):  # CPU time, one thread: what the machine's other tenants disturb least
+            vals = {t: [run["shapes"][i]["per_core_cpu_time_gbps"][key] for run in codec[t]] for t in codec}
+            codec_out[f"{shape['name']} {key} per-core cpu gbps"] = _median_ratio(vals["old"], vals["new"])
+    return {
+        "what": "new / old of `oakenkv bench decode` and `bench codec`, trees alternating in one session",
+        "decode_command": "oakenkv " + " ".join(DECODE_ARGS) if "decode" in only else None,
+        "codec_command": "oakenkv " + " ".join(CODEC_ARGS) if "codec" in only else None,
+        "rounds": rounds,
+        "load_average_at_end": os.getloadavg(),
+        "decode": decode_out,
+        "codec": codec_out,
+    }
+
+
+def _summarize_decode(dec: dict[str, list[dict]], decode_out: dict) -> None:
     for method in dec["old"][0]["results"]:
         for ctx in dec["old"][0]["results"][method]:
             steps = {t: [run["results"][method][ctx]["step_ms"] for run in dec[t]] for t in dec}
@@ -65,20 +89,6 @@ def summarize(work: Path, rounds: int) -> dict:
     for ctx in dec["old"][0]["results"]["oaken"]:
         ratios = {t: [paired(run, ctx) for run in dec[t]] for t in dec}
         decode_out[f"oaken/dynamic@{ctx} paired step ratio"] = _median_ratio(ratios["old"], ratios["new"])
-    codec_out = {}
-    for i, shape in enumerate(codec["old"][0]["shapes"]):
-        for key in ("encode_gbps", "decode_gbps", "encode_vs_memcpy", "decode_vs_memcpy"):
-            vals = {t: [run["shapes"][i][key] for run in codec[t]] for t in codec}
-            codec_out[f"{shape['name']} {key}"] = _median_ratio(vals["old"], vals["new"])
-    return {
-        "what": "new / old of `oakenkv bench decode` and `bench codec`, trees alternating in one session",
-        "decode_command": "oakenkv " + " ".join(DECODE_ARGS),
-        "codec_command": "oakenkv " + " ".join(CODEC_ARGS),
-        "rounds": rounds,
-        "load_average_at_end": os.getloadavg(),
-        "decode": decode_out,
-        "codec": codec_out,
-    }
 
 
 def main() -> None:
@@ -89,13 +99,15 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("compare_trees_runs"), help="folder for the per-run JSON")
     ap.add_argument("--summarize", type=Path, help="only summarize the per-run JSON files in this folder")
     ap.add_argument("--json", type=Path, required=True, help="write the comparison here")
+    ap.add_argument("--only", choices=tuple(BENCHES), action="append", help="run only this benchmark (repeatable)")
     a = ap.parse_args()
+    only = tuple(a.only or BENCHES)
     if a.summarize is None:
         if a.old is None or a.new is None:
             ap.error("--old and --new are needed unless --summarize is given")
         a.work.mkdir(parents=True, exist_ok=True)
-        run_all(a.old.resolve(), a.new.resolve(), a.rounds, a.work)
-    result = summarize(a.summarize or a.work, a.rounds)
+        run_all(a.old.resolve(), a.new.resolve(), a.rounds, a.work, only)
+    result = summarize(a.summarize or a.work, a.rounds, only)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     for section in ("decode", "codec"):
         for name, r in result[section].items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The accuracy frontier (issue 36): every method's perplexity against its bits on each model, oakenkv's presets at
-# every budget (oaken-plus-2, oaken-plus-3, oaken-plus, oaken-plus:sparse=0.2; a 3-bit slot with rotations at 1.7%
-# sparse, ~3.73 bits, for KVQuant-style 3's and KIVI-2's budgets) against the peers' points; adaptive
+# every budget (oaken-plus-2, -3, oaken-plus, oaken-plus:sparse=0.2, oaken-plus-5, -6; a 3-bit slot with rotations
+# at 1.7% sparse, ~3.73 bits, for KVQuant-style 3's and KIVI-2's budgets) against the peers' points; adaptive
 # grouping in and out of domain. Results under docs/results/<model>-<N>w (WikiText-2) and docs/results/default-python
 # (Python source); `report` rewrites docs/results.md and its plot.
 #
@@ -11,6 +11,8 @@
 # several single-threaded runs finish sooner than one run on two threads. Every run writes a resumable checkpoint
 # (eval ppl --json keeps <file>.partial.json); an existing result file is kept (delete it to re-run it).
 # WINDOWS (default 20) windows of 2048 tokens; GEMMA_WINDOWS / QWEN_WINDOWS (default 8 / 6) for the larger models.
+# default-4w and gemma3-270m-4w: the new presets run with --max-windows 4, the peers sliced from the 20- (or whole-)
+# window runs by benchmarks/slice_windows.py (per-window NLLs copied exactly).
 # The out-of-domain text is built by benchmarks/make_python_text.py (Python 3.11.7's standard library, 168 files,
 # 4,698,556 bytes, sha256 d50d7ee1...; each result records path, size and digest).
 set -euo pipefail
@@ -22,7 +24,8 @@ WINDOWS="${WINDOWS:-20}"
 PYTEXT="${PYTEXT:-/tmp/oakenkv-python-stdlib.txt}"
 parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(default python adapt report)
 
-OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2" "oaken-plus:bits=3,sparse=0.017,rot_k=1,rot_v=1")
+OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2" "oaken-plus:bits=3,sparse=0.017,rot_k=1,rot_v=1"
+      oaken-plus-5 oaken-plus-6)
 PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
 
 stem() { echo "$1" | tr ':=,' '___'; }
@@ -54,11 +57,12 @@ for part in "${parts[@]}"; do
       for m in "${PEERS[@]}" "${OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
     report)  # the frontier (default, Gemma-3-270m and Qwen2.5-Coder-0.5B where run) leads docs/results.md
       front=()
-      for d in "$OUT"/default-4w "$OUT"/default-20w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w "$OUT"/qwen2.5-coder-0.5b-6w \
+      for d in "$OUT"/default-4w "$OUT"/default-20w "$OUT"/gemma3-270m-4w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w \
+               "$OUT"/qwen2.5-coder-0.5b-6w \
                "$OUT"/default-python; do [[ -d "$d" ]] && front+=(--frontier "$d"); done
       $OAK eval report "${front[@]}" "$OUT"/default "$OUT"/default-4w "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
         "$OUT"/default-zs200 "$OUT"/default-zsall-piqa-winogrande "$OUT"/default-zs2000-hellaswag \
-        "$OUT"/gemma3-270m "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-full "$OUT"/gemma3-270m-zs200 \
+        "$OUT"/gemma3-270m "$OUT"/gemma3-270m-4w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-full "$OUT"/gemma3-270m-zs200 \
         "$OUT"/qwen2.5-coder-0.5b-6w --header benchmarks/results_header.md --out docs/results.md \
         --plot docs/results_pareto.png ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;

@@ -76,9 +76,10 @@ def test_presets_are_declared_once():
     from oakenkv.calibrate.search import PlusSearch
     from oakenkv.methods.registry import ALIASES, parse_spec
 
-    assert list(PRESETS) == ["oaken", "oaken-plus", "oaken-plus-3", "oaken-plus-2"]
+    slots = {"oaken-plus-3": 3, "oaken-plus-2": 2, "oaken-plus-5": 5, "oaken-plus-6": 6, "oaken-plus-7": 7}
+    assert list(PRESETS) == ["oaken", "oaken-plus", *slots]
     assert get_preset("oaken-plus").transforms and not get_preset("oaken").transforms
-    for name, bits in (("oaken-plus-3", 3), ("oaken-plus-2", 2)):
+    for name, bits in slots.items():
         p = get_preset(name)
         assert p.transforms and p.middle_bits == bits and p.search().middle_bits == bits
         assert ALIASES[name] == p.spec  # the method registry runs the preset as this spec

@@ -179,7 +179,7 @@ def test_effective_bits_counts_the_bytes():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Narrower dense slots (OakenConfig.middle_bits 3 and 2)
+# Other dense slot widths (OakenConfig.middle_bits 2, 3 and 5..7)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -188,7 +188,8 @@ def test_slot_sizes():
     assert [codec.dense_bytes(d, 2) for d in (1, 4, 5, 64, 192, 4096)] == [1, 1, 2, 16, 48, 1024]
     assert [codec.dense_bytes(d, 4) for d in (1, 2, 192)] == [codec.dense_bytes(d) for d in (1, 2, 192)]
     # 192 values, 10% outliers, fp16 scales: b + 0.8 + 112 / 192 bits per value
-    for b in (4, 3, 2):
+    assert [codec.dense_bytes(d, 6) for d in (1, 4, 5, 64, 192)] == [1, 3, 4, 48, 144]
+    for b in (4, 3, 2, 5, 6, 7):
         assert codec.expected_bits(192, 0.1, bits=b) == pytest.approx(b + 0.8 + 112 / 192)
 
 
@@ -216,9 +217,23 @@ def test_two_bit_slots_and_the_code_bit_of_narrow_outliers():
         codec.pack(_qv([4], [GROUP_MIDDLE]), cfg)
 
 
-@pytest.mark.parametrize("mb", [3, 2])
+def test_seven_bit_slots_and_the_eighth_code_bit_of_their_outliers():
+    # 7-bit slots: value j's slot at stream bits 7j..; an outlier's 8-bit code keeps its bit 7 in the entry's bit 7
+    cfg = OakenConfig(middle_bits=7)
+    q = _qv([0x7F, 0xFF, 0x01, 0x80], [GROUP_MIDDLE, GROUP_OUTER, GROUP_MIDDLE, GROUP_INNER])
+    enc = codec.pack(q, cfg)
+    stream = 0x7F | (0x7F << 7) | (0x01 << 14) | (0x00 << 21)  # the slots: the codes' low 7 bits
+    assert enc.dense.tolist() == [[(stream >> (8 * i)) & 0xFF for i in range(4)]]
+    assert enc.sparse.tolist() == [0x80 | 0x40 | 1, 0x80 | 3]
+    _assert_same_q(codec.unpack(enc, cfg), q)
+    x = torch.randn(3, 70, generator=torch.Generator().manual_seed(7)) * 2
+    got = codec.decode(codec.encode(x, THR, cfg), THR, cfg)
+    assert torch.equal(got, codec.decode(codec.pack(quantize(x, THR, cfg), cfg), THR, cfg))
+
+
+@pytest.mark.parametrize("mb", [3, 2, 5, 6, 7])
 @pytest.mark.parametrize("d", [1, 5, 64, 80, 192, 257])
-def test_narrow_slots_round_trip(mb, d):
+def test_other_slot_widths_round_trip(mb, d):
     for ib, ob in ((mb + 1, mb + 1), (mb, mb + 1), (mb, mb)):
         cfg = OakenConfig(middle_bits=mb, inner_bits=ib, outer_bits=ob)
         x = torch.randn(6, d, generator=torch.Generator().manual_seed(d)) * 2

@@ -90,14 +90,15 @@ def test_encode_decode_bit_exact_with_reference(case):
 
 
 @SETTINGS
-@given(rows(slots=(3, 2)))
-def test_narrow_slots_encode_decode_bit_exact_with_reference(case):
-    """3- and 2-bit dense slots (oaken-plus-3, oaken-plus-2): every fast entry point, byte and bit for bit."""
+@given(rows(slots=(3, 2, 5, 6, 7)))
+def test_other_slot_widths_encode_decode_bit_exact_with_reference(case):
+    """Dense slots of 2, 3 (oaken-plus-2, -3) and 5..7 bits (oaken-plus-5, -6: the encoder's wide scratch, the
+    groups in a byte array of their own): every fast entry point, byte and bit for bit."""
     _check_bit_exact(case)
 
 
 @SETTINGS
-@given(rows(slots=(4, 3)), st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4))
+@given(rows(slots=(4, 3, 6)), st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4))
 def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case, widen):
     """Adaptive grouping's encoder (oakenkv.quant.adapt): values grouped by thresholds on or beyond the ones that
     shift and decode them, through every fast entry point, byte and bit for bit the reference's."""
@@ -427,7 +428,7 @@ def corrupted(draw):
     n = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**31 - 1))
     g = np.random.default_rng(seed)
-    mb = draw(st.sampled_from([4, 4, 3, 2]))  # the dense slot width
+    mb = draw(st.sampled_from([4, 4, 3, 2, 5, 7]))  # the dense slot width
     cfg = OakenConfig(middle_bits=mb, inner_bits=draw(st.sampled_from([mb, mb + 1])))
     x = torch.from_numpy((g.standard_normal((n, d)) * 1.5).astype(np.float32))
     enc = codec.encode(x, THRESHOLDS[0], cfg)

@@ -351,7 +351,7 @@ def _random_encoded(seed: int):
     from oakenkv.kernels import codec
 
     g = np.random.default_rng(seed)
-    mb = int(g.choice([4, 4, 3, 2]))  # the dense slot width (oaken-plus-3 and -2: 3 and 2)
+    mb = int(g.choice([4, 4, 3, 2, 5, 6, 7]))  # the dense slot width (oaken-plus-3, -2, -5, -6: 3, 2, 5, 6)
     cfg = OakenConfig(
         middle_bits=mb,
         inner_bits=int(g.choice([mb, mb + 1])),

@@ -7,6 +7,9 @@
 - ``oaken-plus-3`` and ``oaken-plus-2``: oaken-plus at a narrower dense slot (``OakenConfig.middle_bits`` 3 and 2:
   3- and 2-bit middle codes, 4- and 3-bit outliers) and a smaller sparse share: the same structure at lower bit
   budgets (docs/results.md, the frontier); ``oaken-plus-3``'s search may also rotate keys and values.
+- ``oaken-plus-5``, ``oaken-plus-6`` and ``oaken-plus-7``: oaken-plus at a wider dense slot (5- to 7-bit middle
+  codes, 6- to 8-bit outliers) and a 4% sparse share: the budgets of int5, KIVI-4 and the 8-bit formats (fp8,
+  int8), where a 4-bit slot loses more than they do (docs/results.md).
 
 :func:`find_profile` gives the profile ``OakenCache.for_model`` builds its cache from: a file or profile the user
 names (checked against the model), else one shipped with the package for an embedded model, else one cached on
@@ -28,6 +31,9 @@ __all__ = [
     "OAKEN_PLUS",
     "OAKEN_PLUS_2",
     "OAKEN_PLUS_3",
+    "OAKEN_PLUS_5",
+    "OAKEN_PLUS_6",
+    "OAKEN_PLUS_7",
     "PRESETS",
     "Preset",
     "find_profile",
@@ -112,7 +118,39 @@ OAKEN_PLUS_2 = Preset(
     middle_bits=2,
     sparse=0.04,
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, OAKEN_PLUS_3, OAKEN_PLUS_2)}
+#: oaken-plus with 5-bit middle codes (6-bit outliers) and a 4% sparse share: about 5.9 bits per value on the
+#: default model (5 + 8 x 0.04 + 112 / 192), the budget of int5 and KIVI-4.
+OAKEN_PLUS_5 = Preset(
+    "oaken-plus-5",
+    "oaken-plus with a 5-bit dense slot: 5-bit middle codes, 6-bit outliers, a 4% sparse share",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=5,
+    sparse=0.04,
+)
+#: oaken-plus with 6-bit middle codes (7-bit outliers) and a 4% sparse share: about 6.9 bits per value on the
+#: default model, below the 8 bits of fp8 and int8.
+OAKEN_PLUS_6 = Preset(
+    "oaken-plus-6",
+    "oaken-plus with a 6-bit dense slot: 6-bit middle codes, 7-bit outliers, a 4% sparse share",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=6,
+    sparse=0.04,
+)
+#: oaken-plus with 7-bit middle codes (8-bit outliers, the widest the format has) and a 4% sparse share: about 7.9
+#: bits per value on the default model, the budget of int8 (8.5 with its scales).
+OAKEN_PLUS_7 = Preset(
+    "oaken-plus-7",
+    "oaken-plus with a 7-bit dense slot: 7-bit middle codes, 8-bit outliers, a 4% sparse share",
+    CalibrationSpec(samples=16, window=2048),
+    transforms=True,
+    middle_bits=7,
+    sparse=0.04,
+)
+#: The presets whose dense slot is not the paper's 4 bits (each an alias of an oaken-plus spec in the registry).
+SLOT_PRESETS = (OAKEN_PLUS_3, OAKEN_PLUS_2, OAKEN_PLUS_5, OAKEN_PLUS_6, OAKEN_PLUS_7)
+PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, *SLOT_PRESETS)}
 
 #: The profile each model object was prepared with (``find_profile`` on a model it already folded returns it).
 _PREPARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -80,7 +80,7 @@ class PlusSearch:
     #: The first tokens of every sequence kept at 16 bits beside their codes (``Transforms.sink_tokens``); the
     #: candidates are scored with them exact, as the cache reads them.
     sink_tokens: int = 1
-    #: The format's dense slot width (``OakenConfig.middle_bits``): 4 (the paper's), 3 (``oaken-plus-3``) or 2; the
+    #: The format's dense slot width (``OakenConfig.middle_bits``): 4 (the paper's), 2..3 or 5..7; the
     #: outliers get one bit more. The candidates are scored, and the profile made, at this width.
     middle_bits: int = 4
 

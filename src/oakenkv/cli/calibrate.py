@@ -35,8 +35,8 @@ def profile_cmd(
             help="'oaken': the paper's thresholds at fixed group ratios. 'oaken-plus': offline transforms (key "
             "shift, key smoothing folded into the weights, per-head rotations) and group ratios chosen per layer by "
             "the attention-output error on the calibration text, then thresholds profiled after them (docs/plus.md). "
-            "'oaken-plus-3' / 'oaken-plus-2': the same at a 3- / 2-bit dense slot and a 4% sparse share (-3: rotations "
-            "allowed)."
+            "'oaken-plus-3' / '-2' / '-5' / '-6' / '-7': the same at a 3- / 2- / 5- / 6- / 7-bit dense slot and a 4% "
+            "sparse share (-3: rotations allowed)."
         ),
     ] = "oaken",
     samples: Annotated[

@@ -5,8 +5,8 @@ decoder layer, the middle group quantized to 4 bits and the inner and outer grou
 scales stored in fp16, and keys quantized after RoPE (the tensors the cache really stores).
 
 ``middle_bits`` is the width of the format's dense slot (one per value, ``oakenkv.format.layout``): 4 is the paper's
-format; 3 and 2 are narrower presets on the same structure (``oaken-plus-3``, ``oaken-plus-2``), whose inner and outer
-codes have ``middle_bits + 1`` bits (the slot plus the COO entry's code bit) by default.
+format; 2..3 and 5..7 are narrower and wider ones on the same structure (``oaken-plus-3``, ``oaken-plus-5``, ...),
+whose inner and outer codes have ``middle_bits + 1`` bits (the slot plus the COO entry's code bit) by default.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from oakenkv.util.exact import is_int, is_number, one_of
 #: slot width) a knob; a config that version 1 can express (a 4-bit slot) is still written as version 1, so that the
 #: files and the cache keys derived from them stay byte for byte what they were, and older readers still read them.
 CONFIG_VERSION = 2
-#: Dense slot widths (``middle_bits``) the format and every CPU path support. The encoders keep a value's code and
-#: group in one byte (code + 32 x group), so an outlier's code (``middle_bits + 1`` bits) must stay below 32.
-MIDDLE_BITS_CHOICES = (2, 3, 4)
+#: Dense slot widths (``middle_bits``) the format and every CPU path support. An outlier's code (``middle_bits + 1``
+#: bits) fits a byte up to 7 (the codes are uint8 in the reference and the kernels); an 8-bit slot would take 9.
+MIDDLE_BITS_CHOICES = (2, 3, 4, 5, 6, 7)
 #: The most tokens an oaken-plus profile may keep at 16 bits beside their codes (``Transforms.sink_tokens``; a
 #: sink is a few tokens, not a window).
 MAX_SINK_TOKENS = 64
@@ -84,7 +84,7 @@ class OakenConfig:
     key_position: KeyPosition = "post_rope"
     #: Storage dtype of the six per-token min/max values.
     scale_dtype: ScaleDtype = "float16"
-    #: Width of the dense slot, one per value, and so the bits of a middle-group code (2, 3 or 4). Paper: 4.
+    #: Width of the dense slot, one per value, and so the bits of a middle-group code (2..7). Paper: 4.
     middle_bits: int = 4
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ one layer, all KV heads together (granularity "token", the paper's) or one head 
     field   size                      content
     header  2 bytes (u16 LE)          S = number of sparse bytes of this row                        16 bits
     scales  6 x fp16 | 6 x fp32 (LE)  mid_min mid_max inner_min inner_max outer_min outer_max       96 | 192 bits
-    dense   ceil(b D / 8) bytes       one b-bit slot per value (b = middle_bits: 4, 3 or 2)         b bits/value
+    dense   ceil(b D / 8) bytes       one b-bit slot per value (b = middle_bits: 2 to 7)            b bits/value
     sparse  S bytes                   one COO entry byte per inner/outer value (+ rare escapes)    8 bits/outlier
 
 Scales: index ``2 * group + {0: min, 1: max}`` (group ids: middle 0, inner 1, outer 2), the quantizer's grid end
@@ -113,7 +113,7 @@ from oakenkv.format.config import V1_FIXED_FIELDS, OakenConfig
 #: Values addressed by one 6-bit COO index.
 CHUNK_SIZE = 64
 #: The paper's dense slot width (one nibble per value), the default of ``OakenConfig.middle_bits``: a config's
-#: ``middle_bits`` (2, 3 or 4, ``format.config.MIDDLE_BITS_CHOICES``) is the slot width of its bytes.
+#: ``middle_bits`` (2 to 7, ``format.config.MIDDLE_BITS_CHOICES``) is the slot width of its bytes.
 DENSE_BITS = 4
 #: Bits of a middle-group code in the paper's format: the whole dense slot.
 MIDDLE_BITS = DENSE_BITS

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS, OAKEN_PLUS_2, OAKEN_PLUS_3
-from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig
+from oakenkv.calibrate.presets import OAKEN, OAKEN_PLUS, SLOT_PRESETS
+from oakenkv.format.config import MAX_SINK_TOKENS, MIDDLE_BITS_CHOICES, OakenConfig
 
 __all__ = [
     "ALIASES",
@@ -121,7 +121,12 @@ def _residual(default: int, what: str) -> Param:
 
 
 def _slot_bits() -> Param:
-    return Param(4, "dense slot width: bits of a middle code (the outliers get one more)", 2, 4)
+    return Param(
+        4,
+        "dense slot width: bits of a middle code (the outliers get one more)",
+        min(MIDDLE_BITS_CHOICES),
+        max(MIDDLE_BITS_CHOICES),
+    )
 
 
 def _adapt() -> Param:
@@ -295,8 +300,8 @@ ALIASES: dict[str, str] = {
     "quanto2": "quanto:bits=2",
     "quanto4": "quanto:bits=4",
     "oaken-kurtosis": "oaken:kurtosis=1",
-    # the narrower oaken-plus presets (oakenkv.calibrate.presets)
-    **{p.name: p.spec for p in (OAKEN_PLUS_3, OAKEN_PLUS_2)},
+    # the oaken-plus presets at other slot widths (oakenkv.calibrate.presets)
+    **{p.name: p.spec for p in SLOT_PRESETS},
 }
 
 

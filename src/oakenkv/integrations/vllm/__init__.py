@@ -125,7 +125,7 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
     if cfg.middle_bits != 4:
         raise ValueError(
             f"{path}: the vLLM plugin's blocks hold 4-bit dense slots; this profile has {cfg.middle_bits}-bit slots "
-            "(oaken-plus-3 and -2 run in OakenCache and eval only, for now)"
+            "(oaken-plus-2, -3, -5 and -6 run in OakenCache and eval only, for now)"
         )
 
 

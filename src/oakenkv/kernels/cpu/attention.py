@@ -154,8 +154,14 @@ def _decode_rows(
             pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 3, ib, ob, keep, t0, sp,
             off, out,
         )  # fmt: skip
+    if mb == 2:
+        return _decode_block(
+            pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 2, ib, ob, keep, t0, sp,
+            off, out,
+        )  # fmt: skip
+    # 5..7-bit slots: one copy, the width a runtime value (their speed is not the hot path's)
     return _decode_block(
-        pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 2, ib, ob, keep, t0, sp, off,
+        pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off,
         out,
     )  # fmt: skip
 
@@ -171,7 +177,7 @@ def _decode_block(
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.codec.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
-    nibbles (or 3- or 2-bit slots) are first split into a uint8 code row (``codes``, which the COO walk reads too),
+    nibbles (or 2..7-bit slots) are first split into a uint8 code row (``codes``, which the COO walk reads too),
     then the middle
     values are computed from it in one contiguous loop that LLVM vectorizes (through int32, not int64: numba
     would widen the codes; two loops are faster than one that stores the even and odd values interleaved,
@@ -246,8 +252,8 @@ def _decode_block(
 
 @njit(cache=True, nogil=True, fastmath=False)
 def _unpack_slots(src, mb, codes):
-    """The ``mb``-bit slots (2 or 3 bits) of a row's dense bytes ``src`` into ``codes`` (one uint8 per value): eight
-    values (``mb`` bytes) at a time from a 64-bit word of the bit stream (``oakenkv.format.layout``)."""
+    """The ``mb``-bit slots (2..7 bits, not 4) of a row's dense bytes ``src`` into ``codes`` (one uint8 per value):
+    eight values (``mb`` bytes) at a time from a 64-bit word of the bit stream (``oakenkv.format.layout``)."""
     d = codes.shape[0]
     nbytes = src.shape[0]
     mask = np.uint64((1 << mb) - 1)

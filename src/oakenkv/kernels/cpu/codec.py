@@ -77,8 +77,13 @@ from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, grouping_tuple, 
 #: ``2^(b+1)`` inner codes at ``2^b`` and ``2^(b+1)`` outer codes at ``3 * 2^b``: 16 + 32 + 32 for the paper's 4 bits,
 #: the widest slot.
 LUT_SIZE = 5 << max(MIDDLE_BITS_CHOICES)
-# A value's code and group share one byte in the encoder (code + 32 x group): an outlier's code must stay below 32.
-assert max(MIDDLE_BITS_CHOICES) + 1 <= 5 and min(MIDDLE_BITS_CHOICES) >= 1
+#: The narrowest and widest dense slot (``OakenConfig.middle_bits``) the kernels read.
+_MB_MIN, _MB_MAX = min(MIDDLE_BITS_CHOICES), max(MIDDLE_BITS_CHOICES)
+#: Up to this slot width the encoder keeps a value's code and group in one byte (code + 32 x group: an outlier's
+#: ``middle_bits + 1``-bit code stays below 32); wider slots keep the groups in a byte array of their own
+#: (:func:`wide_scratch`). An outlier's code is one byte wide at most (uint8 codes, as the reference's).
+_NARROW_MAX = 4
+assert _MB_MIN >= 1 and _MB_MAX + 1 <= 8 and _NARROW_MAX + 1 <= 5
 
 #: Rows per parallel work item: amortises scratch allocation, small enough to balance 2..64 threads.
 _BLOCK_ROWS = 64
@@ -161,10 +166,10 @@ def scales_decode_finite(mid_lo, mid_hi, in_lo, in_hi, out_lo, out_hi, thr, inne
 
 @njit(cache=True, nogil=True)
 def bits_valid(middle_bits, inner_bits, outer_bits):
-    """Whether the groups' bits are a format the kernels read: a supported slot width (2..4) and outlier codes of
+    """Whether the groups' bits are a format the kernels read: a supported slot width (2..7) and outlier codes of
     the slot's width or one more (the COO entry's code bit)."""
     return (
-        2 <= middle_bits <= 4
+        _MB_MIN <= middle_bits <= _MB_MAX
         and middle_bits <= inner_bits <= middle_bits + 1
         and middle_bits <= outer_bits <= middle_bits + 1
     )
@@ -439,10 +444,12 @@ def _min_below(x, lo, hi, sub):
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _row_codes(
-    x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
-    n_in, n_out,
+    x, comb, grp, wide, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step,
+    n_mid, n_in, n_out,
 ):  # fmt: skip
-    """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize.
+    """Pass 2 of encode_row: ``comb[j] = code + 32 * group`` (uint8) of every value, exactly as quant.quantize;
+    for ``wide`` slots (a compile-time constant, :func:`_scratch_wide`) ``comb[j] = code`` and ``grp[j] = 32 * group``
+    (``grp`` is ``comb`` itself for narrow ones, and unwritten).
 
     ``go_lo, gi_lo, gi_hi, go_hi`` group the values (Eq. 1), ``to_lo, ti_lo, ti_hi, to_hi`` shift them (Eq. 4;
     the same numbers unless an adaptive encoder groups with thresholds on or beyond them, ``oakenkv.quant.adapt``).
@@ -481,13 +488,18 @@ def _row_codes(
         q = q - one if (dn & (w >= zero)) else q
         q = min(max(q, zero), top)
         g = 64 if outer else (32 if inner else 0)
-        comb[j] = np.uint8(np.int32(q) + g)
+        if wide:
+            comb[j] = np.uint8(np.int32(q))
+            grp[j] = np.uint8(g)
+        else:
+            comb[j] = np.uint8(np.int32(q) + g)
 
 
 _LANES = np.uint64(0x0706050403020100)  # each byte's index inside its 8-byte word
 _LANE_STEP = np.uint64(0x0808080808080808)
 # A code byte is code + 32 * group (group 0 middle, 1 inner, 2 outer): its bit 6 is the entry's group bit (outer)
-# and its bit b (b = the slot width) the top code bit, which the entry keeps in bit 7. Per byte of a uint64 word:
+# and its bit b (b = the slot width) the top code bit, which the entry keeps in bit 7 (wide slots: the code byte's
+# bit b, the group byte's bit 6). Per byte of a uint64 word:
 assert COO_GROUP_BIT == 0x40 and COO_CODE_BIT4 == 0x80
 _GROUP_BITS = np.uint64(0x4040404040404040)
 _TOP_BITS = np.uint64(0x8080808080808080)
@@ -594,7 +606,10 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
         The number of sparse bytes written (>= 0), or ``-ERR_*``.
     """
     d = x.shape[0]
-    comb, words, halves, bmask, cmask, ent, ents = scratch
+    comb, words, halves, bmask, cmask, ent, ents = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], \
+        scratch[5], scratch[6]  # fmt: skip
+    wide = _scratch_wide(scratch)  # a constant: the narrow slots' code runs as it did before wide ones existed
+    grp, gwords = _group_arrays(scratch)  # comb and words themselves for narrow slots
     to_lo, ti_lo, ti_hi, to_hi = thr[0], thr[1], thr[2], thr[3]
     go_lo, gi_lo, gi_hi, go_hi = to_lo, ti_lo, ti_hi, to_hi
     if thr.shape[0] >= 8:
@@ -657,8 +672,8 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
         return -ERR_SCALE_RANGE
     # pass 2: codes and groups
     _row_codes(
-        x, comb, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0, o_step, n_mid,
-        n_in, n_out,
+        x, comb, grp, wide, go_lo, gi_lo, gi_hi, go_hi, to_lo, ti_lo, ti_hi, to_hi, mg0, m_step, ig0, i_step, og0,
+        o_step, n_mid, n_in, n_out,
     )  # fmt: skip
     # pass 3: the dense slots
     if middle_bits == 4:  # nibbles from 16-bit pairs of codes (value 2j low, 2j+1 high): vectorizes
@@ -676,13 +691,15 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     # to each byte (<= 95, no carry) sets its bit 7 iff it is >= 32, and the multiplication gathers the 8 bits into
     # the top byte. Vectorizes; the byte masks of 8 consecutive words are one chunk's 64-bit mask (little-endian).
     # comb's tail beyond D is zero (middle, code 0). Also each value's COO entry, were it an outlier: its index in
-    # the chunk, the group bit (bit 6 of its byte: outer), the top code bit (bit b, moved to bit 7).
+    # the chunk, the group bit (bit 6 of its byte: outer), the top code bit (bit b, moved to bit 7). Wide slots
+    # read the group bits from their own bytes (grp: 32 x group, the same bits), the code bit from comb.
     for w in range(words.shape[0]):
         cw = words[w]
-        g = ((cw + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
+        gw = gwords[w] if wide else cw
+        g = ((gw + np.uint64(0x6060606060606060)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
         bmask[w] = np.uint8((g * np.uint64(0x0102040810204080)) >> np.uint64(56))
         lanes = _LANES + np.uint64(w & 7) * _LANE_STEP
-        ents[w] = lanes | (cw & _GROUP_BITS) | ((cw << top_shift) & _TOP_BITS)
+        ents[w] = lanes | (gw & _GROUP_BITS) | ((cw << top_shift) & _TOP_BITS)
     # pass 5: the COO stream
     return _emit_coo(ent, cmask, sparse_row)
 
@@ -706,15 +723,67 @@ def _pack_slots(words, d, mb, dense_row):
 
 @njit(cache=True, nogil=True)
 def comb_scratch(d):
-    """Scratch of encode_row for rows of ``d`` values: ``comb`` (uint8 code + 32 * group per value, whole chunks
-    with a zero tail) with its uint64 and uint16 views, ``bmask`` (uint8, one outlier bit per value of each
-    8-byte word) with its uint64 view ``cmask`` (one 64-bit mask per chunk), and ``ent`` (uint8, each value's COO
-    entry byte) with its uint64 view."""
+    """Scratch of encode_row for rows of ``d`` values in slots of up to 4 bits: ``comb`` (uint8 code + 32 * group
+    per value, whole chunks with a zero tail) with its uint64 and uint16 views, ``bmask`` (uint8, one outlier bit per
+    value of each 8-byte word) with its uint64 view ``cmask`` (one 64-bit mask per chunk), and ``ent`` (uint8, each
+    value's COO entry byte) with its uint64 view."""
     nch = (d + CHUNK_SIZE - 1) // CHUNK_SIZE
     comb = np.zeros(nch * CHUNK_SIZE, np.uint8)
     bmask = np.zeros(nch * 8, np.uint8)
     ent = np.zeros(nch * CHUNK_SIZE, np.uint8)
     return comb, comb.view(np.uint64), comb.view(np.uint16), bmask, bmask.view(np.uint64), ent, ent.view(np.uint64)
+
+
+@njit(cache=True, nogil=True)
+def wide_scratch(d):
+    """Scratch of encode_row for slots of 5 bits or more, whose outliers' codes (up to 8 bits) leave no room for
+    the group in their byte: :func:`comb_scratch` (``comb`` then holds the codes alone) and ``grp`` (uint8, 32 *
+    group per value, zero tail) with its uint64 view. Its nine arrays make encode_row's ``wide`` constant true."""
+    comb, words, halves, bmask, cmask, ent, ents = comb_scratch(d)
+    grp = np.zeros(comb.shape[0], np.uint8)
+    return comb, words, halves, bmask, cmask, ent, ents, grp, grp.view(np.uint64)
+
+
+def _scratch_wide(scratch):  # pragma: no cover - only its overload runs, inside @njit code
+    """Whether ``scratch`` is a :func:`wide_scratch` (a constant of the compiled specialisation)."""
+    raise NotImplementedError
+
+
+@overload(_scratch_wide)
+def _scratch_wide_impl(scratch):
+    wide = isinstance(scratch, types.BaseTuple) and len(scratch) == 9
+    return lambda scratch: wide
+
+
+def _group_arrays(scratch):  # pragma: no cover - only its overload runs, inside @njit code
+    """``(grp, gwords)`` of a :func:`wide_scratch`; ``comb`` and its uint64 view for a :func:`comb_scratch`."""
+    raise NotImplementedError
+
+
+@overload(_group_arrays)
+def _group_arrays_impl(scratch):
+    if isinstance(scratch, types.BaseTuple) and len(scratch) == 9:
+        return lambda scratch: (scratch[7], scratch[8])
+    return lambda scratch: (scratch[0], scratch[1])
+
+
+def _borrowed(scratch):  # pragma: no cover - only its overload runs, inside @njit code
+    """Borrowed views (``all_view``) of every array of a scratch tuple."""
+    raise NotImplementedError
+
+
+@overload(_borrowed)
+def _borrowed_impl(scratch):
+    if isinstance(scratch, types.BaseTuple) and len(scratch) == 9:
+        return lambda scratch: (
+            all_view(scratch[0]), all_view(scratch[1]), all_view(scratch[2]), all_view(scratch[3]),
+            all_view(scratch[4]), all_view(scratch[5]), all_view(scratch[6]), all_view(scratch[7]),
+            all_view(scratch[8]),
+        )  # fmt: skip
+    return lambda scratch: (
+        all_view(scratch[0]), all_view(scratch[1]), all_view(scratch[2]), all_view(scratch[3]), all_view(scratch[4]),
+        all_view(scratch[5]), all_view(scratch[6]),
+    )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -734,9 +803,21 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, s
         sparse: uint8 ``[n, >= sparse_capacity(D)]`` (out): row ``r`` starts with its sparse record.
         counts: int64 ``[n]`` (out): sparse bytes of each row, or ``-ERR_*``.
     """
-    n, d = x.shape
+    d = x.shape[1]
+    # the row loop compiled once per scratch kind (narrow slots: as before wide ones existed)
+    if middle_bits <= _NARROW_MAX:
+        _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
+                           comb_scratch(d))  # fmt: skip
+    else:
+        _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
+                           wide_scratch(d))  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits, scr):
+    """:func:`encode_records` with encode_row's scratch ``scr`` (:func:`comb_scratch` or :func:`wide_scratch`)."""
+    n = x.shape[0]
     itemsize = scale_bytes // NUM_SCALES
-    scr = comb_scratch(d)
     no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
@@ -774,18 +855,28 @@ def _encode_block(
     helpers that take arrays): a numba call costs time per array argument and encode_row takes fourteen;
     inlining into the parallel _encode_rows instead compiles much slower (docs/notebook/perf-notes.md)."""
     d = xs.shape[1]
+    if middle_bits <= _NARROW_MAX:  # compiled once per scratch kind (narrow slots: as before wide ones existed)
+        _encode_block_of(
+            xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
+            counts, k16, comb_scratch(d),
+        )  # fmt: skip
+    else:
+        _encode_block_of(
+            xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
+            counts, k16, wide_scratch(d),
+        )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _encode_block_of(
+    xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
+    k16, scr,
+):  # fmt: skip
+    """:func:`_encode_block` with the block's encode_row scratch ``scr`` (:func:`comb_scratch` or
+    :func:`wide_scratch`)."""
     sc = np.empty(NUM_SCALES, np.float32)
-    scr = comb_scratch(d)
     # borrowed views of the block's scratch (and the shared arrays) for the rows (no reference counting)
-    scr_b = (
-        all_view(scr[0]),
-        all_view(scr[1]),
-        all_view(scr[2]),
-        all_view(scr[3]),
-        all_view(scr[4]),
-        all_view(scr[5]),
-        all_view(scr[6]),
-    )
+    scr_b = _borrowed(scr)
     sc_b, thr_b, k16_b = all_view(sc), all_view(thr), all_view(k16)
     cursor = r0 * cap
     for r in range(r0, r1):
@@ -989,7 +1080,9 @@ def _walk_outliers(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits
         return _walk_outliers4(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
     if middle_bits == 3:
         return _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
-    return _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    if middle_bits == 2:
+        return _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out)
+    return _walk_outliers_wide(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -1005,6 +1098,12 @@ def _walk_outliers3(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid,
 @njit(cache=True, nogil=True, error_model="numpy")
 def _walk_outliers2(dense_row, sparse_row, d, inner_bits, outer_bits, lut, grid, out):
     return _walk(dense_row, sparse_row, d, 2, inner_bits, outer_bits, lut, grid, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_outliers_wide(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out):
+    """Slots of 5..7 bits: one copy for all, the width a runtime value (their speed is not the hot path's)."""
+    return _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, grid, out)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -1027,8 +1126,10 @@ def _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, gr
     f_in = np.int64(0x80 if inner_bits <= middle_bits else 0)
     f_out = np.int64(0x80 if outer_bits <= middle_bits else 0)
     nib = middle_bits == 4
-    # lut index of an outlier: inner codes at 2^b.., outer at 3 * 2^b.. (the group bit, 0x40, shifted to 2^(b+1))
-    lut_group_shift = np.int64(5 - middle_bits)
+    # lut index of an outlier: inner codes at 2^b.., outer at 3 * 2^b.. (the group bit, 0x40, shifted to 2^(b+1):
+    # right for b < 5, left for b > 5; both shifts >= 0, one of them 0)
+    lut_group_shift = np.int64(max(5 - middle_bits, 0))
+    lut_group_lshift = np.int64(max(middle_bits - 5, 0))
     bad_bits = np.int64(0)
     c, p, prev = 0, -1, 0  # prev = -1 stands for "None" (after an escape)
     j = 0
@@ -1074,7 +1175,8 @@ def _walk(dense_row, sparse_row, d, middle_bits, inner_bits, outer_bits, lut, gr
             out[upos] = out_elem(w if outer else v, out)
         else:
             # lut index: inner codes at 2^b.., outer at 3 * 2^b.. (16.. and 48.. for 4-bit slots)
-            out[upos] = lut[(np.int64(1) << middle_bits) + ((e & COO_GROUP_BIT) >> lut_group_shift) + code]
+            gofs = ((e & COO_GROUP_BIT) >> lut_group_shift) << lut_group_lshift
+            out[upos] = lut[(np.int64(1) << middle_bits) + gofs + code]
         p = i
         prev = e
     return ERR_FIFTH_BIT if bad_bits else ERR_OK
@@ -1108,7 +1210,7 @@ def decode_row_into_lut(dense_row, sparse_row, scales_row, thr, out, inner_bits,
     d = out.shape[0]
     if (
         not 1 <= d <= MAX_DIM
-        or not 2 <= middle_bits <= 4
+        or not _MB_MIN <= middle_bits <= _MB_MAX
         or dense_row.shape[0] != (middle_bits * d + 7) // 8
         or scales_row.ndim != 1
         or thr.ndim != 1
@@ -1178,8 +1280,8 @@ def _dense_middle(dense_row, mb, lo, step, ti_lo, ti_hi, out):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _dense_middle_slots(dense_row, mb, lo, step, ti_lo, ti_hi, out):
-    """_dense_middle for slots of 2 or 3 bits: eight values (``mb`` bytes) at a time from a 64-bit word of the bit
-    stream; the last group reads only the bytes the row has."""
+    """_dense_middle for slots other than 4 bits (2..7): eight values (``mb`` bytes) at a time from a 64-bit word of
+    the bit stream; the last group reads only the bytes the row has."""
     zero = _F32(0.0)
     d = out.shape[0]
     nbytes = dense_row.shape[0]
@@ -1223,7 +1325,7 @@ def _decode_one(dense_r, sr, sp, thr, middle_bits, inner_bits, outer_bits, use_l
         for i in range(NUM_SCALES):
             sc32[i] = f32_at(sr, i)
         fill_lut(sc32, thr, inner_bits, outer_bits, lut32, middle_bits)
-        for i in range(LUT_SIZE):
+        for i in range(5 << middle_bits):  # the entries fill_lut wrote (LUT_SIZE is the widest slot's)
             lut[i] = out_elem(lut32[i], lut)
     else:
         grid[0], grid[1] = i_lo, i_step
@@ -1256,9 +1358,12 @@ def _decode_block(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, 
     elif middle_bits == 3:
         _decode_span(dense, sparse, offsets, scales, thr, 3, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
                      r0, r1, out, status)  # fmt: skip
-    else:
+    elif middle_bits == 2:
         _decode_span(dense, sparse, offsets, scales, thr, 2, inner_bits, outer_bits, use_lut, sc32, lut32, lut, grid,
                      r0, r1, out, status)  # fmt: skip
+    else:  # 5..7: one copy, the width a runtime value
+        _decode_span(dense, sparse, offsets, scales, thr, middle_bits, inner_bits, outer_bits, use_lut, sc32, lut32,
+                     lut, grid, r0, r1, out, status)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -1286,8 +1391,12 @@ def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, s
         _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4)
     elif middle_bits == 3:
         _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 3)
-    else:
+    elif middle_bits == 2:
         _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 2)
+    else:  # 5..7: one copy, the width a runtime value
+        _decode_records_of(
+            records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits
+        )
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")

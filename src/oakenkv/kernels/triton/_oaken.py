@@ -97,7 +97,7 @@ assert SCALE_NAMES == ("mid_min", "mid_max", "inner_min", "inner_max", "outer_mi
 
 def check_slot_bits(middle_bits: int) -> None:
     """Refuse slot widths other than the paper's 4 bits: these kernels read nibbles (``OakenConfig.middle_bits``
-    3 and 2, ``oaken-plus-3`` / ``oaken-plus-2``, run on the CPU kernels, ``oakenkv.kernels.cpu``)."""
+    2, 3 and 5..7, ``oaken-plus-2`` / ``-3`` / ``-5`` / ``-6``, run on the CPU kernels, ``oakenkv.kernels.cpu``)."""
     if middle_bits != DENSE_BITS:
         raise ValueError(
             f"the Triton kernels read {DENSE_BITS}-bit dense slots only, these records have {middle_bits}-bit slots "
