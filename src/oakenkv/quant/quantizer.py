@@ -11,7 +11,7 @@ Per row, with the layer's thresholds ``(to_lo, ti_lo, ti_hi, to_hi)`` (Kim et al
    minus ``ti_hi`` or ``ti_lo``; inner values unshifted. Shifted outer and middle values are never 0: the upper side
    is strictly positive and the lower side strictly negative.
 3. **Per-group min/max uniform quantization (Eq. 2/3).** Middle to 4 bits, inner and outer to 5 bits (the paper's;
-   ``OakenConfig.middle_bits`` narrows the middle code to 3 or 2 bits, the outliers' to one more by default).
+   ``OakenConfig.middle_bits`` sets the middle code to 2-7 bits, the outliers' to one more by default).
 
 Why the grid of the middle and outer groups is not the plain ``[min, max]`` one
 ----------------------------------------------------------------------------------
