@@ -95,59 +95,39 @@ OAKEN_PLUS = Preset(
     CalibrationSpec(samples=16, window=2048),
     transforms=True,
 )
+
+
+def _slot_preset(bits: int, rotations: bool = False) -> Preset:
+    """oaken-plus at a ``bits``-bit dense slot (``bits + 1``-bit outliers) and a 4% sparse share."""
+    return Preset(
+        f"oaken-plus-{bits}",
+        f"oaken-plus with a {bits}-bit dense slot: {bits}-bit middle codes, {bits + 1}-bit outliers, a 4% sparse share"
+        + (", Hadamard rotations" if rotations else ""),
+        CalibrationSpec(samples=16, window=2048),
+        transforms=True,
+        middle_bits=bits,
+        sparse=0.04,
+        rotations=rotations,
+    )
+
+
 #: oaken-plus with 3-bit middle codes (4-bit outliers) and a 4% sparse share: about 3.9 bits per value on the
 #: default model (3 + 8 x 0.04 + 112 / 192 for its scales and header), the budget of KVQuant's 3-4 bits. Its search
 #: may rotate keys and values per head: at a 3-bit slot that lowers the loss (docs/plus.md, "Below 5 bits"), where
 #: at oaken-plus's 4-bit slot it did not.
-OAKEN_PLUS_3 = Preset(
-    "oaken-plus-3",
-    "oaken-plus with a 3-bit dense slot: 3-bit middle codes, 4-bit outliers, a 4% sparse share, Hadamard rotations",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=3,
-    sparse=0.04,
-    rotations=True,
-)
+OAKEN_PLUS_3 = _slot_preset(3, rotations=True)
 #: oaken-plus with 2-bit middle codes (3-bit outliers) and a 4% sparse share: about 2.9 bits per value on the
 #: default model, the budget of KIVI-2.
-OAKEN_PLUS_2 = Preset(
-    "oaken-plus-2",
-    "oaken-plus with a 2-bit dense slot: 2-bit middle codes, 3-bit outliers, a 4% sparse share",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=2,
-    sparse=0.04,
-)
+OAKEN_PLUS_2 = _slot_preset(2)
 #: oaken-plus with 5-bit middle codes (6-bit outliers) and a 4% sparse share: about 5.9 bits per value on the
 #: default model (5 + 8 x 0.04 + 112 / 192), the budget of int5 and KIVI-4.
-OAKEN_PLUS_5 = Preset(
-    "oaken-plus-5",
-    "oaken-plus with a 5-bit dense slot: 5-bit middle codes, 6-bit outliers, a 4% sparse share",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=5,
-    sparse=0.04,
-)
+OAKEN_PLUS_5 = _slot_preset(5)
 #: oaken-plus with 6-bit middle codes (7-bit outliers) and a 4% sparse share: about 6.9 bits per value on the
 #: default model, below the 8 bits of fp8 and int8.
-OAKEN_PLUS_6 = Preset(
-    "oaken-plus-6",
-    "oaken-plus with a 6-bit dense slot: 6-bit middle codes, 7-bit outliers, a 4% sparse share",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=6,
-    sparse=0.04,
-)
+OAKEN_PLUS_6 = _slot_preset(6)
 #: oaken-plus with 7-bit middle codes (8-bit outliers, the widest the format has) and a 4% sparse share: about 7.9
 #: bits per value on the default model, the budget of int8 (8.5 with its scales).
-OAKEN_PLUS_7 = Preset(
-    "oaken-plus-7",
-    "oaken-plus with a 7-bit dense slot: 7-bit middle codes, 8-bit outliers, a 4% sparse share",
-    CalibrationSpec(samples=16, window=2048),
-    transforms=True,
-    middle_bits=7,
-    sparse=0.04,
-)
+OAKEN_PLUS_7 = _slot_preset(7)
 #: The presets whose dense slot is not the paper's 4 bits (each an alias of an oaken-plus spec in the registry).
 SLOT_PRESETS = (OAKEN_PLUS_3, OAKEN_PLUS_2, OAKEN_PLUS_5, OAKEN_PLUS_6, OAKEN_PLUS_7)
 PRESETS: dict[str, Preset] = {p.name: p for p in (OAKEN, OAKEN_PLUS, *SLOT_PRESETS)}

@@ -59,7 +59,16 @@ from numba import njit
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.layout import ERROR_MESSAGES, EVICTED, CorruptDataError, record_size, scale_bytes, sparse_capacity
 from oakenkv.quant.adapt import AdaptConfig, new_state
-from oakenkv.store.paged import KEY, KINDS, PREFILL_CHUNK, VALUE, _check_encoded_rows
+from oakenkv.store.paged import (
+    KEY,
+    KINDS,
+    PREFILL_CHUNK,
+    VALUE,
+    _check_encoded_rows,
+    checked_row_starts,
+    encode_thresholds,
+    sink_slices,
+)
 from oakenkv.store.pages import (
     AppendPlan,
     PagePool,
@@ -587,11 +596,8 @@ class DeviceKVStore:
 
     def _encode_thr(self, layer: int) -> np.ndarray:
         """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping: the shift thresholds, then the current epoch's
-        grouping ones): what the encoder takes for ``layer``'s keys and values (``PagedKVStore._encode_thr``)."""
-        if self.adapt_state is None:
-            return self.thr[layer]
-        g = np.array([self.adapt_state.grouping(layer, kind) for kind in (KEY, VALUE)], dtype=np.float32)
-        return np.concatenate([self.thr[layer], g], axis=1)
+        grouping ones): what the encoder takes for ``layer``'s keys and values (``paged.encode_thresholds``)."""
+        return encode_thresholds(self.thr[layer], self.adapt_state, layer)
 
     def _encode_thr_rows(self, b: int) -> torch.Tensor:
         """float32 ``[L, 2B, 4 or 8]`` on the device: every layer's encoder thresholds per row of a decode step."""
@@ -855,16 +861,8 @@ class DeviceKVStore:
         """Declare where each batch row's real tokens begin (its first sink token): int ``[B]``, from the attention
         mask (``oakenkv.hf.cache``); ``PagedKVStore.set_row_starts``' rule: a row whose first sink token is already
         stored keeps the start it was stored with."""
-        new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
-        if (new < 0).any():
-            raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
-        if self.seqs and new.shape[0] != len(self.seqs):
-            raise ValueError(f"{new.shape[0]} row starts for a cache of {len(self.seqs)} rows")
         held = self.num_tokens(0) if self.seqs else 0
-        if held:
-            old = self.row_starts if self.row_starts is not None else np.zeros_like(new)
-            new = np.where(old < held, old, new)
-        self._use_starts(new)
+        self._use_starts(checked_row_starts(starts, len(self.seqs), held, self.row_starts))
 
     def _use_starts(self, starts: np.ndarray | None) -> None:
         """Take ``starts`` (None: every row's sinks at tokens 0..) as the rows' starts."""
@@ -875,19 +873,8 @@ class DeviceKVStore:
 
     def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
         """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
-        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...`` (``PagedKVStore._sink_slices``)."""
-        n = self.sink_tokens
-        if not n or past >= self._sink_end or s <= 0:
-            return []
-        b = len(self.seqs)
-        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
-        out = []
-        for r in range(b):
-            p = 0 if starts is None else int(starts[r])
-            lo, hi = max(p, past), min(p + n, past + s)
-            if lo < hi:
-                out.append((r, lo - past, hi - past, lo - p))
-        return out
+        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...`` (``paged.sink_slices``)."""
+        return sink_slices(self.row_starts, len(self.seqs), self.sink_tokens, self._sink_end, past, s)
 
     def _split_sinks(self, keep: torch.Tensor, t_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows with their own starts: ``keep`` (uint8 ``[B, S, T]``, 1 = attend) as ``(keep with every row's sink
@@ -1096,8 +1083,6 @@ class DeviceKVStore:
     def sink_bytes(self) -> int:
         if not self.sink_tokens or not self.seqs:
             return 0
-        if not self._own_starts:
-            return sum(2 * min(self.sink_tokens, lt.num_tokens) * self.dim * 2 * len(self.seqs) for lt in self.tables)
         held = sum(e - a for lt in self.tables for _, a, e, _ in self._sink_slices(0, lt.num_tokens))
         return 2 * held * self.dim * 2
 

@@ -217,6 +217,48 @@ def _refuse_nonfinite(keys: torch.Tensor, values: torch.Tensor) -> None:
     raise ValueError(f"cannot store these keys and values: {ERROR_MESSAGES[ERR_NONFINITE]}")
 
 
+def encode_thresholds(thr: np.ndarray, adapt_state: Any, layer: int) -> np.ndarray:
+    """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping: the shift thresholds ``thr`` (``[2, 4]``, the
+    layer's keys and values), then the current epoch's grouping ones): what the encoders take for ``layer``."""
+    if adapt_state is None:
+        return thr
+    g = np.array([adapt_state.grouping(layer, kind) for kind in (KEY, VALUE)], dtype=np.float32)
+    return np.concatenate([thr, g], axis=1)
+
+
+def checked_row_starts(starts: np.ndarray | list[int], rows: int, held: int, old: np.ndarray | None) -> np.ndarray:
+    """int64 ``[B]``: ``starts`` checked against a cache of ``rows`` rows (0: no rows yet) holding ``held`` tokens,
+    where a row whose first sink token is already stored keeps its ``old`` start."""
+    new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
+    if (new < 0).any():
+        raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
+    if rows and new.shape[0] != rows:
+        raise ValueError(f"{new.shape[0]} row starts for a cache of {rows} rows")
+    if held:  # a row whose sink is (partly) stored keeps its start
+        old = old if old is not None and old.shape[0] == new.shape[0] else np.zeros_like(new)
+        new = np.where(old < held, old, new)
+    return new
+
+
+def sink_slices(
+    row_starts: np.ndarray | None, rows: int, sink_tokens: int, sink_end: int, past: int, s: int
+) -> list[tuple[int, int, int, int]]:
+    """Where the sink tokens fall in tokens ``[past, past + s)`` of each of ``rows`` rows whose sinks begin at
+    ``row_starts`` (None, or another batch's: at 0): ``(row, a, e, j)`` for tokens ``[past + a, past + e)`` of
+    ``row``, its sink tokens ``j, j + 1, ...``; empty when there are none (no row has one at or after ``sink_end``)."""
+    n = sink_tokens
+    if not n or past >= sink_end or s <= 0:
+        return []
+    starts = row_starts if row_starts is not None and row_starts.shape[0] == rows else None
+    out = []
+    for r in range(rows):
+        p = 0 if starts is None else int(starts[r])
+        lo, hi = max(p, past), min(p + n, past + s)
+        if lo < hi:
+            out.append((r, lo - past, hi - past, lo - p))
+    return out
+
+
 class PagedKVStore:
     """The state all layers of one :class:`OakenCache` share: the page pool, one sequence per batch row, the codec.
 
@@ -564,12 +606,9 @@ class PagedKVStore:
         return self.encode(torch.from_numpy(rows), thr, self.config, self.adapt_state.grouping(layer, kind))
 
     def _encode_thr(self, layer: int) -> np.ndarray:
-        """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping: the shift thresholds, then the grouping ones of
-        the current epoch): what the encoders take for ``layer``'s keys and values."""
-        if self.adapt_state is None:
-            return self.thr[layer]
-        g = np.array([self.adapt_state.grouping(layer, kind) for kind in (KEY, VALUE)], dtype=np.float32)
-        return np.concatenate([self.thr[layer], g], axis=1)
+        """float32 ``[2, 4]`` (``[2, 8]`` under adaptive grouping): what the encoders take for ``layer``'s keys and
+        values (:func:`encode_thresholds`)."""
+        return encode_thresholds(self.thr[layer], self.adapt_state, layer)
 
     def decode_encoded(self, layer: int, kind: int, enc: EncodedBatch) -> torch.Tensor:
         """float32 ``[N, D]``: ``enc`` decoded, a batch this store encoded for ``layer`` and ``kind`` (what
@@ -820,35 +859,16 @@ class PagedKVStore:
         """Declare where each batch row's real tokens begin (its first sink token): int ``[B]``, from the attention
         mask (``oakenkv.hf.cache``: a left-padded row begins after its padding). A row whose first sink token is
         already stored keeps the start it was stored with."""
-        new = np.asarray(starts, dtype=np.int64).reshape(-1).copy()
-        if (new < 0).any():
-            raise ValueError(f"row starts must be >= 0, got {new.tolist()}")
-        if self.seqs and new.shape[0] != len(self.seqs):
-            raise ValueError(f"{new.shape[0]} row starts for a cache of {len(self.seqs)} rows")
         held = self.num_tokens(0) if self.seqs else 0
-        if held:  # a row whose sink is (partly) stored keeps its start
-            old = self.row_starts
-            old = old if old is not None and old.shape[0] == new.shape[0] else np.zeros_like(new)
-            new = np.where(old < held, old, new)
+        new = checked_row_starts(starts, len(self.seqs), held, self.row_starts)
         self.row_starts = new
         self._sink_end = int(new.max(initial=0)) + self.sink_tokens
         self._split_memo = None
 
     def _sink_slices(self, past: int, s: int) -> list[tuple[int, int, int, int]]:
         """Where the sink tokens fall in tokens ``[past, past + s)`` of every row: ``(row, a, e, j)`` for tokens
-        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...``; empty when there are none."""
-        n = self.sink_tokens
-        if not n or past >= self._sink_end or s <= 0:
-            return []
-        b = len(self.seqs)
-        starts = self.row_starts if self.row_starts is not None and self.row_starts.shape[0] == b else None
-        out = []
-        for r in range(b):
-            p = 0 if starts is None else int(starts[r])
-            lo, hi = max(p, past), min(p + n, past + s)
-            if lo < hi:
-                out.append((r, lo - past, hi - past, lo - p))
-        return out
+        ``[past + a, past + e)`` of ``row``, its sink tokens ``j, j + 1, ...`` (:func:`sink_slices`)."""
+        return sink_slices(self.row_starts, len(self.seqs), self.sink_tokens, self._sink_end, past, s)
 
     def split_sink_keep(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For the packed decode attention over the pages' tokens: ``keep`` (uint8 ``[B, T]``, the mask over the
