@@ -134,10 +134,11 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
     from oakenkv.integrations.vllm import configure, disable, enable
 
     disable()
+    cpus = args.attention_cpus or None
     if kind == "oaken":
-        enable(args.thresholds, overflow="clip")
+        enable(args.thresholds, overflow="clip", attention_cpus=cpus)
     elif kind == "oaken-plus":
-        configure(overflow="clip")  # the profile is the exported directory's
+        configure(overflow="clip", attention_cpus=cpus)  # the profile is the exported directory's
     from vllm import LLM
 
     if args.tp > 1:  # one core per rank (vLLM's automatic binding refuses two workers on one NUMA node)
@@ -173,6 +174,7 @@ def _overflow(llm: Any, kind: str) -> dict[str, int] | None:
     return {
         **stats["totals"],
         "attention_threads": stats.get("attention_threads"),
+        "attention_cpus": stats.get("attention_cpus"),
         "profile": stats.get("profile"),
         "times_s": stats.get("times_s"),
     }
@@ -377,6 +379,9 @@ def serve_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     if kind == "oaken":
         env["OAKENKV_VLLM_PROFILE"] = str(args.thresholds)
         shown = [f"OAKENKV_VLLM_PROFILE={args.thresholds}", *shown]
+    if kind.startswith("oaken") and args.attention_cpus:
+        env["OAKENKV_VLLM_ATTENTION_CPUS"] = args.attention_cpus
+        shown = [f"OAKENKV_VLLM_ATTENTION_CPUS={args.attention_cpus}", *shown]
     log_path = Path(tempfile.gettempdir()) / f"bench_vllm_serve_{kind}_{args.port}.log"
     load_start = os.getloadavg()
     with open(log_path, "w") as log:
@@ -436,6 +441,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the default model)")
     ap.add_argument("--tp", type=int, default=1, help="ppl / serve-load: tensor_parallel_size (one core per rank)")
     ap.add_argument("--kv-mib", type=int, default=48, help="serve-load / serve: KV memory budget (MiB)")
+    ap.add_argument(
+        "--attention-cpus",
+        default="",
+        help="Oaken kinds: OAKENKV_VLLM_ATTENTION_CPUS, CPUs for the plugin's own decode threads (e.g. 1: the core "
+        "vLLM reserves for its engine process on a 2-core machine); default none",
+    )
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)

@@ -21,7 +21,16 @@ import torch
 
 from oakenkv.format.config import OakenConfig
 from oakenkv.hf.attention import float_attention
-from oakenkv.integrations.vllm import ENV_OVERFLOW, ENV_PROFILE, ENV_SPARSE_BYTES, ENV_THREADS, Settings, register
+from oakenkv.integrations.vllm import (
+    ENV_CPUS,
+    ENV_OVERFLOW,
+    ENV_PROFILE,
+    ENV_SPARSE_BYTES,
+    ENV_THREADS,
+    Settings,
+    parse_cpus,
+    register,
+)
 from oakenkv.integrations.vllm.layout import (
     BlockLayout,
     BlockOverflowError,
@@ -239,6 +248,112 @@ def test_decode_attention_parallel_split_matches_serial():
     one = decode_attention(q[:1], pool, upb, lay, table[:1], np.array([t]), thr, hkv, 0.125)
     for r in range(3):  # 3 x 2100 tokens split over two threads, 2100 serially
         np.testing.assert_allclose(both[r], one[0], rtol=1e-5, atol=1e-6)
+
+
+def _rows_case(rng: np.random.Generator, lengths: tuple[int, ...], hkv: int = 3, hd: int = 64, bs: int = 32):
+    """Rows of ``lengths`` tokens written into shuffled blocks: (tables, pool, queries, params)."""
+    from oakenkv.integrations.vllm.layout import BlockTables, LayerParams
+
+    lay = BlockLayout.make(hkv * hd, bs, CFG)
+    nbs = [-(-t // bs) for t in lengths]
+    _, pool, upb = _pool(lay, sum(nbs))
+    order = rng.permutation(sum(nbs)).astype(np.int32)
+    table = np.zeros((len(lengths), max(nbs)), np.int32)
+    k, v, thr = _kv(rng, sum(lengths), hkv * hd)
+    used = start = 0
+    for r, (t, nb) in enumerate(zip(lengths, nbs, strict=True)):
+        table[r, :nb] = order[used : used + nb]
+        slots = table[r][np.arange(t) // bs].astype(np.int64) * bs + np.arange(t) % bs
+        BlockWriter(lay, thr).write(pool, upb, slots, k[start : start + t], v[start : start + t])
+        used, start = used + nb, start + t
+    tables = BlockTables(lay, upb)
+    tables.update(0, table, np.array(lengths), np.ones(len(lengths), np.int64))
+    q = rng.standard_normal((len(lengths), 3 * hkv, hd)).astype(np.float32)
+    return tables, pool, q, LayerParams(thr, hkv, 0.125)
+
+
+def test_decode_rows_shared_with_the_plugins_threads_give_the_serial_kernels_numbers():
+    """``RowThreads`` (the plugin's own threads, ``OAKENKV_VLLM_ATTENTION_CPUS``): each thread attends a range of
+    rows with ``packed_decode_attention_rows``; the result is the serial kernel's, row for row, for one and for two
+    threads of its own, with rows of unequal lengths; a step below ``ROW_THREADS_MIN_TOKENS`` stays on the caller's
+    thread."""
+    from oakenkv.integrations.vllm import layout as lay_mod
+
+    tables, pool, q, params = _rows_case(np.random.default_rng(5), (200, 40, 333, 7, 120, 260, 90))
+    assert lay_mod.ROW_THREADS_MIN_TOKENS <= 7 * 333
+
+    class Counted(lay_mod.RowThreads):
+        def run(self, jobs, own):
+            self.calls.append(len(jobs))
+            super().run(jobs, own)
+
+    want = lay_mod.decode_attention_rows(tables, 0, pool, q, params).copy()
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    for n in (1, 2):
+        rt = Counted([cpu] * n)
+        try:
+            rt.calls = []
+            got = lay_mod.decode_attention_rows(tables, 0, pool, q, params, 1, lay_mod.DecodeScratch(), rt)
+            assert rt.calls == [n]  # the rows were shared out
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+            rt.calls.clear()
+            one = lay_mod.decode_attention_rows(tables, 0, pool, q[:1], params, 1, None, rt)  # one row: no share
+            assert rt.calls == []
+            np.testing.assert_allclose(one, want[:1], rtol=1e-6, atol=1e-7)
+        finally:
+            rt.close()
+
+
+def test_row_shares_split_rows_by_their_tokens():
+    from oakenkv.integrations.vllm.layout import row_shares
+
+    lens = np.array([300, 10, 10, 10, 300, 290, 5, 300])
+    for parts in range(1, len(lens) + 1):
+        b = row_shares(lens, parts)
+        assert b[0] == 0 and b[-1] == len(lens) and (np.diff(b) >= 1).all()
+    b = row_shares(lens, 2)
+    first, second = lens[: b[1]].sum(), lens[b[1] :].sum()
+    assert abs(int(first) - int(second)) <= lens.max()  # within one row of an even split
+    assert list(row_shares(np.zeros(4, np.int64), 2)) == [0, 2, 4]
+
+
+def test_row_threads_hand_errors_to_the_caller_and_refuse_cpus_they_cannot_bind():
+    from oakenkv.integrations.vllm.layout import RowThreads
+
+    rt = RowThreads([sorted(os.sched_getaffinity(0))[0]])
+    try:
+
+        def boom() -> None:
+            raise RuntimeError("kernel failed")
+
+        ran = []
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            rt.run([boom], lambda: ran.append(1))
+        assert ran == [1]
+        rt.run([lambda: ran.append(2)], lambda: None)  # the thread serves the next step
+        assert ran == [1, 2]
+    finally:
+        rt.close()
+    with pytest.raises(ValueError, match="cannot bind an attention thread to CPU 100000"):
+        RowThreads([100000])
+
+
+def test_attention_cpus_setting_is_parsed_and_checked(monkeypatch, tmp_path):
+    n = os.cpu_count() or 1
+    assert parse_cpus("") == () and parse_cpus(" 0 ") == (0,)
+    assert parse_cpus("0,0-0") == (0,)
+    if n >= 2:
+        assert parse_cpus("1,0") == (0, 1) and parse_cpus("0-1") == (0, 1)
+    for bad, match in (("one", "CPU ids such as"), ("2-1", "increasing range"), ("-1", "CPU ids such as"),
+                       (str(n), f"CPU {n} does not exist")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_cpus(bad, ENV_CPUS)
+    monkeypatch.setenv(ENV_PROFILE, str(tmp_path / "thr.json"))
+    monkeypatch.setenv(ENV_CPUS, "0")
+    assert Settings.from_env().attention_cpus == (0,)
+    monkeypatch.setenv(ENV_CPUS, "x")
+    with pytest.raises(ValueError, match=ENV_CPUS):
+        Settings.from_env()
 
 
 def _plus_profile(thr: np.ndarray, hkv: int, hd: int, rotation: bool, sink: int, seed: int = 0):
@@ -758,8 +873,8 @@ def _recorder_install(worker):
 def _recorder_check(worker):
     """Runs in the worker, over the log of ``_recorder_install``:
 
-    - every written token's stored records, read with the test's own reading of the layout, are exactly
-      ``codec.encode``'s page records of the keys (after an oaken-plus profile's online transform,
+    - every written token's stored records (of its slot's last write), read with the test's own reading of the
+      layout, are exactly ``codec.encode``'s page records of the keys (after an oaken-plus profile's online transform,
       ``Transforms.key_rows``) and values vLLM computed, and a block's first tokens are in its sink area at 16 bits;
     - every decode attention output equals oakenkv's own ``OakenCache`` path (a ``PagedKVStore`` holding the same
       keys and values, and ``oakenkv.hf.attention.packed_decode_attention``) to float rounding: the kernel sums with
@@ -779,7 +894,14 @@ def _recorder_check(worker):
     records = bad_records = rows = bad_rows = 0
     worst = 0.0
     history: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for event in OakenAttentionImpl._test_log:
+    # a slot written again (its block freed and given to another request, or a preempted request recomputed) holds
+    # its last write: only that one is compared with the blocks' bytes
+    last: dict[tuple[int, int], int] = {}
+    for e, event in enumerate(OakenAttentionImpl._test_log):
+        if event[0] == "write":
+            for s in event[2]:
+                last[event[1]._state.layer_index, int(s)] = e
+    for e, event in enumerate(OakenAttentionImpl._test_log):
         impl = event[1]
         st = impl._state
         lay, pool, upb, index = st.layout, st.pool, st.units_per_block, st.layer_index
@@ -795,7 +917,7 @@ def _recorder_check(worker):
             for kind, x in enumerate((rows_k, values.reshape(n, -1).numpy())):
                 dense, sparse, offs = to_records(enc_fn(torch.from_numpy(x), tuple(thresholds[kind]), CFG))
                 for i, s in enumerate(slots):
-                    if s < 0:
+                    if s < 0 or last[index, int(s)] != e:
                         continue
                     base, o = (s // bs) * upb * u, s % bs
                     rec = pool[base + (kind * bs + o) * u : base + (kind * bs + o + 1) * u]
@@ -1005,7 +1127,9 @@ def plus_engine(plus_dir, engine):
     # exact bytes everywhere (the codec's, no record clipped): room for the test prompts' densest blocks. With the
     # default capacity (1.35 x the expected COO bytes) oaken-plus clips a few records of WikiText (docs/vllm.md) and
     # many of this file's repetitive prompt (38.6 COO bytes per token in one block of layer 20's keys).
-    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES)
+    # the plugin's own decode threads on (OAKENKV_VLLM_ATTENTION_CPUS; CPU 0, which every machine has): this engine's
+    # tests cover steps shared with them, the paper engine's the worker's thread alone
+    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES, attention_cpus="0")
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     llm = LLM(
         model=str(plus_dir),
@@ -1052,6 +1176,30 @@ def test_vllm_plus_stores_the_codec_bytes_and_attends_like_oaken_cache(plus_engi
     records, bad_records, rows, bad_rows, worst = result
     assert records >= 2 * 30 * 150 and bad_records == 0
     assert rows >= 30 * 2 * 5 and bad_rows == 0, worst
+
+
+def test_vllm_steps_shared_with_the_plugins_threads_attend_like_oaken_cache(plus_engine):
+    """With ``OAKENKV_VLLM_ATTENTION_CPUS`` (the plus engine's), decode steps of many rows are shared with the
+    plugin's own thread and prefills of several requests taken in turn: the records are the codec's and every
+    decode output still equals OakenCache's. The token budget of 64 per step admits the requests a few at a time, so
+    later ones reuse the blocks of finished ones, and a prompt's last chunk can be one token behind another
+    request's longer chunk (the builder once refused that step: "one-token queries first")."""
+    from vllm import SamplingParams
+
+    from oakenkv.integrations.vllm.backend import worker_stats
+    from oakenkv.integrations.vllm.layout import ROW_THREADS_MIN_TOKENS
+
+    plus_engine.collective_rpc(_recorder_install)
+    (before,) = plus_engine.collective_rpc(worker_stats)
+    texts = [f"Item {i}: the river rises in the hills and runs {i} miles to the sea. " * 10 for i in range(8)]
+    plus_engine.generate(texts, SamplingParams(max_tokens=4, temperature=0))
+    (stats,) = plus_engine.collective_rpc(worker_stats)
+    assert stats["attention_cpus"] == [0]
+    assert ROW_THREADS_MIN_TOKENS <= 8 * 150 and (stats["row_thread_runs"] > before["row_thread_runs"] + 30)
+    (result,) = plus_engine.collective_rpc(_recorder_check)
+    records, bad_records, rows, bad_rows, worst = result
+    assert records >= 2 * 30 * 8 * 120 and bad_records == 0
+    assert rows >= 30 * 8 * 3 and bad_rows == 0, worst
 
 
 def test_vllm_plus_greedy_tokens_equal_oaken_cache_on_the_same_folded_model(plus_engine, plus_dir):

@@ -27,6 +27,10 @@ Settings (environment variables, read in every vLLM process):
 - ``OAKENKV_VLLM_ATTENTION_THREADS``: threads of the decode-attention kernel (default: torch's thread count in the
   worker, which vLLM sets to the cores it was given; the kernel splits (row, token range) work items over them
   once a step holds ``PARALLEL_MIN_TOKENS`` (row, token) pairs, else runs on the worker's thread).
+- ``OAKENKV_VLLM_ATTENTION_CPUS``: CPUs (``1``, ``2,3``, ``4-7``) for threads of the plugin's own, one bound to each,
+  that share every decode step's rows with the worker's thread (``layout.RowThreads``). Off by default. vLLM binds
+  the worker and its OpenMP threads (numba's too) to the cores it gives the worker; this puts the decode kernel on
+  cores vLLM left out, such as the one it reserves for the engine process on a machine of few cores.
 
 Importing this module imports neither vLLM nor torch.
 """
@@ -55,6 +59,7 @@ ENV_PROFILE = "OAKENKV_VLLM_PROFILE"
 ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
 ENV_OVERFLOW = "OAKENKV_VLLM_OVERFLOW"
 ENV_THREADS = "OAKENKV_VLLM_ATTENTION_THREADS"
+ENV_CPUS = "OAKENKV_VLLM_ATTENTION_CPUS"
 
 #: Profiles parsed in this process, by the sha256 of the file's bytes (a file edited on disk is parsed again).
 _PROFILES: dict[str, Any] = {}
@@ -77,6 +82,8 @@ class Settings:
     overflow: str = "clip"
     #: Threads of the decode-attention kernel; None: torch's thread count in the worker.
     attention_threads: int | None = None
+    #: CPUs of the plugin's own decode threads, one thread bound to each (``layout.RowThreads``); () for none.
+    attention_cpus: tuple[int, ...] = ()
 
     @classmethod
     def from_env(cls, profile: str | os.PathLike[str] | None = None) -> Settings | None:
@@ -96,7 +103,35 @@ class Settings:
         if sparse_bytes is not None and not sparse_bytes > 0:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse_bytes!r}")
         threads = env_number(ENV_THREADS, None, 1, MAX_THREADS, integer=True, what="a number of threads")
-        return cls(Path(path).expanduser().resolve(), sparse_bytes, overflow, None if threads is None else int(threads))
+        cpus = parse_cpus(os.environ.get(ENV_CPUS, ""), ENV_CPUS)
+        return cls(
+            Path(path).expanduser().resolve(), sparse_bytes, overflow, None if threads is None else int(threads), cpus
+        )
+
+
+def parse_cpus(text: str, what: str = "CPU list") -> tuple[int, ...]:
+    """CPU ids from a list such as ``1``, ``2,3`` or ``4-7,9`` (Linux's cpulist format): sorted, without
+    repeats; ``()`` for an empty string. Raises ValueError naming ``what`` for anything else, or for a CPU this
+    machine does not have."""
+    text = text.strip()
+    if not text:
+        return ()
+    ncpu = os.cpu_count() or 1
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"{what} must be CPU ids such as 1, 2,3 or 4-7, got {text[:40]!r}") from None
+        if not 0 <= a <= b:
+            raise ValueError(f"{what}: {part.strip()!r} is not a CPU id or an increasing range")
+        if b >= ncpu:
+            raise ValueError(f"{what}: CPU {b} does not exist (this machine has CPUs 0-{ncpu - 1})")
+        cpus.update(range(a, b + 1))
+    if len(cpus) > MAX_THREADS:
+        raise ValueError(f"{what}: at most {MAX_THREADS} CPUs")
+    return tuple(sorted(cpus))
 
 
 def _check_version() -> None:
@@ -257,27 +292,40 @@ def enable(
     sparse_bytes_per_token: float | None = None,
     overflow: str = "clip",
     attention_threads: int | None = None,
+    attention_cpus: str | None = None,
 ) -> None:
     """Turn the plugin on with ``profile`` for vLLM engines built afterwards in this process and the processes it
     starts (to serve an exported directory, nothing needs turning on)."""
     os.environ[ENV_PROFILE] = str(Path(profile).expanduser().resolve())
-    _set_env(sparse_bytes_per_token, overflow, attention_threads)
+    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus)
     Settings.from_env()  # validate now, not in a worker
     register()
 
 
 def configure(
-    *, sparse_bytes_per_token: float | None = None, overflow: str = "clip", attention_threads: int | None = None
+    *,
+    sparse_bytes_per_token: float | None = None,
+    overflow: str = "clip",
+    attention_threads: int | None = None,
+    attention_cpus: str | None = None,
 ) -> None:
     """Set the optional settings (module docstring) for engines built afterwards, without naming a profile (for
     an exported directory, whose profile the plugin finds itself)."""
-    _set_env(sparse_bytes_per_token, overflow, attention_threads)
+    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus)
     if os.environ.get(ENV_PROFILE):
         Settings.from_env()
+    else:
+        parse_cpus(os.environ.get(ENV_CPUS, ""), ENV_CPUS)
     register()
 
 
-def _set_env(sparse_bytes_per_token: float | None, overflow: str, attention_threads: int | None) -> None:
+def _set_env(
+    sparse_bytes_per_token: float | None, overflow: str, attention_threads: int | None, attention_cpus: str | None
+) -> None:
+    if attention_cpus is None:
+        os.environ.pop(ENV_CPUS, None)
+    else:
+        os.environ[ENV_CPUS] = attention_cpus
     if attention_threads is None:
         os.environ.pop(ENV_THREADS, None)
     else:
@@ -292,7 +340,7 @@ def _set_env(sparse_bytes_per_token: float | None, overflow: str, attention_thre
 def disable() -> None:
     """Turn the plugin off for engines built afterwards (already built engines keep it)."""
     global _ACTIVE
-    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS):
+    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS, ENV_CPUS):
         os.environ.pop(key, None)
     _ACTIVE = None
     try:

@@ -19,9 +19,10 @@ used, and why:
 - the encoder that writes page records (:func:`encode_records`, a serial numba call: the decode step's path of
   ``OakenCache``), the codec's decoder (:func:`decode`, the public API), the row transform ``shift_rotate_rows``
   and the fp16 rounding of the sink tokens (``f32_to_f16_bits``), all bit-exact with the reference;
-- the packed-page decode-attention kernels (``packed_decode_attention`` and its serial twin, ``merge_sinks`` for
-  the 16-bit sink tokens), run unchanged on vLLM's blocks, their rule for splitting rows over threads
-  (``split_work``), and their block decoder (``decode_rows``, ``sparse_start``) for prefill tiles.
+- the packed-page decode-attention kernels (``packed_decode_attention``, its serial twin, its row-range twin for
+  the plugin's own threads, ``merge_sinks`` for the 16-bit sink tokens), run unchanged on vLLM's blocks, their rule
+  for splitting rows over threads (``split_work``), and their block decoder (``decode_rows``, ``sparse_start``) for
+  prefill tiles.
 
 Importing this module compiles nothing; numba compiles (or loads from its cache) on the first call, which the
 backend makes while the engine starts (``backend.warm_up``).
@@ -50,6 +51,7 @@ from oakenkv.kernels.cpu.attention import _sparse_start as sparse_start
 from oakenkv.kernels.cpu.attention import (
     merge_sinks,
     packed_decode_attention,
+    packed_decode_attention_rows,
     packed_decode_attention_serial,
     split_work,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "grown",
     "merge_sinks",
     "packed_decode_attention",
+    "packed_decode_attention_rows",
     "packed_decode_attention_serial",
     "put_record",
     "record_size",

@@ -18,8 +18,10 @@ process; ``docs/vllm.md`` has the design.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -46,6 +48,7 @@ from oakenkv.integrations.vllm.layout import (
     BlockWriter,
     DecodeScratch,
     LayerParams,
+    RowThreads,
     decode_attention_rows,
     pool_view,
     prefill_attention,
@@ -72,6 +75,22 @@ def _threads(s: Settings) -> int:
     return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
 
 
+_ROW_THREADS: dict[tuple[int, ...], RowThreads] = {}
+
+
+def _row_threads(s: Settings) -> RowThreads | None:
+    """The process's decode threads bound to ``s.attention_cpus`` (one set, shared by every layer), or None."""
+    if not s.attention_cpus:
+        return None
+    with _WARM:
+        rt = _ROW_THREADS.get(s.attention_cpus)
+        if rt is None:
+            rt = _ROW_THREADS[s.attention_cpus] = RowThreads(s.attention_cpus)
+            logger.info("Oaken KV: decode rows shared with %d thread(s) bound to CPU(s) %s", len(rt),
+                        ",".join(map(str, rt.cpus)))  # fmt: skip
+        return rt
+
+
 def _numba_threads(n: int) -> None:
     """Run this thread's parallel numba kernels on ``n`` threads."""
     import numba
@@ -92,9 +111,16 @@ _WARM = threading.Lock()
 _WARMED: set[tuple[Any, ...]] = set()
 
 
-def warm_up(layout: BlockLayout, num_heads: int, num_kv_heads: int, head_size: int, threads: int) -> float:
+def warm_up(
+    layout: BlockLayout,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    threads: int,
+    row_threads: RowThreads | None = None,
+) -> float:
     """Run every kernel the backend calls once on a few synthetic tokens of ``layout`` (the write with a key
-    transform and sink copies, the tables, both decode kernels, the sink merge, a prefill tile), so that numba
+    transform and sink copies, the tables, the decode kernels, the sink merge, a prefill tile), so that numba
     compiles them, or loads them from its cache, now and not in a user's request. Once per process and shape;
     returns the seconds it took."""
     key = (layout, num_heads, num_kv_heads, head_size)
@@ -130,6 +156,22 @@ def warm_up(layout: BlockLayout, num_heads: int, num_kv_heads: int, head_size: i
         params = LayerParams(thr, num_kv_heads, 0.125)
         q = rng.standard_normal((1, num_heads, head_size)).astype(np.float32)
         decode_attention_rows(tables, 0, pool, q, params, 1)
+        if row_threads is not None:  # the row-range kernel, on the caller's thread and the plugin's own
+            q2 = np.repeat(q, 2 * len(row_threads), axis=0)
+            rows = len(q2)
+            tables.update(2, np.repeat(table, rows, axis=0), np.full(rows, n), np.ones(rows, np.int64))
+            lt = tables.layer(0, pool)
+            view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
+                           layout.outer_bits, num_kv_heads, rows=rows)  # fmt: skip
+            f32, out2 = np.float32, np.empty_like(q2)
+            status, lse = np.zeros(rows, np.int64), np.empty((rows, num_heads), np.float32)
+
+            def rows_of(a: int, b: int) -> Callable[[], None]:
+                return lambda: _oaken.packed_decode_attention_rows(
+                    q2, tables.keep[:rows], f32(0.125), f32(0.0), 1, a, b, out2, status, lse, *view
+                )
+
+            row_threads.run([rows_of(2 * i, 2 * i + 2) for i in range(1, len(row_threads))], rows_of(0, 2))
         if threads > 1:  # the parallel kernel, on the same view types
             lt = tables.layer(0, pool)
             view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
@@ -265,17 +307,19 @@ class OakenMetadataBuilder(AttentionMetadataBuilder[OakenMetadata]):
         seq_lens = cm.seq_lens[:n].cpu().numpy().astype(np.int64)
         block_table = cm.block_table_tensor[:n].cpu().numpy()
         qlen = np.diff(qsl)
-        decode = np.flatnonzero(qlen == 1)
-        if decode.size and decode[-1] != decode.size - 1:
-            raise RuntimeError("the Oaken backend expects vLLM to put one-token queries first (reorder_batch)")
+        # The decodes are the leading rows of one query token (vLLM puts its decodes first: reorder_batch). A
+        # one-token query after a longer one is the last chunk of a chunked prefill (a prompt of 129 tokens in chunks
+        # of 64), which vLLM keeps among the prefills: attended as a prefill of one token, the same attention.
+        longer = np.flatnonzero(qlen != 1)
+        num_decodes = int(longer[0]) if longer.size else n
         self._step += 1
         return OakenMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_table=np.ascontiguousarray(block_table, dtype=np.int32),
-            num_decodes=int(decode.size),
-            prefill_reqs=np.flatnonzero(qlen > 1),
+            num_decodes=num_decodes,
+            prefill_reqs=num_decodes + np.flatnonzero(qlen[num_decodes:] > 0),
             step=self._step,
             _builder=self,
         )
@@ -335,6 +379,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         self.attn_type = attn_type
         self.settings = _settings()
         self.threads = _threads(self.settings)
+        self.row_threads = _row_threads(self.settings)
         self.profile = load_profile(self.settings.profile)
         config = get_current_vllm_config()
         model_config = config.model_config
@@ -354,8 +399,9 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         cache_config = config.cache_config
         block_size = int(getattr(cache_config, "block_size", None) or 128)
         warm_up(
-            layout_for(self.num_kv_heads, head_size, block_size), num_heads, self.num_kv_heads, head_size, self.threads
-        )
+            layout_for(self.num_kv_heads, head_size, block_size), num_heads, self.num_kv_heads, head_size, self.threads,
+            self.row_threads,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -379,7 +425,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
             index = extract_layer_index(layer.layer_name)  # type: ignore[attr-defined]
             block_size = kv_cache.shape[2]
             layout = layout_for(self.num_kv_heads, self.head_size, block_size)
-            warm_up(layout, self.num_heads, self.num_kv_heads, self.head_size, self.threads)
+            warm_up(layout, self.num_heads, self.num_kv_heads, self.head_size, self.threads, self.row_threads)
             thr = np.array([self.profile.layer(index, kind).as_tuple() for kind in ("key", "value")], dtype=np.float32)
             shift, rotation = None, False
             t = self.profile.transforms
@@ -458,18 +504,39 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
             # result converted once, straight into vLLM's output
             q = self._scratch.get("query", (nd, self.num_heads, hd), np.float32)
             torch.from_numpy(q).copy_(query[:nd].detach().reshape(nd, self.num_heads, hd))
-            out = decode_attention_rows(tables, st.layer_index, st.pool, q, st.params, self.threads, self._scratch)
+            out = decode_attention_rows(
+                tables, st.layer_index, st.pool, q, st.params, self.threads, self._scratch, self.row_threads
+            )
             output[:nd].view(nd, self.num_heads, hd).copy_(torch.from_numpy(out))
             t1 = time.perf_counter()
             self.times["decode"] += t1 - t0
             self.times["decode_calls"] += 1
             t0 = t1
-        for r in md.prefill_reqs:
+        reqs = [int(r) for r in md.prefill_reqs]
+
+        def prefill(r: int) -> None:
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
             out = prefill_attention(
-                tables, st.layer_index, st.pool, int(r), query[a:b].reshape(b - a, self.num_heads, hd), st.params
+                tables, st.layer_index, st.pool, r, query[a:b].reshape(b - a, self.num_heads, hd), st.params
             )
             output[a:b] = out.reshape(output[a:b].shape).to(output.dtype)
+
+        rt = self.row_threads
+        if rt is not None and len(reqs) > 1:  # requests taken in turn by this thread and the plugin's own
+            tables.layer(st.layer_index, st.pool)  # brought up to date once, before the threads read it
+            nxt = itertools.count()
+            # torch's inference and grad modes are per thread: the plugin's threads run under the caller's
+            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+            def take() -> None:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    while (i := next(nxt)) < len(reqs):
+                        prefill(reqs[i])
+
+            rt.run([take] * min(len(rt), len(reqs) - 1), take)
+        else:
+            for r in reqs:
+                prefill(r)
         if md.prefill_reqs.size:
             self.times["prefill"] += time.perf_counter() - t0
             self.times["prefill_calls"] += 1
@@ -495,6 +562,8 @@ def worker_stats(worker: Any) -> dict[str, Any]:
             continue
         out["backend"] = BACKEND_NAME
         out["attention_threads"] = impl.threads
+        out["attention_cpus"] = list(impl.row_threads.cpus) if impl.row_threads is not None else []
+        out["row_thread_runs"] = impl.row_threads.runs if impl.row_threads is not None else 0
         out["profile"] = str(impl.settings.profile)
         st = impl._state
         if st is None:

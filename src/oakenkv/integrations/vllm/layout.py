@@ -30,7 +30,11 @@ Blocks need not be contiguous: block ``b`` starts at byte ``b * stride`` of the 
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +47,12 @@ from oakenkv.integrations.vllm import _oaken
 DEFAULT_HEADROOM = 1.35
 #: Tokens of history a prefill dequantizes at a time (a tile of keys and one of values, float32, per layer).
 PREFILL_TILE = 512
+#: From this many (row, token) pairs a decode step shares its rows with :class:`RowThreads` (waking a thread and
+#: waiting for it costs tens of microseconds; a row of 64 tokens about as much).
+ROW_THREADS_MIN_TOKENS = 1024
+#: Chunks of rows per thread a shared decode step is cut into, taken by whichever thread is free: a thread whose
+#: core is busy with something else takes fewer, instead of every step waiting for it.
+ROW_CHUNKS_PER_THREAD = 3
 
 
 class BlockOverflowError(RuntimeError):
@@ -788,6 +798,108 @@ class DecodeScratch:
         return a[:n].reshape(shape)
 
 
+class RowThreads:
+    """Threads of the plugin's own, one bound to each of ``cpus``, that attend a share of a decode step's rows
+    (``packed_decode_attention_rows`` releases the GIL) while the worker's thread attends the rest.
+
+    Why not numba's pool: vLLM's CPU worker binds its thread and its OpenMP threads to the cores it was given, and
+    the threads of numba's pool (which shares the OpenMP runtime with torch) inherit that binding; on a machine
+    where vLLM gives the worker fewer cores than it has (2 cores: one for the worker, one reserved for the engine
+    process), a parallel kernel gets no core of its own. These threads are bound explicitly, to CPUs a deployer
+    names (``OAKENKV_VLLM_ATTENTION_CPUS``). Each waits on an event between steps (no spinning)."""
+
+    def __init__(self, cpus: Sequence[int]) -> None:
+        self.cpus = tuple(int(c) for c in cpus)
+        if not self.cpus:
+            raise ValueError("RowThreads needs at least one CPU")
+        n = len(self.cpus)
+        self._go = [threading.Event() for _ in range(n)]
+        self._done = [threading.Event() for _ in range(n)]
+        self._jobs: list[Callable[[], None] | None] = [None] * n
+        self._errors: list[BaseException | None] = [None] * n
+        #: Calls of :meth:`run` so far (how often a step was shared).
+        self.runs = 0
+        self._threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"oakenkv-attention-{c}", daemon=True)
+            for i, c in enumerate(self.cpus)
+        ]
+        for t in self._threads:
+            t.start()
+        for i, done in enumerate(self._done):  # each thread reports its binding before serving a job
+            done.wait()
+            done.clear()
+            if self._errors[i] is not None:
+                err, self._errors[i] = self._errors[i], None
+                self.close()
+                raise ValueError(f"cannot bind an attention thread to CPU {self.cpus[i]}: {err}") from err
+
+    def __len__(self) -> int:
+        return len(self.cpus)
+
+    def _loop(self, i: int) -> None:
+        try:
+            os.sched_setaffinity(0, {self.cpus[i]})  # pid 0: this thread (Linux binds threads, not processes)
+        except (OSError, ValueError) as e:
+            self._errors[i] = e
+        self._done[i].set()
+        if self._errors[i] is not None:
+            return
+        while True:
+            self._go[i].wait()
+            self._go[i].clear()
+            job = self._jobs[i]
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as e:  # handed to the caller's thread by run()
+                self._errors[i] = e
+            self._jobs[i] = None
+            self._done[i].set()
+
+    def run(self, jobs: Sequence[Callable[[], None]], own: Callable[[], None]) -> None:
+        """Run ``jobs[i]`` on thread ``i`` and ``own`` on the calling thread; return when all are done, raising the
+        first error any of them raised."""
+        if len(jobs) > len(self._threads):
+            raise ValueError(f"{len(jobs)} jobs for {len(self._threads)} threads")
+        self.runs += 1
+        for i, job in enumerate(jobs):
+            self._jobs[i] = job
+            self._done[i].clear()
+            self._go[i].set()
+        try:
+            own()
+        finally:
+            for i in range(len(jobs)):
+                self._done[i].wait()
+        for i in range(len(jobs)):
+            if self._errors[i] is not None:
+                err, self._errors[i] = self._errors[i], None
+                raise err
+
+    def close(self) -> None:
+        """Stop the threads (they are daemons: a process may also just exit)."""
+        for i, t in enumerate(self._threads):
+            if t.is_alive():
+                self._jobs[i] = None
+                self._go[i].set()
+                t.join()
+
+
+def row_shares(seq_lens: np.ndarray, parts: int) -> np.ndarray:
+    """Boundaries ``[0, b_1, ..., rows]`` of ``parts`` consecutive row ranges with about equal numbers of stored
+    tokens (``seq_lens``: int ``[rows]``), each range at least one row (``parts <= rows``)."""
+    rows = len(seq_lens)
+    cum = np.cumsum(np.asarray(seq_lens, np.int64))
+    total = int(cum[-1]) if rows else 0
+    bounds = np.zeros(parts + 1, np.int64)
+    bounds[parts] = rows
+    for k in range(1, parts):
+        b = int(np.searchsorted(cum, k * total / parts)) + 1 if total else k * rows // parts
+        bounds[k] = min(max(b, bounds[k - 1] + 1), rows - (parts - k))
+    return bounds
+
+
 def decode_attention_rows(
     tables: BlockTables,
     layer: int,
@@ -796,12 +908,15 @@ def decode_attention_rows(
     params: LayerParams,
     threads: int = 1,
     scratch: DecodeScratch | None = None,
+    row_threads: RowThreads | None = None,
 ) -> np.ndarray:
     """Attention of one query token for each of the first ``rows = len(query)`` rows (float32 ``[rows, Hq, hd]``)
     over their stored tokens in one layer's blocks: ``packed_decode_attention`` on the blocks' ``LayerView`` (split
     over threads from ``PARALLEL_MIN_TOKENS`` (row, token) pairs: ``split_work``), sink tokens merged at 16 bits.
-    Returns float32 ``[rows, Hq, hd]``: a buffer of ``scratch`` when one is given (valid until its next use), else
-    a new array."""
+    With ``row_threads`` (and as many rows as threads, counting the caller's), the rows are cut into ranges of about
+    equal tokens instead (``row_shares``, ``ROW_CHUNKS_PER_THREAD`` per thread), which the threads take in turn
+    and attend with ``packed_decode_attention_rows``: the serial kernel's numbers. Returns float32
+    ``[rows, Hq, hd]``: a buffer of ``scratch`` when one is given (valid until its next use), else a new array."""
     lay = tables.layout
     rows, hq, hd = query.shape
     sc = scratch or DecodeScratch()
@@ -815,14 +930,29 @@ def decode_attention_rows(
     q[...] = query
     if params.key_rotation:  # fwht's arithmetic (calibrate.transforms), in place on the buffer
         _oaken.shift_rotate_rows(q.reshape(-1, hd), _NO_SHIFT, True, hd, np.float32(1.0 / math.sqrt(hd)))
-    parallel, splits = _oaken.split_work(rows, t_max, threads)
+    parts = len(row_threads) + 1 if row_threads is not None else 1
+    share = parts > 1 and rows >= parts and rows * t_max >= ROW_THREADS_MIN_TOKENS
+    parallel, splits = (False, 1) if share else _oaken.split_work(rows, t_max, threads)
     kernel = _oaken.packed_decode_attention if parallel else _oaken.packed_decode_attention_serial
     out = sc.get("out", (rows, hq, hd), np.float32) if scratch is not None else np.empty((rows, hq, hd), np.float32)
     lse = sc.get("lse", (rows, hq), np.float32)
     status = sc.get("status", (rows * splits,), np.int64)
     status[:] = 0
     scale, softcap = np.float32(params.scale), np.float32(params.softcap)
-    kernel(q, tables.keep[:rows], scale, softcap, splits, out, status, lse, *view)
+    keep = tables.keep[:rows]
+    if share:
+        assert row_threads is not None
+        bounds = row_shares(tables.seq_lens[:rows], min(rows, parts * ROW_CHUNKS_PER_THREAD)).tolist()
+        chunks = itertools.count()  # next() is atomic under the GIL: each chunk of rows goes to one thread
+        rk = _oaken.packed_decode_attention_rows
+
+        def take() -> None:
+            while (c := next(chunks)) < len(bounds) - 1:
+                rk(q, keep, scale, softcap, 1, bounds[c], bounds[c + 1], out, status, lse, *view)
+
+        row_threads.run([take] * (parts - 1), take)
+    else:
+        kernel(q, keep, scale, softcap, splits, out, status, lse, *view)
     if status.any():
         code = int(status[np.flatnonzero(status)[0]])
         raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[code]}")

@@ -545,6 +545,24 @@ def packed_decode_attention_serial(q, keep, scaling, softcap, num_splits, out, s
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def packed_decode_attention_rows(q, keep, scaling, softcap, num_splits, first, stop, out, status, lse, *view):
+    """:func:`packed_decode_attention_serial` for rows ``first:stop`` of ``q`` only: writes their ``out`` and
+    ``lse`` rows and their ``status`` entries (``[first * num_splits, stop * num_splits)``), nothing else: callers
+    with threads of their own (the kernel releases the GIL) give each a share of a step's rows. The serial kernel's
+    work items and combine per row; under the same fast-math flags, so equal to its numbers up to the summation
+    order LLVM picks when it compiles each (measured: bit-identical, or 1 ulp apart when compiled in different
+    processes)."""
+    lv = LayerView(*view)
+    b_n, hq_n, hd = q.shape
+    part_m = np.full((b_n, num_splits, hq_n), -np.inf, dtype=np.float32)
+    part_l = np.zeros((b_n, num_splits, hq_n), dtype=np.float32)
+    part_acc = np.zeros((b_n, num_splits, hq_n, hd), dtype=np.float32)
+    for w in range(first * num_splits, stop * num_splits):
+        status[w] = _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_acc, lv)
+    _combine(part_m[first:stop], part_l[first:stop], part_acc[first:stop], out[first:stop], lse[first:stop])
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def merge_sinks(q, keep, sinks, scaling, softcap, out, lse):
     """Add tokens kept at 16 bits outside the pages (an oaken-plus profile's sink tokens, ``oakenkv.store.paged``) to
     the result of :func:`packed_decode_attention` over the other tokens, in place: per row and query head,
