@@ -83,10 +83,10 @@ def _cases():
                     SBLK_LOG=A.SPARSE_BLOCK_LOG, SOFTCAP=False, E_EVICTED=F.ERR_EVICTED, **ERRS,
                 ), dict(num_warps=warps, enable_fp_fusion=fuse)  # fmt: skip
     comb_sig = {
-        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32",
-        "HD": "i32",
+        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "N": "i32",
+        "S": "i32", "HD": "i32",
     }  # fmt: skip
-    yield "combine", A._combine_kernel, comb_sig, dict(S_P=32, HD_P=128), dict(num_warps=4)
+    yield "combine", A._combine_kernel, comb_sig, dict(R=1, S_P=32, HD_P=128), dict(num_warps=4)
     pre_sig = {
         "q_ptr": "*fp32", "sq_b": "i32", "sq_h": "i32", "sq_s": "i32", "dpool": "*u8", "spool": "*u8",
         "pages_ptr": "*i32", "sp_b": "i32", "sp_k": "i32", "addr_ptr": "*i64", "len_ptr": "*i32", "sa_b": "i32",

@@ -18,6 +18,7 @@ on a GPU nothing here runs. Installed by :func:`install`, which every kernel mod
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -74,7 +75,64 @@ def skip_nested_patching() -> bool:
     return True
 
 
+def skip_overflow_checks() -> bool:
+    """Switch off the interpreter's integer overflow checks, whose result it discards (module doc); returns whether
+    they are off (False under ``debug``, where the checks assert, or on a triton without the option)."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:  # pragma: no cover - triton absent or broken
+        return False
+    options = getattr(getattr(ti, "interpreter_builder", None), "options", None)
+    if options is None or not hasattr(options, "sanitize_overflow") or getattr(options, "debug", False):
+        return False
+    if options.sanitize_overflow:
+        ti.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``: CPU tensors, numpy). The one
+    test for it: a wrapper that launches a kernel in another configuration under the interpreter (larger blocks:
+    the interpreter's cost is per operation, not per value; module doc) asks this."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+#: Under the interpreter the device store reads its pages in larger blocks than on a GPU (:func:`store_blocks`):
+#: tokens per attention tile (one tile covers a context of up to 64 tokens), log2 of the COO bytes read per token and
+#: step (128: a whole stream of the default model's 192-value rows, at most 118 bytes measured, in one step), rows
+#: per program of the float read and of the decode attention's combine.
+INTERPRET_TILE_TOKENS = 64
+INTERPRET_SPARSE_BLOCK_LOG = 7
+INTERPRET_READ_ROWS = 64
+INTERPRET_COMBINE_ROWS = 64
+
+
+def store_blocks() -> dict[str, dict[str, int]]:
+    """The block sizes ``oakenkv.store.device.DeviceKVStore`` launches its kernels with: keyword arguments of
+    ``attention.paged_decode_attention_parts`` (``"attention"``), ``prefill.paged_prefill_attention``
+    (``"prefill"``) and ``decode.read_view`` (``"read"``). On a GPU none (each kernel's defaults, the ones
+    ``benchmarks/triton_sm90_check.py`` compiles). Under the interpreter larger ones: it runs each operation of a
+    program over a whole block in numpy, so its cost is per operation, not per value, and one iteration over a
+    whole short context costs about what one 16-token tile does (the same numbers for the dequantized keys and
+    values; attention sums its tiles in another order, within float32 rounding). The kernels' own tests launch
+    them with their defaults, so block boundaries stay tested under the interpreter."""
+    if not interpreting():
+        return {"attention": {}, "prefill": {}, "read": {}}
+    tiles = {
+        "tile_tokens": INTERPRET_TILE_TOKENS,
+        "sparse_block_log": INTERPRET_SPARSE_BLOCK_LOG,
+        "merge_heads": True,
+    }
+    return {
+        "attention": {**tiles, "combine_rows": INTERPRET_COMBINE_ROWS},
+        "prefill": dict(tiles),
+        "read": {"rows_per_program": INTERPRET_READ_ROWS, "sparse_block_log": INTERPRET_SPARSE_BLOCK_LOG},
+    }
+
+
 def install() -> None:
-    """:func:`skip_nested_patching` when the kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    """The interpreter's shortcuts (:func:`skip_nested_patching`, :func:`skip_overflow_checks`) when the kernels run
+    under it (:func:`interpreting`)."""
+    if interpreting():
         skip_nested_patching()
+        skip_overflow_checks()
