@@ -45,13 +45,13 @@ ERRS = {
 def _cases():
     enc_sig = {
         "x_ptr": "*fp16", "stride_x": "i32", "thr_ptr": "*fp32", "stride_thr": "i32", "rec_ptr": "*u8",
-        "rec_dst_ptr": "*u8", "sp_ptr": "*u8", "sp_dst_ptr": "*u8", "count_ptr": "*i32", "D": "i32", "REC": "i32",
-        "CAP": "i32",
+        "rec_dst_ptr": "*u8", "sp_ptr": "*u8", "sp_dst_ptr": "*u8", "count_ptr": "*i32", "N": "i32", "D": "i32",
+        "REC": "i32", "CAP": "i32",
     }  # fmt: skip
     for d in (1024, 4096):
         nch = F.num_chunks(d)
         yield f"encode D={d}", E._encode_kernel, enc_sig, dict(
-            NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=SB, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
+            ROWS=1, NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=SB, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
             NE=2, FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX, ERR_NONFINITE=F.ERR_NONFINITE,
             ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW,
         ), dict(num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False)  # fmt: skip

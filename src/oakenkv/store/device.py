@@ -684,7 +684,7 @@ class DeviceKVStore:
         counts = self._sync[layer * m : (layer + 1) * m]
         encode_records(
             rows, self._thr_rows[layer], self.config, records=self.bytes, record_offsets=off[0], sparse=self.bytes,
-            sparse_offsets=off[1], counts=counts, check=False,
+            sparse_offsets=off[1], counts=counts, check=False, **self._blocks["encode"],
         )  # fmt: skip
         lt.ensure(t + 1, self.rpp)
         ps = self.pool.config.page_size
@@ -723,7 +723,7 @@ class DeviceKVStore:
         sink_at = self._sink_slices(past, s)
         # [2n, 4] (8 under adaptive grouping): keys' rows, then values'
         thr = torch.from_numpy(self._encode_thr(layer)).to(dev).repeat_interleave(n, dim=0)
-        records, sparse, counts = encode_records(flat, thr, self.config, check=False)
+        records, sparse, counts = encode_records(flat, thr, self.config, check=False, **self._blocks["encode"])
         counts_h = counts.cpu().numpy().astype(np.int64)  # the chunk's one device-to-host copy
         _check_encoded_rows(counts_h, s)
         items = []
