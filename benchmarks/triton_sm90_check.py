@@ -45,13 +45,13 @@ ERRS = {
 def _cases():
     enc_sig = {
         "x_ptr": "*fp16", "stride_x": "i32", "thr_ptr": "*fp32", "stride_thr": "i32", "rec_ptr": "*u8",
-        "rec_dst_ptr": "*u8", "sp_ptr": "*u8", "sp_dst_ptr": "*u8", "count_ptr": "*i32", "D": "i32", "REC": "i32",
-        "CAP": "i32",
+        "rec_dst_ptr": "*u8", "sp_ptr": "*u8", "sp_dst_ptr": "*u8", "count_ptr": "*i32", "N": "i32", "D": "i32",
+        "REC": "i32", "CAP": "i32",
     }  # fmt: skip
     for d in (1024, 4096):
         nch = F.num_chunks(d)
         yield f"encode D={d}", E._encode_kernel, enc_sig, dict(
-            NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=SB, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
+            ROWS=1, NCH_P=nch, INNER_BITS=5, OUTER_BITS=5, FP16=True, SB=SB, HAS_REC_DST=False, HAS_SP_DST=False, KP=64,
             NE=2, FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX, ERR_NONFINITE=F.ERR_NONFINITE,
             ERR_SCALE_OVERFLOW=F.ERR_SCALE_OVERFLOW,
         ), dict(num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False)  # fmt: skip
@@ -83,10 +83,10 @@ def _cases():
                     SBLK_LOG=A.SPARSE_BLOCK_LOG, SOFTCAP=False, E_EVICTED=F.ERR_EVICTED, **ERRS,
                 ), dict(num_warps=warps, enable_fp_fusion=fuse)  # fmt: skip
     comb_sig = {
-        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32",
-        "HD": "i32",
+        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "N": "i32",
+        "S": "i32", "HD": "i32",
     }  # fmt: skip
-    yield "combine", A._combine_kernel, comb_sig, dict(S_P=32, HD_P=128), dict(num_warps=4)
+    yield "combine", A._combine_kernel, comb_sig, dict(R=1, S_P=32, HD_P=128), dict(num_warps=4)
     pre_sig = {
         "q_ptr": "*fp32", "sq_b": "i32", "sq_h": "i32", "sq_s": "i32", "dpool": "*u8", "spool": "*u8",
         "pages_ptr": "*i32", "sp_b": "i32", "sp_k": "i32", "addr_ptr": "*i64", "len_ptr": "*i32", "sa_b": "i32",

@@ -1,4 +1,5 @@
-"""src/oakenkv/kernels/triton/interpret.py: the interpreter's helper calls without a redundant patch each."""
+"""src/oakenkv/kernels/triton/interpret.py: the interpreter's shortcuts (helper calls without a redundant patch each,
+no discarded overflow checks, tuple types built when read) give the same numbers."""
 
 from __future__ import annotations
 
@@ -44,3 +45,28 @@ def test_helpers_called_inside_a_launch_give_the_same_numbers_and_helpers_outsid
     assert torch.equal(out, x.max(dim=1).values * 8.0)
     _kernel[(3,)](x * -1, out, N=16)  # a second launch: the helpers patch again on their first call
     assert torch.equal(out, (-x).max(dim=1).values * 8.0)
+
+
+@triton.jit
+def _int_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(out_ptr + i, (x * 3 + 7) - (x << 2))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter only")
+def test_overflow_checks_off_and_lazy_tuple_types_give_the_same_numbers_and_types():
+    import triton.language.core as core
+    from triton.runtime import interpreter as ti
+
+    from oakenkv.kernels.triton.interpret import lazy_tuple_types, skip_overflow_checks
+
+    assert skip_overflow_checks() and not ti.interpreter_builder.options.sanitize_overflow
+    x = torch.arange(-8, 8, dtype=torch.int32) * 1000
+    out = torch.empty_like(x)
+    _int_kernel[(1,)](x, out, N=16)
+    assert torch.equal(out, (x * 3 + 7) - (x << 2))
+    if lazy_tuple_types():  # (triton 3.6 only)
+        t = core.tuple([core.constexpr(2), core.constexpr(5)])
+        assert "type" not in vars(t) and str(t.type) == str(core._type_for_tuple_values(t.values))
+        assert "type" in vars(t)  # computed once, then an attribute

@@ -193,6 +193,32 @@ def test_encode_per_row_grouping_thresholds_bit_exact():
     assert any(changed)  # (the grouping thresholds made a difference somewhere)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter, on the NaN row
+def test_encode_several_rows_per_program_bit_exact():
+    """``rows_per_program`` (the device store's choice under the interpreter): the bytes and counts of one row per
+    program, for per-row shift and grouping thresholds, a last program only partly filled, every value an outlier,
+    and a row that cannot be encoded (its code, the other rows' bytes)."""
+    from oakenkv.quant.adapt import scaled
+    from oakenkv.quant.groups import GroupThresholds
+
+    x = torch.randn(7, 192, generator=torch.Generator().manual_seed(9)) * 1.5
+    x[2] = 5.0  # every value an outlier: escapes at every chunk
+    x[4, 7] = float("nan")
+    rows = [tuple(THRESHOLDS[r % 2 * 3]) + tuple(scaled(GroupThresholds(*THRESHOLDS[r % 2 * 3]), 1.0 + 0.1 * r))
+            for r in range(7)]  # fmt: skip
+    thr = torch.tensor(rows, dtype=torch.float32).to(DEV)
+    cfg = OakenConfig()
+    want = tencode.encode_records(x.to(DEV), thr, cfg, check=False)
+    got = tencode.encode_records(x.to(DEV), thr, cfg, check=False, rows_per_program=4)
+    assert torch.equal(got[2].cpu(), want[2].cpu()) and int(got[2][4]) < 0
+    for r in range(7):
+        if r != 4:
+            assert torch.equal(got[0][r].cpu(), want[0][r].cpu())
+            assert torch.equal(got[1][r, : int(got[2][r])].cpu(), want[1][r, : int(want[2][r])].cpu())
+            ref = codec.pack(quantize(x[r : r + 1], rows[r][:4], cfg, rows[r][4:]))
+            assert torch.equal(got[1][r, : int(got[2][r])].cpu(), ref.sparse)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter, on NaN rows
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # and on fp16 scales past 65504
 def test_encode_rejects_bad_input():
@@ -380,6 +406,33 @@ def test_attention_matches_float_attention_over_the_dequantized_cache(b, t, pad,
     # against the original (unquantized) K/V: the quantization error, small but not zero
     exact = float_attention(q, *store.original, mask, 64**-0.5)[:, 0]
     assert 0 < ((got - exact).norm() / exact.norm()).item() < 0.1
+
+
+def test_attention_with_the_interpreters_launch_options_matches_the_reference():
+    """The options the device store uses under the interpreter (``interpret.store_blocks``): one 64-token tile,
+    128-byte COO steps, all KV heads in one program (block-diagonal queries), 64 combine rows per program; with
+    padding and a sliding window; and in 16-token tiles over three splits (the combine's rows of several splits)."""
+    from oakenkv.hf.attention import reference_packed_attention
+    from oakenkv.kernels.triton import attention as tattn
+    from oakenkv.kernels.triton.view import view_from_store
+
+    b, t = 2, 45
+    store, (kh, vh) = _attention_store(b, t, seed=t)
+    q = torch.randn(b, 9, 1, 64, generator=torch.Generator().manual_seed(2))
+    mask = _keep(b, t, [3, 0], 20)
+    view = view_from_store(store, 1, DEV)
+    keep = tattn.keep_from_mask(mask, b, t, DEV)
+    for tile, splits in ((64, 1), (16, 3)):
+        got, lse, status = tattn.paged_decode_attention_parts(
+            q[:, :, 0].to(DEV), view, keep, 64**-0.5, num_splits=splits, tile_tokens=tile, sparse_block_log=7,
+            merge_heads=True, combine_rows=64,
+        )  # fmt: skip
+        tattn.raise_on_status(status)
+        want = reference_packed_attention(q, kh, vh, mask, 64**-0.5)[:, 0]
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-6)
+        scores = (q[:, :, 0, None] @ store.read(1, 0).repeat_interleave(3, dim=1).transpose(-1, -2))[:, :, 0]
+        want_lse = torch.logsumexp((scores * 64**-0.5).masked_fill(~mask[:, 0], -torch.inf), -1)
+        torch.testing.assert_close(lse.cpu(), want_lse)
 
 
 def test_attention_softcap_additive_mask_and_fp32_scales_four_bit_groups():

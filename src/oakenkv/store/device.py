@@ -472,6 +472,10 @@ class DeviceKVStore:
             )
         self.rpp = ps // self.rec_size
         self.prefill_chunk = prefill_chunk
+        from oakenkv.kernels.triton.interpret import store_blocks
+
+        #: Block sizes of the attention and read kernels: theirs on a GPU, larger under the interpreter.
+        self._blocks = store_blocks()
         #: The Triton kernels are the fast path here; ``OakenLayer`` reads this as the CPU store's flag.
         self.fast = True
         self.residual = 0
@@ -680,7 +684,7 @@ class DeviceKVStore:
         counts = self._sync[layer * m : (layer + 1) * m]
         encode_records(
             rows, self._thr_rows[layer], self.config, records=self.bytes, record_offsets=off[0], sparse=self.bytes,
-            sparse_offsets=off[1], counts=counts, check=False,
+            sparse_offsets=off[1], counts=counts, check=False, **self._blocks["encode"],
         )  # fmt: skip
         lt.ensure(t + 1, self.rpp)
         ps = self.pool.config.page_size
@@ -719,7 +723,7 @@ class DeviceKVStore:
         sink_at = self._sink_slices(past, s)
         # [2n, 4] (8 under adaptive grouping): keys' rows, then values'
         thr = torch.from_numpy(self._encode_thr(layer)).to(dev).repeat_interleave(n, dim=0)
-        records, sparse, counts = encode_records(flat, thr, self.config, check=False)
+        records, sparse, counts = encode_records(flat, thr, self.config, check=False, **self._blocks["encode"])
         counts_h = counts.cpu().numpy().astype(np.int64)  # the chunk's one device-to-host copy
         _check_encoded_rows(counts_h, s)
         items = []
@@ -833,7 +837,7 @@ class DeviceKVStore:
         if not self.seqs or self.tables[layer].num_tokens == 0:
             b = len(self.seqs)
             return torch.zeros((b, self.num_kv_heads, 0, self.head_dim), dtype=dtype, device=self.device)
-        x = read_view(self.view(layer), kind)
+        x = read_view(self.view(layer), kind, **self._blocks["read"])
         wm = self._watermark(layer, kind)
         if wm:
             x[:, :, :wm] = 0.0
@@ -948,7 +952,7 @@ class DeviceKVStore:
                 keep = keep.clone()
                 keep[:, :n_sink] = 0
             out, lse, _ = tattn.paged_decode_attention_parts(
-                q[:, :, 0], view, keep, scaling, softcap, status=self._status
+                q[:, :, 0], view, keep, scaling, softcap, status=self._status, **self._blocks["attention"]
             )
             if n_sink:
                 out, lse = self._merge_sinks(layer, q, out[:, :, None], lse[:, :, None], sink_keep[:, None, :],
@@ -959,7 +963,7 @@ class DeviceKVStore:
         mask = tpre.prefill_mask(attention_mask, b, s, t_n, query.device)
         dot = tpre.dot_kind(query.dtype)
         out, lse, _ = tpre.paged_prefill_attention(
-            q, view, past, mask, scaling, softcap, skip=n_sink, dot=dot, status=self._status
+            q, view, past, mask, scaling, softcap, skip=n_sink, dot=dot, status=self._status, **self._blocks["prefill"]
         )
         if n_sink:
             if mask is not None:
@@ -993,13 +997,27 @@ class DeviceKVStore:
         page_keep, sink_keep = self._split_sinks(keep, t_n)
         if s == 1:
             out, lse, _ = tattn.paged_decode_attention_parts(
-                q[:, :, 0], view, page_keep[:, 0].contiguous(), scaling, softcap, status=self._status
+                q[:, :, 0],
+                view,
+                page_keep[:, 0].contiguous(),
+                scaling,
+                softcap,
+                status=self._status,
+                **self._blocks["attention"],
             )
             out, lse = out[:, :, None], lse[:, :, None]
         else:
             dot = tpre.dot_kind(q.dtype)
             out, lse, _ = tpre.paged_prefill_attention(
-                q, view, past, page_keep.contiguous(), scaling, softcap, dot=dot, status=self._status
+                q,
+                view,
+                past,
+                page_keep.contiguous(),
+                scaling,
+                softcap,
+                dot=dot,
+                status=self._status,
+                **self._blocks["prefill"],
             )
         out, _ = self._merge_sinks(layer, q, out, lse, sink_keep, scaling, softcap)
         return out.transpose(1, 2)

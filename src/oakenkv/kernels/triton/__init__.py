@@ -9,7 +9,8 @@
 - ``view``: a store's per-layer ``format.LayerView`` on a device, with the per-token sparse addresses the
   kernels read (``DeviceLayerView``).
 
-- ``interpret``: the interpreter's per-call cost of helper functions cut (``TRITON_INTERPRET=1`` only).
+- ``interpret``: the interpreter's fixed costs cut, and the larger blocks the device store launches under it
+  (``TRITON_INTERPRET=1`` only).
 
 Only ``_oaken`` imports oakenkv (``format`` and ``quant``: nothing above them).
 Nothing is imported here, so that ``import oakenkv.kernels.triton`` does not import triton; :func:`available` says

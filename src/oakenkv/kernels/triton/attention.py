@@ -27,6 +27,8 @@ summation, so the result matches float attention over the dequantized cache to f
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -197,28 +199,62 @@ def _attn_kernel(
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, lse_ptr, S, HD, S_P: tl.constexpr, HD_P: tl.constexpr):
+def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, lse_ptr, N, S, HD, R: tl.constexpr, S_P: tl.constexpr,
+                    HD_P: tl.constexpr):  # fmt: skip
     """``out[b, hq] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)``, and the log-sum-exp of the scores
     ``M + log(sum_s l_s e^(m_s - M))`` (``-inf``), for merging other tokens' attention; zeros where every token
-    was masked."""
-    row = tl.program_id(0).to(tl.int64)  # b * Hq + hq
+    was masked. ``R`` rows ``b * Hq + hq`` per program (of ``N``)."""
+    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # b * Hq + hq
+    rm = row < N
     si = tl.arange(0, S_P)
-    sm = si < S
+    sm = rm[:, None] & (si < S)[None, :]
     col = tl.arange(0, HD_P)
-    m = tl.load(pm_ptr + row * S + si, mask=sm, other=-float("inf"))
-    ell = tl.load(pl_ptr + row * S + si, mask=sm, other=0.0)
-    acc = tl.load(pacc_ptr + (row * S + si)[:, None] * HD_P + col[None, :], mask=sm[:, None], other=0.0)
-    mm = tl.max(m, axis=0)
-    w = tl.where(m == -float("inf"), 0.0, tl.exp(m - tl.where(mm == -float("inf"), 0.0, mm)))
-    total = tl.sum(ell * w, axis=0)
-    o = tl.sum(acc * w[:, None], axis=0)
-    o = tl.where(total > 0.0, o / tl.where(total > 0.0, total, 1.0), 0.0)
-    tl.store(out_ptr + row * HD + col, o, mask=col < HD)
-    tl.store(lse_ptr + row, tl.where(total > 0.0, mm + tl.log(tl.where(total > 0.0, total, 1.0)), -float("inf")))
+    ps = row[:, None] * S + si[None, :]
+    m = tl.load(pm_ptr + ps, mask=sm, other=-float("inf"))
+    ell = tl.load(pl_ptr + ps, mask=sm, other=0.0)
+    acc = tl.load(pacc_ptr + ps[:, :, None] * HD_P + col[None, None, :], mask=sm[:, :, None], other=0.0)
+    mm = tl.max(m, axis=1)
+    w = tl.where(m == -float("inf"), 0.0, tl.exp(m - tl.where(mm == -float("inf"), 0.0, mm)[:, None]))
+    total = tl.sum(ell * w, axis=1)
+    o = tl.sum(acc * w[:, :, None], axis=1)
+    has = total > 0.0
+    o = tl.where(has[:, None], o / tl.where(has, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + row[:, None] * HD + col[None, :], o, mask=rm[:, None] & (col < HD)[None, :])
+    tl.store(lse_ptr + row, tl.where(has, mm + tl.log(tl.where(has, total, 1.0)), -float("inf")), mask=rm)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def merged_view(view: DeviceLayerView) -> DeviceLayerView:
+    """The view as one KV head of ``D = H * hd`` values (``merge_heads``: every head's keys and values in one
+    program's tiles; the same pages and bytes)."""
+    return dataclasses.replace(view, num_kv_heads=1, head_dim=view.dim)
+
+
+def spread_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Queries ``[B, Hq, ..., hd]`` as block-diagonal queries ``[B, Hq, ..., H * hd]`` over a :func:`merged_view`:
+    query head ``j`` keeps its values in the columns of its KV head ``j // G`` and zeros elsewhere, so that its dot
+    product with a whole row is its dot product with its head's part (the other products are exact zeros)."""
+    b, hq, hd = q.shape[0], q.shape[1], q.shape[-1]
+    h, g = num_kv_heads, hq // num_kv_heads
+    mid = q.shape[2:-1]
+    out = torch.zeros((b, h, g, *mid, h, hd), dtype=q.dtype, device=q.device)
+    qh = q.reshape(b, h, g, *mid, hd)
+    for k in range(h):
+        out[:, k, ..., k, :] = qh[:, k]
+    return out.reshape(b, hq, *mid, h * hd)
+
+
+def own_heads(out: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Attention outputs ``[B, Hq, ..., H * hd]`` over a :func:`merged_view` back to ``[B, Hq, ..., hd]``: query
+    head ``j``'s columns of its KV head (the rest weigh values of other heads, not its output)."""
+    b, hq, d = out.shape[0], out.shape[1], out.shape[-1]
+    h, g, hd = num_kv_heads, hq // num_kv_heads, d // num_kv_heads
+    mid = out.shape[2:-1]
+    oh = out.reshape(b, h, g, *mid, h, hd)
+    return torch.stack([oh[:, k, ..., k, :] for k in range(h)], dim=1).reshape(b, hq, *mid, hd)
 
 
 def num_splits_for(batch: int, kv_heads: int, tokens: int, programs: int = 528) -> int:
@@ -240,6 +276,7 @@ def paged_decode_attention(
     exact_dequant: bool = True,
     num_warps: int = NUM_WARPS,
     tile_tokens: int = TILE_TOKENS,
+    sparse_block_log: int = SPARSE_BLOCK_LOG,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a layer's pages.
 
@@ -256,13 +293,16 @@ def paged_decode_attention(
             within one rounding of the reference's; whether it is faster is for ``benchmarks/gpu_check.sh``).
         num_warps, tile_tokens: warps per program and tokens per tile (a power of two): tuning knobs, as
             ``num_splits`` (``benchmarks/gpu_check.py``'s tuning stage times them).
+        sparse_block_log: log2 of the COO bytes read per token and step of the walk (``SPARSE_BLOCK_LOG``; larger
+            under the interpreter, ``interpret.store_blocks``).
 
     Returns:
         float32 ``[B, Hq, hd]``.
     """
     out, _, status = paged_decode_attention_parts(
-        q, view, keep, scaling, softcap, num_splits, exact_dequant, num_warps, tile_tokens
-    )
+        q, view, keep, scaling, softcap, num_splits, exact_dequant, num_warps, tile_tokens,
+        sparse_block_log=sparse_block_log,
+    )  # fmt: skip
     if check:
         raise_on_status(status)
     return out
@@ -288,6 +328,9 @@ def paged_decode_attention_parts(
     num_warps: int = NUM_WARPS,
     tile_tokens: int = TILE_TOKENS,
     status: torch.Tensor | None = None,
+    sparse_block_log: int = SPARSE_BLOCK_LOG,
+    merge_heads: bool = False,
+    combine_rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`paged_decode_attention` without the error check, and with what merging it with other tokens takes.
 
@@ -295,6 +338,13 @@ def paged_decode_attention_parts(
         status: int32 ``[1]`` on the device, or None: every program's error code is max-ed into it (a store
             accumulates one step's codes and reads them once, instead of a device-to-host copy per layer); None:
             a fresh tensor of one code per program.
+        sparse_block_log: as :func:`paged_decode_attention`'s.
+        merge_heads: attend over all KV heads in one program per row and split (:func:`merged_view` and
+            block-diagonal queries, :func:`spread_heads`): the same keys and values, scores summed over the head's
+            products and exact zeros (another order: float32 rounding). For the interpreter
+            (``interpret.store_blocks``), whose cost is per program and operation; on a GPU it would waste work.
+        combine_rows: rows ``(b, hq)`` per program of the kernel that combines the splits (a power of two; one on a
+            GPU, more under the interpreter).
 
     Returns:
         ``(out, lse, status)``: float32 ``[B, Hq, hd]``, float32 ``[B, Hq]`` the log-sum-exp of the scaled (and
@@ -307,6 +357,12 @@ def paged_decode_attention_parts(
             f"query [B={b}, Hq={hq}, hd={hd}] does not fit the view (batch {view.batch_size}, {h} KV heads, "
             f"head_dim {view.head_dim})"
         )
+    if merge_heads and h > 1:
+        out, lse, status = paged_decode_attention_parts(
+            spread_heads(q, h), merged_view(view), keep, scaling, softcap, num_splits, exact_dequant, num_warps,
+            tile_tokens, status, sparse_block_log, combine_rows=combine_rows,
+        )  # fmt: skip
+        return own_heads(out, h), lse, status
     dev = q.device
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -348,8 +404,8 @@ def paged_decode_attention_parts(
             t_n, h, hq, hd, view.dim, view.page_size, view.record_size, view.records_per_page, float(scaling),
             float(softcap or 1.0), split_tokens, splits,
             G=group, G_P=_pow2(group), HD_P=hd_p, BT=tile_tokens, SB=view.scale_bytes,
-            INNER_BITS=view.inner_bits, OUTER_BITS=view.outer_bits, SBLK=1 << SPARSE_BLOCK_LOG,
-            SBLK_LOG=SPARSE_BLOCK_LOG,
+            INNER_BITS=view.inner_bits, OUTER_BITS=view.outer_bits, SBLK=1 << sparse_block_log,
+            SBLK_LOG=sparse_block_log,
             SOFTCAP=bool(softcap), E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
             num_warps=num_warps, enable_fp_fusion=not exact_dequant,
@@ -360,7 +416,10 @@ def paged_decode_attention_parts(
         pacc.zero_()
     out = torch.empty((b, hq, hd), dtype=torch.float32, device=dev)
     lse = torch.empty((b, hq), dtype=torch.float32, device=dev)
-    _combine_kernel[(b * hq,)](pm, pl, pacc, out, lse, splits, hd, S_P=_pow2(splits), HD_P=hd_p)
+    rows = b * hq
+    r = min(_pow2(rows), combine_rows)
+    _combine_kernel[(triton.cdiv(rows, r),)](pm, pl, pacc, out, lse, rows, splits, hd, R=r, S_P=_pow2(splits),
+                                             HD_P=hd_p)  # fmt: skip
     return out, lse, status
 
 

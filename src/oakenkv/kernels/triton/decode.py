@@ -160,6 +160,8 @@ def decode_rows(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     check: bool = True,
+    rows_per_program: int | None = None,
+    sparse_block_log: int = SPARSE_BLOCK_LOG,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``N`` rows given by addresses (module docstring) into ``out`` (``[N, D]`` float32 or float16).
 
@@ -170,6 +172,9 @@ def decode_rows(
         dim: values per row; scale_bytes: bytes of a record's scales (``format.scale_bytes``: fp16 or fp32);
             inner_bits, outer_bits: bits of the inner and outer codes (``OakenConfig``'s).
         check: raise :class:`~oakenkv.format.layout.CorruptDataError` for the first row with an error (a device sync).
+        rows_per_program: rows each program decodes (a power of two; default up to 16, 4096 values in all);
+            sparse_block_log: log2 of the COO bytes read per row and step (larger under the interpreter,
+            ``interpret.store_blocks``).
 
     Returns:
         ``(out, status)``: status int32 ``[N]``, 0 or an ``ERR_*`` code per row.
@@ -184,13 +189,13 @@ def decode_rows(
     stride_thr = 4 if thr.dim() == 2 else 0
     status = torch.empty(n, dtype=torch.int32, device=dev)
     block_d = _pow2(dim)
-    bt = max(1, min(16, 4096 // block_d))
+    bt = rows_per_program or max(1, min(16, 4096 // block_d))
     if n:
         _decode_kernel[(triton.cdiv(n, bt),)](
             records, rec_addr, sparse, sp_addr, sp_len, thr.to(torch.float32).contiguous(), stride_thr,
             out, out.stride(0), status, n, dim,
             BT=bt, BLOCK_D=block_d, SB=scale_bytes, INNER_BITS=inner_bits, OUTER_BITS=outer_bits,
-            SBLK=SPARSE_BLOCK, SBLK_LOG=SPARSE_BLOCK_LOG,
+            SBLK=1 << sparse_block_log, SBLK_LOG=sparse_block_log,
             OUT_F16=out.dtype == torch.float16,
             E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
             E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_SCALE=F.ERR_SCALE_NONFINITE,
@@ -239,14 +244,15 @@ def decode_batch(
     return out
 
 
-def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32, **blocks) -> torch.Tensor:
     """A layer's stored keys (``kind`` 0) or values (1) dequantized on the view's device: ``[B, H, T, hd]``.
 
     The device counterpart of ``PagedKVStore.read`` (the same floats, bit for bit; ``DeviceKVStore.read`` adds the
     watermark, sink tokens and the keys' rotation back). ``view``: a
     :class:`~oakenkv.kernels.triton.view.DeviceLayerView`; tokens on evicted pages (a sliding window's past) read as
     zeros, as in ``PagedKVStore.read``. The keys are the stored ones: under an ``oaken-plus`` key rotation
-    ``PagedKVStore.read`` also undoes the rotation (``restore_keys``), this does not.
+    ``PagedKVStore.read`` also undoes the rotation (``restore_keys``), this does not. ``blocks``: the launch's
+    ``rows_per_program`` and ``sparse_block_log`` (:func:`decode_rows`).
     """
     b, t_n, rpp = view.batch_size, view.num_tokens, view.records_per_page
     dev = view.dense_pool.device
@@ -259,7 +265,7 @@ def read_view(view, kind: int, out_dtype: torch.dtype = torch.float32) -> torch.
     out, _ = decode_rows(
         view.dense_pool, rec_addr.contiguous(), view.sparse_pool, sp_addr.clamp(min=0).flatten().contiguous(),
         sp_len.flatten().contiguous(), view.thresholds[kind], view.dim, view.scale_bytes, view.inner_bits,
-        view.outer_bits, out_dtype=out_dtype,
+        view.outer_bits, out_dtype=out_dtype, **blocks,
     )  # fmt: skip
     out = out.view(b, t_n, view.num_kv_heads, view.head_dim)
     out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=dev))

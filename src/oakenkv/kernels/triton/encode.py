@@ -1,7 +1,8 @@
 """Triton encode: float rows -> Oaken page records (six scales, then nibbles) + COO sparse bytes + counts.
 
-One program per row; the row (``D <= MAX_TRITON_DIM`` values) lives in registers as ``NCH_P`` COO chunks of
-``CHUNK_SIZE`` values. The format's constants are ``_oaken``'s ``tl.constexpr`` copies of ``oakenkv.format.layout``'s.
+One program per row (several under the interpreter); the row (``D <= MAX_TRITON_DIM`` values) lives in registers
+as ``NCH_P`` COO chunks of ``CHUNK_SIZE`` values. The format's constants are ``_oaken``'s ``tl.constexpr`` copies of
+``oakenkv.format.layout``'s.
 
 Numbers: the kernel repeats ``oakenkv.quant.quantizer.quantize``'s float32 operations in its order: group shift, the
 range statistics as max/min reductions (exact in any order), the signed grid's step evaluated for every zero
@@ -50,14 +51,15 @@ def _round_scale(v, FP16: tl.constexpr):
 @triton.jit
 def _signed_grid(lo_mag, has_lo, hi_mag, has_hi, pmin, pmax, N: tl.constexpr, KP: tl.constexpr,
                  FLOOR: tl.constexpr, FP16: tl.constexpr):  # fmt: skip
-    """(gmin, gmax) of a signed group before rounding: ``quant._signed_grid`` for one row.
+    """(gmin, gmax) of a signed group before rounding: ``quant._signed_grid`` for each row (``[R, 1]`` each).
 
     ``lo_mag``/``hi_mag``: largest magnitude of the negative/positive shifted values; ``pmin``/``pmax``: the
-    members' min/max (for the one-sided plain grid); ``N = 2^bits`` codes; ``KP``: a power of two > ``N``.
+    members' min/max (for the one-sided plain grid), all ``[R, 1]``; ``N = 2^bits`` codes; ``KP``: a power of
+    two > ``N``.
     Every zero slot ``k = -1 .. N - 1`` is evaluated (``N + 1`` lanes) and the first minimum taken, as the
     reference's argmin does.
     """
-    kk = tl.arange(0, KP)
+    kk = tl.arange(0, KP)[None, :]
     k = (kk - 1).to(tl.float32)
     below = k + 1.0
     above = (N - 1.0) - k
@@ -68,8 +70,8 @@ def _signed_grid(lo_mag, has_lo, hi_mag, has_hi, pmin, pmax, N: tl.constexpr, KP
     need_hi = tl.where(has_hi, need_hi, 0.0)
     step = tl.maximum(tl.maximum(need_lo, need_hi), FLOOR)
     step = tl.where(kk <= N, step, inf)
-    best_step = tl.min(step, axis=0)
-    best = tl.min(tl.where(step == best_step, kk, KP), axis=0)  # first minimum
+    best_step = tl.min(step, axis=1, keep_dims=True)
+    best = tl.min(tl.where(step == best_step, kk, KP), axis=1, keep_dims=True)  # first minimum
     k_b = (best - 1).to(tl.float32)
     gmin = -(k_b + 0.5) * best_step
     gmax = gmin + (N - 1.0) * best_step
@@ -106,12 +108,13 @@ def _codes(s, lo, step, top, SIGNED: tl.constexpr):
 
 @triton.jit
 def _reduce_max(x):
-    return tl.max(x, axis=0)
+    """Each row's maximum of ``[R, BLOCK]``, as ``[R, 1]``."""
+    return tl.max(x, axis=1, keep_dims=True)
 
 
 @triton.jit
 def _reduce_min(x):
-    return tl.min(x, axis=0)
+    return tl.min(x, axis=1, keep_dims=True)
 
 
 @triton.jit
@@ -121,29 +124,32 @@ def _encode_kernel(
     rec_ptr, rec_dst_ptr,  # uint8 records out; int64 [N] byte offset of each row's record (HAS_REC_DST)
     sp_ptr, sp_dst_ptr,  # uint8 sparse bytes out; int64 [N] byte offset of each row's stream (HAS_SP_DST)
     count_ptr,  # int32 [N] out: sparse bytes of each row, or -ERR_*
-    D, REC, CAP,
-    NCH_P: tl.constexpr, INNER_BITS: tl.constexpr, OUTER_BITS: tl.constexpr, FP16: tl.constexpr,
+    N, D, REC, CAP,
+    ROWS: tl.constexpr, NCH_P: tl.constexpr, INNER_BITS: tl.constexpr, OUTER_BITS: tl.constexpr, FP16: tl.constexpr,
     SB: tl.constexpr, HAS_REC_DST: tl.constexpr, HAS_SP_DST: tl.constexpr, KP: tl.constexpr,
     NE: tl.constexpr, FLOOR: tl.constexpr, FP16_MAX: tl.constexpr, ERR_NONFINITE: tl.constexpr,
     ERR_SCALE_OVERFLOW: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     BLOCK: tl.constexpr = NCH_P * F.CHUNK
-    row = tl.program_id(0).to(tl.int64)
-    pos = tl.arange(0, BLOCK)
-    valid = pos < D
+    # ROWS rows per program: each row's values along axis 1, its scalars as [ROWS, 1] (one row on a GPU; more
+    # under the interpreter, whose cost is per operation: interpret.store_blocks)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    rv = row < N
+    pos = tl.arange(0, BLOCK)[None, :]
+    valid = rv & (pos < D)
     x = tl.load(x_ptr + row * stride_x + pos, mask=valid, other=0.0).to(tl.float32)
     tb = thr_ptr + row * stride_thr
-    to_lo = tl.load(tb)
-    ti_lo = tl.load(tb + 1)
-    ti_hi = tl.load(tb + 2)
-    to_hi = tl.load(tb + 3)
+    to_lo = tl.load(tb, mask=rv, other=0.0)
+    ti_lo = tl.load(tb + 1, mask=rv, other=0.0)
+    ti_hi = tl.load(tb + 2, mask=rv, other=0.0)
+    to_hi = tl.load(tb + 3, mask=rv, other=0.0)
     # adaptive grouping (oakenkv.quant.adapt): the values are grouped by the row's columns 4..7, shifted by 0..3
     go_lo, gi_lo, gi_hi, go_hi = to_lo, ti_lo, ti_hi, to_hi
     if GROUP:
-        go_lo = tl.load(tb + 4)
-        gi_lo = tl.load(tb + 5)
-        gi_hi = tl.load(tb + 6)
-        go_hi = tl.load(tb + 7)
+        go_lo = tl.load(tb + 4, mask=rv, other=0.0)
+        gi_lo = tl.load(tb + 5, mask=rv, other=0.0)
+        gi_hi = tl.load(tb + 6, mask=rv, other=0.0)
+        go_hi = tl.load(tb + 7, mask=rv, other=0.0)
     # a NaN fails x == x, an infinity has x - x = NaN
     bad = _reduce_max(tl.where(valid & ((x - x) != 0.0), 1, 0)) > 0
 
@@ -200,42 +206,43 @@ def _encode_kernel(
     q_o = _codes(s, og0, o_step, n_out, True)
     code = tl.where(outer, q_o, tl.where(inner, q_i, q_m)).to(tl.int32)
     code = tl.where(valid, code, 0)
-    ok = ~(bad | overflow)
+    ok = ~(bad | overflow) & rv
 
     # the record: six scales (little-endian), then the nibbles (value 2j low, 2j + 1 high)
-    rec_base = tl.load(rec_dst_ptr + row) if HAS_REC_DST else row * REC
-    si = tl.arange(0, F.SCALE_LANES)
+    rec_base = tl.load(rec_dst_ptr + row, mask=rv, other=0) if HAS_REC_DST else row * REC
+    si = tl.arange(0, F.SCALE_LANES)[None, :]
     sc = tl.where(si == 0, mg0, tl.where(si == 1, mg1, tl.where(si == 2, ig0, tl.where(si == 3, ig1,
          tl.where(si == 4, og0, og1)))))  # fmt: skip
-    smask = (si[:, None] < F.SCALES) & ok
+    smask = ((si < F.SCALES) & ok)[:, :, None]
     if FP16:
         bits = sc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-        bi = tl.arange(0, 2)
-        sbytes = (bits[:, None] >> (8 * bi[None, :])) & 255
-        tl.store(rec_ptr + rec_base + 2 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=smask)
+        bi = tl.arange(0, 2)[None, None, :]
+        sbytes = (bits[:, :, None] >> (8 * bi)) & 255
+        tl.store(rec_ptr + rec_base[:, :, None] + 2 * si[:, :, None] + bi, sbytes.to(tl.uint8), mask=smask)
     else:
         bits = sc.to(tl.int32, bitcast=True)
-        bi = tl.arange(0, 4)
-        sbytes = (bits[:, None] >> (8 * bi[None, :])) & 255
-        tl.store(rec_ptr + rec_base + 4 * si[:, None] + bi[None, :], sbytes.to(tl.uint8), mask=smask)
-    lo_nib, hi_nib = tl.split(tl.reshape(code & F.SLOT_MASK, [BLOCK // 2, 2]))
-    j = tl.arange(0, BLOCK // 2)
+        bi = tl.arange(0, 4)[None, None, :]
+        sbytes = (bits[:, :, None] >> (8 * bi)) & 255
+        tl.store(rec_ptr + rec_base[:, :, None] + 4 * si[:, :, None] + bi, sbytes.to(tl.uint8), mask=smask)
+    lo_nib, hi_nib = tl.split(tl.reshape(code & F.SLOT_MASK, [ROWS, BLOCK // 2, 2]))
+    j = tl.arange(0, BLOCK // 2)[None, :]
     tl.store(rec_ptr + rec_base + SB + j, (lo_nib | (hi_nib << F.SLOT_BITS)).to(tl.uint8), mask=(j < (D + 1) // 2) & ok)
 
     # the COO stream, chunk-parallel (module docstring)
     grp_bit = tl.where(outer, F.GROUP_BIT, 0)
     ent1 = (pos & F.INDEX_MASK) | grp_bit | (((code >> F.SLOT_BITS) & 1) << F.CODE_BIT4_SHIFT)
-    ent = tl.reshape(ent1, [NCH_P, F.CHUNK])
-    isout = tl.reshape((outer | inner).to(tl.int32), [NCH_P, F.CHUNK])
-    idx = tl.arange(0, F.CHUNK)[None, :]
-    cnt = tl.sum(isout, axis=1)
-    fi = tl.min(tl.where(isout > 0, idx, F.CHUNK), axis=1)
-    li = tl.max(tl.where(isout > 0, idx, -1), axis=1)
-    fe = tl.sum(tl.where((isout > 0) & (idx == fi[:, None]), ent, 0), axis=1)
-    le = tl.sum(tl.where((isout > 0) & (idx == li[:, None]), ent, 0), axis=1)
-    chv = tl.arange(0, NCH_P)
+    # (per row: chunks along axis 1, a chunk's values along axis 2)
+    ent = tl.reshape(ent1, [ROWS, NCH_P, F.CHUNK])
+    isout = tl.reshape((outer | inner).to(tl.int32), [ROWS, NCH_P, F.CHUNK])
+    idx = tl.arange(0, F.CHUNK)[None, None, :]
+    cnt = tl.sum(isout, axis=2)
+    fi = tl.min(tl.where(isout > 0, idx, F.CHUNK), axis=2)
+    li = tl.max(tl.where(isout > 0, idx, -1), axis=2)
+    fe = tl.sum(tl.where((isout > 0) & (idx == fi[:, :, None]), ent, 0), axis=2)
+    le = tl.sum(tl.where((isout > 0) & (idx == li[:, :, None]), ent, 0), axis=2)
+    chv = tl.arange(0, NCH_P)[None, :]
     last = tl.where(cnt > 0, (chv << 14) | (li << 8) | le, -1)
-    prv = tl.max(tl.where(chv[None, :] < chv[:, None], last[None, :], -1), axis=1)
+    prv = tl.max(tl.where(chv[:, None, :] < chv[:, :, None], last[:, None, :], -1), axis=2)
     has_prev = prv >= 0
     c = tl.where(has_prev, prv >> 14, 0)
     p = tl.where(has_prev, (prv >> 8) & F.INDEX_MASK, -1)
@@ -246,18 +253,18 @@ def _encode_kernel(
     nff = adv // F.ADV_CONTINUE
     esc_len = tl.where(esc, 2 + nff, 0)
     size = cnt + esc_len
-    start = tl.cumsum(size, axis=0) - size
-    total = tl.sum(size, axis=0)
-    sp_base = tl.load(sp_dst_ptr + row) if HAS_SP_DST else row * CAP
-    off = start[:, None] + esc_len[:, None] + tl.cumsum(isout, axis=1) - 1
-    tl.store(sp_ptr + sp_base + off, ent.to(tl.uint8), mask=(isout > 0) & ok)
-    e = tl.arange(0, NE)[None, :]
+    start = tl.cumsum(size, axis=1) - size
+    total = tl.sum(size, axis=1, keep_dims=True)
+    sp_base = (tl.load(sp_dst_ptr + row, mask=rv, other=0) if HAS_SP_DST else row * CAP)[:, :, None]
+    off = start[:, :, None] + esc_len[:, :, None] + tl.cumsum(isout, axis=2) - 1
+    tl.store(sp_ptr + sp_base + off, ent.to(tl.uint8), mask=(isout > 0) & ok[:, :, None])
+    e = tl.arange(0, NE)[None, None, :]
     last_adv = adv - F.ADV_CONTINUE * nff  # the advance's closing byte (< ADVANCE_CONTINUE)
-    ebytes = tl.where(e == 0, prev[:, None], tl.where(e <= nff[:, None], F.ADV_CONTINUE, last_adv[:, None]))
-    emask = esc[:, None] & (e <= nff[:, None] + 1) & ok
-    tl.store(sp_ptr + sp_base + start[:, None] + e, ebytes.to(tl.uint8), mask=emask)
+    ebytes = tl.where(e == 0, prev[:, :, None], tl.where(e <= nff[:, :, None], F.ADV_CONTINUE, last_adv[:, :, None]))
+    emask = esc[:, :, None] & (e <= nff[:, :, None] + 1) & ok[:, :, None]
+    tl.store(sp_ptr + sp_base + start[:, :, None] + e, ebytes.to(tl.uint8), mask=emask)
     status = tl.where(bad, -ERR_NONFINITE, tl.where(overflow, -ERR_SCALE_OVERFLOW, total))
-    tl.store(count_ptr + row, status)
+    tl.store(count_ptr + row, status, mask=rv)
 
 
 def _pow2(n: int) -> int:
@@ -286,6 +293,7 @@ def encode_records(
     sparse_offsets: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     check: bool = True,
+    rows_per_program: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode rows straight into page records on ``x``'s device: the GPU counterpart of
     ``oakenkv.kernels.cpu.codec.encode_records``.
@@ -301,6 +309,8 @@ def encode_records(
             ``[N, sparse_capacity(D)]`` buffer; a stream never exceeds the capacity).
         counts: int32 ``[N]`` out: sparse bytes per row, or ``-ERR_*`` for a row that cannot be encoded.
         check: raise ``ValueError`` for a row with an error code (a device-to-host copy of ``counts``).
+        rows_per_program: rows each program encodes (a power of two): one on a GPU (a row lives in registers),
+            more under the interpreter (``interpret.store_blocks``); the same bytes.
 
     Returns:
         ``(records, sparse, counts)``.
@@ -328,12 +338,13 @@ def encode_records(
         counts = torch.empty(n, dtype=torch.int32, device=dev)
     nch = F.num_chunks(d)
     if n:
-        _encode_kernel[(n,)](
+        r = min(_pow2(n), rows_per_program)
+        _encode_kernel[(triton.cdiv(n, r),)](
             x, x.stride(0), thr_t, stride_thr,
             records, record_offsets if record_offsets is not None else records,
             sparse, sparse_offsets if sparse_offsets is not None else sparse,
-            counts, d, rec, cap,
-            NCH_P=_pow2(nch), INNER_BITS=config.inner_bits, OUTER_BITS=config.outer_bits, FP16=fp16,
+            counts, n, d, rec, cap,
+            ROWS=r, NCH_P=_pow2(nch), INNER_BITS=config.inner_bits, OUTER_BITS=config.outer_bits, FP16=fp16,
             SB=F.scale_bytes(config), HAS_REC_DST=record_offsets is not None,
             HAS_SP_DST=sparse_offsets is not None, KP=_pow2(2 ** max(F.MIDDLE_BITS, config.outer_bits) + 1),
             NE=_pow2(2 + (nch - 1) // F.ADVANCE_CONTINUE), FLOOR=F.STEP_FLOOR, FP16_MAX=F.FP16_MAX,

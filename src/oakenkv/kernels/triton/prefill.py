@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 
 from oakenkv.kernels.triton import _oaken as F
-from oakenkv.kernels.triton.attention import SPARSE_BLOCK_LOG, _or_all, _tile_values
+from oakenkv.kernels.triton.attention import (
+    SPARSE_BLOCK_LOG,
+    _or_all,
+    _tile_values,
+    merged_view,
+    own_heads,
+    spread_heads,
+)
 from oakenkv.kernels.triton.coo import flags_to_error
 from oakenkv.kernels.triton.interpret import install
 from oakenkv.kernels.triton.view import DeviceLayerView
@@ -175,6 +182,9 @@ def paged_prefill_attention(
     skip: int = 0,
     dot: int | None = None,
     status: torch.Tensor | None = None,
+    tile_tokens: int = TILE_TOKENS,
+    sparse_block_log: int = SPARSE_BLOCK_LOG,
+    merge_heads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``S`` query tokens per sequence over a layer's pages (module docstring).
 
@@ -187,6 +197,10 @@ def paged_prefill_attention(
         skip: tokens at the start left out (their part is merged by the caller through the log-sum-exp).
         dot: operand type of the products (``DOT_*``); default from ``q``'s dtype (:func:`dot_kind`).
         status: int32 ``[1]`` to max every program's error code into, or None (one code per program).
+        tile_tokens, sparse_block_log: key tokens per tile (a power of two) and log2 of the COO bytes read per token
+            and step (the defaults; larger under the interpreter, ``interpret.store_blocks``).
+        merge_heads: all KV heads in one program (``attention.paged_decode_attention_parts``' option: for the
+            interpreter).
 
     Returns:
         ``(out, lse, status)``: float32 ``[B, Hq, S, hd]``, float32 ``[B, Hq, S]`` (``-inf`` where a query sees no
@@ -203,6 +217,12 @@ def paged_prefill_attention(
         raise ValueError(f"{s} queries from position {past} do not fit the {t_n} tokens of the pages")
     if hd < 16:
         raise ValueError(f"the Triton prefill attention needs head_dim >= 16 (tl.dot), got {hd}")
+    if merge_heads and h > 1:
+        out, lse, status = paged_prefill_attention(
+            spread_heads(q, h), merged_view(view), past, mask, scaling, softcap, skip, dot, status, tile_tokens,
+            sparse_block_log,
+        )  # fmt: skip
+        return own_heads(out, h), lse, status
     dev = q.device
     if q.stride(3) != 1:
         q = q.contiguous()
@@ -228,7 +248,7 @@ def paged_prefill_attention(
     F.fp16_scales(view.scale_bytes)
     if s == 0:
         return out, lse, status
-    scratch = torch.empty(b * h * nqb * TILE_TOKENS * hd_p, dtype=torch.uint8, device=dev)
+    scratch = torch.empty(b * h * nqb * tile_tokens * hd_p, dtype=torch.uint8, device=dev)
     thr = view.thresholds
     if thr.dtype != torch.float32 or not thr.is_contiguous():
         thr = thr.to(torch.float32).contiguous()
@@ -240,9 +260,9 @@ def paged_prefill_attention(
         thr, scratch, out, out.stride(0), out.stride(1), out.stride(2), lse, status, status_stride,
         s, t_n, past, skip, h, hd, view.dim, view.page_size, view.record_size, view.records_per_page,
         float(scaling), float(softcap or 1.0), nqb,
-        G=group, G_P=_pow2(group), BQ=QUERY_BLOCK, HD_P=hd_p, BT=TILE_TOKENS, SB=view.scale_bytes,
-        INNER_BITS=view.inner_bits, OUTER_BITS=view.outer_bits, SBLK=1 << SPARSE_BLOCK_LOG,
-        SBLK_LOG=SPARSE_BLOCK_LOG, SOFTCAP=bool(softcap), MASKED=mask is not None,
+        G=group, G_P=_pow2(group), BQ=QUERY_BLOCK, HD_P=hd_p, BT=tile_tokens, SB=view.scale_bytes,
+        INNER_BITS=view.inner_bits, OUTER_BITS=view.outer_bits, SBLK=1 << sparse_block_log,
+        SBLK_LOG=sparse_block_log, SOFTCAP=bool(softcap), MASKED=mask is not None,
         DOT=dot_kind(q.dtype) if dot is None else dot,
         E_POS=F.ERR_POSITION_RANGE, E_ZERO=F.ERR_ZERO_ADVANCE, E_FIFTH=F.ERR_FIFTH_BIT,
         E_TRUNC=F.ERR_ESCAPE_TRUNCATED, E_NOENTRY=F.ERR_ESCAPE_NO_ENTRY, E_EVICTED=F.ERR_EVICTED,
