@@ -175,6 +175,7 @@ def _overflow(llm: Any, kind: str) -> dict[str, int] | None:
         **stats["totals"],
         "attention_threads": stats.get("attention_threads"),
         "attention_cpus": stats.get("attention_cpus"),
+        "row_thread_taken": stats.get("row_thread_taken"),
         "profile": stats.get("profile"),
         "times_s": stats.get("times_s"),
     }

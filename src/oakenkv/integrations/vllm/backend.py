@@ -532,6 +532,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     while (i := next(nxt)) < len(reqs):
                         prefill(reqs[i])
+                        rt.took()
 
             rt.run([take] * min(len(rt), len(reqs) - 1), take)
         else:
@@ -564,6 +565,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         out["attention_threads"] = impl.threads
         out["attention_cpus"] = list(impl.row_threads.cpus) if impl.row_threads is not None else []
         out["row_thread_runs"] = impl.row_threads.runs if impl.row_threads is not None else 0
+        out["row_thread_taken"] = list(impl.row_threads.taken) if impl.row_threads is not None else []
         out["profile"] = str(impl.settings.profile)
         st = impl._state
         if st is None:

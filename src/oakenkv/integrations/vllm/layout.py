@@ -819,6 +819,9 @@ class RowThreads:
         self._errors: list[BaseException | None] = [None] * n
         #: Calls of :meth:`run` so far (how often a step was shared).
         self.runs = 0
+        #: Work taken so far (chunks of rows, prefill requests) by the caller's thread (0) and each of these.
+        self.taken = [0] * (n + 1)
+        self._index: dict[int, int] = {}
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"oakenkv-attention-{c}", daemon=True)
             for i, c in enumerate(self.cpus)
@@ -836,7 +839,12 @@ class RowThreads:
     def __len__(self) -> int:
         return len(self.cpus)
 
+    def took(self) -> None:
+        """Count one piece of work for the calling thread (``taken``)."""
+        self.taken[self._index.get(threading.get_ident(), 0)] += 1
+
     def _loop(self, i: int) -> None:
+        self._index[threading.get_ident()] = i + 1
         try:
             os.sched_setaffinity(0, {self.cpus[i]})  # pid 0: this thread (Linux binds threads, not processes)
         except (OSError, ValueError) as e:
@@ -949,6 +957,7 @@ def decode_attention_rows(
         def take() -> None:
             while (c := next(chunks)) < len(bounds) - 1:
                 rk(q, keep, scale, softcap, 1, bounds[c], bounds[c + 1], out, status, lse, *view)
+                row_threads.took()
 
         row_threads.run([take] * (parts - 1), take)
     else:
