@@ -812,6 +812,8 @@ class RowThreads:
         self.cpus = tuple(int(c) for c in cpus)
         if not self.cpus:
             raise ValueError("RowThreads needs at least one CPU")
+        if not hasattr(os, "sched_setaffinity"):
+            raise ValueError("binding attention threads to CPUs needs os.sched_setaffinity (Linux)")
         n = len(self.cpus)
         self._go = [threading.Event() for _ in range(n)]
         self._done = [threading.Event() for _ in range(n)]
@@ -847,7 +849,7 @@ class RowThreads:
         self._index[threading.get_ident()] = i + 1
         try:
             os.sched_setaffinity(0, {self.cpus[i]})  # pid 0: this thread (Linux binds threads, not processes)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # reported by __init__, which waits for every thread's binding
             self._errors[i] = e
         self._done[i].set()
         if self._errors[i] is not None:
