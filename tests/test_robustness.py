@@ -1397,6 +1397,9 @@ def test_transforms_records_keep_exact_types(field, value, match):
         ("OAKENKV_VLLM_ATTENTION_THREADS", "99999999999", "number of threads"),
         ("OAKENKV_VLLM_ATTENTION_THREADS", "0", "number of threads"),
         ("OAKENKV_VLLM_ATTENTION_THREADS", "inf", "number of threads"),
+        ("OAKENKV_VLLM_ATTENTION_CPUS", "99999999", "does not exist"),
+        ("OAKENKV_VLLM_ATTENTION_CPUS", "1e3", "CPU ids such as"),
+        ("OAKENKV_VLLM_ATTENTION_CPUS", "0-99999999999999999999", "does not exist"),
     ],
 )
 def test_every_setting_from_the_environment_is_bounded_and_finite(monkeypatch, tmp_path, env, value, match):
@@ -1418,8 +1421,9 @@ def test_every_environment_read_goes_through_a_checked_reader():
     paths = {"OAKENKV_CACHE", "OAKENKV_DATA_DIR", "OAKENKV_VLLM_PROFILE"}
     switches = {"OAKENKV_ALLOW_HUB", "OAKENKV_DEBUG", "OAKENKV_VLLM_OVERFLOW", "TRITON_INTERPRET"}
     numbers = {"OAKENKV_VLLM_SPARSE_BYTES", "OAKENKV_VLLM_ATTENTION_THREADS"}
+    cpu_lists = {"OAKENKV_VLLM_ATTENTION_CPUS"}  # integrations.vllm.parse_cpus: ids of CPUs this machine has
     src = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
-    read, by_number = set(), set()
+    read, by_number, by_cpus = set(), set(), set()
     for f in src.rglob("*.py"):
         text = f.read_text()
         consts = dict(re.findall(r'^(ENV_\w+) = "(\w+)"', text, re.M))
@@ -1427,9 +1431,12 @@ def test_every_environment_read_goes_through_a_checked_reader():
             read.add(consts.get(m.group(1), m.group(1)))
         for m in re.finditer(r"env_number\(\s*(\w+)", text):
             by_number.add(consts.get(m.group(1), m.group(1)))
+        for m in re.finditer(r"parse_cpus\(\s*os\.environ\.get\(\s*(\w+)", text):
+            by_cpus.add(consts.get(m.group(1), m.group(1)))
     read -= {"name"}  # (env_number's own read of the variable it is given)
-    assert read - paths - switches - numbers == set(), "an environment variable of unknown kind is read"
+    assert read - paths - switches - numbers - cpu_lists == set(), "an environment variable of unknown kind is read"
     assert numbers <= by_number and not (numbers & read), "a number is read from the environment without bounds"
+    assert cpu_lists <= by_cpus, "a CPU list is read from the environment without parse_cpus"
 
 
 def test_the_vllm_plugin_reads_a_changed_profile_again(tmp_path):
