@@ -18,10 +18,8 @@ process; ``docs/vllm.md`` has the design.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -43,6 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 
 from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, load_profile, settings
 from oakenkv.integrations.vllm.layout import (
+    ROW_THREADS_MIN_TOKENS,
     BlockLayout,
     BlockTables,
     BlockWriter,
@@ -156,22 +155,10 @@ def warm_up(
         params = LayerParams(thr, num_kv_heads, 0.125)
         q = rng.standard_normal((1, num_heads, head_size)).astype(np.float32)
         decode_attention_rows(tables, 0, pool, q, params, 1)
-        if row_threads is not None:  # the row-range kernel, on the caller's thread and the plugin's own
-            q2 = np.repeat(q, 2 * len(row_threads), axis=0)
-            rows = len(q2)
+        if row_threads is not None:  # a step shared with the plugin's threads: enough rows of n tokens to share
+            rows = max(len(row_threads) + 1, -(-ROW_THREADS_MIN_TOKENS // n))
             tables.update(2, np.repeat(table, rows, axis=0), np.full(rows, n), np.ones(rows, np.int64))
-            lt = tables.layer(0, pool)
-            view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
-                           layout.outer_bits, num_kv_heads, rows=rows)  # fmt: skip
-            f32, out2 = np.float32, np.empty_like(q2)
-            status, lse = np.zeros(rows, np.int64), np.empty((rows, num_heads), np.float32)
-
-            def rows_of(a: int, b: int) -> Callable[[], None]:
-                return lambda: _oaken.packed_decode_attention_rows(
-                    q2, tables.keep[:rows], f32(0.125), f32(0.0), 1, a, b, out2, status, lse, *view
-                )
-
-            row_threads.run([rows_of(2 * i, 2 * i + 2) for i in range(1, len(row_threads))], rows_of(0, 2))
+            decode_attention_rows(tables, 0, pool, np.repeat(q, rows, axis=0), params, 1, None, row_threads)
         if threads > 1:  # the parallel kernel, on the same view types
             lt = tables.layer(0, pool)
             view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
@@ -524,17 +511,14 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         rt = self.row_threads
         if rt is not None and len(reqs) > 1:  # requests taken in turn by this thread and the plugin's own
             tables.layer(st.layer_index, st.pool)  # brought up to date once, before the threads read it
-            nxt = itertools.count()
             # torch's inference and grad modes are per thread: the plugin's threads run under the caller's
             inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
-            def take() -> None:
+            def one(i: int) -> None:
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    while (i := next(nxt)) < len(reqs):
-                        prefill(reqs[i])
-                        rt.took()
+                    prefill(reqs[i])
 
-            rt.run([take] * min(len(rt), len(reqs) - 1), take)
+            rt.share(len(reqs), one)
         else:
             for r in reqs:
                 prefill(r)

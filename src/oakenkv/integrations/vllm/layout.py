@@ -841,10 +841,6 @@ class RowThreads:
     def __len__(self) -> int:
         return len(self.cpus)
 
-    def took(self) -> None:
-        """Count one piece of work for the calling thread (``taken``)."""
-        self.taken[self._index.get(threading.get_ident(), 0)] += 1
-
     def _loop(self, i: int) -> None:
         self._index[threading.get_ident()] = i + 1
         try:
@@ -886,6 +882,19 @@ class RowThreads:
             if self._errors[i] is not None:
                 err, self._errors[i] = self._errors[i], None
                 raise err
+
+    def share(self, count: int, fn: Callable[[int], None]) -> None:
+        """Call ``fn(i)`` for ``i`` in ``range(count)``, each on whichever thread (the caller's or one of these) is
+        free next: ``next()`` of one ``itertools.count`` is atomic under the GIL. Counts each call in ``taken``."""
+        items = itertools.count()
+
+        def take() -> None:
+            k = self._index.get(threading.get_ident(), 0)
+            while (i := next(items)) < count:
+                fn(i)
+                self.taken[k] += 1
+
+        self.run([take] * min(len(self._threads), count - 1), take)
 
     def close(self) -> None:
         """Stop the threads (they are daemons: a process may also just exit)."""
@@ -953,15 +962,10 @@ def decode_attention_rows(
     if share:
         assert row_threads is not None
         bounds = row_shares(tables.seq_lens[:rows], min(rows, parts * ROW_CHUNKS_PER_THREAD)).tolist()
-        chunks = itertools.count()  # next() is atomic under the GIL: each chunk of rows goes to one thread
         rk = _oaken.packed_decode_attention_rows
-
-        def take() -> None:
-            while (c := next(chunks)) < len(bounds) - 1:
-                rk(q, keep, scale, softcap, 1, bounds[c], bounds[c + 1], out, status, lse, *view)
-                row_threads.took()
-
-        row_threads.run([take] * (parts - 1), take)
+        row_threads.share(
+            len(bounds) - 1, lambda c: rk(q, keep, scale, softcap, 1, bounds[c], bounds[c + 1], out, status, lse, *view)
+        )
     else:
         kernel(q, keep, scale, softcap, splits, out, status, lse, *view)
     if status.any():
