@@ -174,6 +174,7 @@ def _overflow(llm: Any, kind: str) -> dict[str, int] | None:
     return {
         **stats["totals"],
         "attention_threads": stats.get("attention_threads"),
+        "torch_threads": stats.get("torch_threads"),
         "attention_cpus": stats.get("attention_cpus"),
         "row_thread_taken": stats.get("row_thread_taken"),
         "profile": stats.get("profile"),

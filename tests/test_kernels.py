@@ -3,6 +3,11 @@ for bit, and fuzzing of the decoder with corrupted and random bytes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numba
 import numpy as np
 import pytest
@@ -582,3 +587,23 @@ def test_signed_grid_two_candidates_equal_the_full_scan(bits):
     got = np.empty((m, 2), np.float32)
     _grids(lo, hi, 2**bits, got)
     assert np.array_equal(got[:, 0], want_min.numpy()) and np.array_equal(got[:, 1], want_max.numpy())
+
+
+def test_numba_threads_leave_torchs_thread_count_alone():
+    """numba's first parallel launch set the process's OpenMP thread count (torch's) to numba's: torch's sums then
+    changed with it (oakenkv.kernels.cpu._launch_threads_keeping_torch)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from oakenkv.calibrate.thresholds import GroupThresholds
+        from oakenkv.format.config import OakenConfig
+        from oakenkv.kernels.codec import decode, encode
+        import numba
+        thr, cfg = GroupThresholds(-2.0, -0.1, 0.1, 2.0), OakenConfig()
+        decode(encode(torch.randn(64, 64), thr, cfg), thr, cfg)
+        print(torch.get_num_threads(), numba.get_num_threads())
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "2"]

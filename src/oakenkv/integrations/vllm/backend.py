@@ -547,6 +547,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
             continue
         out["backend"] = BACKEND_NAME
         out["attention_threads"] = impl.threads
+        out["torch_threads"] = torch.get_num_threads()  # (what vLLM set: numba's start must leave it alone)
         out["attention_cpus"] = list(impl.row_threads.cpus) if impl.row_threads is not None else []
         out["row_thread_runs"] = impl.row_threads.runs if impl.row_threads is not None else 0
         out["row_thread_taken"] = list(impl.row_threads.taken) if impl.row_threads is not None else []

@@ -7,5 +7,26 @@
 - ``rotate``: oaken-plus's online key transform (a shift, then a per-head Walsh-Hadamard transform).
 - ``helpers``: fp16 conversions, borrowed array views and LLVM intrinsics the kernels share.
 
-Nothing is imported here (numba compiles on first use).
+Nothing is imported here (numba compiles on first use), but numba's threads are started here, once, keeping
+torch's thread count (:func:`_launch_threads_keeping_torch`).
 """
+
+
+def _launch_threads_keeping_torch() -> None:
+    """Start numba's threading layer and give torch back its thread count.
+
+    numba starts its threading layer on the first parallel launch, and its OpenMP layer then sets the process's
+    OpenMP thread count to ``NUMBA_NUM_THREADS``, which is torch's too: under ``OMP_NUM_THREADS=1`` torch computed on
+    every core from the first kernel call on, so its sums (and a search's thresholds, in the 7th digit) depended on
+    whether a kernel had run before. numba keeps its own count (``numba.set_num_threads``) after torch's is reset.
+    """
+    import torch
+    from numba.np.ufunc.parallel import _launch_threads
+
+    n = torch.get_num_threads()
+    _launch_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+_launch_threads_keeping_torch()
