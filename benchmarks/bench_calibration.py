@@ -6,6 +6,9 @@ Per model, each in a fresh process (so that one's memory does not count in anoth
   excerpt by default), one prefill per window as the search runs them (a fresh cache, no logits but the last);
   measured before and after the searches, interleaved, and averaged;
 - ``search-new``: ``oakenkv.calibrate.plus.profile_plus`` of this tree (layer by layer);
+- ``search-lazy`` (``--lazy``): the same on the model loaded with ``load_model(lazy=True)`` (its embeddings, LM
+  head and decoder layers read from disk one at a time, ``oakenkv.assets.lazy``), as ``oakenkv calibrate --preset
+  oaken-plus`` runs it; ``--no-eager`` leaves out ``search-new`` (its memory is the whole model's);
 - ``search-old``: the same of ``--old-rev`` (every layer recorded at once), its ``calibrate/plus.py`` loaded from
   git and run against this tree's other modules (it needs nothing they no longer export);
 - for ``--profile-models``: ``profile-forward`` and ``profile``, the paper's thresholds of ``oakenkv profile``
@@ -21,6 +24,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_calibration.py                      # default model, ~1 h on 2 busy cores
     .venv/bin/python benchmarks/bench_calibration.py --models default qwen2.5-coder-0.5b
+    .venv/bin/python benchmarks/bench_calibration.py --models qwen2.5-coder-0.5b --lazy --no-old --profile-models
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def child(args: argparse.Namespace) -> dict:
     from oakenkv.util.compat import cache_kwargs
 
     t0 = time.perf_counter()
-    lm = load_model(args.model)
+    lm = load_model(args.model, lazy=args.child == "search-lazy")
     load_s = time.perf_counter() - t0
     spec = CalibrationSpec(samples=args.samples, window=args.window)
     windows = calibration_windows(lm.tokenizer, spec)
@@ -106,7 +110,7 @@ def child(args: argparse.Namespace) -> dict:
             for r in range(windows.shape[0]):
                 kw = cache_kwargs(lm.model, DynamicCache(config=lm.model.config))
                 lm.model(input_ids=windows[r : r + 1], use_cache=True, logits_to_keep=1, **kw)
-    elif args.child in ("search-new", "search-old"):
+    elif args.child in ("search-new", "search-old", "search-lazy"):
         from oakenkv.calibrate.diskcache import calibration_key
 
         plus = old if old is not None else __import__("oakenkv.calibrate.plus", fromlist=["profile_plus"])
@@ -176,6 +180,8 @@ def main() -> None:
     p.add_argument("--profile-window", type=int, default=256)
     p.add_argument("--old-rev", default=OLD_REV)
     p.add_argument("--no-old", action="store_true", help="skip the old search (its memory and time)")
+    p.add_argument("--lazy", action="store_true", help="also run the search on the lazily loaded model")
+    p.add_argument("--no-eager", action="store_true", help="skip the search on the eagerly loaded model")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -214,23 +220,32 @@ def main() -> None:
     for model in args.models:
         runs = {"forward_before": _run("forward", model, args.samples, args.window, args.old_rev)}
         new_file, old_file = tmp / f"{model}-new.json", tmp / f"{model}-old.json"
-        runs["search_new"] = _run("search-new", model, args.samples, args.window, args.old_rev, new_file)
+        lazy_file = tmp / f"{model}-lazy.json"
+        if not args.no_eager:
+            runs["search_new"] = _run("search-new", model, args.samples, args.window, args.old_rev, new_file)
+        if args.lazy:
+            runs["search_lazy"] = _run("search-lazy", model, args.samples, args.window, args.old_rev, lazy_file)
         if not args.no_old:
             runs["search_old"] = _run("search-old", model, args.samples, args.window, args.old_rev, old_file)
         runs["forward_after"] = _run("forward", model, args.samples, args.window, args.old_rev)
         fwd = (runs["forward_before"]["seconds"] + runs["forward_after"]["seconds"]) / 2
         fwd_cpu = (runs["forward_before"]["cpu_seconds"] + runs["forward_after"]["cpu_seconds"]) / 2
-        entry: dict = {
-            "windows": [args.samples, args.window],
-            "runs": runs,
-            "forward_seconds": round(fwd, 1),
-            "new_over_forward": _ratio(runs["search_new"]["seconds"], fwd),
-            "new_over_forward_cpu": _ratio(runs["search_new"]["cpu_seconds"], fwd_cpu),
-            "new_peak_rss_mib": round(runs["search_new"]["peak_rss_process_mib"]),
-            "new_peak_above_loaded_mib": round(
-                runs["search_new"]["peak_rss_timed_mib"] - runs["search_new"]["rss_loaded_mib"]
-            ),
-        }
+        entry: dict = {"windows": [args.samples, args.window], "runs": runs, "forward_seconds": round(fwd, 1)}
+        for name, run in (("new", "search_new"), ("lazy", "search_lazy")):
+            if run in runs:
+                entry.update(
+                    {
+                        f"{name}_over_forward": _ratio(runs[run]["seconds"], fwd),
+                        f"{name}_over_forward_cpu": _ratio(runs[run]["cpu_seconds"], fwd_cpu),
+                        f"{name}_peak_rss_mib": round(runs[run]["peak_rss_process_mib"]),
+                        f"{name}_peak_above_loaded_mib": round(
+                            runs[run]["peak_rss_timed_mib"] - runs[run]["rss_loaded_mib"]
+                        ),
+                    }
+                )
+        if "search_new" in runs and "search_lazy" in runs:
+            entry["same_profile_lazy_as_new"] = _decided(lazy_file) == _decided(new_file)
+        decided = new_file if "search_new" in runs else lazy_file if "search_lazy" in runs else None
         if not args.no_old:
             old = runs["search_old"]
             entry.update(
@@ -239,12 +254,12 @@ def main() -> None:
                     "old_over_forward_cpu": _ratio(old["cpu_seconds"], fwd_cpu),
                     "old_peak_rss_mib": round(old["peak_rss_process_mib"]),
                     "old_peak_above_loaded_mib": round(old["peak_rss_timed_mib"] - old["rss_loaded_mib"]),
-                    "same_profile_as_old": _decided(new_file) == _decided(old_file),
+                    "same_profile_as_old": decided is not None and _decided(decided) == _decided(old_file),
                 }
             )
-        if model == "default" and (args.samples, args.window) == (16, 2048):
+        if decided is not None and model == "default" and (args.samples, args.window) == (16, 2048):
             shipped = ROOT / "src/oakenkv/calibrate/profiles/plus-default-wikipedia-16x2048-602ca9a24103faa2.json"
-            entry["same_profile_as_shipped"] = _decided(new_file) == _decided(shipped)
+            entry["same_profile_as_shipped"] = _decided(decided) == _decided(shipped)
         result["search"][model] = entry
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for model in args.profile_models:

@@ -406,3 +406,28 @@ def test_profiles_made_together_equal_profiles_made_alone(default_model, tmp_pat
         assert alone.transforms.digest() == t.transforms.digest()
         assert alone.keys == t.keys and alone.values == t.values
     assert together[0].transforms.digest() != together[1].transforms.digest()  # the searches did differ
+
+
+@pytest.mark.model
+def test_cli_oaken_plus_profile_on_the_lazy_model_equals_the_eager_search(default_model, tmp_path):
+    """`oakenkv profile --preset oaken-plus` loads the model lazily (oakenkv.assets.lazy: one unit's weights in memory
+    at a time); its profile is the one the search makes on the eagerly loaded model, JSON for JSON (timing aside)."""
+    from typer.testing import CliRunner
+
+    from oakenkv.calibrate.presets import PRESETS
+    from oakenkv.calibrate.profile import load_calibration
+    from oakenkv.cli import app
+
+    out = tmp_path / "plus.json"
+    res = CliRunner().invoke(
+        app, ["profile", "--preset", "oaken-plus", "--samples", "2", "--window", "48", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    _, ids, meta = load_calibration("default", 2, 48)
+    want = profile_plus(default_model.model, ids, PRESETS["oaken-plus"].search(), name="default", metadata=meta)
+    got = Thresholds.load(out).to_dict()
+    want = want.to_dict()
+    for d in (got, want):
+        d["profile"].pop("seconds")
+        d["profile"].pop("cpu_seconds")
+    assert got == want

@@ -489,7 +489,7 @@ def load_tokenizer(name: str = "default") -> Any:
     return AutoTokenizer.from_pretrained(_weights_dir(locate_model(name)))
 
 
-def load_model(name: str = "default", *, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(name: str = "default", *, dtype: torch.dtype | None = None, lazy: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer on CPU in eval mode.
 
     Args:
@@ -497,6 +497,9 @@ def load_model(name: str = "default", *, dtype: torch.dtype | None = None) -> Lo
             Hugging Face id (downloaded by transformers: the only case that may use the network), a local
             model directory, or a path to a ``.gguf`` file.
         dtype: dtype of the parameters (None: float32, as the GGUF is dequantized to float32).
+        lazy: leave the embeddings, the LM head and the decoder layers on disk, one read into memory at a time when
+            a forward pass calls it (``oakenkv.assets.lazy``: for work that runs the layers one at a time, such as
+            the oaken-plus search; not for generation). Needs local safetensors weights (not a hub id).
 
     GGUF sources (the embedded models and ``.gguf`` paths) are converted once and cached (module docstring).
     """
@@ -508,8 +511,15 @@ def load_model(name: str = "default", *, dtype: torch.dtype | None = None) -> Lo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = locate_model(name)
+    if lazy and src.kind == "hub":
+        raise ValueError(f"lazy loading reads local safetensors weights; {name!r} is a hub id")
     where = _weights_dir(src)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+    if lazy:
+        from oakenkv.assets.lazy import load_lazy
+
+        model = load_lazy(where, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=where)

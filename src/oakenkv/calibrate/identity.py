@@ -82,6 +82,11 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     """
     import torch
 
+    from oakenkv.assets.lazy import lazy_weights
+
+    lazy = lazy_weights(model)
+    if lazy is not None:
+        return _lazy_digest(model, lazy, reuse)
     state = model.state_dict()
     versions = _versions(state)
     if reuse and versions is not None:
@@ -131,6 +136,32 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     if versions is not None:
         with contextlib.suppress(TypeError):
             _DIGESTS[model] = (versions, digest)
+    return digest
+
+
+def _lazy_digest(model: Any, lazy: Any, reuse: bool) -> str:
+    """:func:`weights_digest` of a model made by ``oakenkv.assets.lazy.load_lazy``: the same lines, the units'
+    tensors read from disk one at a time (as the eagerly loaded model holds them), the others from memory."""
+    import torch
+
+    state = model.state_dict()
+    names = sorted(state)
+    others = {n: state[n] for n in names if n not in lazy.lazy_names}
+    versions = _versions(others)
+    if reuse and versions is not None and lazy.known_digest is not None and lazy.known_digest[0] == versions:
+        return lazy.known_digest[1]
+    h = hashlib.sha256()
+    for name in names:
+        t = (lazy.tensor(name) if name in lazy.lazy_names else state[name]).detach()
+        if t.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
+        flat = t.cpu().contiguous().reshape(-1)
+        hexd = hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
+        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{hexd}\n".encode())
+        del t, flat
+    digest = WEIGHTS_DIGEST_PREFIX + h.hexdigest()
+    if versions is not None:
+        lazy.known_digest = (versions, digest)
     return digest
 
 

@@ -175,10 +175,12 @@ def profile_plus_model(
     progress: bool = False,
 ) -> Thresholds:
     """Load a model and its calibration text (``oakenkv.calibrate.profile.load_calibration``) and run
-    :func:`profile_plus`."""
+    :func:`profile_plus`. The model is loaded lazily (``oakenkv.assets.lazy``: its embeddings, LM head and decoder
+    layers read from disk one at a time as the search runs them), so memory holds about one layer's weights and
+    recording, not the whole model; the profile is the same."""
     from oakenkv.calibrate.profile import load_calibration
 
-    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path, lazy=True)
     return profile_plus(loaded.model, ids, search, progress=progress, name=model, metadata=meta)
 
 

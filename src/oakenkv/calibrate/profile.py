@@ -252,13 +252,20 @@ class ProgressLog:
 
 
 def load_calibration(
-    model: str, samples: int, window: int, data: str = "wikipedia", data_path: str | None = None
+    model: str,
+    samples: int,
+    window: int,
+    data: str = "wikipedia",
+    data_path: str | None = None,
+    *,
+    lazy: bool = False,
 ) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
     its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
-    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about."""
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about. ``lazy``:
+    the model's units stay on disk until called (``load_model(lazy=True)``; hub ids load eagerly)."""
     from oakenkv.assets.data import load_text, token_windows
-    from oakenkv.assets.models import load_model
+    from oakenkv.assets.models import load_model, locate_model
 
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
@@ -268,7 +275,7 @@ def load_calibration(
             UserWarning,
             stacklevel=3,
         )
-    loaded = load_model(model)
+    loaded = load_model(model, lazy=lazy and locate_model(model).kind != "hub")
     text = load_text(data, data_path)
     ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
     if ids.shape[0] < samples:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from oakenkv.assets.lazy import execution_device
 from oakenkv.calibrate.rope import rotate_half
 from oakenkv.calibrate.transforms import TransformError, attention_modules
 from oakenkv.util.compat import cache_kwargs
@@ -166,7 +167,7 @@ class KVRecorder:
         kw["cache" if "cache" in params else "past_key_values"] = cache
         if "logits_to_keep" in params:
             kw["logits_to_keep"] = 1  # we need no logits: skip most of the LM head
-        device = next(self.model.parameters()).device
+        device = execution_device(self.model)
         self.model(input_ids.to(device), **kw)
         missing = [i for i, k in enumerate(self._keys) if k is None]
         if missing:
@@ -320,7 +321,7 @@ def record_attention(
         vs[i].append(_host(value[0]))
         scaling[i] = float(kw.get("scaling") or module.scaling)
 
-    device = next(model.parameters()).device
+    device = execution_device(model)
     with _recording_attention(model, sink), torch.inference_mode():
         for r in range(windows.shape[0]):
             run[0] = r
@@ -370,6 +371,7 @@ def _layer_inputs(model: Any, layers: list[Any], ids: torch.Tensor) -> tuple[tor
                 raise _Stop
             return args[0] if args else kwargs["hidden_states"]
 
+        forward.needs_weights = False  # a model made by oakenkv.assets.lazy does not read this layer for it
         return forward
 
     # an instance attribute "forward" shadows the class's; a hook library may have put its own there: restored after
@@ -443,7 +445,7 @@ def stream_attention(
     Consume it to the end or close it: until then the model's attention records."""
     traits = _traits(model)
     layers = decoder_layers(model, traits.modules)
-    device = next(model.parameters()).device
+    device = execution_device(model)
     probe = windows[:1, :CHECK_TOKENS].to(device)
     whole = record_attention(model, probe, 1)
     inputs: list[tuple[torch.Tensor, list[tuple[tuple, dict]]]] = []
