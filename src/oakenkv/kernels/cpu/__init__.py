@@ -24,7 +24,10 @@ def _launch_threads_keeping_torch() -> None:
     from numba.np.ufunc.parallel import _launch_threads
 
     n = torch.get_num_threads()
-    _launch_threads()
+    try:
+        _launch_threads()
+    except Exception:  # (no threading layer loads: the first parallel kernel raises numba's own error)
+        return
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
