@@ -12,7 +12,8 @@ Per model, each in a fresh process (so that one's memory does not count in anoth
 - ``search-old``: the same of ``--old-rev`` (every layer recorded at once), its ``calibrate/plus.py`` loaded from
   git and run against this tree's other modules (it needs nothing they no longer export);
 - for ``--profile-models``: ``profile-forward`` and ``profile``, the paper's thresholds of ``oakenkv profile``
-  (``profile_thresholds``, 100 x 256 tokens by default) and its forward passes alone, interleaved.
+  (``profile_thresholds``, 100 x 256 tokens by default, layer by layer on the lazily loaded model as the command
+  runs it) and its forward passes alone (the whole model loaded), interleaved.
 
 For each: wall and CPU seconds of the timed part, the process's resident memory after loading the model and the
 windows (its weights read once and a short prefill run, so that all of it is resident), and its peak during the
@@ -79,7 +80,8 @@ def child(args: argparse.Namespace) -> dict:
     from oakenkv.util.compat import cache_kwargs
 
     t0 = time.perf_counter()
-    lm = load_model(args.model, lazy=args.child == "search-lazy")
+    # the profile runs layer by layer on a lazily loaded model, as `oakenkv profile` runs it (profile_model)
+    lm = load_model(args.model, lazy=args.child in ("search-lazy", "profile"))
     load_s = time.perf_counter() - t0
     spec = CalibrationSpec(samples=args.samples, window=args.window)
     windows = calibration_windows(lm.tokenizer, spec)
@@ -172,7 +174,7 @@ def _ratio(a: float, b: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["default"])
+    p.add_argument("--models", nargs="*", default=["default"], help="models whose search is measured (none: skip)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--profile-models", nargs="*", default=["default"])

@@ -97,6 +97,38 @@ def test_profile_real_model(profiled, default_model, calib_ids, tmp_path):
 
 
 @pytest.mark.model
+def test_the_layer_by_layer_profile_is_the_whole_forward_passes_bit_for_bit(default_model, calib_ids, monkeypatch):
+    """profile_thresholds runs layer by layer (stream_attention) by default; through the whole model one window at
+    a time (KVRecorder) where it cannot: the same profile, and the same again on a lazily loaded model."""
+    import oakenkv.calibrate.profile as profile
+    from oakenkv.assets.lazy import lazy_weights, load_lazy
+    from oakenkv.calibrate.recording import StreamingUnsupported
+
+    ids = calib_ids[:3, :48]
+
+    def decided(th: Thresholds) -> dict:
+        d = th.to_dict()
+        for k in ("seconds", "cpu_seconds"):
+            d["profile"].pop(k)
+        return d
+
+    with pytest.warns(FewRunsWarning):
+        streamed = profile_thresholds(default_model.model, ids)
+    lazy = load_lazy(default_model.source)
+    with pytest.warns(FewRunsWarning):
+        lazily = profile_thresholds(lazy, ids)
+    assert lazy_weights(lazy).reads < 4 * 32  # a few reads of each unit, not one per window
+
+    def unsupported(*args, **kwargs):
+        raise StreamingUnsupported("(test)")
+
+    monkeypatch.setattr(profile, "stream_attention", unsupported)
+    with pytest.warns(FewRunsWarning):
+        whole = profile_thresholds(default_model.model, ids)
+    assert decided(streamed) == decided(whole) == decided(lazily)
+
+
+@pytest.mark.model
 def test_batching_does_not_change_the_result(default_model, calib_ids):
     ids = calib_ids[:2, :64]
     with pytest.warns(FewRunsWarning):

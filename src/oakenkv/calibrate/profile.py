@@ -4,9 +4,14 @@ Oaken (Kim et al., ISCA 2025, Section 4.2) profiles the thresholds once per mode
 calibration text, per decoder layer and separately for keys and values, the thresholds that split the values into
 the configured group ratios (default 4% outer / 90% middle / 6% inner), averaged over the runs.
 
-One window at a time: the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``), their
-per-run quantiles and kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds one window's
-recording, whatever the number of windows.
+Layer by layer (post-RoPE keys, one window per forward, the defaults): every window's keys and values of one layer
+(``oakenkv.calibrate.recording.stream_attention``, the oaken-plus search's recording), their per-run quantiles and
+kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds every window's hidden states and one
+layer's keys and values, and a model loaded lazily (``load_model(lazy=True)``, what :func:`profile_model` loads)
+keeps one unit's weights in memory, so a model larger than memory profiles. Otherwise (pre-RoPE keys, batches of
+windows, a model whose layers cannot run one at a time) one window (or batch) at a time through the whole model:
+the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``); memory holds one window's
+recording of every layer. Both give the same profile, bit for bit (``tests/test_profile.py``).
 
 Entry points
 ------------
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from oakenkv.assets.lazy import lazy_weights
 from oakenkv.calibrate.diskcache import (
     CalibrationKey,
     calibration_key,
@@ -43,7 +49,7 @@ from oakenkv.calibrate.diskcache import (
     thresholds_entry,
 )
 from oakenkv.calibrate.identity import ModelFingerprint
-from oakenkv.calibrate.recording import KVRecorder, record_kv
+from oakenkv.calibrate.recording import KVRecorder, StreamingUnsupported, record_kv, stream_attention
 from oakenkv.calibrate.spec import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_CALIB_TEXT,
@@ -161,29 +167,59 @@ def profile_thresholds(
     outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
+    def add(layer: int, kind: str, states: torch.Tensor, start: int) -> None:
+        """Runs ``start, start + 1, ...`` of one layer's keys or values ``[B, H, S, D]``, in order."""
+        if states.shape[1] != fingerprint.num_kv_heads or states.shape[3] != fingerprint.head_dim:
+            raise RuntimeError(
+                f"layer {layer} {kind}s have shape {tuple(states.shape)}, expected "
+                f"[B, {fingerprint.num_kv_heads}, S, {fingerprint.head_dim}]"
+            )
+        acc = accs[(layer, kind)]
+        for b in range(states.shape[0]):
+            x = states[b]  # [H, S, D]: one run
+            try:
+                o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
+            except ValueError as e:
+                raise ValueError(f"layer {layer} {kind}s of run {start + b}: {e}") from e
+            acc.add(o, i, k, x.numel())
+
     t0, cpu0 = time.perf_counter(), time.process_time()
-    with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
-        for start in range(0, runs, batch_size):
-            batch = windows[start : start + batch_size]
-            keys, values = rec.record(batch)
-            if len(keys) != fingerprint.num_layers:
-                raise RuntimeError(f"recorded {len(keys)} layers, the config says {fingerprint.num_layers}")
-            for layer in range(fingerprint.num_layers):
-                for kind, states in (("key", keys[layer]), ("value", values[layer])):
-                    if states.shape[1] != fingerprint.num_kv_heads or states.shape[3] != fingerprint.head_dim:
-                        raise RuntimeError(
-                            f"layer {layer} {kind}s have shape {tuple(states.shape)}, expected "
-                            f"[B, {fingerprint.num_kv_heads}, S, {fingerprint.head_dim}]"
-                        )
-                    acc = accs[(layer, kind)]
-                    for b in range(states.shape[0]):
-                        x = states[b]  # [H, S, D]: one run
-                        try:
-                            o, i, k = run_thresholds(x, outer_ratios, inner_ratios, inner_center)
-                        except ValueError as e:
-                            raise ValueError(f"layer {layer} {kind}s of run {start + b}: {e}") from e
-                        acc.add(o, i, k, x.numel())
-            advance(batch.shape[0])
+    streamed = config.key_position == "post_rope" and batch_size == 1
+    if streamed:
+        with ProgressLog(progress, runs * fingerprint.num_layers, "profiling", "layer runs") as advance:
+            try:
+                layers = stream_attention(model, windows, 1, advance)
+            except StreamingUnsupported as e:
+                streamed = False
+                if lazy_weights(model) is not None:
+                    warnings.warn(
+                        f"running every window through the whole model, which reads each layer from disk once per "
+                        f"window ({e})",
+                        stacklevel=2,
+                    )
+            else:
+                seen = 0
+                try:
+                    for record in layers:
+                        add(record.index, "key", record.keys, 0)
+                        add(record.index, "value", record.values, 0)
+                        seen += 1
+                        del record
+                finally:
+                    layers.close()
+                if seen != fingerprint.num_layers:
+                    raise RuntimeError(f"recorded {seen} layers, the config says {fingerprint.num_layers}")
+    if not streamed:
+        with KVRecorder(model, config.key_position) as rec, ProgressLog(progress, runs) as advance:
+            for start in range(0, runs, batch_size):
+                batch = windows[start : start + batch_size]
+                keys, values = rec.record(batch)
+                if len(keys) != fingerprint.num_layers:
+                    raise RuntimeError(f"recorded {len(keys)} layers, the config says {fingerprint.num_layers}")
+                for layer in range(fingerprint.num_layers):
+                    add(layer, "key", keys[layer], start)
+                    add(layer, "value", values[layer], start)
+                advance(batch.shape[0])
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
 
     keys_t, values_t, kst, vst = [], [], [], []
@@ -301,8 +337,11 @@ def profile_model(
     batch_size: int = 1,
     progress: bool = False,
 ) -> Thresholds:
-    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds."""
-    loaded, ids, meta = load_calibration(model, samples, window, data, data_path)
+    """Load a model and its calibration text (:func:`load_calibration`) and profile the paper's thresholds. Where
+    the profile runs layer by layer (post-RoPE keys, ``batch_size`` 1: the defaults) the model is loaded lazily
+    (module doc); the profile is the same."""
+    lazy = (config or OakenConfig()).key_position == "post_rope" and batch_size == 1
+    loaded, ids, meta = load_calibration(model, samples, window, data, data_path, lazy=lazy)
     return profile_thresholds(
         loaded.model,
         ids,

@@ -50,6 +50,7 @@ from oakenkv.assets.lazy import execution_device
 from oakenkv.calibrate.rope import rotate_half
 from oakenkv.calibrate.transforms import TransformError, attention_modules
 from oakenkv.util.compat import cache_kwargs
+from oakenkv.util.resources import release_free_memory
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -529,3 +530,5 @@ def _run_layers(
             if i == len(layers) - 1:
                 hidden.clear()
             yield record
+            del record
+            release_free_memory()  # (the consumer is done with the layer: its buffers' pages back to the system)

