@@ -214,6 +214,7 @@ def table(root: Path) -> str:
         )
         if s.get("levels"):
             grids = "static, levels " + "/".join(f"{v:g}" for v in s["levels"])
+            grids += " (aware search)" if s.get("static_aware_search") else ""
         w = s.get("windows", [0, 0])
         delta = s.get("delta_vs_fp", s.get("delta_vs_fp_same_windows"))
         peers = "; ".join(
@@ -222,7 +223,7 @@ def table(root: Path) -> str:
             if k.startswith("vs_")
         )
         lines.append(
-            f"| `{s['spec']}` | {grids} | {w[0]}-{w[1] - 1} | {s['bits']:.3f} | {s['sparse_share']:.4f} | "
+            f"| `{s['spec']}` | {grids} | {w[0]}-{w[1] - 1} | {s['bits']:.4f} | {s['sparse_share']:.4f} | "
             f"{'' if delta is None else f'{delta:+.3f}'} | {s['ppl']:.3f} | {peers} |"
         )
     return "\n".join(lines)
