@@ -17,10 +17,17 @@ Nothing is changed in the format, the kernels or the codec.
 codec bit for bit (``--check`` asserts it on every call: the same dequantized values and the same bits), so its
 perplexity is ``oakenkv eval ppl --method <spec>``'s.
 
-    OAKENKV_DATA_DIR=... OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 .venv/bin/python benchmarks/static_scales.py \\
-        --spec 'oaken-plus:bits=4,sparse=0.058,rot_k=1,rot_v=1' --static 1 --peer kvquant4
+Variants: ``--levels 0.5,0.7,0.85,1`` (a few static grids per layer, each row taking the smallest that covers its
+middle values, a 2-bit index per row counted); ``--static-search DIR`` (the oaken-plus search scores its candidates
+with the static quantizer; those profiles are kept in DIR, never in the calibration cache). ``--first 4`` evaluates
+windows the report does not use (to choose settings). Peers and FP come from ``docs/results/default-<n>w/``.
 
-Writes ``benchmarks/results/static_scales/<point>.json`` (``--point``; default from the spec and clip).
+    OAKENKV_DATA_DIR=... OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 .venv/bin/python benchmarks/static_scales.py \\
+        --spec 'oaken-plus:bits=4,sparse=0.057,rot_k=1,rot_v=1' --static 1 --peer kvquant4
+    .venv/bin/python benchmarks/static_scales.py --table      # the notebook's rows from every result
+
+Writes ``benchmarks/results/static_scales/<point>.json`` (``--point``; default from the spec, grids and windows).
+docs/notebook/lowbit-sweep.md (2026-12-06, afternoon) reads them.
 """
 
 from __future__ import annotations
