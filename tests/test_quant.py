@@ -21,6 +21,7 @@ from oakenkv.quant.quantizer import (
     group_fractions,
     quantize,
     quantize_dequantize,
+    static_grid,
     thresholds_tuple,
 )
 
@@ -197,8 +198,8 @@ def test_other_slot_widths_error_within_half_a_step_and_never_on_the_wrong_side(
     _check_error_and_sides(x, thr, OakenConfig(middle_bits=mb, inner_bits=mb if narrow else mb + 1))
 
 
-def _check_error_and_sides(x, thr, cfg):
-    q = quantize(x, thr, cfg)
+def _check_error_and_sides(x, thr, cfg, static=None):
+    q = quantize(x, thr, cfg, static_scales=static)
     y = dequantize(q, thr, cfg)
     to_lo, ti_lo, ti_hi, to_hi = thresholds_tuple(thr)
     codes = q.codes.long()  # (a uint8 tensor compared with 256 would compare with 0)
@@ -237,3 +238,73 @@ def test_fp32_scales_meet_the_plain_half_step_bound(x, thr):
     q = quantize(x, thr, cfg)
     err = (dequantize(q, thr, cfg) - x).abs()
     assert (err <= error_bound(q, cfg) * (1 + 1e-5) + 1e-5 * (1 + x.abs())).all()
+
+
+# ---------------------------------------------------------------- static middle/inner scales (experimental, #36)
+
+
+def test_static_grid_by_hand():
+    # Middle magnitudes 3.5 below and above zero: step(k) = max(3.5/(k+1), 3.5/(15-k)) is 0.4375 at k=7, so
+    # gmin = -7.5 * 0.4375 = -3.28125 and the end codes absorb half a step more (+-3.5 covered). Inner: [-0.5, 0.5].
+    mins, maxs = static_grid(THR)
+    assert mins.tolist() == [-3.28125, -0.5, 0.0] and maxs.tolist() == [3.28125, 0.5, 0.0]
+    assert mins.dtype == torch.float16
+    half = static_grid(THR, clip=0.5)  # the middle grid shrinks, the inner one does not
+    assert half[0][GROUP_MIDDLE].item() == pytest.approx(-3.28125 / 2, rel=1e-3)
+    assert half[0][GROUP_INNER].item() == -0.5
+    # adaptive grouping: the grouping thresholds bound the groups (to_lo' = -6: middle down to -6 - -0.5 = -5.5)
+    wide = static_grid(THR, group=(-6.0, -0.5, 0.5, 4.0))
+    assert wide[0][GROUP_MIDDLE].item() < -3.5 and wide[1][GROUP_MIDDLE].item() > 0
+    for bad in (0.0, 1.5, -1.0, True, float("nan")):
+        with pytest.raises(ValueError, match="clip"):
+            static_grid(THR, clip=bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy())
+def test_static_scales_off_is_the_codec_bit_for_bit(x, thr):
+    """The option's default (None) leaves the reference what the (unchanged) numba codec reproduces, bit for bit."""
+    from oakenkv.kernels.codec import decode, encode
+
+    q = quantize(x, thr, static_scales=None)
+    y = dequantize(q, thr)
+    assert torch.equal(y, decode(encode(x, thr), thr))
+    ref = quantize(x, thr)
+    assert torch.equal(q.codes, ref.codes) and torch.equal(q.mins, ref.mins) and torch.equal(q.maxs, ref.maxs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy(), mb=st.sampled_from([4, 3, 2]))
+def test_static_scales_end_points_and_round_trip(x, thr, mb):
+    """On: every row's middle and inner end points are the static ones, the outer's are the per-row ones, and
+    (clip 1 covers every middle and inner value) each value comes back within its grid's half step, on its side."""
+    cfg = OakenConfig(middle_bits=mb, inner_bits=mb + 1)
+    q = quantize(x, thr, cfg, static_scales=1.0)
+    mins, maxs = static_grid(thr, cfg)
+    for g in (GROUP_MIDDLE, GROUP_INNER):
+        assert (q.mins[:, g] == mins[g]).all() and (q.maxs[:, g] == maxs[g]).all()
+    per_row = quantize(x, thr, cfg)
+    assert torch.equal(q.mins[:, GROUP_OUTER], per_row.mins[:, GROUP_OUTER])
+    assert torch.equal(q.maxs[:, GROUP_OUTER], per_row.maxs[:, GROUP_OUTER])
+    assert torch.equal(q.groups, per_row.groups)
+    outer = q.groups == GROUP_OUTER
+    assert torch.equal(q.codes[outer], per_row.codes[outer])
+    _check_error_and_sides(x, thr, cfg, static=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy(), clip=st.sampled_from([0.25, 0.5, 0.8]))
+def test_clipped_static_scales_keep_sides(x, thr, clip):
+    """Below 1 a middle value beyond the static grid is clamped to an end code: never restored on the wrong side,
+    and never further from its threshold than the value itself."""
+    q = quantize(x, thr, static_scales=clip)
+    y = dequantize(q, thr)
+    _, ti_lo, ti_hi, _ = thresholds_tuple(thr)
+    mid = q.groups == GROUP_MIDDLE
+    up, down = mid & (x > ti_hi), mid & (x < ti_lo)
+    assert (y[up] >= ti_hi).all() and (y[down] <= ti_lo).all()
+    slack = _slack(q, OakenConfig())
+    assert (y[up] <= torch.maximum(x[up], y[up] * 0 + ti_hi) + slack[up]).all()
+    assert (y[down] >= torch.minimum(x[down], y[down] * 0 + ti_lo) - slack[down]).all()
+    err = (y - x).abs()
+    assert (err[~mid] <= slack[~mid]).all()

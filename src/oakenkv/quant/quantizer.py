@@ -259,8 +259,55 @@ def _grid_step(gmin: torch.Tensor, gmax: torch.Tensor, bits: int) -> torch.Tenso
     return (gmax.to(torch.float32) - gmin.to(torch.float32)) / torch.tensor(2.0**bits - 1.0, dtype=torch.float32)
 
 
+def static_grid(
+    thr: ThresholdsLike,
+    config: OakenConfig | None = None,
+    group: ThresholdsLike | None = None,
+    clip: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EXPERIMENTAL (issue #36; not a format: nothing stores or reads these): grid end points of the middle and
+    inner groups fixed by the layer's thresholds instead of each row's values, as :func:`quantize` uses them with
+    ``static_scales``. Returns ``(mins, maxs)``, ``[3]`` in the config's scale dtype indexed by group id, the outer
+    group's entries 0 (it keeps its per-row grid).
+
+    The grouping thresholds (``group`` or ``thr``) bound what each group can hold: a middle value shifted by
+    ``thr`` lies in ``[g_to_lo - ti_lo, 0)`` or ``(0, g_to_hi - ti_hi]``, an inner value in ``[g_ti_lo, g_ti_hi]``.
+    The middle grid is the signed grid (:func:`_signed_grid`, zero between two codes) of those two magnitudes each
+    times ``clip`` (1: it covers every middle value; below 1 the rarer values near the outer thresholds are clipped
+    to the end codes for a finer step); the inner grid is the plain one of ``[g_ti_lo, g_ti_hi]`` (a narrow range,
+    one bit more than the slot: never clipped).
+    """
+    config = config or OakenConfig()
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0.0 < clip <= 1.0:
+        raise ValueError(f"clip must be a number in (0, 1], got {clip!r}")
+    t = grouping_tuple(thr, group)
+    ti_lo, ti_hi = t[1], t[2]  # the shift's inner thresholds
+    g_to_lo, g_ti_lo, g_ti_hi, g_to_hi = t[4:] if group is not None else t
+    f32 = torch.float32
+    bits = group_bits(config)
+    c = torch.tensor(clip, dtype=f32)
+    # the two extreme shifted middle values, as float32 differences of float32 thresholds (as group_shift makes them)
+    lo = (torch.tensor(g_to_lo, dtype=f32) - torch.tensor(ti_lo, dtype=f32)) * c
+    hi = (torch.tensor(g_to_hi, dtype=f32) - torch.tensor(ti_hi, dtype=f32)) * c
+    ends = torch.stack([lo, hi])[None]  # [1, 2]: both sides present (strict thresholds: lo < 0 < hi)
+    everything = torch.ones_like(ends, dtype=torch.bool)
+    m_lo, m_hi = _signed_grid(ends, everything, bits[GROUP_MIDDLE], config.scale_torch_dtype)
+    inner = torch.tensor([[g_ti_lo, g_ti_hi]], dtype=f32)
+    i_lo, i_hi = _plain_grid(inner, torch.ones_like(inner, dtype=torch.bool))
+    mins = torch.zeros(NUM_GROUPS, dtype=f32)
+    maxs = torch.zeros(NUM_GROUPS, dtype=f32)
+    mins[GROUP_MIDDLE], maxs[GROUP_MIDDLE] = m_lo[0], m_hi[0]
+    mins[GROUP_INNER], maxs[GROUP_INNER] = i_lo[0], i_hi[0]
+    return _round_scales(mins, config), _round_scales(maxs, config)
+
+
 def quantize(
-    x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None, group: ThresholdsLike | None = None
+    x: torch.Tensor,
+    thr: ThresholdsLike,
+    config: OakenConfig | None = None,
+    group: ThresholdsLike | None = None,
+    *,
+    static_scales: float | None = None,
 ) -> QuantizedVectors:
     """Quantize rows of ``x``.
 
@@ -270,6 +317,11 @@ def quantize(
         config: the method's configuration (default: the paper's).
         group: thresholds to group the values by instead of ``thr``, which then only shifts them (and decodes
             them): adaptive grouping (``oakenkv.quant.adapt``; :func:`grouping_tuple` says which are allowed).
+        static_scales: EXPERIMENTAL, a simulation only (issue #36; the format, the kernels and the codec know
+            nothing of it): None (the default, Oaken's per-row grids) or a clip factor in (0, 1]: every row's
+            middle and inner groups use the fixed grid of :func:`static_grid` (``mins``/``maxs`` hold it in every
+            row, whether or not the group has members), values beyond it clamped to its end codes; the outer
+            group keeps its per-row grid. :func:`dequantize` decodes the result as it is.
 
     Returns:
         The codes, group of each value and the per-row grid end points (see :class:`QuantizedVectors`).
@@ -278,6 +330,7 @@ def quantize(
     if x.dim() != 2:
         raise ValueError(f"quantize expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
     x32 = _check_input(x)
+    fixed = None if static_scales is None else static_grid(thr, config, group, static_scales)
     g = grouping_tuple(thr, group)
     groups = assign_groups(x32, g[4:] if group is not None else thr)
     s = group_shift(x32, groups, thr)
@@ -291,8 +344,12 @@ def quantize(
     for g in (GROUP_MIDDLE, GROUP_INNER, GROUP_OUTER):
         member = groups == g
         signed = g != GROUP_INNER
-        gmin, gmax = _signed_grid(s, member, bits[g], config.scale_torch_dtype) if signed else _plain_grid(s, member)
-        gmin_q, gmax_q = _round_scales(gmin, config), _round_scales(gmax, config)
+        if fixed is not None and g != GROUP_OUTER:
+            gmin_q, gmax_q = fixed[0][g].expand(n_rows), fixed[1][g].expand(n_rows)
+        else:
+            scale_dtype = config.scale_torch_dtype
+            gmin, gmax = _signed_grid(s, member, bits[g], scale_dtype) if signed else _plain_grid(s, member)
+            gmin_q, gmax_q = _round_scales(gmin, config), _round_scales(gmax, config)
         mins[:, g], maxs[:, g] = gmin_q, gmax_q
         lo, step = gmin_q.to(f32)[:, None], _grid_step(gmin_q, gmax_q, bits[g])[:, None]
         safe_step = torch.where(step > 0, step, torch.ones_like(step))
