@@ -95,6 +95,9 @@ def test_safetensors_reader_reads_what_safetensors_wrote(tmp_path):
         ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "does not fit"),
         ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 16, "does not fit"),
         ({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8, "unsupported dtype"),
+        ({"x": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "no valid shape and offsets"),
+        ({"x": {"dtype": "F32", "shape": "two", "data_offsets": [0, 8]}}, b"\0" * 8, "no valid shape and offsets"),
+        ({"x": [1, 2]}, b"", "unsupported dtype"),
     ],
 )
 def test_corrupt_safetensors_files_are_refused_with_their_path(tmp_path, header, data, message):
@@ -114,6 +117,10 @@ def test_unreadable_headers_are_refused(tmp_path):
     garbage.write_bytes(struct.pack("<Q", 5) + b"{nope")
     with pytest.raises(ValueError, match="unreadable safetensors header"):
         SafetensorsFile(garbage)
+    a_list = tmp_path / "list.safetensors"
+    a_list.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        SafetensorsFile(a_list)
     huge = tmp_path / "huge.safetensors"
     huge.write_bytes(struct.pack("<Q", 10**12))
     with pytest.raises(ValueError, match="corrupt"):

@@ -12,13 +12,13 @@ at most one unit is in memory (the largest: the embedding matrix, 544 MB for Qwe
 A unit is read with plain file reads from the safetensors file(s), never through a memory map: the pages of a
 mapped file count in the process's resident memory for as long as it is mapped, which is what this module exists to
 bound. Tensors are converted to the requested dtype as ``from_pretrained`` converts them, so the numbers (and
-:func:`~oakenkv.calibrate.identity.weights_digest`, which reads them through :meth:`LazyWeights.state_items`) are the
+:func:`~oakenkv.calibrate.identity.weights_digest`, which reads them through :meth:`LazyWeights.tensor`) are the
 eagerly loaded model's, bit for bit (``tests/test_lazy.py``).
 
 What costs: a unit is read again each time it is called after another one (a whole forward pass reads every unit
 once, so running the model window by window reads it once per window: use it for work that runs layer by layer, as
-the search does, not for generation). A forward set on a layer instance that declares ``needs_weights = False``
-(the stand-ins of ``stream_attention``) does not read the unit.
+the oaken-plus search and the paper's profile do, not for generation). A forward set on a layer instance that
+declares ``needs_weights = False`` (the stand-ins of ``stream_attention``) does not read the unit.
 """
 
 from __future__ import annotations
@@ -66,16 +66,22 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{self.path}: unreadable safetensors header ({e})") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: unreadable safetensors header (not a JSON object)")
         self._base = 8 + n
         header.pop("__metadata__", None)
         size = self.path.stat().st_size
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
-            dtype = _DTYPES.get(e.get("dtype"))
+            dtype = _DTYPES.get(e.get("dtype")) if isinstance(e, dict) else None
             if dtype is None:
-                raise ValueError(f"{self.path}: tensor {name!r} has the unsupported dtype {e.get('dtype')!r}")
-            start, end = (int(x) for x in e["data_offsets"])
-            shape = tuple(int(s) for s in e["shape"])
+                got = e.get("dtype") if isinstance(e, dict) else e
+                raise ValueError(f"{self.path}: tensor {name!r} has the unsupported dtype {got!r}")
+            try:
+                start, end = (int(x) for x in e["data_offsets"])
+                shape = tuple(int(s) for s in e["shape"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{self.path}: tensor {name!r} has no valid shape and offsets ({err!r})") from err
             count = 1
             for s in shape:
                 count *= s
