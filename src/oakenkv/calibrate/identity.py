@@ -84,11 +84,12 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
 
     from oakenkv.assets.lazy import lazy_weights
 
-    lazy = lazy_weights(model)
-    if lazy is not None:
-        return _lazy_digest(model, lazy, reuse)
     state = model.state_dict()
-    versions = _versions(state)
+    # a model made by oakenkv.assets.lazy: its units' placeholders hold no data; they are read from disk one at a
+    # time (as the eagerly loaded model holds them), and only the other tensors can change
+    lazy = lazy_weights(model)
+    on_disk = lazy.lazy_names if lazy is not None else frozenset()
+    versions = _versions({n: t for n, t in state.items() if n not in on_disk})
     if reuse and versions is not None:
         try:
             known = _DIGESTS.get(model)
@@ -103,18 +104,15 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
         t = state[name]
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if name in on_disk:
+            continue
         if t.device.type == "meta":
             raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         views.setdefault(key, []).append(name)
 
     def digest_of(name: str) -> str:
-        t = state[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        flat = t.contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
-        return hashlib.sha256(data).hexdigest()
+        return _sha256_of(state[name])
 
     firsts = [group[0] for group in views.values()]
     workers = max(1, min(4, os.cpu_count() or 1, len(firsts)))
@@ -128,6 +126,9 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     else:
         per_first = {n: digest_of(n) for n in firsts}
     per_name = {n: per_first[group[0]] for group in views.values() for n in group}
+    for name in names:
+        if name in on_disk:  # one at a time: bounded memory (tied names read twice)
+            per_name[name] = _sha256_of(lazy.tensor(name))  # type: ignore[union-attr]
     h = hashlib.sha256()
     for name in names:
         t = state[name]
@@ -139,30 +140,15 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     return digest
 
 
-def _lazy_digest(model: Any, lazy: Any, reuse: bool) -> str:
-    """:func:`weights_digest` of a model made by ``oakenkv.assets.lazy.load_lazy``: the same lines, the units'
-    tensors read from disk one at a time (as the eagerly loaded model holds them), the others from memory."""
+def _sha256_of(t: Any) -> str:
+    """sha256 of a tensor's bytes (native byte order, row-major), copied to the CPU if it is elsewhere."""
     import torch
 
-    state = model.state_dict()
-    names = sorted(state)
-    others = {n: state[n] for n in names if n not in lazy.lazy_names}
-    versions = _versions(others)
-    if reuse and versions is not None and lazy.known_digest is not None and lazy.known_digest[0] == versions:
-        return lazy.known_digest[1]
-    h = hashlib.sha256()
-    for name in names:
-        t = (lazy.tensor(name) if name in lazy.lazy_names else state[name]).detach()
-        if t.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device (no data to fingerprint)")
-        flat = t.cpu().contiguous().reshape(-1)
-        hexd = hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
-        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{hexd}\n".encode())
-        del t, flat
-    digest = WEIGHTS_DIGEST_PREFIX + h.hexdigest()
-    if versions is not None:
-        lazy.known_digest = (versions, digest)
-    return digest
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
 
 
 def short_digest(digest: str) -> str:
