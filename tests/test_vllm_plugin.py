@@ -1093,6 +1093,39 @@ def test_impl_refuses_what_it_does_not_support():
         OakenAttentionImpl(9, 64, 0.125, 3, [0.5] * 9, None, "auto")
 
 
+@pytest.mark.parametrize(
+    ("total", "tp", "want"),
+    [
+        (2, 1, [(None, None)]),
+        (2, 2, [(0, 64), (64, 128)]),  # each rank its own head (Qwen2.5-Coder-0.5B at tensor_parallel_size=2)
+        (4, 2, [(0, 128), (128, 256)]),  # two heads each
+        (2, 4, [(0, 64), (0, 64), (64, 128), (64, 128)]),  # vLLM replicates a head over tp / total ranks
+        (1, 2, [(0, 64), (0, 64)]),  # one KV head (MQA): every rank holds a copy
+    ],
+)
+def test_each_tensor_parallel_rank_takes_its_own_heads_of_the_profiles_row(monkeypatch, total, tp, want):
+    """The key shift (an oaken-plus profile's, per channel of the whole row) is sliced to the KV heads this rank
+    stores, as vLLM assigns them: ``total // tp`` consecutive heads per rank, or, with more ranks than heads, head
+    ``rank * total // tp`` replicated."""
+    _skip_without_vllm()
+    from types import SimpleNamespace
+
+    import vllm.distributed
+
+    from oakenkv.integrations.vllm.backend import OakenAttentionImpl
+
+    got = []
+    for rank in range(tp):
+        monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        impl = SimpleNamespace(
+            tp_size=tp, num_kv_heads=max(total // tp, 1), head_size=64,
+            profile=SimpleNamespace(fingerprint=SimpleNamespace(num_kv_heads=total)),
+        )  # fmt: skip
+        s = OakenAttentionImpl._rank_slice(impl)  # type: ignore[arg-type]
+        got.append((s.start, s.stop))
+    assert got == want
+
+
 # ------------------------------------------------------------------------------------------------ oaken-plus, exported
 
 
