@@ -580,6 +580,11 @@ def test_pure_formats_decode_like_the_fused_format(d):
         8 * ((d + 1) // 2) / d + 23 * outliers / x.numel() + 96 / d + 16 / d
     )
     assert psp.records.shape[0] >= outliers
+    if d == 192:  # they store six per-row scales: a static-grid config is refused, never compared unlike for like
+        static = cfg.replace(static_grids=True)
+        for decode_pure, packed in ((formats.decode_pure_dense, pdn), (formats.decode_pure_sparse, psp)):
+            with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+                decode_pure(packed, thr, static, torch.empty(70, d, dtype=torch.float16))
 
 
 @numba.njit  # not cached (see _decode_all_via_row_helper)
