@@ -641,3 +641,35 @@ def test_numba_threads_leave_torchs_thread_count_alone():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "2"]
+
+
+def test_record_decoder_refuses_records_of_the_other_scale_layout():
+    """decode_records: records of the outer scales alone (static grids) need the static grid, records of six scales
+    take none; either mismatch is ERR_SHAPE for every row, never a misread."""
+    from oakenkv.format.layout import ERR_SHAPE
+
+    thr = np.asarray(THRESHOLDS[0], np.float32)
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    thr_rows = np.repeat(thr[None], 3, axis=0)
+    for static_grids in (False, True):
+        cfg = OakenConfig(static_grids=static_grids)
+        sb, ib, ob = scale_bytes(cfg), cfg.inner_bits, cfg.outer_bits
+        records = np.empty((3, record_size(64, cfg)), np.uint8)
+        sparse = np.empty((3, sparse_capacity(64)), np.uint8)
+        counts = np.empty(3, np.int64)
+        static = np.repeat(cpu.static_grid_array(thr, OakenConfig(static_grids=True))[None], 3, axis=0)
+        cpu.encode_records(
+            x.copy(), thr_rows, ib, ob, True, sb, records, sparse, counts, 4, static if static_grids else None
+        )
+        assert (counts >= 0).all()
+        out, status = np.empty((3, 64), np.float32), np.zeros(3, np.int64)
+        wrong = None if static_grids else static  # the other layout's argument
+        cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, wrong)
+        assert (status == ERR_SHAPE).all()
+        cpu.decode_records(
+            records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, static if static_grids else None
+        )
+        assert (status == 0).all()
+        assert np.array_equal(
+            out, codec.decode(codec.encode(torch.from_numpy(x), THRESHOLDS[0], cfg), THRESHOLDS[0], cfg).numpy()
+        )

@@ -98,6 +98,9 @@ _BLOCK_ROWS = 64
 
 _F32 = np.float32
 _FP16_MAX = 65504.0
+#: Bytes of one stored scale, fp16 and fp32 (the config's definition, as constants the kernels compile in).
+_F16_ITEMSIZE = OakenConfig(scale_dtype="float16").scale_itemsize
+_F32_ITEMSIZE = OakenConfig(scale_dtype="float32").scale_itemsize
 _STEP_FLOOR = np.float32(STEP_FLOOR)
 _INF32 = np.float32(np.inf)
 
@@ -852,8 +855,8 @@ def _encode_records_of(
 ):
     """:func:`encode_records` with encode_row's scratch ``scr`` (:func:`comb_scratch` or :func:`wide_scratch`)."""
     n = x.shape[0]
-    itemsize = 2 if fp16 else 4
-    first = NUM_SCALES - scale_bytes // itemsize  # the stored scales: all six, or the outer two (static grids)
+    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
+    itemsize = scale_bytes // (NUM_SCALES - first)
     no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
@@ -1480,12 +1483,14 @@ def _decode_records_of(
     lut32 = np.empty(LUT_SIZE, np.float32)
     lut = np.empty(LUT_SIZE if use_lut else 0, np.float32)
     grid = np.empty(6, np.float32)
-    itemsize = 2 if fp16 else 4
-    first = NUM_SCALES - scale_bytes // itemsize  # the stored scales: all six, or the outer two (static grids)
+    itemsize = _F16_ITEMSIZE if fp16 else _F32_ITEMSIZE
+    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
+    # records of two scales need the static grid, records of six take none: anything else is another format
+    layout_ok = (first == 0 or first == STATIC_COLUMNS) and scale_bytes == itemsize * (NUM_SCALES - first)
     for r in range(n):
         rec = records[r]
-        if (first != 0) != (static.shape[1] >= STATIC_COLUMNS) or not 0 <= first <= STATIC_COLUMNS:
-            status[r] = ERR_SHAPE  # records of two scales need the static grid, records of six take none
+        if not layout_ok:
+            status[r] = ERR_SHAPE
             continue
         for i in range(first):  # static grids: the layer's middle and inner end points
             sr[i] = static[r, i]
