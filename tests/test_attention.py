@@ -87,20 +87,23 @@ def test_kernel_matches_float_attention_over_the_dequantized_cache(b, t, pad, wi
     assert 0 < rel < 0.1
 
 
-@pytest.mark.parametrize("mb", [4, 3, 2, 6])
-def test_slot_widths_pages_and_kernel_are_the_references(mb):
+@pytest.mark.parametrize(
+    ("mb", "static"), [(4, False), (3, False), (2, False), (6, False), (4, True), (2, True), (6, True)]
+)
+def test_slot_widths_pages_and_kernel_are_the_references(mb, static):
     """4-, 3-, 2- and 6-bit dense slots (OakenConfig.middle_bits; 6 runs the one copy 5..7 share) through the store
     and the packed attention kernel: the pages are byte for byte what the reference codec writes, the kernel's row
     decoder gives the reference's floats bit for bit, and the attention matches float attention over them (only the
     summation order differs). A decode step's single-token appends (encode_records) and a prefill's appends both
-    write pages."""
+    write pages. With static grids (OakenConfig.static_grids) the records hold the outer scales alone and the
+    kernel takes the middle and inner grids from the view."""
     from oakenkv.kernels.cpu import attention as attention_cpu
 
     # numba compiles a callee without its own fastmath option with its caller's (the fast-math kernel) and caches
     # that code: the row decoder must say fastmath=False itself to stay bit-exact inside the kernel
     for f in (attention_cpu._decode_rows, attention_cpu._coo_walk, attention_cpu._unpack_slots, attention_cpu._f16_at):
         assert f.targetoptions.get("fastmath") is False, f
-    cfg = OakenConfig(middle_bits=mb)
+    cfg = OakenConfig(middle_bits=mb, static_grids=static)
     b, t = 2, 230
     fast, k, v, (kh, vh) = _store(b, t, seed=mb, page_size=1024, config=cfg)
     ref, _, _, _ = _store(b, t, seed=mb, page_size=1024, config=cfg, codec="reference")
@@ -112,7 +115,8 @@ def test_slot_widths_pages_and_kernel_are_the_references(mb):
     t += 3
     kh, vh = PackedKV(fast, 1, KEY, t), PackedKV(fast, 1, VALUE, t)
     view, rview = fast.layer_view(1), ref.layer_view(1)
-    assert view.middle_bits == mb and view.record_size == 12 + (mb * H * HD + 7) // 8
+    assert view.middle_bits == mb and view.record_size == (4 if static else 12) + (mb * H * HD + 7) // 8
+    assert view.static_grid.shape == (2, 4 if static else 0)
     for kind in (KEY, VALUE):
         want = ref.read(1, kind)
         assert torch.equal(fast.read(1, kind), want)
@@ -135,7 +139,7 @@ def test_slot_widths_pages_and_kernel_are_the_references(mb):
                 *attention_cpu._sparse_start(
                     view.sparse_first[r, kind], view.sparse_counts[r, kind], view.sparse_lengths[r, kind], 0
                 ),
-                out,
+                out, view.static_grid[kind],
             )  # fmt: skip
             assert st == 0
             rows = want[r].permute(1, 0, 2).reshape(t, H * HD)

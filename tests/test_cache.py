@@ -328,3 +328,24 @@ def test_gemma3_sliding_window_layers_beyond_the_window(gemma):
     k, v = PackedKV(store, sliding, KEY, total), PackedKV(store, sliding, VALUE, total)
     with pytest.raises(CorruptDataError, match="evicted"):
         packed_decode_attention(q, k, v, None, 0.0625)
+
+
+def test_greedy_with_static_grids_matches_fake_quant(default_model, thresholds, batch):
+    """Static grids (OakenConfig.static_grids): the pages hold the outer scales alone; generation through the float
+    read path and the packed attention kernel agrees with the fake-quant cache of the same config."""
+    import dataclasses
+
+    from oakenkv.format.layout import record_size
+
+    static = dataclasses.replace(thresholds, config=thresholds.config.replace(static_grids=True))
+    model = default_model.model
+    n = model.config.num_hidden_layers
+    want = _generate(model, batch, _fake_quant_cache(static, n), logits=True)
+    cache = OakenCache(static, model)
+    got_float = _generate(model, batch, cache)
+    assert cache.store.rec_size == record_size(cache.store.dim, static.config) == 4 + cache.store.dim // 2
+    with oaken_attention(model):
+        got_packed = _generate(model, batch, OakenCache(static, model), logits=True)
+    assert torch.equal(got_float, want.sequences)
+    assert_same_greedy(want, got_packed)
+    cache.store.pool.check_invariants()

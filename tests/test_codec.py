@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -325,3 +326,91 @@ def test_codec_benchmark_reports_the_required_keys(tmp_path):
     assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["memcpy_gbps"] > 0
     assert {"total", "dense", "sparse", "scales", "header"} <= set(r["effective_bits"])
     assert out.exists() and '"encode_gbps"' in out.read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Static grids (OakenConfig.static_grids, issue #36): the outer scales alone are stored
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("mb", [2, 4, 7])
+def test_static_grid_rows_store_two_scales_and_read_back(scale_dtype, mb):
+    from oakenkv.format.layout import from_records, record_size, scale_bytes, static_columns, to_records
+    from oakenkv.quant.quantizer import format_static_grid, static_grid
+
+    cfg = OakenConfig(middle_bits=mb, scale_dtype=scale_dtype, static_grids=True)
+    per_row = cfg.replace(static_grids=False)
+    torch.manual_seed(3)
+    x = torch.randn(9, 192) * 0.8
+    q = quantize(x, THR, cfg)
+    mins, maxs = static_grid(THR, cfg)
+    grid = format_static_grid(THR, cfg)
+    assert grid == (float(mins[0]), float(maxs[0]), float(mins[1]), float(maxs[1]))
+    assert (q.mins[:, :2] == mins[:2]).all() and (q.maxs[:, :2] == maxs[:2]).all()  # every row, member or not
+    enc = codec.pack(q, cfg, THR)
+    assert enc.stored_scales == 2 and enc.scales.shape == (9, 6)
+    # the stored form: 2 scales per row, 4 * itemsize bytes fewer than the per-row format's
+    item = cfg.scale_itemsize
+    assert scale_bytes(cfg) == 2 * item and record_size(192, cfg) == record_size(192, per_row) - 4 * item
+    assert enc.nbytes() == enc.dense.numel() + enc.sparse.numel() + 9 * (2 * item + 2)
+    b = codec.effective_bits(enc)
+    assert b.scales == pytest.approx(2 * 8 * item / 192) and b.total == pytest.approx(8 * enc.nbytes() / x.numel())
+    dense, sparse, offs = to_records(enc)
+    assert dense.shape == (9, record_size(192, cfg))
+    assert np.array_equal(dense[:, : 2 * item].copy().view(cfg.scale_np_dtype), enc.scales[:, 4:].numpy())
+    back = from_records(dense, sparse, offs, 192, cfg, static=grid)
+    for name in ("dense", "scales", "sparse", "sparse_offsets"):
+        assert torch.equal(getattr(back, name), getattr(enc, name))
+    assert back.stored_scales == 2
+    _assert_same_q(codec.unpack(back, cfg, THR), q)
+    assert torch.equal(codec.decode(back, THR, cfg), dequantize(q, THR, cfg))
+    assert np.array_equal(static_columns(grid, cfg).astype(np.float64), np.asarray(grid))
+    with pytest.raises(ValueError, match="needs the layer's static grid"):
+        from_records(dense, sparse, offs, 192, cfg)
+    with pytest.raises(ValueError, match="takes none otherwise"):
+        from_records(dense, sparse, offs, 192, per_row, static=grid)
+    with pytest.raises(ValueError, match="4 numbers"):
+        from_records(dense, sparse, offs, 192, cfg, static=grid[:3])
+    with pytest.raises(CorruptDataError, match=r"must be .* bytes"):  # static records read as per-row ones
+        from_records(dense, sparse, offs, 192, per_row)
+
+
+def test_static_grid_batches_are_checked_against_their_thresholds_and_config():
+    cfg = OakenConfig(static_grids=True)
+    torch.manual_seed(4)
+    x = torch.randn(4, 128)
+    q = quantize(x, THR, cfg)
+    with pytest.raises(ValueError, match="needs the thresholds"):
+        codec.pack(q, cfg)
+    moved = (-2.5, -0.15, 0.15, 2.0)  # another layer's thresholds: another static grid
+    with pytest.raises(ValueError, match="not the static grid"):
+        codec.pack(q, cfg, moved)
+    with pytest.raises(ValueError, match="static_scales simulates"):
+        quantize(x, THR, cfg, static_scales=1.0)
+    enc = codec.encode(x, THR, cfg)
+    _assert_same_q(codec.unpack(enc, cfg, THR), q)
+    for bad in (codec.unpack, codec.decode):  # a corrupt static column, or the wrong layer's thresholds
+        with pytest.raises(CorruptDataError, match="static grid"):
+            bad(enc, moved, cfg) if bad is codec.decode else bad(enc, cfg, moved)
+    hit = EncodedBatch(**{**enc.__dict__, "scales": enc.scales.clone()})
+    hit.scales[2, 3] = hit.scales[2, 3] * 2 + 1
+    for bad in (lambda e: codec.unpack(e, cfg, THR), lambda e: codec.decode(e, THR, cfg)):
+        with pytest.raises(CorruptDataError, match=r"row 2: .*static grid"):
+            bad(hit)
+    # a static batch read with a per-row config, and the other way round: refused, never misread
+    with pytest.raises(CorruptDataError, match="stores 2 scales per row, its config 6"):
+        codec.decode(enc, THR, OakenConfig())
+    with pytest.raises(CorruptDataError, match="stores 6 scales per row, its config 2"):
+        codec.decode(codec.encode(x, THR), THR, cfg)
+
+
+def test_static_grids_bits_formulas():
+    from oakenkv.format.layout import format_bits, stored_scales
+
+    cfg = OakenConfig(static_grids=True)
+    assert stored_scales(cfg) == 2 and stored_scales(OakenConfig()) == 6
+    # 192 values, fp16 scales: 64 bits per row fewer, 1/3 bit per value
+    full = codec.expected_bits(192, 0.1)
+    assert codec.expected_bits(192, 0.1, num_scales=2) == pytest.approx(full - 64 / 192)
+    assert format_bits(10, 192, 50) - format_bits(10, 192, 50, num_scales=2) == 10 * 64

@@ -35,7 +35,7 @@ def test_slot_widths_round_trip(mb):
     cfg = OakenConfig(middle_bits=mb, outer_ratio=0.02, inner_ratio=0.01, scale_dtype="float32")
     assert (cfg.inner_bits, cfg.outer_bits) == (mb + 1, mb + 1)  # the COO entry's code bit by default
     d = cfg.to_dict()
-    assert d["version"] == (1 if mb == 4 else CONFIG_VERSION) and d["middle_bits"] == mb
+    assert d["version"] == (1 if mb == 4 else 2) and d["middle_bits"] == mb
     assert list(d) == list(V1_DEFAULT)  # the same keys in the same order
     assert OakenConfig.from_dict(json.loads(json.dumps(d))) == cfg
     narrow = OakenConfig(middle_bits=mb, inner_bits=mb)
@@ -66,6 +66,33 @@ def test_versions_refuse_what_they_cannot_hold():
         OakenConfig.from_dict({k: v for k, v in v2.items() if k != "middle_bits"})
     with pytest.raises(ValueError, match="chunk_size must be 64"):
         OakenConfig.from_dict({**v2, "chunk_size": 32})
-    for version in (0, 3, True, "2"):
+    for version in (0, 4, True, "2", 3.0):
         with pytest.raises(ValueError, match="unsupported OakenConfig version"):
             OakenConfig.from_dict({**v2, "version": version})
+
+
+@pytest.mark.parametrize("mb", (2, 4, 7))
+def test_static_grids_are_version_3_and_off_is_unchanged(mb):
+    """Off: the version-1/2 form byte for byte (no new key); on: version 3, the same keys then static_grids."""
+    off = OakenConfig(middle_bits=mb)
+    assert "static_grids" not in off.to_dict() and off.to_dict()["version"] == (1 if mb == 4 else 2)
+    on = OakenConfig(middle_bits=mb, static_grids=True)
+    d = on.to_dict()
+    assert d["version"] == CONFIG_VERSION == 3 and list(d) == [*V1_DEFAULT, "static_grids"] and d["static_grids"]
+    assert OakenConfig.from_dict(json.loads(json.dumps(d))) == on
+    assert OakenConfig.from_dict({**d, "static_grids": False}) == off  # a version-3 file may say off
+    assert on != off and hash(on) != hash(off)
+
+
+def test_static_grids_are_validated_and_versioned():
+    for bad in (1, 0, "yes", None, 1.0):
+        with pytest.raises(ValueError, match="static_grids must be True or False"):
+            OakenConfig(static_grids=bad)
+    d = OakenConfig(static_grids=True).to_dict()
+    with pytest.raises(ValueError, match="static_grids must be True or False"):
+        OakenConfig.from_dict({**d, "static_grids": 1})
+    with pytest.raises(ValueError, match="must give static_grids"):
+        OakenConfig.from_dict({k: v for k, v in d.items() if k != "static_grids"})
+    for version in (1, 2):
+        with pytest.raises(ValueError, match="static_grids needs a version-3"):
+            OakenConfig.from_dict({**d, "version": version})

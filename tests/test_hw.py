@@ -246,6 +246,15 @@ def test_fake_quantizer_modes():
         assert float((y - x).abs().max()) < 1.0
     with pytest.raises(ValueError, match="mode"):
         HwOakenQuantizer(_Thr(), OakenConfig(), mode="float")
+    # static grids (OakenConfig.static_grids) are not modelled by the engines: refused, naming the feature
+    static = OakenConfig(static_grids=True)
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        HwOakenQuantizer(_Thr(), static)
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        arith.quantize_hw(x.reshape(-1, 64), THR, static)
+    q = quantize(x.reshape(-1, 64), THR, static)
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        arith.dequantize_hw(q, THR, static)
 
 
 def test_encode_decode_hw_roundtrip_and_lean_import():

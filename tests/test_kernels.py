@@ -48,8 +48,9 @@ def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
 
 
 @st.composite
-def rows(draw, slots=(4,)):
-    """Rows, thresholds and a config with a dense slot of one of ``slots`` bits (OakenConfig.middle_bits)."""
+def rows(draw, slots=(4,), static=(False,)):
+    """Rows, thresholds and a config with a dense slot of one of ``slots`` bits (OakenConfig.middle_bits) and
+    static grids one of ``static``."""
     thr = draw(st.sampled_from(THRESHOLDS))
     d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256, 513, 1024]))
     n = draw(st.integers(1, 5))
@@ -84,6 +85,7 @@ def rows(draw, slots=(4,)):
         inner_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
         outer_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
         middle_bits=mb,
+        static_grids=draw(st.sampled_from(static)),
     )
     return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
 
@@ -103,7 +105,18 @@ def test_other_slot_widths_encode_decode_bit_exact_with_reference(case):
 
 
 @SETTINGS
-@given(rows(slots=(4, 3, 6)), st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4))
+@given(rows(slots=(2, 3, 4, 5, 6, 7), static=(True,)))
+def test_static_grids_encode_decode_bit_exact_with_reference(case):
+    """Static grids (OakenConfig.static_grids, issue #36): the layer's middle and inner grids, values beyond them
+    on their end codes, the outer scales alone in a record: every fast entry point, byte and bit for bit."""
+    _check_bit_exact(case)
+
+
+@SETTINGS
+@given(
+    rows(slots=(4, 3, 6), static=(False, True)),
+    st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4),
+)
 def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case, widen):
     """Adaptive grouping's encoder (oakenkv.quant.adapt): values grouped by thresholds on or beyond the ones that
     shift and decode them, through every fast entry point, byte and bit for bit the reference's."""
@@ -116,7 +129,7 @@ def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case,
         with pytest.raises(ValueError):
             codec.encode(x, thr, cfg, group)
         return
-    ref = codec.pack(q, cfg)
+    ref = codec.pack(q, cfg, thr)
     _assert_same_bytes(codec.encode(x, thr, cfg, group), ref)
     want = dequantize(q, thr, cfg)
     assert torch.equal(_bits32(codec.decode(ref, thr, cfg)), _bits32(want))  # the decoder knows only thr
@@ -131,7 +144,7 @@ def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case,
         thr_rows = np.repeat(g8[None], n, axis=0)
         cpu.encode_records(
             x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts,
-            cfg.middle_bits,
+            cfg.middle_bits, _static_rows(thr, cfg, n),
         )  # fmt: skip
         dense, flat, offs = to_records(ref)
         assert np.array_equal(records[:, sb:], dense[:, sb:])
@@ -148,6 +161,13 @@ def test_grouping_thresholds_inside_the_shift_ones_are_refused():
         quantize(x, (-2.0, -0.15, 0.15, 2.0), OakenConfig(), (-2.0, -0.1, 0.15, 2.0))
 
 
+def _static_rows(thr, cfg, n):
+    """The record kernels' ``static`` argument: each row's static grid, or None (per-row grids)."""
+    if not cfg.static_grids:
+        return None
+    return np.repeat(cpu.static_grid_array(np.asarray(thresholds_tuple(thr), np.float32), cfg)[None], n, axis=0)
+
+
 def _check_bit_exact(case):
     x, thr, cfg = case
     try:
@@ -157,9 +177,11 @@ def _check_bit_exact(case):
             codec.encode(x, thr, cfg)
         assert "fp16" in str(e)
         return
-    ref = codec.pack(q, cfg)
+    ref = codec.pack(q, cfg, thr)
     enc = codec.encode(x, thr, cfg)
     _assert_same_bytes(enc, ref)
+    assert enc.stored_scales == ref.stored_scales == (2 if cfg.static_grids else 6)
+    assert enc.nbytes() == ref.nbytes()
     want = dequantize(q, thr, cfg)
     got = codec.decode(enc, thr, cfg)
     assert got.dtype == torch.float32 and got.shape == x.shape
@@ -180,18 +202,25 @@ def _check_bit_exact(case):
         sparse = np.empty((n, sparse_capacity(d)), np.uint8)
         counts = np.empty(n, np.int64)
         ib, ob, mb = cfg.inner_bits, cfg.outer_bits, cfg.middle_bits
-        if mb == 4:  # the paper's slot is the trailing argument's default
+        static = _static_rows(thr, cfg, n)
+        if static is not None:
+            cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb, static)
+        elif mb == 4:  # the paper's slot is the trailing argument's default
             cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts)
         else:
             cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb)
         dense, flat, offs = to_records(ref)
+        assert dense.shape[1] == record_size(d, cfg) and sb == (2 if cfg.static_grids else 6) * cfg.scale_itemsize
         assert np.array_equal(records[:, sb:], dense[:, sb:])  # the slots; the scales up to the sign of a zero:
         got_sc = torch.from_numpy(records[:, :sb].copy().view(cfg.scale_np_dtype))
-        assert torch.equal(_bits32(got_sc), _bits32(ref.scales.reshape(n, -1)))
+        assert torch.equal(_bits32(got_sc), _bits32(ref.scales[:, 6 - sb // cfg.scale_itemsize :].reshape(n, -1)))
         assert all(np.array_equal(sparse[r, : counts[r]], flat[offs[r] : offs[r + 1]]) for r in range(n))
         out = np.empty((n, d), np.float32)
         status = np.ones(n, np.int64)
-        cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, fp16, sb, out, status, mb)
+        if static is not None:
+            cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, fp16, sb, out, status, mb, static)
+        else:
+            cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, fp16, sb, out, status, mb)
         assert (status == 0).all()
         assert torch.equal(_bits32(torch.from_numpy(out)), _bits32(want))
         # the single-row decoder other kernels call
@@ -551,6 +580,11 @@ def test_pure_formats_decode_like_the_fused_format(d):
         8 * ((d + 1) // 2) / d + 23 * outliers / x.numel() + 96 / d + 16 / d
     )
     assert psp.records.shape[0] >= outliers
+    if d == 192:  # they store six per-row scales: a static-grid config is refused, never compared unlike for like
+        static = cfg.replace(static_grids=True)
+        for decode_pure, packed in ((formats.decode_pure_dense, pdn), (formats.decode_pure_sparse, psp)):
+            with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+                decode_pure(packed, thr, static, torch.empty(70, d, dtype=torch.float16))
 
 
 @numba.njit  # not cached (see _decode_all_via_row_helper)
@@ -607,3 +641,35 @@ def test_numba_threads_leave_torchs_thread_count_alone():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "2"]
+
+
+def test_record_decoder_refuses_records_of_the_other_scale_layout():
+    """decode_records: records of the outer scales alone (static grids) need the static grid, records of six scales
+    take none; either mismatch is ERR_SHAPE for every row, never a misread."""
+    from oakenkv.format.layout import ERR_SHAPE
+
+    thr = np.asarray(THRESHOLDS[0], np.float32)
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    thr_rows = np.repeat(thr[None], 3, axis=0)
+    for static_grids in (False, True):
+        cfg = OakenConfig(static_grids=static_grids)
+        sb, ib, ob = scale_bytes(cfg), cfg.inner_bits, cfg.outer_bits
+        records = np.empty((3, record_size(64, cfg)), np.uint8)
+        sparse = np.empty((3, sparse_capacity(64)), np.uint8)
+        counts = np.empty(3, np.int64)
+        static = np.repeat(cpu.static_grid_array(thr, OakenConfig(static_grids=True))[None], 3, axis=0)
+        cpu.encode_records(
+            x.copy(), thr_rows, ib, ob, True, sb, records, sparse, counts, 4, static if static_grids else None
+        )
+        assert (counts >= 0).all()
+        out, status = np.empty((3, 64), np.float32), np.zeros(3, np.int64)
+        wrong = None if static_grids else static  # the other layout's argument
+        cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, wrong)
+        assert (status == ERR_SHAPE).all()
+        cpu.decode_records(
+            records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, static if static_grids else None
+        )
+        assert (status == 0).all()
+        assert np.array_equal(
+            out, codec.decode(codec.encode(torch.from_numpy(x), THRESHOLDS[0], cfg), THRESHOLDS[0], cfg).numpy()
+        )

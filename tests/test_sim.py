@@ -71,6 +71,14 @@ def test_mixtral_active_parameters_are_two_experts():
 def test_oaken_bits_match_the_paper():
     assert oaken_bits(4096) == pytest.approx(4.82, abs=0.005)  # Llama2-7B / 13B
     assert oaken_bits(1024) == pytest.approx(4.89, abs=0.005)  # Llama2-70B (GQA, 8 x 128)
+    # static grids store the outer scales alone: 64 bits less per vector, the codec's accounting
+    from oakenkv.format.layout import expected_bits
+
+    m = get_model("llama2-7b")
+    static = get_kv_format("oaken-static").bits_per_value(m)
+    assert static == pytest.approx(get_kv_format("oaken").bits_per_value(m) - 64 / m.kv_vector_width)
+    w = m.kv_vector_width
+    assert static == pytest.approx(expected_bits(w, 0.1, num_scales=2) - 16 / w)  # (the simulator has no header)
     assert get_kv_format("oaken").bits_per_value(MODELS["llama2-70b"]) == pytest.approx(4.89375)
     with pytest.raises(ValueError, match="vector_width"):
         oaken_bits(0)

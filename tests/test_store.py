@@ -113,14 +113,21 @@ def test_a_failed_decode_append_leaves_the_tables_as_they_were():
 
 
 @pytest.mark.parametrize(
-    ("b", "s", "scale_dtype"),
-    [(1, 1, "float16"), (1, 37, "float16"), (3, 50, "float32"), (2, 600, "float16")],  # 2 x 600: the batched path
+    ("b", "s", "scale_dtype", "static"),
+    [
+        (1, 1, "float16", False),
+        (1, 37, "float16", False),
+        (3, 50, "float32", False),
+        (2, 600, "float16", False),  # 2 x 600: the batched path
+        (1, 37, "float16", True),  # static grids: records of the outer scales alone
+        (3, 50, "float32", True),
+    ],
 )
-def test_append_decoded_stores_what_append_stores_and_returns_its_decode(b, s, scale_dtype):
+def test_append_decoded_stores_what_append_stores_and_returns_its_decode(b, s, scale_dtype, static):
     from oakenkv.kernels import codec
 
     g = torch.Generator().manual_seed(s)
-    fused, plain = (_store(config=OakenConfig(scale_dtype=scale_dtype)) for _ in range(2))
+    fused, plain = (_store(config=OakenConfig(scale_dtype=scale_dtype, static_grids=static)) for _ in range(2))
     for _ in range(2):  # a first update, then one onto a history
         k = torch.randn(b, H, s, HD, generator=g) * 1.5
         v = torch.randn(b, H, s, HD, generator=g)

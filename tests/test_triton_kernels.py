@@ -656,3 +656,33 @@ def test_rotation_is_the_cpu_kernels_bits(n, heads, hd):
         assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         shift_rotate_rows(torch.zeros(2, 96, device=DEV), None, True, 48)
+
+
+def test_static_grids_are_refused_clearly():
+    """Static grids (OakenConfig.static_grids): records of the outer scales alone, which these kernels do not read;
+    every entry point refuses them with one NotImplementedError before any work (never a misread)."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.kernels.triton.view import from_layer_view
+    from oakenkv.store.paged import PagedKVStore
+    from oakenkv.store.pages import PoolConfig
+
+    cfg = OakenConfig(static_grids=True)
+    x = torch.randn(3, 64, device=DEV)
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        tencode.encode_batch(x, THR, cfg)
+    enc = codec.encode(x.cpu(), THR, cfg)
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        tdecode.decode_batch(enc, THR, cfg)
+    fp = ModelFingerprint("llama", 1, 1, 64)
+    thr = Thresholds(cfg, fp, (GroupThresholds(*THR),), (GroupThresholds(*THR),))
+    store = PagedKVStore(thr, 1, 1, 64, PoolConfig(page_size=512))
+    store.append(0, torch.randn(1, 1, 5, 64), torch.randn(1, 1, 5, 64))
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        from_layer_view(store.layer_view(0), 64, DEV)
+    view = store.layer_view(0)._replace(static_grid=np.zeros((2, 0), np.float32))  # a view that lost its grid
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        from_layer_view(view, 64, DEV)
+    from oakenkv.store.device import DeviceKVStore
+
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        DeviceKVStore(thr, 1, 1, 64, PoolConfig(page_size=512), device=DEV)

@@ -697,6 +697,13 @@ def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_
         bad.save(tmp_path / name)
         with pytest.raises(ValueError, match=reason):
             load_profile(tmp_path / name)
+    # static grids (records of the outer scales alone): not served yet, refused at start naming the feature
+    static = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
+    static.save(tmp_path / "static.json")
+    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
+        load_profile(tmp_path / "static.json")
+    with pytest.raises(NotImplementedError, match="static-grid records"):
+        BlockLayout.make(192, 128, static.config)
     config = copy.deepcopy(default_model.model.config)
     check_served(thr, good, None, config)  # the paper's profile, plain weights
     with pytest.raises(ValueError, match="must be folded into the served weights"):

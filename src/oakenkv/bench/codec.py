@@ -221,6 +221,7 @@ def storage_comparison(
     from oakenkv.kernels.cpu.codec import decode_batch
     from oakenkv.quant import quantizer as quant
 
+    formats.check_config(config)  # (before any work)
     totals = {"values": 0, "fused_bytes": 0, "dense_bytes": 0, "sparse_bytes": 0, "entries": 0, "escape_bytes": 0}
     paper = {"dense": 0.0, "sparse": 0.0}
     times = {"fused": 0.0, "pure_dense": 0.0, "pure_sparse": 0.0}

@@ -15,7 +15,8 @@ the same 16-bit per-row header, so that only the way outliers are stored differs
   the decoded rows equal the fused format's fp16 decode.
 
 These are measurement formats: their decoders trust their input (no validation) and they have no reference
-implementation beyond the round-trip tests against the fused decoder.
+implementation beyond the round-trip tests against the fused decoder. They store six per-row scales: a static-grid
+config (``OakenConfig.static_grids``) is refused (:func:`check_config`).
 """
 
 from __future__ import annotations
@@ -211,8 +212,19 @@ def _decode_pure_sparse_f16(dense, records, offsets, scales, thr, inner_bits, ou
                 p = i
 
 
+def check_config(config: OakenConfig) -> None:
+    """NotImplementedError for static grids (``OakenConfig.static_grids``): these formats store six per-row scales,
+    their comparison with the fused format would not be like for like."""
+    if config.static_grids:
+        raise NotImplementedError(
+            "the pure dense and pure sparse formats store six per-row scales; static middle/inner grids "
+            "(OakenConfig.static_grids) are not compared with them"
+        )
+
+
 def decode_pure_dense(pd: PureDense, thr: ThresholdsLike, config: OakenConfig, out: torch.Tensor) -> torch.Tensor:
     """Decode into fp16 ``out [N, D]``."""
+    check_config(config)
     thr_a = np.asarray(thresholds_tuple(thr), np.float32)
     _decode_pure_dense_f16(
         pd.codes5.numpy(),
@@ -228,6 +240,7 @@ def decode_pure_dense(pd: PureDense, thr: ThresholdsLike, config: OakenConfig, o
 
 def decode_pure_sparse(ps: PureSparse, thr: ThresholdsLike, config: OakenConfig, out: torch.Tensor) -> torch.Tensor:
     """Decode into fp16 ``out [N, D]``."""
+    check_config(config)
     thr_a = np.asarray(thresholds_tuple(thr), np.float32)
     _decode_pure_sparse_f16(
         ps.dense.numpy(),

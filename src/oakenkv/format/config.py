@@ -7,6 +7,10 @@ scales stored in fp16, and keys quantized after RoPE (the tensors the cache real
 ``middle_bits`` is the width of the format's dense slot (one per value, ``oakenkv.format.layout``): 4 is the paper's
 format; 2..3 and 5..7 are narrower and wider ones on the same structure (``oaken-plus-3``, ``oaken-plus-5``, ...),
 whose inner and outer codes have ``middle_bits + 1`` bits (the slot plus the COO entry's code bit) by default.
+
+``static_grids`` (issue #36) fixes the middle and inner groups' grids per layer, from its thresholds
+(``oakenkv.quant.quantizer.static_grid``), instead of each row's min/max: a row then stores only the outer group's
+two end points (``oakenkv.format.layout``: 2 scales instead of 6).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import Any, Literal
 from oakenkv.util.exact import is_int, is_number, one_of
 
 #: Version of the serialized config; bump when a field changes meaning. Version 2 made ``middle_bits`` (the dense
-#: slot width) a knob; a config that version 1 can express (a 4-bit slot) is still written as version 1, so that the
-#: files and the cache keys derived from them stay byte for byte what they were, and older readers still read them.
-CONFIG_VERSION = 2
+#: slot width) a knob; version 3 added ``static_grids``. A config is written in the oldest version that can express
+#: it (version 1 for a 4-bit slot, 2 for another width, 3 only with static grids on), so that the files and the
+#: cache keys derived from them stay byte for byte what they were, and older readers still read them.
+CONFIG_VERSION = 3
 #: Dense slot widths (``middle_bits``) the format and every CPU path support. An outlier's code (``middle_bits + 1``
 #: bits) fits a byte up to 7 (the codes are uint8 in the reference and the kernels); an 8-bit slot would take 9.
 MIDDLE_BITS_CHOICES = (2, 3, 4, 5, 6, 7)
@@ -82,10 +87,14 @@ class OakenConfig:
     granularity: Granularity = "token"
     #: Where keys are quantized: after RoPE (what the cache stores; default) or before (the official harness).
     key_position: KeyPosition = "post_rope"
-    #: Storage dtype of the six per-token min/max values.
+    #: Storage dtype of the per-token min/max values (six, or two with ``static_grids``).
     scale_dtype: ScaleDtype = "float16"
     #: Width of the dense slot, one per value, and so the bits of a middle-group code (2..7). Paper: 4.
     middle_bits: int = 4
+    #: The middle and inner groups' grids fixed per layer by its thresholds (``quant.quantizer.static_grid``, clip
+    #: 1: every middle value covered) instead of per row: the format then stores only the outer group's two
+    #: scales per row (issue #36). Off: the paper's six per-row scales.
+    static_grids: bool = False
 
     def __post_init__(self) -> None:
         mb = self.middle_bits
@@ -116,6 +125,8 @@ class OakenConfig:
             raise ValueError(f"key_position must be 'post_rope' or 'pre_rope', got {self.key_position!r}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be 'float16' or 'float32', got {self.scale_dtype!r}")
+        if not isinstance(self.static_grids, bool):
+            raise ValueError(f"OakenConfig.static_grids must be True or False, got {self.static_grids!r}")
 
     @property
     def scale_itemsize(self) -> int:
@@ -157,9 +168,12 @@ class OakenConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The serialized form: version 1 (exactly the keys and values files have always had) when the slot is the
-        paper's 4 bits, else version 2 (the same keys, ``middle_bits`` holding the slot width)."""
+        paper's 4 bits, else version 2 (the same keys, ``middle_bits`` holding the slot width); with static grids
+        on, version 3 (version 2's keys, then ``static_grids``)."""
         d = {**asdict(self), **FIXED_FIELDS}
-        version = 1 if self.middle_bits == V1_FIXED_FIELDS["middle_bits"] else CONFIG_VERSION
+        if self.static_grids:
+            return {"version": 3, **{k: d[k] for k in _V1_KEYS}, "static_grids": True}
+        version = 1 if self.middle_bits == V1_FIXED_FIELDS["middle_bits"] else 2
         return {"version": version, **{k: d[k] for k in _V1_KEYS}}
 
     @classmethod
@@ -169,7 +183,7 @@ class OakenConfig:
             raise ValueError(f"an OakenConfig must be an object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("version", 1)
-        if not one_of(version, (1, CONFIG_VERSION)):
+        if not one_of(version, (1, 2, 3)):
             raise ValueError(f"unsupported OakenConfig version {version!r} (this oakenkv reads 1 to {CONFIG_VERSION})")
         for name, fixed in (V1_FIXED_FIELDS if version == 1 else FIXED_FIELDS).items():
             value = d.pop(name, fixed)
@@ -181,7 +195,11 @@ class OakenConfig:
         if version == 1:
             d["middle_bits"] = V1_FIXED_FIELDS["middle_bits"]
         elif "middle_bits" not in d:
-            raise ValueError("a version-2 OakenConfig must give middle_bits (the dense slot width)")
+            raise ValueError(f"a version-{version} OakenConfig must give middle_bits (the dense slot width)")
+        if version < 3 and "static_grids" in d:
+            raise ValueError(f"static_grids needs a version-3 OakenConfig, got it in version {version}")
+        if version == 3 and "static_grids" not in d:
+            raise ValueError("a version-3 OakenConfig must give static_grids")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -189,5 +207,6 @@ class OakenConfig:
         return cls(**d)
 
 
-assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == set(_V1_KEYS)
+assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == {*_V1_KEYS, "static_grids"}
+assert CONFIG_VERSION == 3
 assert V1_FIXED_FIELDS["middle_bits"] == OakenConfig().middle_bits

@@ -13,12 +13,20 @@ one layer, all KV heads together (granularity "token", the paper's) or one head 
     field   size                      content
     header  2 bytes (u16 LE)          S = number of sparse bytes of this row                        16 bits
     scales  6 x fp16 | 6 x fp32 (LE)  mid_min mid_max inner_min inner_max outer_min outer_max       96 | 192 bits
+            (static grids: 2 x fp16 | 2 x fp32, outer_min outer_max only                           32 | 64 bits)
     dense   ceil(b D / 8) bytes       one b-bit slot per value (b = middle_bits: 2 to 7)            b bits/value
     sparse  S bytes                   one COO entry byte per inner/outer value (+ rare escapes)    8 bits/outlier
 
 Scales: index ``2 * group + {0: min, 1: max}`` (group ids: middle 0, inner 1, outer 2), the quantizer's grid end
 points already rounded to the scale dtype (``OakenConfig.scale_dtype``); the decoder computes
 ``step = (max - min) / (2**bits - 1)`` and ``v = min + code * step`` in float32. An empty group stores ``0, 0``.
+
+Static grids (``OakenConfig.static_grids``, issue #36): the middle and inner groups' end points are not per row but
+the layer's, fixed by its thresholds (``oakenkv.quant.quantizer.static_grid``: computed from the thresholds the
+decoder has, rounded to the scale dtype), so a row stores only ``outer_min, outer_max``
+(:func:`stored_scale_names`); every other rule is unchanged. Like the slot width, this is not recorded in the bytes:
+the config decoding them must be the one that wrote them. In memory (:class:`EncodedBatch`) the scales stay
+``[N, 6]``, the static columns holding the layer's grid in every row (redundant, never stored).
 
 Dense slots: a little-endian bit stream of ``b``-bit slots (``b = OakenConfig.middle_bits``), value ``j``'s slot at
 bits ``b j .. b j + b - 1`` (bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``); the bits after the last
@@ -85,12 +93,14 @@ Page-record format
 A paged store (``oakenkv.store.paged`` over ``oakenkv.store.pages``) keeps a row as two records::
 
     dense record (fixed size, record_size(D, config) bytes, in the stream's dense pages)
-      offset 0                 scales   scale_bytes(config) = NUM_SCALES x itemsize, little-endian, SCALE_NAMES order
+      offset 0                 scales   scale_bytes(config) = stored scales x itemsize, little-endian, in
+                                        stored_scale_names(config) order (SCALE_NAMES, or its outer two)
       offset scale_bytes       dense    dense_bytes(D, middle_bits) bytes, the row's slots as above
     sparse record (S bytes, in the stream's sparse pages): the row's COO bytes
     header: S, kept in the page table as the token's uint16 sparse length (pages.StreamTable.sparse_len)
 
-:func:`to_records` / :func:`from_records` convert an :class:`EncodedBatch` to and from these records.
+:func:`to_records` / :func:`from_records` convert an :class:`EncodedBatch` to and from these records
+(:func:`from_records` of static-grid records needs the layer's static grid back: :func:`static_columns`).
 
 Status codes
 ------------
@@ -128,6 +138,10 @@ ADVANCE_CONTINUE = 0xFF
 #: Scales stored per row, in this order (index = 2 * group id + {0: min, 1: max}).
 SCALE_NAMES = ("mid_min", "mid_max", "inner_min", "inner_max", "outer_min", "outer_max")
 NUM_SCALES = len(SCALE_NAMES)
+#: Scales a static-grid row stores (``OakenConfig.static_grids``): the outer group's, the last two of SCALE_NAMES;
+#: the first ``STATIC_COLUMNS`` are the layer's static grid.
+STATIC_SCALE_NAMES = SCALE_NAMES[4:]
+STATIC_COLUMNS = NUM_SCALES - len(STATIC_SCALE_NAMES)
 #: Width of the per-row header: the row's sparse byte count.
 HEADER_BITS = 16
 #: Largest sparse byte count a 16-bit header can hold.
@@ -176,22 +190,42 @@ def _describe(a: object) -> str:
     return f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "dtype") and hasattr(a, "shape") else type(a).__name__
 
 
-def format_bits(num_rows: int, dim: int, num_entries: int, scale_bits: int = 16, bits: int = DENSE_BITS) -> int:
+def stored_scale_names(config: OakenConfig) -> tuple[str, ...]:
+    """The scales a row of ``config`` stores, in order: all of SCALE_NAMES, or with static grids the outer two."""
+    return STATIC_SCALE_NAMES if config.static_grids else SCALE_NAMES
+
+
+def stored_scales(config: OakenConfig) -> int:
+    """How many scales a row of ``config`` stores: 6, or 2 with static grids."""
+    return len(stored_scale_names(config))
+
+
+def format_bits(
+    num_rows: int,
+    dim: int,
+    num_entries: int,
+    scale_bits: int = 16,
+    bits: int = DENSE_BITS,
+    num_scales: int = NUM_SCALES,
+) -> int:
     """Bits the format stores for ``num_rows`` rows of ``dim`` values in ``bits``-bit slots holding ``num_entries``
-    COO entries in all (one per inner or outer value), escape bytes not counted: header, scales and dense bytes per
-    row, plus the entries."""
+    COO entries in all (one per inner or outer value), escape bytes not counted: header, ``num_scales`` scales
+    (:func:`stored_scales`) and dense bytes per row, plus the entries."""
     dense = 8 * dense_bytes(dim, bits)
-    return num_rows * (HEADER_BITS + NUM_SCALES * scale_bits + dense) + COO_ENTRY_BITS * num_entries
+    return num_rows * (HEADER_BITS + num_scales * scale_bits + dense) + COO_ENTRY_BITS * num_entries
 
 
-def expected_bits(dim: int, outlier_fraction: float, scale_bits: int = 16, bits: int = DENSE_BITS) -> float:
-    """Bits per value of the format without escapes: ``b + 8 f + (6 * scale_bits + 16) / D`` for ``b``-bit slots
-    (the paper's formula, ``b = 4``, plus our header); the dense padding bits are included."""
+def expected_bits(
+    dim: int, outlier_fraction: float, scale_bits: int = 16, bits: int = DENSE_BITS, num_scales: int = NUM_SCALES
+) -> float:
+    """Bits per value of the format without escapes: ``b + 8 f + (s * scale_bits + 16) / D`` for ``b``-bit slots
+    and ``s`` stored scales (:func:`stored_scales`: 6, the paper's formula with ``b = 4``, plus our header; 2 with
+    static grids); the dense padding bits are included."""
     check_dim(dim)
     return (
         8 * dense_bytes(dim, bits) / dim
         + COO_ENTRY_BITS * outlier_fraction
-        + (NUM_SCALES * scale_bits + HEADER_BITS) / dim
+        + (num_scales * scale_bits + HEADER_BITS) / dim
     )
 
 
@@ -256,10 +290,14 @@ class EncodedBatch:
             little-endian bit stream (``b = OakenConfig.middle_bits``; for 4, nibble ``j % 2``, low first, of byte
             ``j // 2``). The batch does not record ``b``: its config does.
         scales: ``[N, 6]`` float16 (or float32): ``mid_min, mid_max, inner_min, inner_max, outer_min, outer_max``.
+            With static grids the first four columns are the layer's static grid in every row (not stored).
         sparse: uint8 ``[S]``; the COO byte streams of all rows, concatenated.
         sparse_offsets: int64 ``[N + 1]``; row ``r``'s stream is ``sparse[off[r]:off[r + 1]]``. The stored per-row
             cost of this is the 16-bit header (the count ``off[r + 1] - off[r]``).
         dim: ``D``, the number of values per row.
+        stored_scales: how many of the six scale columns the stored form holds (:func:`stored_scales` of the
+            config that wrote it: 6, or 2 with static grids); :meth:`nbytes` counts those, :func:`check_encoded`
+            refuses a batch whose count is not its config's.
     """
 
     dense: torch.Tensor
@@ -267,6 +305,7 @@ class EncodedBatch:
     sparse: torch.Tensor
     sparse_offsets: torch.Tensor
     dim: int
+    stored_scales: int = NUM_SCALES
 
     @property
     def num_rows(self) -> int:
@@ -277,14 +316,13 @@ class EncodedBatch:
         return self.sparse[int(self.sparse_offsets[r]) : int(self.sparse_offsets[r + 1])]
 
     def nbytes(self) -> int:
-        """Bytes of the stored form: dense + sparse + scales + the 2-byte header of every row."""
+        """Bytes of the stored form: dense + sparse + the stored scales + the 2-byte header of every row."""
         n = self.num_rows
-        return (
-            self.dense.numel()
-            + self.sparse.numel()
-            + self.scales.numel() * self.scales.element_size()
-            + n * HEADER_BITS // 8
-        )
+        return self.dense.numel() + self.sparse.numel() + n * self.stored_scale_bytes() + n * HEADER_BITS // 8
+
+    def stored_scale_bytes(self) -> int:
+        """Bytes of the scales one row stores (:attr:`stored_scales` of them)."""
+        return self.stored_scales * self.scales.element_size()
 
 
 def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_scales: bool = True) -> None:
@@ -316,6 +354,11 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
         raise CorruptDataError(
             f"scales must be {want} [{n}, {NUM_SCALES}], got {enc.scales.dtype} {tuple(enc.scales.shape)}"
         )
+    if enc.stored_scales != stored_scales(config):
+        raise CorruptDataError(
+            f"the batch stores {enc.stored_scales!r} scales per row, its config {stored_scales(config)} "
+            f"(static_grids={config.static_grids}): decode it with the config that wrote it"
+        )
     # numpy, not torch, for these whole-array checks: torch's intra-op thread pool makes every small op wait for
     # a time slice on a busy machine, numpy stays on the calling thread.
     if check_scales and not np.isfinite(enc.scales.detach().cpu().numpy()).all():
@@ -345,30 +388,60 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
 
 
 def scale_bytes(config: OakenConfig) -> int:
-    """Bytes of the six scales at the start of a dense record."""
-    return NUM_SCALES * config.scale_itemsize
+    """Bytes of the stored scales at the start of a dense record (six, or two with static grids)."""
+    return stored_scales(config) * config.scale_itemsize
 
 
 def record_size(dim: int, config: OakenConfig) -> int:
-    """Bytes of one dense page record: the six scales, then the ``dense_bytes(D, config.middle_bits)`` slot bytes."""
+    """Bytes of one dense page record: the stored scales, then the ``dense_bytes(D, config.middle_bits)`` slot
+    bytes."""
     return scale_bytes(config) + dense_bytes(dim, config.middle_bits)
 
 
+def static_columns(grid: object, config: OakenConfig) -> np.ndarray:
+    """The layer's static grid as the four scale columns it fills in every row (``mid_min, mid_max, inner_min,
+    inner_max``), in the scale dtype: ``grid`` is any 4 numbers already rounded to the scale dtype
+    (``oakenkv.quant.quantizer.static_scale_row`` computes them from the thresholds). ValueError unless 4 values
+    exact in the scale dtype."""
+    a = np.asarray(grid, dtype=np.float64).reshape(-1)
+    if a.shape != (STATIC_COLUMNS,):
+        raise ValueError(f"a static grid is {STATIC_COLUMNS} numbers (mid_min, mid_max, inner_min, inner_max), got {a}")
+    with np.errstate(over="ignore"):
+        out = a.astype(config.scale_np_dtype)
+    if not np.array_equal(out.astype(np.float64), a):
+        raise ValueError(f"a static grid must be exact {config.scale_dtype} values, got {a.tolist()}")
+    return out
+
+
 def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, record_size]`` (scales then nibbles), sparse
-    uint8 ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse table)."""
+    """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, record_size]`` (the stored scales, then the
+    slots), sparse uint8 ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse
+    table). A static-grid batch (``enc.stored_scales == 2``) stores its outer scales only."""
     n = enc.num_rows
-    scales = enc.scales.contiguous().numpy().view(np.uint8).reshape(n, -1)
+    scales = enc.scales[:, NUM_SCALES - enc.stored_scales :].contiguous().numpy().view(np.uint8).reshape(n, -1)
     dense = np.concatenate([scales, enc.dense.numpy()], axis=1)
     return dense, enc.sparse.numpy(), enc.sparse_offsets.numpy()
 
 
 def from_records(
-    dense: np.ndarray, sparse: np.ndarray, offsets: np.ndarray, dim: int, config: OakenConfig
+    dense: np.ndarray,
+    sparse: np.ndarray,
+    offsets: np.ndarray,
+    dim: int,
+    config: OakenConfig,
+    static: object = None,
 ) -> EncodedBatch:
     """The inverse of :func:`to_records`: an :class:`EncodedBatch` of the records (decode it to validate the
-    streams). Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and
-    ``config``."""
+    streams). ``static``: with static grids (``config.static_grids``), the layer's static grid (4 numbers,
+    :func:`static_columns`; required), which fills the first four scale columns of every row; None otherwise.
+    Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and ``config``, ValueError
+    for a missing or unexpected ``static``."""
+    if config.static_grids != (static is not None):
+        raise ValueError(
+            "from_records needs the layer's static grid (static=) for a static-grid config, and takes none otherwise"
+            f" (static_grids={config.static_grids})"
+        )
+    fixed = None if static is None else static_columns(static, config)
     check_dim_corrupt(dim)
     size = record_size(dim, config)
     for name, a, nd in (("dense", dense, 2), ("sparse", sparse, 1)):
@@ -383,17 +456,29 @@ def from_records(
     if offsets.dtype.kind not in "iu" or offsets.shape != (dense.shape[0] + 1,):
         raise CorruptDataError(f"offsets must be {dense.shape[0] + 1} integers, got {_describe(offsets)}")
     sb = scale_bytes(config)
-    scales = np.ascontiguousarray(dense[:, :sb]).view(config.scale_np_dtype).reshape(-1, NUM_SCALES)
+    ns = stored_scales(config)
+    stored = np.ascontiguousarray(dense[:, :sb]).view(config.scale_np_dtype).reshape(-1, ns)
+    if fixed is None:
+        scales = stored.copy()
+    else:
+        scales = np.empty((dense.shape[0], NUM_SCALES), config.scale_np_dtype)
+        scales[:, :STATIC_COLUMNS] = fixed
+        scales[:, STATIC_COLUMNS:] = stored
     return EncodedBatch(
         dense=torch.from_numpy(np.ascontiguousarray(dense[:, sb:])),
-        scales=torch.from_numpy(scales.copy()),
+        scales=torch.from_numpy(scales),
         sparse=torch.from_numpy(np.ascontiguousarray(sparse)),
         sparse_offsets=torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
         dim=dim,
+        stored_scales=ns,
     )
 
 
 # ------------------------------------------------------------------------------------------------ paged view
+
+#: :attr:`LayerView.static_grid` of records holding all six scales (no static grid): float32 ``[2, 0]`` (writable,
+#: like a real grid, so that the kernels taking a view compile once for both).
+NO_STATIC_GRID = np.zeros((2, 0), np.float32)
 
 #: Page id of a released page (``PagePool.evict_before``: a sliding-window layer's tokens no query reaches), as a
 #: view's page lists carry it; a reader must never dereference it.
@@ -426,7 +511,8 @@ class LayerView(NamedTuple):
     page_size: int
     #: Bytes per dense record (:func:`record_size`).
     record_size: int
-    #: Bytes of the scales at the start of a dense record (:func:`scale_bytes`).
+    #: Bytes of the scales at the start of a dense record (:func:`scale_bytes`: six scales, or the outer two with
+    #: static grids).
     scale_bytes: int
     #: ``T``: tokens stored in every stream of the layer.
     num_tokens: int
@@ -451,3 +537,7 @@ class LayerView(NamedTuple):
     #: default, so that a view built without it (positionally, before slot widths other than 4 existed) reads 4-bit
     #: records.
     middle_bits: int = DENSE_BITS
+    #: float32 ``[2, 4]``: with static grids (records holding the outer scales only), the layer's key and value
+    #: static grids ``(mid_min, mid_max, inner_min, inner_max)`` (:func:`static_columns`, widened exactly);
+    #: ``[2, 0]`` (the default, :data:`NO_STATIC_GRID`) for records holding all six scales.
+    static_grid: np.ndarray = NO_STATIC_GRID  # type: ignore[assignment]

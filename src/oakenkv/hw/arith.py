@@ -174,9 +174,18 @@ def reciprocal(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: What the hardware model says to a static-grid config (``OakenConfig.static_grids``).
+STATIC_GRIDS_REFUSED = (
+    "the hardware engines (hw/) compute and store every row's six scales; static middle/inner grids "
+    "(OakenConfig.static_grids) are not modelled there"
+)
+
+
 def _check_config(config: OakenConfig) -> None:
     if config.scale_dtype != "float16":
         raise ValueError("hardware arithmetic stores fp16 scales; use OakenConfig(scale_dtype='float16')")
+    if config.static_grids:
+        raise NotImplementedError(STATIC_GRIDS_REFUSED)
 
 
 def input_fx(x: torch.Tensor) -> torch.Tensor:

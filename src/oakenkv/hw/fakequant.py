@@ -26,6 +26,10 @@ class HwOakenQuantizer(KVFakeQuantizer):
     def __init__(self, thresholds: Any, config: OakenConfig, mode: HwMode = "hw") -> None:
         if mode not in ("hw", "hw_quant"):
             raise ValueError(f"mode must be 'hw' or 'hw_quant', got {mode!r}")
+        if config.static_grids:
+            from oakenkv.hw.arith import STATIC_GRIDS_REFUSED
+
+            raise NotImplementedError(STATIC_GRIDS_REFUSED)
         self.thresholds = thresholds
         self.config = config
         self.mode = mode

@@ -83,8 +83,9 @@ class BitBreakdown:
 
 
 def effective_bits(enc: EncodedBatch) -> BitBreakdown:
-    """Bits per value of ``enc`` counted from its bytes: dense nibbles, COO bytes (escapes included), scales and
-    the 16-bit per-row header. Page-table and fragmentation overhead are not part of the format and not counted.
+    """Bits per value of ``enc`` counted from its bytes: dense nibbles, COO bytes (escapes included), the stored
+    scales (``EncodedBatch.stored_scales``) and the 16-bit per-row header. Page-table and fragmentation overhead
+    are not part of the format and not counted.
     """
     n, d = enc.num_rows, enc.dim
     values = n * d
@@ -93,7 +94,7 @@ def effective_bits(enc: EncodedBatch) -> BitBreakdown:
     entries, escapes = sparse_stream_stats(enc)
     dense = 8.0 * enc.dense.numel() / values
     sparse = 8.0 * enc.sparse.numel() / values
-    scales = 8.0 * enc.scales.numel() * enc.scales.element_size() / values
+    scales = 8.0 * n * enc.stored_scale_bytes() / values  # the stored ones (static grids: the outer two)
     header = HEADER_BITS * n / values
     return BitBreakdown(
         dense=dense,

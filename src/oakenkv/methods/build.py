@@ -10,6 +10,7 @@ store. Oaken's thresholds come from a thresholds file (``thresholds=``) or are p
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -154,6 +155,11 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         # unless told otherwise.
         spec = OAKEN_PLUS.calibration if ctx.calibration in (None, CalibrationSpec()) else ctx.calibration
         thresholds = cached_plus_profile(ctx.model, ctx.tokenizer, ctx.model_name, spec, search, progress=ctx.progress)
+        if params["static"]:
+            # static grids (OakenConfig.static_grids): the same search's profile (transforms, thresholds, ratios),
+            # encoded with the layer's static middle/inner grids; the search itself scores per-row grids
+            static = thresholds.config.replace(static_grids=True)
+            thresholds = dataclasses.replace(thresholds, config=static)
         extra["calibration"] = spec.tag()
         base = ctx.spec if ctx.spec in ALIASES else canonical(family, params)  # a preset's alias: its name
         name = base + ("" if spec == OAKEN_PLUS.calibration else f"@{spec.tag()}")

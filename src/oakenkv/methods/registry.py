@@ -204,8 +204,13 @@ FAMILIES: dict[str, Family] = {
                 "sparse": Param(
                     0.1, "share of values in the sparse (inner + outer) groups, split per layer", 0.005, 0.5
                 ),
+                "static": _switch(
+                    "static middle/inner grids fixed per layer by its thresholds, only the outer scales stored per "
+                    "row (OakenConfig.static_grids: 32/D instead of 96/D scale bits; the profile is the per-row one's)",
+                    0,
+                ),
             },
-            "as oaken, plus 16 bits x sink tokens",
+            "as oaken (32/D scale bits with static=1), plus 16 bits x sink tokens",
             "post_rope",
             "methods.build:build_oaken_plus",
             profile="plus",
@@ -422,6 +427,7 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
             "sparse": _plus_sparse(thresholds),
             "rot_k": _plus_search_flag(thresholds, "key_rotation"),
             "rot_v": _plus_search_flag(thresholds, "value_rotation"),
+            "static": int(thresholds.config.static_grids),
         }
         for key, value in recorded.items():
             if key in given and value is not None and params[key] != value:

@@ -28,11 +28,17 @@ end codes may also absorb values up to half a step beyond their centre, this gri
 ``2^b - 1`` and its step is never much larger than the plain grid's. A group with values on one side only keeps
 the plain ``[min, max]`` grid, whose codes all decode to that side's sign (see ``_signed_grid``).
 
+Static grids (``OakenConfig.static_grids``, issue #36): the middle and inner groups take the layer's fixed grid
+(:func:`static_grid` of the thresholds, clip 1) instead of each row's, values beyond it clamped to its end codes;
+the outer group keeps its per-row grid. The format then stores only the outer end points per row
+(``oakenkv.format.layout``); :func:`quantize` is its reference too.
+
 All arithmetic is float32, in a fixed order, so that numba kernels can reproduce it bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -265,10 +271,11 @@ def static_grid(
     group: ThresholdsLike | None = None,
     clip: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EXPERIMENTAL (issue #36; not a format: nothing stores or reads these): grid end points of the middle and
-    inner groups fixed by the layer's thresholds instead of each row's values, as :func:`quantize` uses them with
-    ``static_scales``. Returns ``(mins, maxs)``, ``[3]`` in the config's scale dtype indexed by group id, the outer
-    group's entries 0 (it keeps its per-row grid).
+    """Grid end points of the middle and inner groups fixed by the layer's thresholds instead of each row's values
+    (issue #36): with ``clip`` 1 and no ``group``, the grid of the static-grid format (``OakenConfig.static_grids``,
+    :func:`format_static_grid`); other clips and grouping thresholds are what ``quantize``'s ``static_scales``
+    simulates (``benchmarks/static_scales.py``). Returns ``(mins, maxs)``, ``[3]`` in the config's scale dtype
+    indexed by group id, the outer group's entries 0 (it keeps its per-row grid).
 
     The grouping thresholds (``group`` or ``thr``) bound what each group can hold: a middle value shifted by
     ``thr`` lies in ``[g_to_lo - ti_lo, 0)`` or ``(0, g_to_hi - ti_hi]``, an inner value in ``[g_ti_lo, g_ti_hi]``.
@@ -301,6 +308,23 @@ def static_grid(
     return _round_scales(mins, config), _round_scales(maxs, config)
 
 
+def format_static_grid(thr: ThresholdsLike, config: OakenConfig) -> tuple[float, float, float, float]:
+    """The static grid of the static-grid format (``OakenConfig.static_grids``) for thresholds ``thr``: ``(mid_min,
+    mid_max, inner_min, inner_max)``, values of the scale dtype (as floats, exact): :func:`static_grid` with clip 1
+    of the shift thresholds, the only ones a decoder has (an adaptive encoder's grouping thresholds do not move
+    it). What every row's first four scale columns hold in memory and what a reader restores from the thresholds
+    (``oakenkv.format.layout.from_records``). Cached: encoders ask per call."""
+    return _format_static_grid(thresholds_tuple(thr), config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _format_static_grid(t: tuple[float, float, float, float], config: OakenConfig) -> tuple[float, ...]:
+    mins, maxs = static_grid(t, config)
+    m = mins.to(torch.float32).tolist()
+    x = maxs.to(torch.float32).tolist()
+    return (m[GROUP_MIDDLE], x[GROUP_MIDDLE], m[GROUP_INNER], x[GROUP_INNER])
+
+
 def quantize(
     x: torch.Tensor,
     thr: ThresholdsLike,
@@ -317,11 +341,12 @@ def quantize(
         config: the method's configuration (default: the paper's).
         group: thresholds to group the values by instead of ``thr``, which then only shifts them (and decodes
             them): adaptive grouping (``oakenkv.quant.adapt``; :func:`grouping_tuple` says which are allowed).
-        static_scales: EXPERIMENTAL, a simulation only (issue #36; the format, the kernels and the codec know
-            nothing of it): None (the default, Oaken's per-row grids) or a clip factor in (0, 1]: every row's
-            middle and inner groups use the fixed grid of :func:`static_grid` (``mins``/``maxs`` hold it in every
-            row, whether or not the group has members), values beyond it clamped to its end codes; the outer
-            group keeps its per-row grid. :func:`dequantize` decodes the result as it is.
+        static_scales: a simulation (issue #36; ``benchmarks/static_scales.py``): None (the default: the
+            config's grids) or a clip factor in (0, 1]: every row's middle and inner groups use the fixed grid of
+            :func:`static_grid` (of ``group`` where given; ``mins``/``maxs`` hold it in every row, whether or not
+            the group has members), values beyond it clamped to its end codes; the outer group keeps its per-row
+            grid. :func:`dequantize` decodes the result as it is. The format's static grids are
+            ``config.static_grids`` (clip 1, of ``thr``: :func:`format_static_grid`), which refuses this.
 
     Returns:
         The codes, group of each value and the per-row grid end points (see :class:`QuantizedVectors`).
@@ -330,7 +355,12 @@ def quantize(
     if x.dim() != 2:
         raise ValueError(f"quantize expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
     x32 = _check_input(x)
-    fixed = None if static_scales is None else static_grid(thr, config, group, static_scales)
+    if config.static_grids and static_scales is not None:
+        raise ValueError("static_scales simulates static grids; a static_grids config has the format's already")
+    if config.static_grids:
+        fixed = static_grid(thr, config)  # the decoder's: of the shift thresholds, clip 1 (format_static_grid)
+    else:
+        fixed = None if static_scales is None else static_grid(thr, config, group, static_scales)
     g = grouping_tuple(thr, group)
     groups = assign_groups(x32, g[4:] if group is not None else thr)
     s = group_shift(x32, groups, thr)

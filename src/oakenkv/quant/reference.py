@@ -2,7 +2,8 @@
 COO stream, slow and obvious. Every fast path is tested against it byte for byte.
 
 :func:`pack` / :func:`unpack` convert the reference quantizer's output (``oakenkv.quant.quantizer``) to and from the
-bytes;
+bytes (with static grids, ``OakenConfig.static_grids``, the stored form holds the outer scales only: :func:`pack`
+checks that the others are the layer's static grid, :func:`unpack` that they still are, both from the thresholds);
 :func:`encode` / :func:`decode` chain them with the quantizer and have the signatures of
 ``oakenkv.kernels.codec.encode`` /
 ``decode`` (the fast pair), so a store can run on either.
@@ -22,11 +23,13 @@ from oakenkv.format.layout import (
     ERROR_MESSAGES,
     MAX_ROW_SPARSE_BYTES,
     NUM_SCALES,
+    STATIC_COLUMNS,
     CorruptDataError,
     EncodedBatch,
     check_dim,
     check_encoded,
     dense_bytes,
+    stored_scales,
 )
 from oakenkv.quant.quantizer import (
     GROUP_INNER,
@@ -36,6 +39,7 @@ from oakenkv.quant.quantizer import (
     ThresholdsLike,
     decodes_finite,
     dequantize,
+    format_static_grid,
     group_bits,
     quantize,
 )
@@ -135,13 +139,25 @@ def _unpack_slots(dense: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return (stream.reshape(n, dim, bits) << torch.arange(bits)).sum(dim=2).to(torch.uint8)
 
 
-def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch:
+def _static_mismatch(scales: torch.Tensor, thr: ThresholdsLike | None, config: OakenConfig) -> int:
+    """For a static-grid config: the first row whose middle and inner scale columns (``scales [N, 6]``) are not the
+    layer's static grid (:func:`format_static_grid` of ``thr``), or -1; ValueError without ``thr``."""
+    if thr is None:
+        raise ValueError("a static-grid config (static_grids=True) needs the thresholds: they define the static grid")
+    grid = torch.tensor(format_static_grid(thr, config), dtype=torch.float32)
+    bad = torch.nonzero(~(scales[:, :STATIC_COLUMNS].to(torch.float32) == grid).all(dim=1))
+    return int(bad[0, 0]) if bad.numel() else -1
+
+
+def pack(q: QuantizedVectors, config: OakenConfig | None = None, thr: ThresholdsLike | None = None) -> EncodedBatch:
     """Reference packer: the quantizer's codes and scales as an :class:`EncodedBatch` (bit-exact, lossless).
 
     Args:
         q: output of :func:`oakenkv.quant.quantizer.quantize` (codes/groups uint8 ``[N, D]``, mins/maxs ``[N, 3]``).
-        config: the config ``q`` was quantized with (only the slot width and the group bits are used; default: the
-            paper's).
+        config: the config ``q`` was quantized with (only the slot width, the group bits and static grids are used;
+            default: the paper's).
+        thr: the thresholds ``q`` was quantized with: required with static grids, whose middle and inner end
+            points are not stored (ValueError unless every row's are the static grid of ``thr``); unused otherwise.
     """
     config = config or OakenConfig()
     _check_quantized(q, config)
@@ -150,6 +166,8 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch
     dense = _pack_slots(codes, config.middle_bits)
     # scales: [mid_min, mid_max, inner_min, inner_max, outer_min, outer_max]
     scales = torch.stack([q.mins, q.maxs], dim=2).reshape(n, NUM_SCALES).to(config.scale_torch_dtype).contiguous()
+    if config.static_grids and (r := _static_mismatch(scales, thr, config)) >= 0:
+        raise ValueError(f"row {r}: its middle or inner end points are not the static grid, which is not stored")
     # sparse: one entry byte per outlier, then the per-row stream with escapes.
     outlier = q.groups != GROUP_MIDDLE
     col = torch.arange(d, dtype=torch.int64).expand(n, d)
@@ -173,13 +191,19 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None) -> EncodedBatch
         sparse=torch.tensor(streams, dtype=torch.uint8),
         sparse_offsets=torch.tensor(offsets, dtype=torch.int64),
         dim=int(d),
+        stored_scales=stored_scales(config),
     )
 
 
-def unpack(enc: EncodedBatch, config: OakenConfig | None = None) -> QuantizedVectors:
-    """Reference unpacker: the exact inverse of :func:`pack`. Raises :class:`CorruptDataError` on invalid input."""
+def unpack(enc: EncodedBatch, config: OakenConfig | None = None, thr: ThresholdsLike | None = None) -> QuantizedVectors:
+    """Reference unpacker: the exact inverse of :func:`pack`. Raises :class:`CorruptDataError` on invalid input.
+
+    ``thr``: required with static grids (ValueError without): a row whose middle or inner scale columns are not the
+    static grid of ``thr`` (what a reader restores, ``oakenkv.format.layout.from_records``) is corrupt."""
     config = config or OakenConfig()
     check_encoded(enc, config)
+    if config.static_grids and (r := _static_mismatch(enc.scales, thr, config)) >= 0:
+        raise CorruptDataError(f"row {r}: its middle or inner scales are not the layer's static grid")
     n, d = enc.num_rows, enc.dim
     mb = config.middle_bits
     codes = _unpack_slots(enc.dense, d, mb)
@@ -208,14 +232,14 @@ def encode(
 ) -> EncodedBatch:
     """``pack(quantize(x, thr, config, group))``: the reference of ``oakenkv.kernels.codec.encode``."""
     config = config or OakenConfig()
-    return pack(quantize(x, thr, config, group), config)
+    return pack(quantize(x, thr, config, group), config, thr)
 
 
 def decode(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:
     """``dequantize(unpack(enc))``: the reference of ``oakenkv.kernels.codec.decode``. Raises :class:`CorruptDataError`
     for invalid bytes, including scales whose codes would decode to non-finite values (``quant.decodes_finite``)."""
     config = config or OakenConfig()
-    q = unpack(enc, config)
+    q = unpack(enc, config, thr)
     bad = torch.nonzero(~decodes_finite(q.mins, q.maxs, thr, config))
     if bad.numel():
         raise CorruptDataError(f"row {int(bad[0, 0])}: {ERROR_MESSAGES[ERR_SCALE_NONFINITE]}")

@@ -3,8 +3,9 @@
 Oaken's bits come from the codec's accounting (``oakenkv.kernels.codec``), mirrored here as a small function so that
 the simulator stays torch-free: every value has a 4-bit dense slot, every outlier (outer + inner groups, 10%
 by default) adds an 8-bit COO entry, and each token's K or V vector of one layer carries 96 bits of group
-scales (min and max of three groups, FP16), amortised over the vector width. The peers' bits are the effective
-bits the paper reports for them (Table 2, Llama2-7B) and are treated as model-independent.
+scales (min and max of three groups, FP16), amortised over the vector width; with static grids
+(``OakenConfig.static_grids``, the ``oaken-static`` format) only the outer group's two, 32 bits. The peers' bits are
+the effective bits the paper reports for them (Table 2, Llama2-7B) and are treated as model-independent.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from oakenkv.sim.shapes import ModelShape
 OAKEN_OUTLIER_FRACTION = 0.10
 #: Per-token scale bits of one K or V vector: 3 groups x (min, max) x FP16.
 OAKEN_SCALE_BITS = 96
+#: The same with static middle and inner grids (``OakenConfig.static_grids``): the outer group's min and max alone.
+OAKEN_STATIC_SCALE_BITS = 32
 
 
 def oaken_bits(
@@ -36,14 +39,16 @@ def oaken_bits(
 
 @dataclass(frozen=True)
 class KVFormat:
-    """A KV storage format. ``bits`` is fixed bits/value, or None when it depends on the model (Oaken)."""
+    """A KV storage format. ``bits`` is fixed bits/value, or None when it depends on the model (Oaken: then
+    ``scale_bits`` per vector)."""
 
     name: str
     bits: float | None
     description: str
+    scale_bits: int = OAKEN_SCALE_BITS
 
     def bits_per_value(self, model: ModelShape) -> float:
-        return oaken_bits(model.kv_vector_width) if self.bits is None else self.bits
+        return oaken_bits(model.kv_vector_width, scale_bits=self.scale_bits) if self.bits is None else self.bits
 
     def bytes_per_token(self, model: ModelShape) -> float:
         """Bytes one token adds to the KV cache over all layers (K and V)."""
@@ -56,6 +61,12 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp16", 16.0, "FP16, no quantization"),
         KVFormat("fp8", 8.0, "FP8 (E4M3/E5M2), per-tensor scale"),
         KVFormat("oaken", None, "Oaken 4/5-bit groups, fused dense-and-sparse (4 + 8 x 0.10 + 96 / width)"),
+        KVFormat(
+            "oaken-static",
+            None,
+            "Oaken with static middle/inner grids: outer scales alone per vector (4 + 8 x 0.10 + 32 / width)",
+            OAKEN_STATIC_SCALE_BITS,
+        ),
         KVFormat("int4", 4.0, "plain 4-bit, scales ignored (a lower bound for 4-bit formats)"),
         KVFormat("kvquant", 4.82, "KVQuant 4-bit with 1% dense-and-sparse outliers (paper Table 2)"),
         KVFormat("kivi", 4.99, "KIVI 4-bit, per-channel K / per-token V groups (paper Table 2)"),

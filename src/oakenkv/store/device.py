@@ -448,8 +448,10 @@ class DeviceKVStore:
             raise ValueError(
                 "the device store has no full-precision window yet: use residual=0 on a GPU (or the CPU store)"
             )
+        from oakenkv.kernels.triton._oaken import check_static_grids
         from oakenkv.kernels.triton.encode import MAX_TRITON_DIM
 
+        check_static_grids(config.static_grids)  # (the Triton kernels read records of six scales)
         dim = num_kv_heads * head_dim
         if dim > MAX_TRITON_DIM:
             raise ValueError(f"the Triton encoder takes rows of up to {MAX_TRITON_DIM} values; this model's are {dim}")

@@ -47,6 +47,7 @@ from oakenkv.format.layout import (
     ERR_NONFINITE,
     ERROR_MESSAGES,
     HEADER_BITS,
+    NO_STATIC_GRID,
     EncodedBatch,
     LayerView,
     from_records,
@@ -55,7 +56,14 @@ from oakenkv.format.layout import (
     sparse_capacity,
     to_records,
 )
-from oakenkv.kernels.cpu.codec import decode_records, decode_trusted, encode_records, encode_trusted, first_error
+from oakenkv.kernels.cpu.codec import (
+    decode_records,
+    decode_trusted,
+    encode_records,
+    encode_trusted,
+    first_error,
+    static_grid_array,
+)
 from oakenkv.quant.adapt import AdaptConfig, new_state
 from oakenkv.store.pages import PagePool, PoolConfig, PoolStats, TokenTargets
 from oakenkv.store.view import LayerTables, grown
@@ -153,7 +161,9 @@ def _merge_tokens(parts: list[EncodedBatch], b: int) -> EncodedBatch:
             streams.append(p.sparse[int(p.sparse_offsets[r * s]) : int(p.sparse_offsets[(r + 1) * s])])
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(counts.reshape(-1), 0)
-    return EncodedBatch(dense.contiguous(), scales.contiguous(), torch.cat(streams), offsets, parts[0].dim)
+    return EncodedBatch(
+        dense.contiguous(), scales.contiguous(), torch.cat(streams), offsets, parts[0].dim, parts[0].stored_scales
+    )
 
 
 def _check_encoded_rows(counts: np.ndarray, tokens: int) -> None:
@@ -343,6 +353,11 @@ class PagedKVStore:
         ]
         #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
         self.thr = np.array([[t.as_tuple() for t in row] for row in self._decode_thresholds], dtype=np.float32)
+        #: float32 ``[num_layers, 2, 4]``: with static grids (``OakenConfig.static_grids``), each layer's and kind's
+        #: static grid (of the thresholds in :attr:`thr`), which the records do not hold; None without.
+        self.static = None
+        if config.static_grids:
+            self.static = np.array([[static_grid_array(t, config) for t in row] for row in self.thr], np.float32)
         #: The online part of an ``oaken-plus`` profile (``oakenkv.calibrate.transforms``): None without one; else which
         #: layers transform their keys, and the float32 key shifts ``[num_layers, D]``.
         self.transforms = thresholds.transforms if thresholds.transforms and thresholds.transforms.online_keys else None
@@ -567,7 +582,8 @@ class PagedKVStore:
         records = np.empty((2 * n, self.rec_size), np.uint8)
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
-        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits)
+        static = None if self.static is None else np.repeat(self.static[layer], n, axis=0)  # as thr: each row's
+        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits, static)
         _check_encoded_rows(counts, s)
         offsets, flat = _packed_sparse(sparse, counts)
         items = []
@@ -586,7 +602,7 @@ class PagedKVStore:
                 state.record(layer, kind, s, int(counts[kind * n : (kind + 1) * n].sum()), n * self.dim)
         status = np.empty(2 * n, np.int64)
         # into the rows' buffer: the decoder reads the records (the sink tokens' copy was taken before encoding)
-        decode_records(records, sparse, counts, thr, *self._record_format, rows, status, self._slot_bits)
+        decode_records(records, sparse, counts, thr, *self._record_format, rows, status, self._slot_bits, static)
         r = first_error(status)
         if r >= 0:  # (our own records: this would be a bug)
             raise RuntimeError(
@@ -710,7 +726,7 @@ class PagedKVStore:
         scratch = self._token_scratch
         if scratch is None or scratch[0].shape[0] != 2 * b:
             scratch = self._token_scratch = self._make_token_scratch(b)
-        rows, records, sparse, counts, thr = scratch
+        rows, records, sparse, counts, thr, static = scratch
         # The rows, float32 [2B, D]: [B, H, 1, hd] -> [B, H * hd], keys then values (the online key transform runs on
         # the key rows, as in append). numpy copies on this thread (see append); a float32 tensor's numpy view is all
         # it takes (a .to() call costs more than the copy).
@@ -722,7 +738,10 @@ class PagedKVStore:
         t = self.tables[layer].num_tokens
         # (a copy before the encoder works in the rows)
         sink = rows.astype(np.float16) if t < self._sink_end and self._sink_slices(t, 1) else None
-        encode_records(rows, thr[layer], *self._record_format, records, sparse, counts, self._slot_bits)
+        encode_records(
+            rows, thr[layer], *self._record_format, records, sparse, counts, self._slot_bits,
+            None if static is None else static[layer],
+        )  # fmt: skip
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
         state = self.adapt_state
@@ -748,18 +767,20 @@ class PagedKVStore:
 
     def _make_token_scratch(self, b: int) -> tuple[Any, ...]:
         """append_token's buffers for ``2 b`` rows, and each layer's thresholds per row (``[.., 8]`` under adaptive
-        grouping: :meth:`_encode_thr`)."""
+        grouping: :meth:`_encode_thr`) and static grids per row (static grids; else None)."""
         m = 2 * b
         thr = np.empty((self.num_layers, m, 4 if self.adapt_state is None else 8), np.float32)
         for layer in range(self.num_layers):
             g = self._encode_thr(layer)
             thr[layer, :b], thr[layer, b:] = g[KEY], g[VALUE]
+        static = None if self.static is None else np.repeat(self.static, b, axis=1)  # [L, 2b, 4], as thr
         return (
             np.empty((m, self.dim), np.float32),
             np.empty((m, self.rec_size), np.uint8),
             np.empty((m, sparse_capacity(self.dim)), np.uint8),
             np.empty(m, np.int64),
             thr,
+            static,
         )
 
     def layer_view(self, layer: int) -> LayerView:
@@ -777,6 +798,7 @@ class PagedKVStore:
         return lt.view(
             self._flat[1], self.pool.config.page_size, self.rec_size, self.scale_bytes, self.thr[layer],
             cfg.inner_bits, cfg.outer_bits, self.num_kv_heads, middle_bits=cfg.middle_bits,
+            static_grid=NO_STATIC_GRID if self.static is None else self.static[layer],
         )  # fmt: skip
 
     def check_tables(self) -> None:
@@ -832,7 +854,8 @@ class PagedKVStore:
                 continue
             dense = self.pool.read_dense(seq, stream, start)
             sparse, offs = self.pool.read_sparse(seq, stream, start)
-            enc = from_records(dense, sparse, offs, self.dim, self.config)
+            static = None if self.static is None else self.static[layer, kind]
+            enc = from_records(dense, sparse, offs, self.dim, self.config, static)
             thr = self._decode_thresholds[layer][kind]
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):
                 x = self.decode(enc, thr, self.config) if enc.num_rows else torch.zeros(0, self.dim)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from oakenkv.format.layout import LayerView
+from oakenkv.format.layout import NO_STATIC_GRID, LayerView
 
 
 def grown(a: np.ndarray, size: int, axis: int = -1) -> np.ndarray:
@@ -135,10 +135,12 @@ class LayerTables:
         num_kv_heads: int,
         rows: int | None = None,
         middle_bits: int = 4,
+        static_grid: np.ndarray = NO_STATIC_GRID,
     ) -> LayerView:
         """The :class:`LayerView` of these tables over ``pool`` (the storage, flat uint8), with the layer's
-        ``thresholds`` (float32 ``[2, 4]``) and format (``middle_bits``: the dense slot width); the first ``rows``
-        rows only, when given (views, no copy). Valid until the tables' next write."""
+        ``thresholds`` (float32 ``[2, 4]``) and format (``middle_bits``: the dense slot width; ``static_grid``:
+        float32 ``[2, 4]``, the static grids of records holding the outer scales only, or ``[2, 0]``); the first
+        ``rows`` rows only, when given (views, no copy). Valid until the tables' next write."""
         if rows is None:
             dp, sp, sf, sc, sl = (
                 self.dense_pages, self.sparse_pages, self.sparse_first, self.sparse_counts, self.sparse_lengths,
@@ -148,7 +150,7 @@ class LayerTables:
             sc, sl = self.sparse_counts[:rows], self.sparse_lengths[:rows]
         return LayerView(
             pool, page_size, record_size, scale_bytes, self.num_tokens, dp, sp, sf, sc, sl, thresholds, inner_bits,
-            outer_bits, num_kv_heads, middle_bits,
+            outer_bits, num_kv_heads, middle_bits, static_grid,
         )  # fmt: skip
 
 

@@ -108,6 +108,10 @@ class BlockLayout:
         """
         if config.scale_dtype != "float16":
             raise ValueError("the vLLM plugin stores fp16 scales; this profile uses scale_dtype='float32'")
+        if config.static_grids:  # (check_profile refuses these profiles at start; this guards the bytes too)
+            raise NotImplementedError(
+                "the vLLM plugin's blocks do not hold static-grid records (OakenConfig.static_grids)"
+            )
         if not isinstance(dim, int) or not isinstance(block_size, int) or dim < 1 or block_size < 1:
             raise ValueError(f"dim and block_size must be positive ints, got {dim!r}, {block_size!r}")
         unit = _oaken.record_size(dim, config)
@@ -427,10 +431,11 @@ def _decode_span(pool, unit, sb, dense_pages, sparse_pages, sparse_first, sparse
     float32 rows ``out``, with the attention kernel's block decoder (the codec's numbers); tokens below ``n_sink``
     are the 16-bit sink rows (``sinks [2, n_sink, D]`` uint16) instead. Returns ``ERR_OK`` or an ``ERR_*`` code."""
     sp, off = _oaken.sparse_start(sparse_first, sparse_count, lens, t0)
-    # (4: the plugin's blocks hold 4-bit slots; check_profile refuses profiles of other widths)
+    # (4: the plugin's blocks hold 4-bit slots, and six scales per record: check_profile refuses profiles of other
+    # widths and static grids, whose empty grid this passes)
     st, sp, off = _oaken.decode_rows(
         pool, unit, unit, sb, dense_pages, sparse_pages, sparse_first, sparse_count, lens, thr, 4, ib, ob, ones, t0,
-        sp, off, out,
+        sp, off, out, np.empty(0, np.float32),
     )  # fmt: skip
     for t in range(t0, min(n_sink, t0 + out.shape[0])):
         for j in range(out.shape[1]):

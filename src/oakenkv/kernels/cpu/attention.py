@@ -4,7 +4,8 @@ Why one module (over 600 lines): the serial and parallel kernels and the window 
 inlined row decoder, COO walk and block loop, and numba's disk cache is invalidated only by a change of the
 function's own file: kept together, an edit of a shared helper recompiles every kernel that inlines it.
 
-The kernel reads every stored token's dense record (six fp16 scales + nibbles) and sparse record (COO bytes)
+The kernel reads every stored token's dense record (six fp16 scales + nibbles; with static grids two, the outer
+group's, the middle and inner grids coming from the view's ``static_grid``) and sparse record (COO bytes)
 straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
 ``oakenkv.kernels.cpu.codec.decode_row_into_lut``, bit-exact with ``oakenkv.quant.quantizer.dequantize``) and folds it
 into an online softmax. The float history is never rebuilt: a work item holds one block of decoded key rows, one of
@@ -140,40 +141,44 @@ def _sparse_start(first, count, lens, t0):
 
 @njit(cache=True, nogil=True, fastmath=False)
 def _decode_rows(
-    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
-):
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out,
+    static,
+):  # fmt: skip
     """:func:`_decode_block` compiled once per slot width ``mb`` (a constant inside each copy: the paper's 4-bit
     slots run the nibble arithmetic they ran before slot widths were a parameter)."""
     if mb == 4:
         return _decode_block(
             pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 4, ib, ob, keep, t0, sp,
-            off, out,
+            off, out, static,
         )  # fmt: skip
     if mb == 3:
         return _decode_block(
             pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 3, ib, ob, keep, t0, sp,
-            off, out,
+            off, out, static,
         )  # fmt: skip
     if mb == 2:
         return _decode_block(
             pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, 2, ib, ob, keep, t0, sp,
-            off, out,
+            off, out, static,
         )  # fmt: skip
     # 5..7-bit slots: one copy, the width a runtime value (their speed is not the hot path's)
     return _decode_block(
         pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off,
-        out,
+        out, static,
     )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, fastmath=False, inline="always")
 def _decode_block(
-    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out
-):
+    pool, page_size, rec, sb, dense_pages, sc_pages, sc_first, sc_count, lens, thr, mb, ib, ob, keep, t0, sp, off, out,
+    static,
+):  # fmt: skip
     """Decode tokens ``t0 .. t0 + len(out)`` of one stream whose ``keep`` is set into the float32 rows ``out[j]``
     (``out[j]`` is token ``t0 + j``; masked tokens are skipped, their pages never read). ``(sp, off)`` is the
     stream's sparse walker at ``t0`` (page index, byte offset); returns ``(status, sp, off)`` advanced past the
-    block. ``mb``, ``ib``, ``ob``: the middle (slot), inner and outer code bits.
+    block. ``mb``, ``ib``, ``ob``: the middle (slot), inner and outer code bits. ``static``: float32 ``[4]``, the
+    static grid ``(mid_min, mid_max, inner_min, inner_max)`` of records that hold the outer scales alone (static
+    grids), or empty (records of six scales).
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.codec.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
@@ -196,6 +201,14 @@ def _decode_block(
     nbytes = (mb * d + 7) >> 3
     pi = t0 // rpp
     slot = t0 - pi * rpp
+    # static grids: the middle and inner grids are the layer's, the record holds the outer scales alone (at 0)
+    fixed = static.shape[0] >= 4
+    s_lo, s_step, s_in_lo, s_in_step = zero, zero, zero, zero
+    if fixed:  # (the decoder's float32 operations, as for scales read from a record)
+        s_lo, s_in_lo = static[0], static[2]
+        s_step = (static[1] - s_lo) / mid_div
+        s_in_step = (static[3] - s_in_lo) / in_div
+    o_at = 0 if fixed else 8  # the outer scales' offset in the record
     codes = np.empty(d, np.uint8)  # the row's nibbles, one per value
     lut = np.empty(_LUT_SIZE, np.float32)  # the outlier values of the row being decoded (_coo_walk)
     for j in range(out.shape[0]):
@@ -214,8 +227,11 @@ def _decode_block(
                 return ERR_EVICTED, sp, off
             base = page * page_size + slot * rec
             row = row_view(out, j)
-            lo = _f16_at(pool, base)
-            step = (_f16_at(pool, base + 2) - lo) / mid_div
+            if fixed:
+                lo, step = s_lo, s_step
+            else:
+                lo = _f16_at(pool, base)
+                step = (_f16_at(pool, base + 2) - lo) / mid_div
             src = span_view(pool, base + sb, base + sb + nbytes)
             if mb == 4:
                 for i in range(half):
@@ -233,10 +249,13 @@ def _decode_block(
                 spage = np.int64(sc_pages[sp])
                 if spage < 0:
                     return ERR_EVICTED, sp, off
-                in_lo = _f16_at(pool, base + 4)
-                in_step = (_f16_at(pool, base + 6) - in_lo) / in_div
-                out_lo = _f16_at(pool, base + 8)
-                out_step = (_f16_at(pool, base + 10) - out_lo) / out_div
+                if fixed:
+                    in_lo, in_step = s_in_lo, s_in_step
+                else:
+                    in_lo = _f16_at(pool, base + 4)
+                    in_step = (_f16_at(pool, base + 6) - in_lo) / in_div
+                out_lo = _f16_at(pool, base + o_at)
+                out_step = (_f16_at(pool, base + o_at + 2) - out_lo) / out_div
                 st = _coo_walk(
                     pool, spage * page_size + s0, n, codes, mb, in_lo, in_step, out_lo, out_step, to_lo, to_hi, row,
                     lut,
@@ -374,6 +393,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
     k_count, v_count = view.sparse_counts[b, 0], view.sparse_counts[b, 1]
     k_len, v_len = view.sparse_lengths[b, 0], view.sparse_lengths[b, 1]
     thr_k, thr_v = thr[0], thr[1]
+    st_k, st_v = view.static_grid[0], view.static_grid[1]  # static grids, or empty
     keep_b = keep[b]
     ksp, koff = _sparse_start(k_first, k_count, k_len, t0)
     vsp, voff = _sparse_start(v_first, v_count, v_len, t0)
@@ -385,14 +405,14 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
         # 1. the block's key rows
         st, ksp, koff = _decode_rows(
             pool, page_size, rec, sb, k_dense, k_pages, k_first, k_count, k_len, thr_k, mb, ib, ob, keep_b, tb, ksp,
-            koff, kbuf[:nb],
+            koff, kbuf[:nb], st_k,
         )  # fmt: skip
         if st != ERR_OK:
             return st  # the first error ends the item: a walker past a bad record would misread what follows
         if nlive == 0:  # nothing to attend to: only the value walker moves on
             st, vsp, voff = _decode_rows(
                 pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, mb, ib, ob, keep_b, tb,
-                vsp, voff, vbuf[:nb],
+                vsp, voff, vbuf[:nb], st_v,
             )  # fmt: skip
             continue
         # 2. scores of every query head for the block; its maximum; the running sums rescaled once
@@ -432,7 +452,7 @@ def _work_item(q, keep, scaling, softcap, num_splits, w, part_m, part_l, part_ac
         # 3. the block's value rows, added into every query head's accumulator
         st, vsp, voff = _decode_rows(
             pool, page_size, rec, sb, v_dense, v_pages, v_first, v_count, v_len, thr_v, mb, ib, ob, keep_b, tb, vsp,
-            voff, vbuf[:nb],
+            voff, vbuf[:nb], st_v,
         )  # fmt: skip
         if st != ERR_OK:
             return st

@@ -10,6 +10,12 @@ operations in the same order (``np.float32`` constants, no fastmath, no FMA cont
 multiplication by a reciprocal). Rows are independent and processed in parallel (``prange`` over blocks of rows);
 each block allocates its scratch once so that narrow rows (D = 64..256) do not pay an allocation per row.
 
+Static grids (``OakenConfig.static_grids``): the encoders take the layer's static grid (float32 ``[4]``,
+``oakenkv.quant.quantizer.format_static_grid``) for the middle and inner groups instead of each row's (an empty array:
+per-row grids), exactly as the reference quantizer; the record encoder then writes the outer scales only, and the
+record decoder takes the static grid back. The batch decoder reads the in-memory ``[N, 6]`` scales as ever (its
+wrapper checks the static columns are the grid).
+
 Kernels never raise: they return an error code per row (``ERR_*``) and the Python wrappers raise
 ``CorruptDataError`` / ``ValueError`` with the row and the reason. Decoding validates every byte it reads, so
 corrupted or truncated input can never make it read or write out of bounds.
@@ -50,11 +56,13 @@ from oakenkv.format.layout import (
     ERROR_MESSAGES,
     MAX_DIM,
     NUM_SCALES,
+    STATIC_COLUMNS,
     CorruptDataError,
     EncodedBatch,
     check_encoded,
     dense_bytes,
     sparse_capacity,
+    stored_scales,
 )
 from oakenkv.kernels.cpu.helpers import (
     HW_COMPRESS,
@@ -71,7 +79,7 @@ from oakenkv.kernels.cpu.helpers import (
     row_view,
     span_view,
 )
-from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, grouping_tuple, thresholds_tuple
+from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, format_static_grid, grouping_tuple, thresholds_tuple
 
 #: float32 scratch per row for the decode look-up tables: for ``b``-bit slots, ``2^b`` middle codes at 0, then
 #: ``2^(b+1)`` inner codes at ``2^b`` and ``2^(b+1)`` outer codes at ``3 * 2^b``: 16 + 32 + 32 for the paper's 4 bits,
@@ -90,6 +98,9 @@ _BLOCK_ROWS = 64
 
 _F32 = np.float32
 _FP16_MAX = 65504.0
+#: Bytes of one stored scale, fp16 and fp32 (the config's definition, as constants the kernels compile in).
+_F16_ITEMSIZE = OakenConfig(scale_dtype="float16").scale_itemsize
+_F32_ITEMSIZE = OakenConfig(scale_dtype="float32").scale_itemsize
 _STEP_FLOOR = np.float32(STEP_FLOOR)
 _INF32 = np.float32(np.inf)
 
@@ -104,6 +115,19 @@ def _is_u8_vector(a):  # pragma: no cover - only its overload runs, inside @njit
 def _is_u8_vector_impl(a):
     ok = isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8
     return lambda a: ok
+
+
+def _static_rows(static, n):  # pragma: no cover - only its overload runs, inside @njit code
+    """The record kernels' optional ``static`` argument: the given float32 ``[n, 4]`` array, or (omitted or None)
+    an empty float32 ``[n, 0]`` one (per-row grids), so that calls made before static grids existed still work."""
+    raise NotImplementedError
+
+
+@overload(_static_rows)
+def _static_rows_impl(static, n):
+    if static is None or isinstance(static, (types.NoneType, types.Omitted)):
+        return lambda static, n: np.empty((n, 0), np.float32)
+    return lambda static, n: static
 
 
 def _is_f32_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
@@ -586,7 +610,9 @@ _emit_coo = _coo_compress if HW_COMPRESS else _coo_bits
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16):
+def encode_row(
+    x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16, static
+):
     """Quantize and pack one row.
 
     Args:
@@ -598,6 +624,9 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
         h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
             keys, compared with ``k16 = threshold_keys16`` of the grouping thresholds), or empty (``k16`` unused).
+        static: float32 ``[4]``, the layer's static grid ``(mid_min, mid_max, inner_min, inner_max)`` already in
+            the scale dtype (static grids: the middle and inner groups use it, values beyond it take its end
+            codes), or empty (per-row grids).
 
     ``thr`` may hold 8 values: the shift thresholds (what the decoder adds back), then the thresholds the values
     are grouped by, each on or beyond its shift threshold (``oakenkv.quant.adapt``); 4 values group and shift alike.
@@ -643,8 +672,9 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     # a one-sided group also needs its value nearest zero (plain grid): a second, rare pass
     o_hi_min = _min_above(x, go_hi, _INF32, to_hi) if o_has_hi and not o_has_lo else _INF32
     o_lo_min = _min_below(x, -_INF32, go_lo, to_lo) if o_has_lo and not o_has_hi else _INF32
-    m_hi_min = _min_above(x, gi_hi, go_hi, ti_hi) if m_has_hi and not m_has_lo else _INF32
-    m_lo_min = _min_below(x, go_lo, gi_lo, ti_lo) if m_has_lo and not m_has_hi else _INF32
+    fixed = static.shape[0] >= 4  # static grids: the middle and inner grids are the layer's, not the row's
+    m_hi_min = _min_above(x, gi_hi, go_hi, ti_hi) if m_has_hi and not m_has_lo and not fixed else _INF32
+    m_lo_min = _min_below(x, go_lo, gi_lo, ti_lo) if m_has_lo and not m_has_hi and not fixed else _INF32
     n_mid, n_in, n_out = 1 << middle_bits, 1 << inner_bits, 1 << outer_bits
     mg0, mg1 = _signed_grid(m_lo, m_lo_min, m_has_lo, m_hi, m_hi_min, m_has_hi, n_mid, fp16)
     og0, og1 = _signed_grid(o_lo, o_lo_min, o_has_lo, o_hi, o_hi_min, o_has_hi, n_out, fp16)
@@ -652,6 +682,8 @@ def encode_row(x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, sca
     i_has = k4 != _KMAX and v_ge_tilo <= gi_hi
     i_min = v_ge_tilo if i_has else zero
     i_max = v_le_tihi if i_has else zero
+    if fixed:  # (values of the scale dtype: _store_scale keeps them as they are)
+        mg0, mg1, i_min, i_max = static[0], static[1], static[2], static[3]
     mg0, ok0 = _store_scale(mg0, fp16)
     mg1, ok1 = _store_scale(mg1, fp16)
     ig0, ok2 = _store_scale(i_min, fp16)
@@ -787,7 +819,9 @@ def _borrowed_impl(scratch):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits=4):
+def encode_records(
+    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits=4, static=None
+):
     """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
 
     Args:
@@ -796,42 +830,47 @@ def encode_records(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, s
             after the others, and the paper's 4 is its default).
         fp16, scale_bytes: the scales' dtype (fp16, else fp32) and the bytes they take in a record
             (``oakenkv.format.layout.scale_bytes``).
-        records: uint8 ``[n, record_size]`` (out): the page-record layout of ``oakenkv.format.layout`` (the six scales
-        as
-            little-endian values of ``scale_bytes // 6`` bytes, then the nibbles): ``format.to_records`` of the
-            same rows.
+        records: uint8 ``[n, record_size]`` (out): the page-record layout of ``oakenkv.format.layout`` (the stored
+            scales, six or with static grids the outer two, as little-endian values of 2 (fp16) or 4 bytes, then the
+            slots): ``format.to_records`` of the same rows.
         sparse: uint8 ``[n, >= sparse_capacity(D)]`` (out): row ``r`` starts with its sparse record.
         counts: int64 ``[n]`` (out): sparse bytes of each row, or ``-ERR_*``.
+        static: float32 ``[n, 4]``, each row's static grid (static grids; ``scale_bytes`` then holds two scales), or
+            None / omitted (per-row grids).
     """
     d = x.shape[1]
+    static = _static_rows(static, x.shape[0])
     # the row loop compiled once per scratch kind (narrow slots: as before wide ones existed)
     if middle_bits <= _NARROW_MAX:
         _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
-                           comb_scratch(d))  # fmt: skip
+                           comb_scratch(d), static)  # fmt: skip
     else:
         _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
-                           wide_scratch(d))  # fmt: skip
+                           wide_scratch(d), static)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits, scr):
+def _encode_records_of(
+    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits, scr, static
+):
     """:func:`encode_records` with encode_row's scratch ``scr`` (:func:`comb_scratch` or :func:`wide_scratch`)."""
     n = x.shape[0]
-    itemsize = scale_bytes // NUM_SCALES
+    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
+    itemsize = scale_bytes // (NUM_SCALES - first)
     no_h16 = np.empty(0, np.int16)
     sc = np.empty(NUM_SCALES, np.float32)
     for r in range(n):
         cnt = encode_row(
             x[r], thr[r], middle_bits, inner_bits, outer_bits, fp16, records[r, scale_bytes:], sc, sparse[r], scr,
-            no_h16, no_h16,
+            no_h16, no_h16, static[r],
         )  # fmt: skip
         counts[r] = cnt
         if cnt < 0:
             continue
-        for i in range(NUM_SCALES):
+        for i in range(first, NUM_SCALES):
             bits = np.int64(f32_to_f16_bits(sc[i])) if fp16 else np.int64(np.float32(sc[i]).view(np.uint32))
             for k in range(itemsize):
-                records[r, itemsize * i + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+                records[r, itemsize * (i - first) + k] = np.uint8((bits >> (8 * k)) & 0xFF)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -848,7 +887,7 @@ _KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_block(
     xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
-    k16,
+    k16, static,
 ):  # fmt: skip
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
@@ -858,32 +897,34 @@ def _encode_block(
     if middle_bits <= _NARROW_MAX:  # compiled once per scratch kind (narrow slots: as before wide ones existed)
         _encode_block_of(
             xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-            counts, k16, comb_scratch(d),
+            counts, k16, comb_scratch(d), static,
         )  # fmt: skip
     else:
         _encode_block_of(
             xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-            counts, k16, wide_scratch(d),
+            counts, k16, wide_scratch(d), static,
         )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_block_of(
     xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
-    k16, scr,
+    k16, scr, static,
 ):  # fmt: skip
     """:func:`_encode_block` with the block's encode_row scratch ``scr`` (:func:`comb_scratch` or
     :func:`wide_scratch`)."""
     sc = np.empty(NUM_SCALES, np.float32)
     # borrowed views of the block's scratch (and the shared arrays) for the rows (no reference counting)
     scr_b = _borrowed(scr)
-    sc_b, thr_b, k16_b = all_view(sc), all_view(thr), all_view(k16)
+    sc_b, thr_b, k16_b, st_b = all_view(sc), all_view(thr), all_view(k16), all_view(static)
     cursor = r0 * cap
     for r in range(r0, r1):
         # borrowed views (the arrays outlive the loop; cursor + cap <= len(scratch))
         sp, dense_r = span_view(scratch, cursor, cursor + cap), row_view(dense, r)
         x_r, h_r = row_view(xs, r - rows), row_view(hs, r - rows)
-        cnt = encode_row(x_r, thr_b, middle_bits, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b)
+        cnt = encode_row(
+            x_r, thr_b, middle_bits, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b, st_b
+        )
         for i in range(NUM_SCALES):
             scales[r, i] = out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
         counts[r] = cnt
@@ -894,11 +935,11 @@ def _encode_block_of(
 
 @njit(cache=True, nogil=True, parallel=True)
 def _encode_rows(
-    x32, xbits, kind, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts
+    x32, xbits, kind, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts, static
 ):
     """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
     ``xbits`` (uint16 ``[N, D]``; fp16 is read in place, bf16 widened exactly per block); the other input is
-    unused (pass any ``[N, 0]``).
+    unused (pass any ``[N, 0]``). ``static``: float32 ``[4]``, the layer's static grid, or empty (per-row grids).
     ``scales`` (out, ``[N, 6]``): float32, or uint16 fp16 bit patterns when the scale dtype is fp16.
 
     Each block of rows writes its sparse bytes back to back in its own part of ``scratch`` (uint8
@@ -916,7 +957,7 @@ def _encode_rows(
         if kind == _KIND_F16:  # read in place, each value widened where it is used
             _encode_block(
                 xbits, x16, r0, r1, 0, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
-                starts, counts, k16,
+                starts, counts, k16, static,
             )  # fmt: skip
         else:  # float32 rows; bf16 blocks are widened exactly to float32 first
             xs, rows = x32, 0
@@ -926,7 +967,7 @@ def _encode_rows(
                     widen_bf16_row(xbits[r], xs[r - r0])
             _encode_block(
                 xs, no_h16, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
-                starts, counts, k16,
+                starts, counts, k16, static,
             )  # fmt: skip
 
 
@@ -942,6 +983,31 @@ def _gather_sparse(scratch, starts, offsets, sparse):
 
 def _thr_array(thr: ThresholdsLike) -> np.ndarray:
     return np.asarray(thresholds_tuple(thr), dtype=np.float32)
+
+
+_NO_STATIC = np.empty(0, np.float32)
+
+
+def static_grid_array(thr: np.ndarray | ThresholdsLike, config: OakenConfig) -> np.ndarray:
+    """The kernels' ``static`` argument for thresholds ``thr`` (the shift thresholds: the first 4 of an encoder's
+    ``[8]``): float32 ``[4]``, the static grid (:func:`oakenkv.quant.quantizer.format_static_grid`), for a
+    static-grid config; empty for per-row grids. ValueError for a grid beyond the fp16 range."""
+    if not config.static_grids:
+        return _NO_STATIC
+    t = thr[:4] if isinstance(thr, np.ndarray) else thr
+    return np.asarray(format_static_grid(t, config), dtype=np.float32)
+
+
+def check_static_columns(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig) -> None:
+    """For a static-grid config: raise :class:`CorruptDataError` unless every row's middle and inner scale columns
+    are the static grid of ``thr`` (what a stored row does not hold, and a reader restores); nothing otherwise."""
+    if not config.static_grids or enc.num_rows == 0:
+        return
+    grid = static_grid_array(_thr_array(thr), config)
+    cols = enc.scales[:, :STATIC_COLUMNS].to(torch.float32).numpy()
+    bad = np.flatnonzero(~(cols == grid).all(axis=1))
+    if bad.size:
+        raise CorruptDataError(f"row {int(bad[0])}: its middle or inner scales are not the layer's static grid")
 
 
 @njit(cache=True, nogil=True)
@@ -1010,9 +1076,10 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
     scratch = np.empty(n * sparse_capacity(d), np.uint8)
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
+    static = static_grid_array(thr_a, config)
     _encode_rows(
         x32, xbits, kind, thr_a, config.middle_bits, config.inner_bits, config.outer_bits, fp16, dense, scales,
-        scratch, starts, counts,
+        scratch, starts, counts, static,
     )  # fmt: skip
     offsets = np.empty(n + 1, np.int64)
     r = _sparse_offsets(counts, offsets)
@@ -1026,6 +1093,7 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
         sparse=torch.from_numpy(sparse),
         sparse_offsets=torch.from_numpy(offsets),
         dim=int(d),
+        stored_scales=stored_scales(config),
     )
 
 
@@ -1381,26 +1449,33 @@ def _decode_span(
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def decode_records(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits=4):
+def decode_records(
+    records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits=4, static=None
+):
     """Decode rows in page-record form (what :func:`encode_records` writes, the same arguments before ``out``, and
-    ``middle_bits`` last, as there) into
+    ``middle_bits`` and ``static`` last, as there) into
     float32 ``out [n, D]`` on the calling thread: the values :func:`decode_batch` gives for the same rows.
     ``records`` uint8 ``[n, record]``, ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start),
-    ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``."""
+    ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``. With static grids
+    (records holding the outer scales only: ``scale_bytes`` of two), ``static`` float32 ``[n, 4]`` gives each row's
+    middle and inner end points back; ``ERR_SHAPE`` for every row where the two disagree."""
+    st = _static_rows(static, out.shape[0])
     if middle_bits == 4:  # the row loop compiled once per slot width (see _walk_outliers)
-        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4)
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4, st)
     elif middle_bits == 3:
-        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 3)
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 3, st)
     elif middle_bits == 2:
-        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 2)
+        _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 2, st)
     else:  # 5..7: one copy, the width a runtime value
         _decode_records_of(
-            records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits
+            records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, middle_bits, st
         )
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, mb):
+def _decode_records_of(
+    records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, mb, static
+):
     n, d = out.shape
     use_lut = d >= _LUT_MIN_DIM
     sr = np.empty(NUM_SCALES, np.float32)
@@ -1408,13 +1483,21 @@ def _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp1
     lut32 = np.empty(LUT_SIZE, np.float32)
     lut = np.empty(LUT_SIZE if use_lut else 0, np.float32)
     grid = np.empty(6, np.float32)
-    itemsize = scale_bytes // NUM_SCALES
+    itemsize = _F16_ITEMSIZE if fp16 else _F32_ITEMSIZE
+    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
+    # records of two scales need the static grid, records of six take none: anything else is another format
+    layout_ok = (first == 0 or first == STATIC_COLUMNS) and scale_bytes == itemsize * (NUM_SCALES - first)
     for r in range(n):
         rec = records[r]
-        for i in range(NUM_SCALES):  # the scales, little-endian at the record's start (encode_records)
+        if not layout_ok:
+            status[r] = ERR_SHAPE
+            continue
+        for i in range(first):  # static grids: the layer's middle and inner end points
+            sr[i] = static[r, i]
+        for i in range(first, NUM_SCALES):  # the stored scales, little-endian at the record's start (encode_records)
             bits = np.int64(0)
             for k in range(itemsize):
-                bits |= np.int64(rec[itemsize * i + k]) << np.int64(8 * k)
+                bits |= np.int64(rec[itemsize * (i - first) + k]) << np.int64(8 * k)
             sr[i] = f16_widen(np.uint16(bits)) if fp16 else np.uint32(bits).view(np.float32)
         status[r] = _decode_one(
             rec[scale_bytes:], sr, sparse[r, : counts[r]], thr[r], mb, inner_bits, outer_bits, use_lut, sc32, lut32,
@@ -1435,10 +1518,12 @@ def decode_batch(
         out: optional preallocated contiguous ``[N, D]`` tensor of ``out_dtype`` to decode into (reused buffers
             avoid page faults on fresh memory in a steady-state loop).
 
-    Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``) or a corrupt stream.
+    Raises ``CorruptDataError`` for structurally invalid input (see ``codec.check_encoded``), a corrupt stream, or
+    (static grids) middle and inner scales that are not the static grid of ``thr``.
     """
     # the kernel checks that each row's scales are finite (cheaper than numpy's isfinite over fp16 scales)
     check_encoded(enc, config, check_scales=False)
+    check_static_columns(enc, thr, config)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"decode can write float32 or float16, got {out_dtype}")
     n, d = enc.num_rows, enc.dim

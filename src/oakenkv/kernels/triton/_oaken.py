@@ -105,8 +105,25 @@ def check_slot_bits(middle_bits: int) -> None:
         )
 
 
+#: What the Triton kernels say to a static-grid config or record (``OakenConfig.static_grids``).
+STATIC_GRIDS_REFUSED = (
+    "the Triton kernels read records of six scales; static middle/inner grids (OakenConfig.static_grids, records "
+    "of the outer scales alone) are not implemented there: use the CPU kernels (codec='fast') for this profile"
+)
+
+
+def check_static_grids(static_grids: bool) -> None:
+    """Refuse static grids (``OakenConfig.static_grids``) with NotImplementedError: these kernels read six scales
+    from every record."""
+    if static_grids:
+        raise NotImplementedError(STATIC_GRIDS_REFUSED)
+
+
 def fp16_scales(record_scale_bytes: int) -> bool:
-    """Whether records whose scales take ``record_scale_bytes`` hold fp16 scales (True) or fp32 ones (False)."""
+    """Whether records whose scales take ``record_scale_bytes`` hold fp16 scales (True) or fp32 ones (False);
+    NotImplementedError for records of two scales (static grids)."""
+    if record_scale_bytes in (2 * torch.float16.itemsize, 2 * torch.float32.itemsize):
+        raise NotImplementedError(STATIC_GRIDS_REFUSED)
     fp16 = record_scale_bytes == FP16_SCALE_BYTES
     if not fp16 and record_scale_bytes != NUM_SCALES * torch.float32.itemsize:
         raise ValueError(f"records hold {NUM_SCALES} fp16 or fp32 scales, not {record_scale_bytes} bytes of them")
@@ -150,6 +167,7 @@ __all__ = [
     "OakenConfig",
     "ThresholdsLike",
     "check_slot_bits",
+    "check_static_grids",
     "dense_bytes",
     "fp16_scales",
     "num_chunks",

@@ -220,6 +220,7 @@ def decode_batch(
     float32 result rounded once). Raises :class:`~oakenkv.format.layout.CorruptDataError` for a corrupt stream."""
     config = config or F.OakenConfig()
     F.check_slot_bits(config.middle_bits)
+    F.check_static_grids(config.static_grids)
     dev = torch.device(device) if device is not None else enc.dense.device
     n, d = enc.num_rows, enc.dim
     sb = F.scale_bytes(config)

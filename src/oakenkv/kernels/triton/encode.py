@@ -326,6 +326,7 @@ def encode_records(
         x = x.contiguous()
     dev = x.device
     F.check_slot_bits(config.middle_bits)
+    F.check_static_grids(config.static_grids)
     fp16 = config.scale_dtype == "float16"
     rec = F.record_size(d, config)
     cap = F.sparse_capacity(d)

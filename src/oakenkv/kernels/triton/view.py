@@ -129,6 +129,7 @@ def from_layer_view(view: F.LayerView, head_dim: int, device: torch.device | str
         device: where the kernels run; on the CPU (the interpreter) the pool is shared with the store.
     """
     F.check_slot_bits(view.middle_bits)
+    F.check_static_grids(view.static_grid.shape[-1] != 0)
     if F.dense_bytes(view.num_kv_heads * head_dim) != view.record_size - view.scale_bytes:
         raise ValueError(
             f"records of {view.record_size} bytes ({view.scale_bytes} of scales) do not hold {view.num_kv_heads} "
