@@ -25,7 +25,10 @@ PYTEXT="${PYTEXT:-/tmp/oakenkv-python-stdlib.txt}"
 parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(default python adapt report)
 
 OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2" "oaken-plus:bits=3,sparse=0.017,rot_k=1,rot_v=1"
-      oaken-plus-5 oaken-plus-6)
+      oaken-plus-5 oaken-plus-6
+      # static middle/inner grids (OakenConfig.static_grids: only the outer scales stored per row; issue #36)
+      "oaken-plus:static=1" "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1"
+      "oaken-plus:bits=3,sparse=0.057,rot_k=1,rot_v=1,static=1")
 PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
 
 stem() { echo "$1" | tr ':=,' '___'; }
