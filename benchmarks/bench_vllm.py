@@ -14,7 +14,8 @@ the vLLM venv (``make vllm-venv``)::
 
 Kinds: ``bf16`` (vLLM's own cache in the model dtype), ``fp8`` (``kv_cache_dtype="fp8"``), ``oaken`` (the plugin with
 the paper's profile ``--thresholds``, through ``OAKENKV_VLLM_PROFILE``), ``oaken-plus`` (the plugin on the directory
-``oakenkv export --preset oaken-plus`` wrote, ``--plus-dir``; exported there first when missing), ``fp32`` (vLLM's
+``oakenkv export --preset oaken-plus`` wrote, ``--plus-dir``; exported there first when missing),
+``oaken-plus-static`` (the same with ``--static-grids``, in ``--plus-dir``'s name + ``-static``), ``fp32`` (vLLM's
 own cache, float32 model: the ppl and greedy reference).
 
 ``serve-load``: the same fixed KV memory budget (``kv_cache_memory_bytes``) for each KV format; reports vLLM's
@@ -57,9 +58,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "oaken": {}, "oaken-plus": {}, "fp32": {}}
+KINDS = {
+    "bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "oaken": {}, "oaken-plus": {}, "oaken-plus-static": {}, "fp32": {}
+}  # fmt: skip
 #: Where the exported oaken-plus directory goes when ``--plus-dir`` is not given.
 DEFAULT_PLUS_DIR = Path("~/.cache/oakenkv/exports/default-oaken-plus").expanduser()
+
+
+def _static_dir(args: argparse.Namespace) -> Path:
+    """The static-grid export beside ``--plus-dir`` (``oakenkv export --static-grids``)."""
+    return args.plus_dir.with_name(args.plus_dir.name + "-static")
 
 
 def _model_dir(kind: str = "bf16", args: argparse.Namespace | None = None) -> str:
@@ -67,6 +75,9 @@ def _model_dir(kind: str = "bf16", args: argparse.Namespace | None = None) -> st
     if kind == "oaken-plus":
         assert args is not None
         return str(args.plus_dir)
+    if kind == "oaken-plus-static":
+        assert args is not None
+        return str(_static_dir(args))
     if args is not None and args.model:
         return str(args.model)
     from oakenkv.assets.models import load_model
@@ -74,8 +85,9 @@ def _model_dir(kind: str = "bf16", args: argparse.Namespace | None = None) -> st
     return str(load_model("default").source)
 
 
-def _ensure_plus_dir(path: Path) -> Path:
-    """``oakenkv export --preset oaken-plus`` of the default model into ``path``, unless it holds one already."""
+def _ensure_plus_dir(path: Path, static_grids: bool = False) -> Path:
+    """``oakenkv export --preset oaken-plus [--static-grids]`` of the default model into ``path``, unless it holds
+    one already."""
     from oakenkv.integrations.vllm import PROFILE_FILE
 
     if not (path / PROFILE_FILE).is_file():
@@ -83,7 +95,9 @@ def _ensure_plus_dir(path: Path) -> Path:
         from oakenkv.integrations.vllm.export import export_model
 
         loaded = load_model("default")
-        export_model(loaded.model, loaded.tokenizer, path, "oaken-plus", source=str(loaded.source))
+        export_model(
+            loaded.model, loaded.tokenizer, path, "oaken-plus", source=str(loaded.source), static_grids=static_grids
+        )
     return path
 
 
@@ -140,7 +154,7 @@ def _engine(kind: str, args: argparse.Namespace, dtype: str, kv_bytes: int, **ex
     cpus = args.attention_cpus or None
     if kind == "oaken":
         enable(args.thresholds, overflow="clip", attention_cpus=cpus)
-    elif kind == "oaken-plus":
+    elif kind in ("oaken-plus", "oaken-plus-static"):
         configure(overflow="clip", attention_cpus=cpus)  # the profile is the exported directory's
     from vllm import LLM
 
@@ -510,6 +524,8 @@ def main() -> None:
 
     if "oaken-plus" in kinds:
         _ensure_plus_dir(args.plus_dir)
+    if "oaken-plus-static" in kinds:
+        _ensure_plus_dir(_static_dir(args), static_grids=True)
     argv = [a for a in sys.argv[2:]]
     t0 = time.time()
     result: dict[str, Any] = {

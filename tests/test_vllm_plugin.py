@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from oakenkv.format.config import OakenConfig
+from oakenkv.format.layout import record_size
 from oakenkv.hf.attention import float_attention
 from oakenkv.integrations.vllm import (
     ENV_CPUS,
@@ -101,13 +102,20 @@ def test_pool_view_refuses_strides_off_the_record_grid():
         pool_view(torch.zeros(4, lay.block_bytes, dtype=torch.int8), lay)
 
 
-@pytest.mark.parametrize(("dim", "block_size", "stride_blocks"), [(192, 16, 1), (200, 8, 2), (64, 32, 1), (511, 4, 1)])
-def test_blocks_hold_the_codec_bytes(dim, block_size, stride_blocks):
-    """Tokens written in chunks, out of order and with padding slots read back as exactly ``codec.encode``'s rows."""
+@pytest.mark.parametrize(
+    ("dim", "block_size", "stride_blocks", "static"),
+    [(192, 16, 1, False), (200, 8, 2, False), (64, 32, 1, False), (511, 4, 1, False), (192, 16, 2, True),
+     (511, 4, 1, True)],
+)  # fmt: skip
+def test_blocks_hold_the_codec_bytes(dim, block_size, stride_blocks, static):
+    """Tokens written in chunks, out of order and with padding slots read back as exactly ``codec.encode``'s rows
+    (with static grids too: records of the outer scales alone, the layer's grids restored from its thresholds)."""
     rng = np.random.default_rng(dim + block_size)
     n = 3 * block_size + 5
     k, v, thr = _kv(rng, n, dim)
-    lay = BlockLayout.make(dim, block_size, CFG, sparse_bytes_per_token=0.5 * dim)  # no overflow here
+    cfg = CFG.replace(static_grids=static)
+    lay = BlockLayout.make(dim, block_size, cfg, sparse_bytes_per_token=0.5 * dim)  # no overflow here
+    assert lay.unit == record_size(dim, cfg)
     blocks = rng.permutation(12)[: -(-n // block_size)]
     slots = blocks[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
     _, pool, upb = _pool(lay, 12, stride_blocks)
@@ -126,13 +134,13 @@ def test_blocks_hold_the_codec_bytes(dim, block_size, stride_blocks):
     )
     assert writer.stats.written == 2 * n and sum(writer.stats.tokens) == 0
     for kind, x in enumerate((k, v)):
-        got = read_rows(pool, upb, lay, blocks, n, kind)
-        want = encode(torch.from_numpy(x), tuple(thr[kind]), CFG)
-        for name in ("dense", "scales", "sparse", "sparse_offsets"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        got = read_rows(pool, upb, lay, blocks, n, kind, writer.static_grid)
+        want = encode(torch.from_numpy(x), tuple(thr[kind]), cfg)
+        for name in ("dense", "scales", "sparse", "sparse_offsets", "stored_scales"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
     kd, vd = dequantize(pool, upb, lay, blocks, n, thr)
-    assert torch.equal(kd, decode(encode(torch.from_numpy(k), tuple(thr[0]), CFG), tuple(thr[0]), CFG))
-    assert torch.equal(vd, decode(encode(torch.from_numpy(v), tuple(thr[1]), CFG), tuple(thr[1]), CFG))
+    assert torch.equal(kd, decode(encode(torch.from_numpy(k), tuple(thr[0]), cfg), tuple(thr[0]), cfg))
+    assert torch.equal(vd, decode(encode(torch.from_numpy(v), tuple(thr[1]), cfg), tuple(thr[1]), cfg))
 
 
 def test_writer_accepts_bf16_and_head_shaped_inputs():
@@ -156,13 +164,17 @@ def test_writer_accepts_bf16_and_head_shaped_inputs():
 # ------------------------------------------------------------------------------------------------ attention
 
 
-@pytest.mark.parametrize(("lengths", "softcap"), [((1, 37, 16, 90), 0.0), ((300,), 0.0), ((50, 20), 30.0)])
-def test_decode_attention_on_blocks_is_attention_over_the_stored_values(lengths, softcap):
-    """The packed-page kernel on vLLM blocks = float attention over the codec's dequantized K/V (GQA 9:3)."""
+@pytest.mark.parametrize(
+    ("lengths", "softcap", "static"),
+    [((1, 37, 16, 90), 0.0, False), ((300,), 0.0, False), ((50, 20), 30.0, False), ((1, 37, 90), 0.0, True)],
+)
+def test_decode_attention_on_blocks_is_attention_over_the_stored_values(lengths, softcap, static):
+    """The packed-page kernel on vLLM blocks = float attention over the codec's dequantized K/V (GQA 9:3), static
+    grids included."""
     rng = np.random.default_rng(sum(lengths))
     hq, hkv, hd, bs = 9, 3, 64, 16
     dim = hkv * hd
-    lay = BlockLayout.make(dim, bs, CFG, sparse_bytes_per_token=60)
+    lay = BlockLayout.make(dim, bs, CFG.replace(static_grids=static), sparse_bytes_per_token=60)
     nblocks = sum(-(-t // bs) for t in lengths) + 3
     _, pool, upb = _pool(lay, nblocks)
     order = rng.permutation(nblocks)
@@ -376,9 +388,11 @@ def _plus_profile(thr: np.ndarray, hkv: int, hd: int, rotation: bool, sink: int,
     )
 
 
-def _plus_blocks(rotation: bool, lengths=(37, 130), bs: int = 16, seed: int = 0):
+def _plus_blocks(rotation: bool, lengths=(37, 130), bs: int = 16, seed: int = 0, static: bool = False):
     """Rows written through the plugin's writer with an oaken-plus profile's online parts, beside a ``PagedKVStore``
-    per row holding the same keys and values (OakenCache's path)."""
+    per row holding the same keys and values (OakenCache's path); ``static``: both with static grids."""
+    import dataclasses
+
     from oakenkv.integrations.vllm.layout import BlockTables
     from oakenkv.store.paged import PagedKVStore
 
@@ -389,7 +403,8 @@ def _plus_blocks(rotation: bool, lengths=(37, 130), bs: int = 16, seed: int = 0)
     k_all += 0.7  # an offset the key shift removes
     thr = _thresholds(rng, np.stack([k_all - 0.7, v_all]))
     profile = _plus_profile(thr, hkv, hd, rotation, sink=1, seed=seed)
-    lay = BlockLayout.make(dim, bs, CFG, sparse_bytes_per_token=60, sink_tokens=1)
+    profile = dataclasses.replace(profile, config=profile.config.replace(static_grids=static))
+    lay = BlockLayout.make(dim, bs, profile.config, sparse_bytes_per_token=60, sink_tokens=1)
     nblocks = sum(-(-t // bs) for t in lengths) + 2
     _, pool, upb = _pool(lay, nblocks)
     order = rng.permutation(nblocks)
@@ -419,8 +434,9 @@ def _plus_blocks(rotation: bool, lengths=(37, 130), bs: int = 16, seed: int = 0)
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        profile=profile, lay=lay, pool=pool, upb=upb, table=table, tables=tables, stores=stores, rows=rows, thr=thr
-    )
+        profile=profile, lay=lay, pool=pool, upb=upb, table=table, tables=tables, stores=stores, rows=rows, thr=thr,
+        grid=writer.static_grid,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("rotation", [False, True])
@@ -460,8 +476,8 @@ def test_plus_blocks_hold_the_transformed_keys_and_16_bit_sink_tokens(rotation):
         assert np.array_equal(sinks.view(np.uint16)[:, 0], stores[r].sinks[0][0, :, 0].view(np.uint16))
 
 
-@pytest.mark.parametrize("rotation", [False, True])
-def test_plus_decode_attention_on_blocks_equals_oaken_cache(rotation):
+@pytest.mark.parametrize(("rotation", "static"), [(False, False), (True, False), (True, True)])
+def test_plus_decode_attention_on_blocks_equals_oaken_cache(rotation, static):
     """Decode attention on the blocks (queries rotated like the keys, the sink token merged at 16 bits) gives
     OakenCache's packed decode attention over a store holding the same keys and values (to float rounding)."""
     from oakenkv.hf.attention import packed_decode_attention
@@ -469,10 +485,10 @@ def test_plus_decode_attention_on_blocks_equals_oaken_cache(rotation):
     from oakenkv.integrations.vllm.layout import LayerParams, decode_attention_rows
     from oakenkv.store.paged import KEY, VALUE
 
-    b = _plus_blocks(rotation, seed=3)
+    b = _plus_blocks(rotation, seed=3, static=static)
     tables, pool, stores, rows, thr = b.tables, b.pool, b.stores, b.rows, b.thr
     q = np.random.default_rng(5).standard_normal((len(rows), 9, 64)).astype(np.float32)
-    out = decode_attention_rows(tables, 0, pool, q, LayerParams(thr, 3, 0.125, 0.0, rotation))
+    out = decode_attention_rows(tables, 0, pool, q, LayerParams(thr, 3, 0.125, 0.0, rotation, b.grid))
     for r, store in enumerate(stores):
         n = len(rows[r][0])
         want = packed_decode_attention(
@@ -482,8 +498,11 @@ def test_plus_decode_attention_on_blocks_equals_oaken_cache(rotation):
         np.testing.assert_allclose(out[r], want.numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("rotation", "tile", "softcap"), [(False, 512, 0.0), (True, 24, 0.0), (False, 24, 30.0)])
-def test_plus_prefill_attention_over_tiles_equals_attention_over_the_stored_values(rotation, tile, softcap):
+@pytest.mark.parametrize(
+    ("rotation", "tile", "softcap", "static"),
+    [(False, 512, 0.0, False), (True, 24, 0.0, False), (False, 24, 30.0, False), (True, 24, 0.0, True)],
+)
+def test_plus_prefill_attention_over_tiles_equals_attention_over_the_stored_values(rotation, tile, softcap, static):
     """A chunk of queries over the history and itself, tiles dequantized from the blocks (torch's flash attention
     per tile merged by log-sum-exp; with a soft cap, the plain online-softmax loop), equals float attention over
     what OakenCache reads back (``PagedKVStore.read``: decoded rows, the sink token at 16 bits, the
@@ -491,13 +510,14 @@ def test_plus_prefill_attention_over_tiles_equals_attention_over_the_stored_valu
     from oakenkv.integrations.vllm.layout import LayerParams, prefill_attention
     from oakenkv.store.paged import KEY, VALUE
 
-    b = _plus_blocks(rotation, seed=7)
+    b = _plus_blocks(rotation, seed=7, static=static)
     tables, pool, stores, rows, thr = b.tables, b.pool, b.stores, b.rows, b.thr
     for r, store in enumerate(stores):
         n = len(rows[r][0])
         s = min(n, 40)
         q = torch.from_numpy(np.random.default_rng(r).standard_normal((s, 9, 64)).astype(np.float32))
-        got = prefill_attention(tables, 0, pool, r, q, LayerParams(thr, 3, 0.125, softcap, rotation), tile=tile)
+        params = LayerParams(thr, 3, 0.125, softcap, rotation, b.grid)
+        got = prefill_attention(tables, 0, pool, r, q, params, tile=tile)
         k, v = store.read(0, KEY), store.read(0, VALUE)  # [1, H, n, hd]
         mask = (torch.arange(n)[None, :] <= torch.arange(n - s, n)[:, None])[None, None]
         want = float_attention(q.transpose(0, 1)[None], k, v, mask, 0.125, softcap or None)[0]
@@ -697,13 +717,11 @@ def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_
         bad.save(tmp_path / name)
         with pytest.raises(ValueError, match=reason):
             load_profile(tmp_path / name)
-    # static grids (records of the outer scales alone): not served yet, refused at start naming the feature
+    # static grids (records of the outer scales alone): served, in blocks of smaller records
     static = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
     static.save(tmp_path / "static.json")
-    with pytest.raises(NotImplementedError, match="static middle/inner grids"):
-        load_profile(tmp_path / "static.json")
-    with pytest.raises(NotImplementedError, match="static-grid records"):
-        BlockLayout.make(192, 128, static.config)
+    assert load_profile(tmp_path / "static.json").config.static_grids
+    assert BlockLayout.make(192, 128, static.config).unit == BlockLayout.make(192, 128, thr.config).unit - 8
     config = copy.deepcopy(default_model.model.config)
     check_served(thr, good, None, config)  # the paper's profile, plain weights
     with pytest.raises(ValueError, match="must be folded into the served weights"):
@@ -922,7 +940,8 @@ def _recorder_check(worker):
             if transforms is not None:
                 rows_k = transforms.key_rows(index, rows_k)
             for kind, x in enumerate((rows_k, values.reshape(n, -1).numpy())):
-                dense, sparse, offs = to_records(enc_fn(torch.from_numpy(x), tuple(thresholds[kind]), CFG))
+                enc = enc_fn(torch.from_numpy(x), tuple(thresholds[kind]), impl.profile.config)
+                dense, sparse, offs = to_records(enc)
                 for i, s in enumerate(slots):
                     if s < 0 or last[index, int(s)] != e:
                         continue
@@ -1278,6 +1297,93 @@ def test_vllm_plus_perplexity_equals_eval_ppl(plus_engine, plus_dir):
     res = run_ppl("default", "oaken-plus", thresholds=str(plus_dir / PROFILE_FILE), window=256, max_windows=2)
     ids = token_windows(plus_engine.get_tokenizer(), load_text("wikitext2"), window=256, max_windows=2)
     outs = plus_engine.generate(
+        [TokensPrompt(prompt_token_ids=w.tolist()) for w in ids],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+    )
+    nll = 0.0
+    for w, o in zip(ids, outs, strict=True):
+        nll -= sum(lp[t].logprob for t, lp in zip(w.tolist()[1:], o.prompt_logprobs[1:], strict=True))
+    ppl = math.exp(nll / res.tokens)
+    assert abs(ppl / res.ppl - 1) < PPL_TOLERANCE, (ppl, res.ppl)
+
+
+@pytest.fixture(scope="module")
+def static_dir(plus_dir, tmp_path_factory):
+    """``oakenkv export --preset oaken-plus --static-grids``: the plus export's weights and profile, its config with
+    static middle/inner grids (each token's records hold the outer scales alone)."""
+    from oakenkv.cli import run
+
+    out = tmp_path_factory.mktemp("export") / "smollm2-oaken-plus-static"
+    assert run(["export", "--model", "default", "--preset", "oaken-plus", "--static-grids", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def static_engine(static_dir, plus_engine):
+    """vLLM's CPU engine on the static-grid export, set up as the plus engine (no plugin threads)."""
+    import sys
+
+    import cloudpickle
+    from vllm import LLM
+
+    from oakenkv.integrations.vllm import configure, disable
+
+    disable()
+    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    llm = LLM(
+        model=str(static_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=32 << 20,
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_vllm_static_grids_store_the_codec_bytes_and_attend_like_oaken_cache(static_engine, static_dir):
+    """With static grids the blocks hold records of the outer scales alone (8 bytes smaller than the plus export's,
+    so more blocks in the same memory), exactly the codec's records, and decode outputs equal OakenCache's."""
+    from vllm import SamplingParams
+
+    from oakenkv.integrations.vllm import PROFILE_FILE
+    from oakenkv.integrations.vllm.backend import worker_stats
+
+    static_engine.collective_rpc(_recorder_install)
+    text = "The Eiffel Tower was built for the 1889 World's Fair. " * 12  # > 64 tokens: a chunked prefill
+    static_engine.generate([text, "Short prompt"], SamplingParams(max_tokens=6, temperature=0))
+    (stats,) = static_engine.collective_rpc(worker_stats)
+    assert stats["profile"] == str((static_dir / PROFILE_FILE).resolve())
+    lay = BlockLayout.make(192, 128, CFG.replace(static_grids=True), PLUS_SPARSE_BYTES, sink_tokens=1)
+    plus = BlockLayout.make(192, 128, CFG, PLUS_SPARSE_BYTES, sink_tokens=1)
+    assert stats["layout"] == lay.describe() and lay.unit == plus.unit - 8
+    assert stats["num_blocks"] == (32 << 20) // (30 * lay.block_bytes) > (32 << 20) // (30 * plus.block_bytes)
+    (result,) = static_engine.collective_rpc(_recorder_check)
+    records, bad_records, rows, bad_rows, worst = result
+    assert records >= 2 * 30 * 150 and bad_records == 0
+    assert rows >= 30 * 2 * 5 and bad_rows == 0, worst
+
+
+def test_vllm_static_perplexity_equals_eval_ppl(static_engine, static_dir):
+    """Prompt logprobs through vLLM with static grids vs ``eval ppl`` with the same (static-grid) profile: within
+    the same tolerance as per-row grids."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.eval.ppl import run_ppl
+    from oakenkv.integrations.vllm import PROFILE_FILE
+
+    res = run_ppl("default", "oaken-plus", thresholds=str(static_dir / PROFILE_FILE), window=256, max_windows=2)
+    # the profile's static grids ran: 2 stored scales per row, not 6 (per-row oaken-plus stores ~5.4 bits)
+    assert res.effective_bits < 5.25, (res.method, res.effective_bits)
+    ids = token_windows(static_engine.get_tokenizer(), load_text("wikitext2"), window=256, max_windows=2)
+    outs = static_engine.generate(
         [TokensPrompt(prompt_token_ids=w.tolist()) for w in ids],
         SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
     )

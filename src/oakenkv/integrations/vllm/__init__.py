@@ -146,9 +146,8 @@ def _check_version() -> None:
 
 
 def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
-    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``);
-    NotImplementedError for static grids (``OakenConfig.static_grids``: records of the outer scales alone, which the
-    plugin's blocks and kernels do not read yet).
+    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``).
+    Static middle/inner grids (``OakenConfig.static_grids``) are served: the blocks hold the outer scales alone.
 
     oaken-plus profiles are served: their online parts (the key shift and rotation, the 16-bit sink tokens) are
     applied by the plugin, their weight parts must be folded into the served weights (:func:`check_served`)."""
@@ -163,11 +162,6 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
         raise ValueError(
             f"{path}: the vLLM plugin's blocks hold 4-bit dense slots; this profile has {cfg.middle_bits}-bit slots "
             "(oaken-plus-2, -3, -5 and -6 run in OakenCache and eval only, for now)"
-        )
-    if cfg.static_grids:
-        raise NotImplementedError(
-            f"{path}: the vLLM plugin does not serve static middle/inner grids (OakenConfig.static_grids) yet; this "
-            "profile runs in OakenCache and eval only, for now"
         )
 
 

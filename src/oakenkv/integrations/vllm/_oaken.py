@@ -37,6 +37,7 @@ from oakenkv.calibrate.transforms import FOLD_MARK, Transforms, fwht
 from oakenkv.format.config import OakenConfig
 from oakenkv.format.layout import (
     ERROR_MESSAGES,
+    NO_STATIC_GRID,
     CorruptDataError,
     EncodedBatch,
     LayerView,
@@ -58,12 +59,14 @@ from oakenkv.kernels.cpu.attention import (
 from oakenkv.kernels.cpu.codec import encode_records
 from oakenkv.kernels.cpu.helpers import f16_widen, f32_to_f16_bits
 from oakenkv.kernels.cpu.rotate import shift_rotate_rows
+from oakenkv.quant.quantizer import format_static_grid
 from oakenkv.store.records import put_record
 from oakenkv.store.view import LayerTables, grown
 
 __all__ = [
     "ERROR_MESSAGES",
     "FOLD_MARK",
+    "NO_STATIC_GRID",
     "PRESETS",
     "CorruptDataError",
     "EncodedBatch",
@@ -79,6 +82,7 @@ __all__ = [
     "f16_widen",
     "f32_to_f16_bits",
     "find_profile",
+    "format_static_grid",
     "from_records",
     "fwht",
     "grown",

@@ -49,6 +49,7 @@ from oakenkv.integrations.vllm.layout import (
     LayerParams,
     RowThreads,
     decode_attention_rows,
+    layer_static_grid,
     pool_view,
     prefill_attention,
 )
@@ -152,7 +153,7 @@ def warm_up(
         tables = BlockTables(layout, upb)
         tables.update(0, table, np.array([n]), np.array([n]))
         tables.update(1, table, np.array([n]), np.array([1]))  # the incremental path
-        params = LayerParams(thr, num_kv_heads, 0.125)
+        params = LayerParams(thr, num_kv_heads, 0.125, static_grid=layer_static_grid(layout, thr))
         q = rng.standard_normal((1, num_heads, head_size)).astype(np.float32)
         decode_attention_rows(tables, 0, pool, q, params, 1)
         if row_threads is not None:  # a step shared with the plugin's threads: enough rows of n tokens to share
@@ -162,7 +163,7 @@ def warm_up(
         if threads > 1:  # the parallel kernel, on the same view types
             lt = tables.layer(0, pool)
             view = lt.view(pool, layout.unit, layout.unit, layout.scale_bytes, thr, layout.inner_bits,
-                           layout.outer_bits, num_kv_heads, rows=1)  # fmt: skip
+                           layout.outer_bits, num_kv_heads, rows=1, static_grid=params.static_grid)  # fmt: skip
             _numba_threads(threads)
             out = np.empty((1, num_heads, head_size), np.float32)
             _oaken.packed_decode_attention(
@@ -424,7 +425,9 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
             writer = BlockWriter(
                 layout, thr, self.settings.overflow, key_shift=shift, key_rotation=rotation, head_dim=self.head_size
             )
-            params = LayerParams(thr, self.num_kv_heads, self.scale, self.softcap, rotation)
+            params = LayerParams(
+                thr, self.num_kv_heads, self.scale, self.softcap, rotation, static_grid=writer.static_grid
+            )
             st = self._state = _LayerState(index, layout, writer, params)
         key = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0))
         if st.pool_key != key:

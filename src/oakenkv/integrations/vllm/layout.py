@@ -76,12 +76,21 @@ class BlockLayout:
     len_bytes: int
     #: Longest COO record one row can have (all values outliers, one escape per chunk).
     max_record: int
-    #: Bytes of the six fp16 scales at the start of a dense record.
+    #: Bytes of the fp16 scales at the start of a dense record: six, or the outer two with static grids.
     scale_bytes: int
     inner_bits: int = 5
     outer_bits: int = 5
     #: Tokens at the start of a sequence also kept at 16 bits (an oaken-plus profile's ``sink_tokens``); 0: none.
     sink_tokens: int = 0
+    #: Records of static middle/inner grids (``OakenConfig.static_grids``): the outer scales alone, the layer's grids
+    #: derived from its thresholds (:func:`layer_static_grid`).
+    static_grids: bool = False
+
+    def config(self) -> _oaken.OakenConfig:
+        """The codec config of these records (fp16 scales, 4-bit slots; the ratios are not the layout's)."""
+        return _oaken.OakenConfig(
+            inner_bits=self.inner_bits, outer_bits=self.outer_bits, static_grids=self.static_grids
+        )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.dim < 1 or self.sparse_units < 1:
@@ -108,10 +117,6 @@ class BlockLayout:
         """
         if config.scale_dtype != "float16":
             raise ValueError("the vLLM plugin stores fp16 scales; this profile uses scale_dtype='float32'")
-        if config.static_grids:  # (check_profile refuses these profiles at start; this guards the bytes too)
-            raise NotImplementedError(
-                "the vLLM plugin's blocks do not hold static-grid records (OakenConfig.static_grids)"
-            )
         if not isinstance(dim, int) or not isinstance(block_size, int) or dim < 1 or block_size < 1:
             raise ValueError(f"dim and block_size must be positive ints, got {dim!r}, {block_size!r}")
         unit = _oaken.record_size(dim, config)
@@ -131,6 +136,7 @@ class BlockLayout:
             inner_bits=config.inner_bits,
             outer_bits=config.outer_bits,
             sink_tokens=int(sink_tokens),
+            static_grids=config.static_grids,
         )
 
     @property
@@ -185,7 +191,19 @@ class BlockLayout:
             "len_bytes": self.len_bytes,
             "sink_tokens": self.sink_tokens,
             "sink_bytes_per_block": self.sink_units * self.unit,
+            "static_grids": self.static_grids,
         }
+
+
+def layer_static_grid(layout: BlockLayout, thresholds: np.ndarray) -> np.ndarray:
+    """float32 ``[2, 4]``: the key and value static grids ``(mid_min, mid_max, inner_min, inner_max)`` of a layer
+    with ``thresholds`` (float32 ``[2, 4]``) when its records have static grids, else ``[2, 0]`` (``NO_STATIC_GRID``:
+    every record holds its six scales). What the writer encodes with and every reader restores."""
+    if not layout.static_grids:
+        return _oaken.NO_STATIC_GRID
+    config = layout.config()
+    thr = np.asarray(thresholds, np.float32).reshape(2, 4)
+    return np.array([_oaken.format_static_grid(tuple(float(v) for v in thr[k]), config) for k in range(2)], np.float32)
 
 
 # ------------------------------------------------------------------------------------------------ the pool
@@ -266,12 +284,14 @@ def _write_records(pool, unit, upb, bs, cs, hdr, w, slots, order, records, spars
 @njit(cache=True, nogil=True)
 def _encode_and_write(
     pool, unit, upb, bs, cs, hdr, w, num_slots, ib, ob, sb, thr2, slots, x, thr, records, sparse, counts, info,
-    shift, rotate, head_dim, rscale, n_sink, sink_unit,
+    shift, rotate, head_dim, rscale, n_sink, sink_unit, static2, static,
 ):  # fmt: skip
     """The step's write of one layer in one call: the online key transform of the ``n`` key rows of ``x`` (keys of
     the ``n`` tokens, then their values; ``shift`` float32 ``[D]`` or empty, ``rotate``: per-head Hadamard), the
     16-bit copies of tokens in a block's first ``n_sink`` slots, then the codec's ``encode_records`` of the ``2 n``
-    rows and :func:`_write_records` in slot order.
+    rows and :func:`_write_records` in slot order. ``static2``: float32 ``[2, 4]``, the layer's key and value static
+    grids (:func:`layer_static_grid`), or ``[2, 0]``; ``static`` the rows' buffer for them (``[2 n, 4]`` or
+    ``[2 n, 0]``), filled here as ``thr`` is.
 
     Returns 0 (done), 1 (a record overflowed: ``info`` as :func:`_write_records`, with ``info[2]`` = 1 when the
     tokens were not in slot order: the caller then goes on with ``argsort(slots)``), 2 (the codec refused row
@@ -286,6 +306,9 @@ def _encode_and_write(
         for k in range(4):
             thr[i, k] = thr2[0, k]
             thr[n + i, k] = thr2[1, k]
+        for k in range(static2.shape[1]):
+            static[i, k] = static2[0, k]
+            static[n + i, k] = static2[1, k]
     if shift.shape[0] or rotate:
         _oaken.shift_rotate_rows(x[:n], shift, rotate, head_dim, rscale)
     if n_sink:
@@ -304,7 +327,7 @@ def _encode_and_write(
                     bits = np.int64(_oaken.f32_to_f16_bits(x[kind * n + i, j]))
                     pool[at + 2 * j] = np.uint8(bits & 0xFF)
                     pool[at + 2 * j + 1] = np.uint8((bits >> 8) & 0xFF)
-    _oaken.encode_records(x, thr, ib, ob, True, sb, records, sparse, counts)
+    _oaken.encode_records(x, thr, ib, ob, True, sb, records, sparse, counts, 4, static)
     for r in range(2 * n):
         if counts[r] < 0:
             info[0] = r
@@ -426,16 +449,16 @@ def _gather_sinks(pool, unit, upb, sink_unit, n_sink, block_table, rows, out):
 
 @njit(cache=True, nogil=True)
 def _decode_span(pool, unit, sb, dense_pages, sparse_pages, sparse_first, sparse_count, lens, thr, ib, ob, ones,
-                 sinks, n_sink, kind, t0, out):  # fmt: skip
+                 sinks, n_sink, kind, t0, out, static):  # fmt: skip
     """Decode tokens ``t0 .. t0 + len(out)`` of one stream (one row and kind of a ``LayerView`` over blocks) into the
     float32 rows ``out``, with the attention kernel's block decoder (the codec's numbers); tokens below ``n_sink``
-    are the 16-bit sink rows (``sinks [2, n_sink, D]`` uint16) instead. Returns ``ERR_OK`` or an ``ERR_*`` code."""
+    are the 16-bit sink rows (``sinks [2, n_sink, D]`` uint16) instead. ``static``: float32 ``[4]``, the stream's
+    static grid (records of the outer scales alone), or ``[0]``. Returns ``ERR_OK`` or an ``ERR_*`` code."""
     sp, off = _oaken.sparse_start(sparse_first, sparse_count, lens, t0)
-    # (4: the plugin's blocks hold 4-bit slots, and six scales per record: check_profile refuses profiles of other
-    # widths and static grids, whose empty grid this passes)
+    # (4: the plugin's blocks hold 4-bit slots: check_profile refuses profiles of other widths)
     st, sp, off = _oaken.decode_rows(
         pool, unit, unit, sb, dense_pages, sparse_pages, sparse_first, sparse_count, lens, thr, 4, ib, ob, ones, t0,
-        sp, off, out, np.empty(0, np.float32),
+        sp, off, out, static,
     )  # fmt: skip
     for t in range(t0, min(n_sink, t0 + out.shape[0])):
         for j in range(out.shape[1]):
@@ -525,6 +548,8 @@ class BlockWriter:
         if self.rotate and (self.head_dim & (self.head_dim - 1) or layout.dim % self.head_dim):
             raise ValueError(f"a key rotation needs a power-of-two head_dim dividing {layout.dim}, got {head_dim}")
         self.rscale = np.float32(1.0 / math.sqrt(self.head_dim))
+        #: float32 ``[2, 4]`` (static grids) or ``[2, 0]``: the key and value grids the records are encoded with.
+        self.static_grid = layer_static_grid(layout, self.thr)
         self._scratch: tuple[np.ndarray, ...] | None = None
 
     def _buffers(self, n: int) -> tuple[np.ndarray, ...]:
@@ -538,6 +563,7 @@ class BlockWriter:
                 np.empty((m, lay.max_record), np.uint8),
                 np.empty(m, np.int64),
                 np.empty((m, 4), np.float32),
+                np.empty((m, self.static_grid.shape[1]), np.float32),
             )
             self._scratch = s
         return tuple(a[: 2 * n] for a in s)
@@ -551,7 +577,7 @@ class BlockWriter:
         if n == 0:
             return
         num_blocks = (pool.shape[0] - lay.block_bytes) // (units_per_block * lay.unit) + 1
-        x, records, sparse, counts, thr = self._buffers(n)
+        x, records, sparse, counts, thr, static = self._buffers(n)
         x[:n] = _as_rows(keys, n, lay.dim)
         x[n:] = _as_rows(values, n, lay.dim)
         info = np.zeros(3, np.int64)
@@ -559,7 +585,7 @@ class BlockWriter:
             pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit, lay.len_bytes,
             num_blocks * lay.block_size, lay.inner_bits, lay.outer_bits, lay.scale_bytes, self.thr, slots, x, thr,
             records, sparse, counts, info, self.shift, self.rotate, self.head_dim, self.rscale, lay.sink_tokens,
-            lay.sink_unit,
+            lay.sink_unit, self.static_grid, static,
         )  # fmt: skip
         if status == 3:
             raise IndexError(f"slot {int(slots[info[0]])} is past the cache's {num_blocks} blocks")
@@ -571,7 +597,7 @@ class BlockWriter:
             order = np.argsort(slots, kind="stable") if info[2] else np.arange(n)
             while True:
                 start = int(info[0])
-                self._overflow(start, int(info[1]), n, slots, order, x, thr, records, sparse, counts)
+                self._overflow(start, int(info[1]), n, slots, order, x, thr, static, records, sparse, counts)
                 if not _write_records(
                     pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit,
                     lay.len_bytes, slots, order, records, sparse, counts, start, info,
@@ -579,7 +605,7 @@ class BlockWriter:
                     break
         self.stats.written += 2 * int(np.count_nonzero(slots >= 0))
 
-    def _overflow(self, q: int, used: int, n: int, slots, order, x, thr, records, sparse, counts) -> None:
+    def _overflow(self, q: int, used: int, n: int, slots, order, x, thr, static, records, sparse, counts) -> None:
         lay = self.layout
         kind = q & 1
         i = int(order[q >> 1])
@@ -601,7 +627,7 @@ class BlockWriter:
             row, moved = clip_outliers(x[r], thr[r], keep)
             _oaken.encode_records(
                 row[None], thr[r : r + 1], lay.inner_bits, lay.outer_bits, True, lay.scale_bytes,
-                records[r : r + 1], sparse[r : r + 1], counts[r : r + 1],
+                records[r : r + 1], sparse[r : r + 1], counts[r : r + 1], 4, static[r : r + 1],
             )  # fmt: skip
             if 0 <= counts[r] <= room:
                 break
@@ -628,10 +654,17 @@ def _as_rows(a: Tensorish, n: int, dim: int) -> np.ndarray:
 
 
 def read_rows(
-    pool: np.ndarray, units_per_block: int, layout: BlockLayout, blocks: np.ndarray, length: int, kind: int
+    pool: np.ndarray,
+    units_per_block: int,
+    layout: BlockLayout,
+    blocks: np.ndarray,
+    length: int,
+    kind: int,
+    static_grid: np.ndarray | None = None,
 ) -> _oaken.EncodedBatch:
     """The stored rows of tokens ``0..length-1`` of one request (block ids ``blocks``), keys (``kind`` 0) or
-    values (1), as an ``EncodedBatch`` (decode it with the codec)."""
+    values (1), as an ``EncodedBatch`` (decode it with the codec). Records of static grids need the layer's
+    (``static_grid``, float32 ``[2, 4]``: :func:`layer_static_grid`) to restore the in-memory scales."""
     lay = layout
     nblk = -(-length // lay.block_size)
     blocks = np.ascontiguousarray(blocks[:nblk], dtype=np.int64)
@@ -644,8 +677,10 @@ def read_rows(
     )  # fmt: skip
     if total < 0:
         raise _oaken.CorruptDataError(f"token {-total - 1}: its stored sparse length does not fit its block")
-    config = _oaken.OakenConfig(inner_bits=lay.inner_bits, outer_bits=lay.outer_bits)
-    return _oaken.from_records(dense, sparse[:total], offsets, lay.dim, config)
+    if lay.static_grids and static_grid is None:
+        raise ValueError("records of static grids are read with the layer's static grid (static_grid=)")
+    static = static_grid[kind] if lay.static_grids and static_grid is not None else None
+    return _oaken.from_records(dense, sparse[:total], offsets, lay.dim, lay.config(), static)
 
 
 def read_sinks(pool: np.ndarray, units_per_block: int, layout: BlockLayout, block: int) -> np.ndarray:
@@ -668,10 +703,11 @@ def dequantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``[length, D]`` keys and values of one request, decoded by the codec from its blocks (the Oaken
     rows: the sink area is not read)."""
-    config = _oaken.OakenConfig(inner_bits=layout.inner_bits, outer_bits=layout.outer_bits)
+    config = layout.config()
+    grid = layer_static_grid(layout, thresholds)
     out = []
     for kind in (0, 1):
-        enc = read_rows(pool, units_per_block, layout, blocks, length, kind)
+        enc = read_rows(pool, units_per_block, layout, blocks, length, kind, grid)
         out.append(_oaken.decode(enc, tuple(float(v) for v in thresholds[kind]), config))
     return out[0], out[1]
 
@@ -778,6 +814,9 @@ class LayerParams:
     softcap: float = 0.0
     #: Keys are rotated per head in the blocks (an oaken-plus key rotation): queries are rotated alike.
     key_rotation: bool = False
+    #: float32 ``[2, 4]``: the key and value static grids of records with static grids (:func:`layer_static_grid`),
+    #: ``[2, 0]`` otherwise.
+    static_grid: np.ndarray = field(default_factory=lambda: _oaken.NO_STATIC_GRID)
 
 
 def _rotate(q: np.ndarray, params: LayerParams) -> np.ndarray:
@@ -948,7 +987,7 @@ def decode_attention_rows(
     t_max = int(tables.seq_lens[:rows].max()) if rows else 0
     view = lt.view(
         pool, lay.unit, lay.unit, lay.scale_bytes, params.thresholds, lay.inner_bits, lay.outer_bits,
-        params.num_kv_heads, rows=rows,
+        params.num_kv_heads, rows=rows, static_grid=params.static_grid,
     )._replace(num_tokens=t_max)  # fmt: skip
     q = sc.get("q", (rows, hq, hd), np.float32)
     q[...] = query
@@ -1037,6 +1076,7 @@ def prefill_attention(
                 pool, lay.unit, lay.scale_bytes, lt.dense_pages[row, kind], lt.sparse_pages[row, kind],
                 lt.sparse_first[row, kind], lt.sparse_counts[row, kind], lt.sparse_lengths[row, kind],
                 params.thresholds[kind], lay.inner_bits, lay.outer_bits, ones, sinks, n_sink, kind, t0, buf[:n],
+                params.static_grid[kind],
             )  # fmt: skip
             if st:
                 raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[int(st)]}")
@@ -1100,4 +1140,5 @@ def decode_attention(
     tables = BlockTables(layout, units_per_block)
     tables.update(0, block_table, seq_lens, np.ones(len(seq_lens), np.int64))
     thr = np.ascontiguousarray(thresholds, dtype=np.float32).reshape(2, 4)
-    return decode_attention_rows(tables, 0, pool, query, LayerParams(thr, num_kv_heads, scale, softcap), threads)
+    params = LayerParams(thr, num_kv_heads, scale, softcap, static_grid=layer_static_grid(layout, thr))
+    return decode_attention_rows(tables, 0, pool, query, params, threads)
