@@ -5,7 +5,8 @@ the attention readers alike; one file keeps one definition of them, free of vLLM
 
 No vLLM import: everything here works on a plain ``uint8`` array holding one layer's blocks, so it is tested
 without vLLM (``tests/test_vllm_plugin.py``). ``docs/vllm.md`` has the diagram; in short, one block of ``B``
-tokens of one layer, in units of ``rec = record_size(D)`` bytes (a dense record: six fp16 scales + nibbles)::
+tokens of one layer, in units of ``rec = record_size(D)`` bytes (a dense record: six fp16 scales + nibbles, or
+with static grids the two outer scales + nibbles)::
 
     unit 0           K dense records, token o at unit o
     unit B           V dense records, token o at unit B + o
