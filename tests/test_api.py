@@ -165,3 +165,28 @@ def test_a_cache_under_the_other_keyword_beside_a_filled_cache_raises():
         with pytest.raises(TypeError, match=f"passed as {other}=.*pass {keyword}=cache"):
             model(input_ids=ids, use_cache=True, **{keyword: filled, other: cache})
     assert cache.get_seq_length() == 0
+
+
+def test_for_model_with_static_grids_stores_fewer_bytes_and_generates(default_model, model_copy):
+    """``static_grids=True``: the same profile's rows stored with static middle/inner grids (each record 8 bytes
+    smaller: its two outer scales alone); greedy generation runs through the packed decode,
+    and the model keeps the profile as found (a later cache without the switch stores per-row grids)."""
+    thresholds = quick_thresholds(default_model)
+    tok = default_model.tokenizer
+    inputs = tok("The capital of France is", return_tensors="pt")
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": model_copy.config.eos_token_id}
+    static = OakenCache.for_model(model_copy, preset="oaken", profile=thresholds, static_grids=True)
+    assert static.store.thresholds.config.static_grids and not thresholds.config.static_grids
+    with torch.no_grad():
+        got = model_copy.generate(**inputs, cache=static, **kw)
+    assert got.shape[1] == inputs.input_ids.shape[1] + 6
+    plain = OakenCache.for_model(model_copy, preset="oaken")
+    assert plain.store.thresholds is thresholds
+    with torch.no_grad():
+        model_copy.generate(**inputs, cache=plain, **kw)
+    # 4 fp16 scales fewer per 192-value row: 64 / 192 bit per value (the COO streams hold the same entries; an escape
+    # byte may differ where a code bit changes an entry's byte)
+    saved = plain.bits_per_value()["format"] - static.bits_per_value()["format"]
+    assert 0.3 < saved < 0.37, saved
+    with pytest.raises(TypeError, match="static_grids"):
+        OakenCache.for_model(model_copy, preset="oaken", static_grids=1)

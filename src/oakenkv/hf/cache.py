@@ -52,6 +52,7 @@ of its source sequence (pages shared, copied on write), never a copy of the KV b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -393,6 +394,7 @@ class OakenCache(Cache):
         tokenizer: Any = None,
         profile: Any = None,
         progress: bool = True,
+        static_grids: bool = False,
         **kwargs: Any,
     ) -> OakenCache:
         """A cache for ``model`` with everything it needs, in one call::
@@ -407,14 +409,22 @@ class OakenCache(Cache):
         with the model). Then folds the profile's transforms into ``model`` (in place, once), switches its decode
         steps to the packed-page attention (``oakenkv.hf.attention``), and makes a cache handed to ``model``
         under the keyword this transformers version does not take go where it does (or raise, when another
-        cache is there): a cache the model ignores would run unquantized. Other keyword arguments go to the
-        constructor (``pool_config``, ``residual``, ...). Call it once per generation: a cache holds one batch.
+        cache is there): a cache the model ignores would run unquantized. ``static_grids``: store the profile's
+        rows with static middle/inner grids (``OakenConfig.static_grids``: each token's outer scales alone, 0.33
+        bit per value less on the default model; as accurate there, less on some models: docs/results.md). Other
+        keyword arguments go to the constructor (``pool_config``, ``residual``, ...). Call it once per
+        generation: a cache holds one batch.
         """
         from oakenkv.calibrate.presets import find_profile, remember
 
-        thresholds = find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
+        if not isinstance(static_grids, bool):
+            raise TypeError(f"static_grids must be True or False, got {static_grids!r}")
+        found = find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
+        thresholds = found
+        if static_grids and not found.config.static_grids:  # (the model remembers the profile as found)
+            thresholds = dataclasses.replace(found, config=found.config.replace(static_grids=True))
         cache = cls.from_profile(model, thresholds, **kwargs)
-        remember(model, thresholds)
+        remember(model, found)
         enable_oaken_attention(model)
         _guard_cache_keyword(model)
         return cache
