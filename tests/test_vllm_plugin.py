@@ -1170,11 +1170,13 @@ def plus_dir(default_model, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def plus_engine(plus_dir, engine):
-    """vLLM's CPU engine on the exported directory, no profile named: the plugin finds it there. float32, chunked
-    prefill in chunks of 64 tokens, prefix caching on (built after the paper engine, whose profile it must not
-    take: the environment is cleared first)."""
+def _export_engine(model_dir, **settings):
+    """vLLM's CPU engine on an exported directory, no profile named: the plugin finds it there. float32, chunked
+    prefill in chunks of 64 tokens, prefix caching on. The environment is cleared first (an engine built before
+    must not lend its profile), then the plugin configured with ``settings`` and exact bytes everywhere (the
+    codec's, no record clipped): room for the test prompts' densest blocks. With the default capacity (1.35 x the
+    expected COO bytes) oaken-plus clips a few records of WikiText (docs/vllm.md) and many of this file's repetitive
+    prompt (38.6 COO bytes per token in one block of layer 20's keys)."""
     import sys
 
     import cloudpickle
@@ -1183,15 +1185,10 @@ def plus_engine(plus_dir, engine):
     from oakenkv.integrations.vllm import configure, disable
 
     disable()
-    # exact bytes everywhere (the codec's, no record clipped): room for the test prompts' densest blocks. With the
-    # default capacity (1.35 x the expected COO bytes) oaken-plus clips a few records of WikiText (docs/vllm.md) and
-    # many of this file's repetitive prompt (38.6 COO bytes per token in one block of layer 20's keys).
-    # the plugin's own decode threads on (OAKENKV_VLLM_ATTENTION_CPUS; CPU 0, which every machine has): this engine's
-    # tests cover steps shared with them, the paper engine's the worker's thread alone
-    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES, attention_cpus="0")
+    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES, **settings)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    llm = LLM(
-        model=str(plus_dir),
+    return LLM(
+        model=str(model_dir),
         dtype="float32",
         max_model_len=512,
         max_num_batched_tokens=64,
@@ -1201,6 +1198,14 @@ def plus_engine(plus_dir, engine):
         kv_cache_memory_bytes=32 << 20,
         seed=0,
     )
+
+
+@pytest.fixture(scope="module")
+def plus_engine(plus_dir, engine):
+    """The engine on the exported oaken-plus directory (built after the paper engine), with the plugin's own decode
+    threads on (OAKENKV_VLLM_ATTENTION_CPUS; CPU 0, which every machine has): this engine's tests cover steps
+    shared with them, the paper engine's the worker's thread alone."""
+    llm = _export_engine(plus_dir, attention_cpus="0")
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -1320,28 +1325,8 @@ def static_dir(plus_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def static_engine(static_dir, plus_engine):
-    """vLLM's CPU engine on the static-grid export, set up as the plus engine (no plugin threads)."""
-    import sys
-
-    import cloudpickle
-    from vllm import LLM
-
-    from oakenkv.integrations.vllm import configure, disable
-
-    disable()
-    configure(overflow="error", sparse_bytes_per_token=PLUS_SPARSE_BYTES)
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    llm = LLM(
-        model=str(static_dir),
-        dtype="float32",
-        max_model_len=512,
-        max_num_batched_tokens=64,
-        enable_chunked_prefill=True,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        kv_cache_memory_bytes=32 << 20,
-        seed=0,
-    )
+    """The engine on the static-grid export (no plugin threads)."""
+    llm = _export_engine(static_dir)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -56,10 +56,9 @@ from oakenkv.kernels.cpu.attention import (
     packed_decode_attention_serial,
     split_work,
 )
-from oakenkv.kernels.cpu.codec import encode_records
+from oakenkv.kernels.cpu.codec import encode_records, static_grid_array
 from oakenkv.kernels.cpu.helpers import f16_widen, f32_to_f16_bits
 from oakenkv.kernels.cpu.rotate import shift_rotate_rows
-from oakenkv.quant.quantizer import format_static_grid
 from oakenkv.store.records import put_record
 from oakenkv.store.view import LayerTables, grown
 
@@ -82,7 +81,6 @@ __all__ = [
     "f16_widen",
     "f32_to_f16_bits",
     "find_profile",
-    "format_static_grid",
     "from_records",
     "fwht",
     "grown",
@@ -97,4 +95,5 @@ __all__ = [
     "sparse_capacity",
     "sparse_start",
     "split_work",
+    "static_grid_array",
 ]

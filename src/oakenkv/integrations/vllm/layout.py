@@ -204,7 +204,7 @@ def layer_static_grid(layout: BlockLayout, thresholds: np.ndarray) -> np.ndarray
         return _oaken.NO_STATIC_GRID
     config = layout.config()
     thr = np.asarray(thresholds, np.float32).reshape(2, 4)
-    return np.array([_oaken.format_static_grid(tuple(float(v) for v in thr[k]), config) for k in range(2)], np.float32)
+    return np.stack([_oaken.static_grid_array(thr[k], config) for k in range(2)])  # as the paged store's
 
 
 # ------------------------------------------------------------------------------------------------ the pool
@@ -667,6 +667,8 @@ def read_rows(
     values (1), as an ``EncodedBatch`` (decode it with the codec). Records of static grids need the layer's
     (``static_grid``, float32 ``[2, 4]``: :func:`layer_static_grid`) to restore the in-memory scales."""
     lay = layout
+    if lay.static_grids and static_grid is None:
+        raise ValueError("records of static grids are read with the layer's static grid (static_grid=)")
     nblk = -(-length // lay.block_size)
     blocks = np.ascontiguousarray(blocks[:nblk], dtype=np.int64)
     dense = np.empty((length, lay.unit), np.uint8)
@@ -678,9 +680,7 @@ def read_rows(
     )  # fmt: skip
     if total < 0:
         raise _oaken.CorruptDataError(f"token {-total - 1}: its stored sparse length does not fit its block")
-    if lay.static_grids and static_grid is None:
-        raise ValueError("records of static grids are read with the layer's static grid (static_grid=)")
-    static = static_grid[kind] if lay.static_grids and static_grid is not None else None
+    static = static_grid[kind] if lay.static_grids else None
     return _oaken.from_records(dense, sparse[:total], offsets, lay.dim, lay.config(), static)
 
 
