@@ -58,6 +58,8 @@ class _ReferenceOaken(OakenQuantizer):
     static: float | None = None
     #: ascending clip factors (the last 1) of per-row selectable static grids, or () for one static grid
     levels: tuple[float, ...] = ()
+    #: the kinds whose grids are static (the other kind keeps per-row grids)
+    static_kinds: tuple[str, ...] = ("key", "value")
     check: bool = False
     stats: dict[str, float]
 
@@ -70,14 +72,15 @@ class _ReferenceOaken(OakenQuantizer):
         b, h, s, d = x.shape
         rows = x.permute(0, 2, 1, 3).reshape(b * s, h * d)
         thr = self.thresholds.layer(layer_idx, kind)
-        if self.levels:
+        static = self.static if kind in self.static_kinds else None
+        if self.levels and static is not None:
             q = self._quantize_levels(rows, thr)
         else:
-            q = quantize(rows, thr, self.config, static_scales=self.static)
+            q = quantize(rows, thr, self.config, static_scales=static)
         y = dequantize(q, thr, self.config)
         n_rows, width = rows.shape
         sparse = int((q.groups != GROUP_MIDDLE).sum())
-        stored_groups = 3 if self.static is None else 1
+        stored_groups = 3 if static is None else 1
         dense_bits = 8 * math.ceil(self.config.middle_bits * width / 8)
         level_bits = math.ceil(math.log2(len(self.levels))) if self.levels else 0
         bits = n_rows * (dense_bits + HEADER_BITS + 2 * SCALE_BITS * stored_groups + level_bits) + COO_BITS * sparse
@@ -101,7 +104,7 @@ class _ReferenceOaken(OakenQuantizer):
             y_real = decode_batch(enc, thr, self.config)
             real_bits = 8 * (enc.nbytes() - sparse_stream_stats(enc)[1])
             st["checked_calls"] += 1
-            if self.static is None:
+            if static is None:
                 assert torch.equal(y, y_real), f"layer {layer_idx} {kind}: reference != codec"
                 assert bits == real_bits, f"layer {layer_idx} {kind}: {bits} bits != codec's {real_bits}"
             else:  # the format's bits less the four end points of every row (plus the level index)
@@ -222,6 +225,10 @@ def table(root: Path) -> str:
         if s.get("levels"):
             grids = "static, levels " + "/".join(f"{v:g}" for v in s["levels"])
             grids += " (aware search)" if s.get("static_aware_search") else ""
+        if clip is not None and s.get("static_kinds", ["key", "value"]) != ["key", "value"]:
+            grids += f" ({', '.join(s['static_kinds'])} only; the other per row)"
+        if s.get("model", "default") != "default":
+            grids += f", {s['model']}"
         w = s.get("windows", [0, 0])
         delta = s.get("delta_vs_fp", s.get("delta_vs_fp_same_windows"))
         peers = "; ".join(
@@ -241,6 +248,10 @@ def main() -> None:
         print(table(Path(__file__).resolve().parent / "results" / "static_scales"))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="model name (peers and FP are read for 'default' only)")
+    ap.add_argument(
+        "--static-kinds", default="key,value", help="kinds with static grids (key, value or both), the other per row"
+    )
     ap.add_argument("--spec", required=True, help="an oaken-plus spec (its profile and transforms are used)")
     ap.add_argument("--static", default="1", help="clip factor in (0, 1] of the static grids, or 'none' (per row)")
     ap.add_argument("--max-windows", type=int, default=4)
@@ -278,7 +289,7 @@ def main() -> None:
     from oakenkv.methods.registry import BuildContext, build_method, parse_spec
 
     start()
-    loaded = load_model("default")
+    loaded = load_model(args.model)
     searches = []
     for spec in [args.spec, *args.search_with]:
         family, p = parse_spec(spec)
@@ -294,28 +305,37 @@ def main() -> None:
     else:
         # every profile of this run from one recording (the ones cached already are read)
         profiles = cached_plus_profiles(
-            loaded.model, loaded.tokenizer, "default", searches, OAKEN_PLUS.calibration, progress=True
+            loaded.model, loaded.tokenizer, args.model, searches, OAKEN_PLUS.calibration, progress=True
         )
         thresholds = profiles[0]
-        method = build_method(args.spec, loaded.model, loaded.tokenizer, "default", progress=True)
+        method = build_method(args.spec, loaded.model, loaded.tokenizer, args.model, progress=True)
     assert method.extra["thresholds_sha256"] == thresholds.sha256()  # the profile build_method found is ours
     q = StaticPlusQuantizer(thresholds, static, args.check, levels)
-    ctx = BuildContext(args.spec, loaded.model, loaded.tokenizer, "default", None, None, False)
+    q.static_kinds = tuple(k.strip() for k in args.static_kinds.split(","))
+    if not q.static_kinds or not set(q.static_kinds) <= {"key", "value"}:
+        raise SystemExit(f"--static-kinds takes key, value or key,value, got {args.static_kinds!r}")
+    ctx = BuildContext(args.spec, loaded.model, loaded.tokenizer, args.model, None, None, False)
     method.make_cache = _fake_quant(ctx, q, method.params["residual"], method.model)
     tag = "per-row" if static is None else f"static{static:g}" + ("-aware" if args.static_search else "")
     if levels:
         tag = "levels" + "_".join(f"{v:g}" for v in levels) + ("-aware" if args.static_search else "")
+    if static is not None and set(q.static_kinds) != {"key", "value"}:
+        tag += "-" + "".join(k[0] for k in q.static_kinds)
+    if args.model != "default":
+        tag = f"{args.model}-{tag}"
     method.name = f"{method.name}+{tag}(simulated)"
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), 2048, None, args.first + args.max_windows)
     ids = ids[args.first :]
-    res = perplexity(loaded.model, ids, method, progress=True, model_name="default")
+    res = perplexity(loaded.model, ids, method, progress=True, model_name=args.model)
     out = res.to_dict()
     n = len(res.window_nll)
-    fp = _peer("fp", n) if args.first == 0 else None
+    fp = _peer("fp", n) if args.first == 0 and args.model == "default" else None
     st = q.stats
     summary: dict[str, Any] = {
         "spec": args.spec,
+        "model": args.model,
         "static_clip": static,
+        "static_kinds": list(q.static_kinds),
         "levels": list(levels),
         "level_rows": {k[6:]: v for k, v in q.stats.items() if k.startswith("level_")},
         "static_aware_search": args.static_search is not None,
@@ -337,7 +357,7 @@ def main() -> None:
                 continue
             d, lo, hi = paired_delta(res.window_nll, peer["window_nll"], res.tokens)
             summary[f"vs_{name}"] = {"peer_bits": peer["effective_bits"], "delta": d, "ci95": [lo, hi]}
-    elif args.first == 0:  # no FP result over these windows: FP's first n windows of the 4-window run
+    elif args.first == 0 and args.model == "default":  # no FP over these windows: FP's first n of the 4-window run
         fp4 = _peer("fp", 4)
         tok = res.tokens // n
         summary["delta_vs_fp_same_windows"] = res.ppl - math.exp(sum(fp4["window_nll"][:n]) / (tok * n))
