@@ -903,7 +903,7 @@ def test_residual_methods_build_their_window(tiny_llama):
 
 def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path):
     """The frontier table (eval report): for each peer's point, oakenkv's best run at no more bits, paired over the
-    windows; the authors' harness (oaken-official) and ablations are neither side."""
+    windows; the authors' harness (oaken-official), ablations and relabelled earlier profiles are neither side."""
     from oakenkv.eval.report import frontier, frontier_table
 
     def ppl(method, family, bits, nll, **extra):
@@ -923,6 +923,8 @@ def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path
         ppl("oaken-plus", "oaken-plus", 5.4, [b + 3 for b in base]),
         ppl("oaken-official", "oaken-official", 3.0, [b + 1 for b in base]),  # neither side: never "ours"
         ppl("oaken:only=k", "oaken", 2.0, [b + 0.1 for b in base], params={"only": "k"}),  # an ablation
+        # an earlier session's profile, relabelled: history, never the frontier's point
+        ppl("oaken-plus (session 12)", "oaken-plus", 3.0, [b + 0.2 for b in base], relabelled="session 13: ..."),
     ]
     got = {e["peer"]["method"]: e for e in frontier(rows)}
     assert list(got) == ["kvquant3", "kivi2", "int8"]  # by bits

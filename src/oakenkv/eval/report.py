@@ -259,7 +259,9 @@ def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     no preset is that small), ``delta`` (ours - peer) with its 95% paired-bootstrap interval ``ci`` (None without
     per-window NLLs) and ``holds`` (ours loses no more)."""
     drawn = [r for r in rows if _drawn(r) and _family(r) not in NEITHER]
-    ours = [r for r in drawn if _family(r) in OURS]
+    # a relabelled run (``extra.relabelled``: an earlier session's profile, which today's search does not make) is
+    # history, not a point a user can reproduce: never oakenkv's point on the frontier
+    ours = [r for r in drawn if _family(r) in OURS and not r.get("extra", {}).get("relabelled")]
     peers = sorted((r for r in drawn if _family(r) not in OURS), key=lambda r: (r["effective_bits"], r["method"]))
     out = []
     for p in peers:
