@@ -994,6 +994,8 @@ def static_grid_array(thr: np.ndarray | ThresholdsLike, config: OakenConfig) -> 
     static-grid config; empty for per-row grids. ValueError for a grid beyond the fp16 range."""
     if not config.static_grids:
         return _NO_STATIC
+    if config.static_levels:
+        raise NotImplementedError("the numba codec does not read static levels (OakenConfig.static_levels) yet")
     t = thr[:4] if isinstance(thr, np.ndarray) else thr
     return np.asarray(format_static_grid(t, config), dtype=np.float32)
 
