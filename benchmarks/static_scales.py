@@ -18,7 +18,9 @@ codec bit for bit (``--check`` asserts it on every call: the same dequantized va
 perplexity is ``oakenkv eval ppl --method <spec>``'s.
 
 Variants: ``--levels 0.5,0.7,0.85,1`` (a few static grids per layer, each row taking the smallest that covers its
-middle values, a 2-bit index per row counted); ``--static-search DIR`` (the oaken-plus search scores its candidates
+middle values, a 2-bit index per row counted; the format stores it in a byte, ``OakenConfig.static_levels``, whose
+choice is this one: ``oakenkv eval ppl --method 'oaken-plus:...,static=1,levels=1'`` gives the same window NLLs);
+``--static-search DIR`` (the oaken-plus search scores its candidates
 with the static quantizer; those profiles are kept in DIR, never in the calibration cache). ``--first 4`` evaluates
 windows the report does not use (to choose settings). Peers and FP come from ``docs/results/default-<n>w/``.
 

@@ -190,3 +190,14 @@ def test_for_model_with_static_grids_stores_fewer_bytes_and_generates(default_mo
     assert 0.3 < saved < 0.37, saved
     with pytest.raises(TypeError, match="static_grids"):
         OakenCache.for_model(model_copy, preset="oaken", static_grids=1)
+    # static levels: one byte per row more than one static grid, the same profile again
+    levels = OakenCache.for_model(model_copy, preset="oaken", profile=thresholds, static_grids=True, static_levels=True)
+    assert levels.store.thresholds.config.static_levels == (0.5, 0.7, 0.85, 1.0)
+    with torch.no_grad():
+        model_copy.generate(**inputs, cache=levels, **kw)
+    more = levels.bits_per_value()["format"] - static.bits_per_value()["format"]
+    assert 0.0 < more < 0.1, more  # 8 / 192 bit per value, and the escape bytes of other codes
+    with pytest.raises(ValueError, match="static_grids=True as well"):
+        OakenCache.for_model(model_copy, preset="oaken", static_levels=True)
+    with pytest.raises(ValueError, match="ascend strictly"):
+        OakenCache.for_model(model_copy, preset="oaken", static_grids=True, static_levels=(0.9, 0.5, 1.0))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
-from oakenkv.format.config import OakenConfig
+from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import (
     float_attention,
     packed_decode_attention,
@@ -32,21 +32,24 @@ def _thresholds(num_layers: int = 2, config: OakenConfig | None = None) -> Thres
     return Thresholds(config or OakenConfig(), fp, keys, values)
 
 
-def _kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv(b: int, t: int, seed: int, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(b, H, t, HD, generator=g)
     k[..., 5] *= 6.0  # an outlier channel, as real keys have
     v = torch.randn(b, H, t, HD, generator=g) * 0.8
+    if spread:  # tokens of smaller and larger magnitudes (their middle values reach different static levels)
+        f = torch.tensor([0.2, 0.4, 0.6, 1.0]).repeat(t // 4 + 1)[:t].reshape(1, 1, t, 1)
+        k, v = k * f, v * f
     return k, v
 
 
 def _store(
     b: int, t: int, seed: int = 0, page_size: int = 4096, chunk: int = 97, config: OakenConfig | None = None,
-    codec: str = "auto",
+    codec: str = "auto", spread: bool = False,
 ):  # fmt: skip
     th = _thresholds(config=config)
     store = PagedKVStore(th, 2, H, HD, PoolConfig(page_size=page_size), codec=codec, prefill_chunk=chunk)
-    k, v = _kv(b, t, seed)
+    k, v = _kv(b, t, seed, spread)
     for start in range(0, t, chunk):  # several appends: tokens spread over many dense and sparse pages
         store.append(1, k[:, :, start : start + chunk], v[:, :, start : start + chunk])
     handles = PackedKV(store, 1, KEY, t), PackedKV(store, 1, VALUE, t)
@@ -88,7 +91,8 @@ def test_kernel_matches_float_attention_over_the_dequantized_cache(b, t, pad, wi
 
 
 @pytest.mark.parametrize(
-    ("mb", "static"), [(4, False), (3, False), (2, False), (6, False), (4, True), (2, True), (6, True)]
+    ("mb", "static"),
+    [(4, False), (3, False), (2, False), (6, False), (4, True), (2, True), (6, True), (4, "levels"), (3, "levels")],
 )
 def test_slot_widths_pages_and_kernel_are_the_references(mb, static):
     """4-, 3-, 2- and 6-bit dense slots (OakenConfig.middle_bits; 6 runs the one copy 5..7 share) through the store
@@ -96,17 +100,20 @@ def test_slot_widths_pages_and_kernel_are_the_references(mb, static):
     decoder gives the reference's floats bit for bit, and the attention matches float attention over them (only the
     summation order differs). A decode step's single-token appends (encode_records) and a prefill's appends both
     write pages. With static grids (OakenConfig.static_grids) the records hold the outer scales alone and the
-    kernel takes the middle and inner grids from the view."""
+    kernel takes the middle and inner grids from the view; with static levels (OakenConfig.static_levels) the
+    records hold a level byte too, which picks the row's grid among the view's."""
     from oakenkv.kernels.cpu import attention as attention_cpu
 
     # numba compiles a callee without its own fastmath option with its caller's (the fast-math kernel) and caches
     # that code: the row decoder must say fastmath=False itself to stay bit-exact inside the kernel
     for f in (attention_cpu._decode_rows, attention_cpu._coo_walk, attention_cpu._unpack_slots, attention_cpu._f16_at):
         assert f.targetoptions.get("fastmath") is False, f
-    cfg = OakenConfig(middle_bits=mb, static_grids=static)
+    levels = DEFAULT_STATIC_LEVELS if static == "levels" else ()
+    cfg = OakenConfig(middle_bits=mb, static_grids=bool(static), static_levels=levels)
     b, t = 2, 230
-    fast, k, v, (kh, vh) = _store(b, t, seed=mb, page_size=1024, config=cfg)
-    ref, _, _, _ = _store(b, t, seed=mb, page_size=1024, config=cfg, codec="reference")
+    spread = bool(levels)
+    fast, k, v, (kh, vh) = _store(b, t, seed=mb, page_size=1024, config=cfg, spread=spread)
+    ref, _, _, _ = _store(b, t, seed=mb, page_size=1024, config=cfg, codec="reference", spread=spread)
     for i in range(3):  # decode steps: the fused single-token path
         kt, vt = _kv(b, 1, seed=100 + i)
         fast.append_token(1, kt, vt)
@@ -115,17 +122,19 @@ def test_slot_widths_pages_and_kernel_are_the_references(mb, static):
     t += 3
     kh, vh = PackedKV(fast, 1, KEY, t), PackedKV(fast, 1, VALUE, t)
     view, rview = fast.layer_view(1), ref.layer_view(1)
-    assert view.middle_bits == mb and view.record_size == (4 if static else 12) + (mb * H * HD + 7) // 8
-    assert view.static_grid.shape == (2, 4 if static else 0)
+    sb = (4 if static else 12) + bool(levels)
+    assert view.middle_bits == mb and view.scale_bytes == sb and view.record_size == sb + (mb * H * HD + 7) // 8
+    assert view.static_grid.shape == (2, 4 * len(levels) if levels else 4 if static else 0)
     for kind in (KEY, VALUE):
         want = ref.read(1, kind)
         assert torch.equal(fast.read(1, kind), want)
         for r in range(b):  # the same records and streams in both pools
             for stream in (fast.pool.table(fast.seqs[r], 2 + kind), ref.pool.table(ref.seqs[r], 2 + kind)):
                 assert stream.num_tokens == t
-            assert np.array_equal(
-                fast.pool.read_dense(fast.seqs[r], 2 + kind, 0), ref.pool.read_dense(ref.seqs[r], 2 + kind, 0)
-            )
+            dense = fast.pool.read_dense(fast.seqs[r], 2 + kind, 0)
+            assert np.array_equal(dense, ref.pool.read_dense(ref.seqs[r], 2 + kind, 0))
+            if levels:  # the rows take several levels (the test reads each one's grid)
+                assert len(np.unique(dense[:, 4])) > 1 and dense[:, 4].max() < len(levels)
             got_sp, got_off = fast.pool.read_sparse(fast.seqs[r], 2 + kind, 0)
             want_sp, want_off = ref.pool.read_sparse(ref.seqs[r], 2 + kind, 0)
             assert np.array_equal(got_sp, want_sp) and np.array_equal(got_off, want_off)

@@ -349,3 +349,27 @@ def test_greedy_with_static_grids_matches_fake_quant(default_model, thresholds, 
     assert torch.equal(got_float, want.sequences)
     assert_same_greedy(want, got_packed)
     cache.store.pool.check_invariants()
+
+
+def test_greedy_with_static_levels_matches_fake_quant(default_model, thresholds, batch):
+    """Static levels (OakenConfig.static_levels): the pages hold the outer scales and a level byte; generation
+    through the float read path and the packed attention kernel agrees with the fake-quant cache of the same
+    config (the codec's round trip, bit for bit the reference)."""
+    import dataclasses
+
+    from oakenkv.format.config import DEFAULT_STATIC_LEVELS
+    from oakenkv.format.layout import record_size
+
+    cfg = thresholds.config.replace(static_grids=True, static_levels=DEFAULT_STATIC_LEVELS)
+    levels = dataclasses.replace(thresholds, config=cfg)
+    model = default_model.model
+    n = model.config.num_hidden_layers
+    want = _generate(model, batch, _fake_quant_cache(levels, n), logits=True)
+    cache = OakenCache(levels, model)
+    got_float = _generate(model, batch, cache)
+    assert cache.store.rec_size == record_size(cache.store.dim, cfg) == 5 + cache.store.dim // 2
+    with oaken_attention(model):
+        got_packed = _generate(model, batch, OakenCache(levels, model), logits=True)
+    assert torch.equal(got_float, want.sequences)
+    assert_same_greedy(want, got_packed)
+    cache.store.pool.check_invariants()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oakenkv.format.config import OakenConfig
 from oakenkv.kernels import codec
@@ -414,3 +416,134 @@ def test_static_grids_bits_formulas():
     full = codec.expected_bits(192, 0.1)
     assert codec.expected_bits(192, 0.1, num_scales=2) == pytest.approx(full - 64 / 192)
     assert format_bits(10, 192, 50) - format_bits(10, 192, 50, num_scales=2) == 10 * 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Static levels (OakenConfig.static_levels): the outer scales and a level byte are stored
+# ---------------------------------------------------------------------------------------------------------------
+
+LEVELS = (0.5, 0.7, 0.85, 1.0)
+
+
+def _level_rows(n=12, d=192, seed=5):
+    """Rows whose middle values reach different shares of the static range (so that every level is taken)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * 0.1
+    x[:, :4] = torch.linspace(0.3, 1.95, n)[:, None] * torch.tensor([1.0, -1.0, 0.5, -0.5])  # middle reach
+    x[:, 4:6] = torch.tensor([2.5, -3.0])  # outer values
+    return x
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("mb", [2, 4, 7])
+def test_static_level_rows_store_a_level_byte_and_read_back(scale_dtype, mb):
+    from oakenkv.format.layout import from_records, level_bits, level_columns, record_size, scale_bytes, to_records
+    from oakenkv.quant import reference
+    from oakenkv.quant.quantizer import format_level_grids
+
+    cfg = OakenConfig(middle_bits=mb, scale_dtype=scale_dtype, static_grids=True, static_levels=LEVELS)
+    one = cfg.replace(static_levels=())
+    x = _level_rows()
+    q = quantize(x, THR, cfg)
+    assert set(q.level.tolist()) == {0, 1, 2, 3}
+    enc = reference.pack(q, cfg, THR)
+    assert enc.stored_scales == 2 and torch.equal(enc.level, q.level) and enc.scales.shape == (12, 6)
+    item = cfg.scale_itemsize
+    assert level_bits(cfg) == 8 and level_bits(one) == 0
+    assert scale_bytes(cfg) == 2 * item + 1 and record_size(192, cfg) == record_size(192, one) + 1
+    assert enc.stored_scale_bytes() == 2 * item + 1
+    assert enc.nbytes() == enc.dense.numel() + enc.sparse.numel() + 12 * (2 * item + 1 + 2)
+    b = codec.effective_bits(enc)
+    assert b.scales == pytest.approx((2 * 8 * item + 8) / 192) and b.total == pytest.approx(
+        8 * enc.nbytes() / x.numel()
+    )
+    dense, sparse, offs = to_records(enc)
+    assert dense.shape == (12, record_size(192, cfg))
+    assert np.array_equal(dense[:, : 2 * item].copy().view(cfg.scale_np_dtype), enc.scales[:, 4:].numpy())
+    assert np.array_equal(dense[:, 2 * item], q.level.numpy())  # the level byte after the outer scales
+    grids = format_level_grids(THR, cfg)
+    back = from_records(dense, sparse, offs, 192, cfg, static=grids)
+    for name in ("dense", "scales", "sparse", "sparse_offsets", "level"):
+        assert torch.equal(getattr(back, name), getattr(enc, name)), name
+    _assert_same_q(reference.unpack(back, cfg, THR), q)
+    assert torch.equal(reference.unpack(back, cfg, THR).level, q.level)
+    assert torch.equal(reference.decode(back, THR, cfg), dequantize(q, THR, cfg))
+    assert level_columns(grids, cfg).shape == (4, 4)
+    with pytest.raises(ValueError, match="4 x 4 numbers"):
+        from_records(dense, sparse, offs, 192, cfg, static=grids[-1])  # one grid for a levels config
+    with pytest.raises(ValueError, match="needs the layer's static grid"):
+        from_records(dense, sparse, offs, 192, cfg)
+    with pytest.raises(CorruptDataError, match=r"must be .* bytes"):  # level records read as one-grid ones
+        from_records(dense, sparse, offs, 192, one, static=grids[-1])
+
+
+def test_static_level_batches_are_checked():
+    from oakenkv.quant import reference
+
+    cfg = OakenConfig(static_grids=True, static_levels=LEVELS)
+    x = _level_rows(6, 128)
+    q = quantize(x, THR, cfg)
+    with pytest.raises(ValueError, match="needs the thresholds"):
+        reference.pack(q, cfg)
+    with pytest.raises(ValueError, match=r"needs q\.level"):
+        reference.pack(QuantizedVectors(q.codes, q.groups, q.mins, q.maxs), cfg, THR)
+    with pytest.raises(ValueError, match="its config no static levels"):
+        reference.pack(q, cfg.replace(static_levels=()), THR)
+    moved = QuantizedVectors(q.codes, q.groups, q.mins, q.maxs, (q.level + 1) % 4)  # another level's grid
+    with pytest.raises(ValueError, match="not the static grid"):
+        reference.pack(moved, cfg, THR)
+    enc = reference.pack(q, cfg, THR)
+    # a level byte that points at another valid level: its grid is not the row's scales (in memory)
+    wrong = EncodedBatch(**{**enc.__dict__, "level": (enc.level + 1) % 4})
+    with pytest.raises(CorruptDataError, match="static grid"):
+        reference.unpack(wrong, cfg, THR)
+    # an index beyond the levels: refused by the structural check, whatever reads it
+    for bad in (4, 5, 255):
+        hit = EncodedBatch(**{**enc.__dict__, "level": enc.level.clone()})
+        hit.level[3] = bad
+        for read in (lambda e: reference.unpack(e, cfg, THR), lambda e: codec.check_encoded(e, cfg)):
+            with pytest.raises(CorruptDataError, match=r"row 3: .*static level index"):
+                read(hit)
+    for level, match in ((None, "uint8 \\[6\\]"), (enc.level.to(torch.int64), "uint8"), (enc.level[:5], "uint8")):
+        with pytest.raises(CorruptDataError, match=match):
+            codec.check_encoded(EncodedBatch(**{**enc.__dict__, "level": level}), cfg)
+    with pytest.raises(CorruptDataError, match="no static levels"):
+        codec.check_encoded(enc, cfg.replace(static_levels=()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_static_level_records_fuzz(data):
+    """Random bytes in the level position of records: an index beyond the levels is refused (CorruptDataError),
+    any other reads back as that level's grid, and nothing else is misread."""
+    from oakenkv.format.layout import from_records, to_records
+    from oakenkv.quant import reference
+    from oakenkv.quant.quantizer import format_level_grids
+
+    cfg = OakenConfig(static_grids=True, static_levels=LEVELS)
+    x = _level_rows(5, 96, seed=data.draw(st.integers(0, 50)))
+    enc = reference.encode(x, THR, cfg)
+    dense, sparse, offs = to_records(enc)
+    row = data.draw(st.integers(0, 4))
+    byte = data.draw(st.integers(0, 255))
+    dense = dense.copy()
+    dense[row, 4] = byte
+    grids = format_level_grids(THR, cfg)
+    if byte >= len(LEVELS):
+        with pytest.raises(CorruptDataError, match=f"record {row}: .*static level index"):
+            from_records(dense, sparse, offs, 96, cfg, static=grids)
+        return
+    back = from_records(dense, sparse, offs, 96, cfg, static=grids)
+    assert int(back.level[row]) == byte
+    assert back.scales[row, :4].to(torch.float32).tolist() == list(grids[byte])
+    y = reference.decode(back, THR, cfg)
+    assert torch.isfinite(y).all()
+
+
+def test_static_levels_bits_formulas():
+    from oakenkv.format.layout import LEVEL_BITS, format_bits
+
+    assert LEVEL_BITS == 8
+    one = codec.expected_bits(192, 0.1, num_scales=2)
+    assert codec.expected_bits(192, 0.1, num_scales=2, level=8) == pytest.approx(one + 8 / 192)
+    assert format_bits(10, 192, 50, num_scales=2, level=8) - format_bits(10, 192, 50, num_scales=2) == 10 * 8

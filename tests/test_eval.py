@@ -997,3 +997,37 @@ def test_static_grid_spec_and_files(tiny_llama):
     for kind in ("key", "value"):
         (y_row, b_row), (y_static, b_static) = q_row.quantize(1, kind, x), q_static.quantize(1, kind, x)
         assert b_row - b_static == 2 * 9 * 64 and not torch.equal(y_row, y_static)
+
+
+def test_static_levels_spec_and_files(tiny_llama):
+    """``oaken-plus:...,static=1,levels=1`` sets OakenConfig.static_levels (the default levels); refused without
+    static=1; a thresholds file decides it; perplexity through it runs the real codec and counts the level byte:
+    8 bits per row more than one static grid, the same groups and so the same dense and COO bytes."""
+    import dataclasses
+
+    from oakenkv.eval.ppl import perplexity
+    from oakenkv.format.config import DEFAULT_STATIC_LEVELS
+    from oakenkv.methods.registry import check_spec_with_thresholds
+
+    fam, p = parse_spec("oaken-plus:static=1,levels=1")
+    assert p["levels"] == 1 and canonical(fam, p) == "oaken-plus:static=1,levels=1"
+    assert "levels" not in canonical(*parse_spec("oaken-plus:static=1"))  # existing names unchanged
+    with pytest.raises(ValueError, match=r"levels=1 .* needs static=1"):
+        parse_spec("oaken-plus:levels=1")
+    per_row = _tiny_thresholds(tiny_llama, sink=0)
+    one = dataclasses.replace(per_row, config=per_row.config.replace(static_grids=True))
+    levels = dataclasses.replace(one, config=one.config.replace(static_levels=DEFAULT_STATIC_LEVELS))
+    assert check_spec_with_thresholds("oaken-plus", levels)["levels"] == 1
+    with pytest.raises(ValueError, match="profiled with levels=0"):
+        check_spec_with_thresholds("oaken-plus:static=1,levels=1", one)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    m_one = build_method("oaken-plus", tiny_llama, None, thresholds=one)
+    m_lv = build_method("oaken-plus", tiny_llama, None, thresholds=levels)
+    assert m_lv.make_cache().quantizer.config.static_levels == DEFAULT_STATIC_LEVELS
+    r_one, r_lv = perplexity(tiny_llama, ids, m_one), perplexity(tiny_llama, ids, m_lv)
+    assert r_one.nll != r_lv.nll and r_lv.effective_bits > r_one.effective_bits
+    x = torch.randn(2, _H, 9, _HD, generator=torch.Generator().manual_seed(1))
+    q_one, q_lv = m_one.make_cache().quantizer, m_lv.make_cache().quantizer
+    for kind in ("key", "value"):
+        (y_one, b_one), (y_lv, b_lv) = q_one.quantize(1, kind, x), q_lv.quantize(1, kind, x)
+        assert b_lv - b_one == 2 * 9 * 8 and y_lv.shape == y_one.shape

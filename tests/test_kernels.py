@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from oakenkv.calibrate.thresholds import GroupThresholds
-from oakenkv.format.config import OakenConfig
+from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.format.layout import record_size, scale_bytes, sparse_capacity, to_records
 from oakenkv.kernels import codec
 from oakenkv.kernels.codec import CorruptDataError, EncodedBatch
@@ -50,7 +50,7 @@ def _assert_same_bytes(a: EncodedBatch, b: EncodedBatch):
 @st.composite
 def rows(draw, slots=(4,), static=(False,)):
     """Rows, thresholds and a config with a dense slot of one of ``slots`` bits (OakenConfig.middle_bits) and
-    static grids one of ``static``."""
+    static grids one of ``static`` (False, True, or "levels": static grids with DEFAULT_STATIC_LEVELS)."""
     thr = draw(st.sampled_from(THRESHOLDS))
     d = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 80, 96, 128, 192, 256, 513, 1024]))
     n = draw(st.integers(1, 5))
@@ -85,7 +85,8 @@ def rows(draw, slots=(4,), static=(False,)):
         inner_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
         outer_bits=draw(st.sampled_from([mb + 1, mb + 1, mb])),
         middle_bits=mb,
-        static_grids=draw(st.sampled_from(static)),
+        static_grids=bool(grids := draw(st.sampled_from(static))),
+        static_levels=DEFAULT_STATIC_LEVELS if grids == "levels" else (),
     )
     return torch.from_numpy(x.astype(np.float32)).to(dtype), thr, cfg
 
@@ -113,8 +114,16 @@ def test_static_grids_encode_decode_bit_exact_with_reference(case):
 
 
 @SETTINGS
+@given(rows(slots=(2, 3, 4, 5, 6, 7), static=("levels",)))
+def test_static_levels_encode_decode_bit_exact_with_reference(case):
+    """Static levels (OakenConfig.static_levels): each row's level chosen as the reference chooses it, its index in
+    the batch and in the record's level byte: every fast entry point, byte and bit for bit."""
+    _check_bit_exact(case)
+
+
+@SETTINGS
 @given(
-    rows(slots=(4, 3, 6), static=(False, True)),
+    rows(slots=(4, 3, 6), static=(False, True, "levels")),
     st.lists(st.sampled_from([0.0, 0.0, 1e-3, 0.05, 0.4]), min_size=4, max_size=4),
 )
 def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case, widen):
@@ -144,7 +153,7 @@ def test_grouping_thresholds_apart_from_the_shift_bit_exact_with_reference(case,
         thr_rows = np.repeat(g8[None], n, axis=0)
         cpu.encode_records(
             x.numpy().copy(), thr_rows, cfg.inner_bits, cfg.outer_bits, fp16, sb, records, sparse, counts,
-            cfg.middle_bits, _static_rows(thr, cfg, n),
+            cfg.middle_bits, _static_rows(thr, cfg, n), _levels(cfg),
         )  # fmt: skip
         dense, flat, offs = to_records(ref)
         assert np.array_equal(records[:, sb:], dense[:, sb:])
@@ -168,6 +177,11 @@ def _static_rows(thr, cfg, n):
     return np.repeat(cpu.static_grid_array(np.asarray(thresholds_tuple(thr), np.float32), cfg)[None], n, axis=0)
 
 
+def _levels(cfg):
+    """The record encoder's ``levels`` argument: the static levels' clip factors, or None."""
+    return cpu.levels_array(cfg) if cfg.static_levels else None
+
+
 def _check_bit_exact(case):
     x, thr, cfg = case
     try:
@@ -182,6 +196,10 @@ def _check_bit_exact(case):
     _assert_same_bytes(enc, ref)
     assert enc.stored_scales == ref.stored_scales == (2 if cfg.static_grids else 6)
     assert enc.nbytes() == ref.nbytes()
+    if cfg.static_levels:
+        assert torch.equal(enc.level, ref.level) and torch.equal(enc.level, q.level)
+    else:
+        assert enc.level is None and ref.level is None
     want = dequantize(q, thr, cfg)
     got = codec.decode(enc, thr, cfg)
     assert got.dtype == torch.float32 and got.shape == x.shape
@@ -203,17 +221,26 @@ def _check_bit_exact(case):
         counts = np.empty(n, np.int64)
         ib, ob, mb = cfg.inner_bits, cfg.outer_bits, cfg.middle_bits
         static = _static_rows(thr, cfg, n)
-        if static is not None:
+        if cfg.static_levels:
+            cpu.encode_records(
+                x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb, static, _levels(cfg)
+            )
+        elif static is not None:
             cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb, static)
         elif mb == 4:  # the paper's slot is the trailing argument's default
             cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts)
         else:
             cpu.encode_records(x.numpy().copy(), thr_rows, ib, ob, fp16, sb, records, sparse, counts, mb)
         dense, flat, offs = to_records(ref)
-        assert dense.shape[1] == record_size(d, cfg) and sb == (2 if cfg.static_grids else 6) * cfg.scale_itemsize
+        ns = 2 if cfg.static_grids else 6
+        assert dense.shape[1] == record_size(d, cfg) and sb == ns * cfg.scale_itemsize + bool(cfg.static_levels)
         assert np.array_equal(records[:, sb:], dense[:, sb:])  # the slots; the scales up to the sign of a zero:
-        got_sc = torch.from_numpy(records[:, :sb].copy().view(cfg.scale_np_dtype))
-        assert torch.equal(_bits32(got_sc), _bits32(ref.scales[:, 6 - sb // cfg.scale_itemsize :].reshape(n, -1)))
+        got_sc = torch.from_numpy(records[:, : ns * cfg.scale_itemsize].copy().view(cfg.scale_np_dtype))
+        assert torch.equal(_bits32(got_sc), _bits32(ref.scales[:, 6 - ns :].reshape(n, -1)))
+        if cfg.static_levels:  # the level byte
+            assert np.array_equal(records[:, sb - 1], ref.level.numpy()) and np.array_equal(
+                dense[:, sb - 1], records[:, sb - 1]
+            )
         assert all(np.array_equal(sparse[r, : counts[r]], flat[offs[r] : offs[r + 1]]) for r in range(n))
         out = np.empty((n, d), np.float32)
         status = np.ones(n, np.int64)
@@ -673,3 +700,49 @@ def test_record_decoder_refuses_records_of_the_other_scale_layout():
         assert np.array_equal(
             out, codec.decode(codec.encode(torch.from_numpy(x), THRESHOLDS[0], cfg), THRESHOLDS[0], cfg).numpy()
         )
+
+
+def test_record_decoder_reads_level_bytes_and_refuses_corrupt_ones():
+    """decode_records of static-level records (two scales and a level byte): the levels' grids needed, an index
+    beyond them ERR_LEVEL for its row alone (fuzzed over every byte value), the one-grid argument ERR_SHAPE; the
+    batch decoder refuses a corrupt level (CorruptDataError) before reading."""
+    from oakenkv.format.layout import ERR_LEVEL, ERR_SHAPE, ERROR_MESSAGES
+
+    cfg = OakenConfig(static_grids=True, static_levels=DEFAULT_STATIC_LEVELS)
+    thr = np.asarray(THRESHOLDS[0], np.float32)
+    g = np.random.default_rng(1)
+    x = (g.standard_normal((6, 64)) * g.uniform(0.05, 1.5, (6, 1)) * thr[3]).astype(np.float32)
+    n = x.shape[0]
+    thr_rows = np.repeat(thr[None], n, axis=0)
+    sb, ib, ob = scale_bytes(cfg), cfg.inner_bits, cfg.outer_bits
+    records = np.empty((n, record_size(64, cfg)), np.uint8)
+    sparse = np.empty((n, sparse_capacity(64)), np.uint8)
+    counts = np.empty(n, np.int64)
+    static = _static_rows(THRESHOLDS[0], cfg, n)
+    assert static.shape == (n, 16)
+    cpu.encode_records(x.copy(), thr_rows, ib, ob, True, sb, records, sparse, counts, 4, static, _levels(cfg))
+    enc = codec.encode(torch.from_numpy(x), THRESHOLDS[0], cfg)
+    assert len(set(enc.level.tolist())) > 1 and np.array_equal(records[:, 4], enc.level.numpy())
+    want = codec.decode(enc, THRESHOLDS[0], cfg).numpy()
+    out, status = np.empty((n, 64), np.float32), np.ones(n, np.int64)
+    cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, static)
+    assert (status == 0).all() and np.array_equal(out, want)
+    one = _static_rows(THRESHOLDS[0], cfg.replace(static_levels=()), n)  # one grid: the other layout
+    cpu.decode_records(records, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, one)
+    assert (status == ERR_SHAPE).all()
+    for byte in range(256):
+        bad = records.copy()
+        bad[2, 4] = byte
+        cpu.decode_records(bad, sparse, counts, thr_rows, ib, ob, True, sb, out, status, 4, static)
+        if byte >= len(DEFAULT_STATIC_LEVELS):
+            assert status[2] == ERR_LEVEL and (np.delete(status, 2) == 0).all()
+        else:
+            assert (status == 0).all()
+    assert "static level" in ERROR_MESSAGES[ERR_LEVEL]
+    hit = codec.EncodedBatch(**{**enc.__dict__, "level": enc.level.clone()})
+    hit.level[1] = 4
+    with pytest.raises(codec.CorruptDataError, match=r"row 1: .*static level index"):
+        codec.decode(hit, THRESHOLDS[0], cfg)
+    moved = codec.EncodedBatch(**{**enc.__dict__, "level": (enc.level + 1) % 4})  # another level than its scales
+    with pytest.raises(codec.CorruptDataError, match="static grid"):
+        codec.decode(moved, THRESHOLDS[0], cfg)

@@ -308,3 +308,70 @@ def test_clipped_static_scales_keep_sides(x, thr, clip):
     assert (y[down] >= torch.minimum(x[down], y[down] * 0 + ti_lo) - slack[down]).all()
     err = (y - x).abs()
     assert (err[~mid] <= slack[~mid]).all()
+
+
+# ---------------------------------------------------------------- static levels (OakenConfig.static_levels)
+
+
+def _simulation():
+    """benchmarks/static_scales.py, whose ``_quantize_levels`` simulated static levels before the format had them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "static_scales.py"
+    spec = importlib.util.spec_from_file_location("static_scales_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_static_levels_by_hand():
+    """Each row takes the smallest level covering its middle values; the inner grid is the clip-1 one in all."""
+    from oakenkv.quant.quantizer import format_level_grids, level_grids
+
+    cfg = OakenConfig(static_grids=True, static_levels=(0.5, 0.7, 0.85, 1.0))
+    # the middle range is 3.5 on both sides: need = max |shifted middle| / 3.5
+    x = torch.tensor(
+        [
+            [0.0, 1.0, -1.0, 0.2],  # 0.5 / 3.5: level 0
+            [0.0, 2.0, -1.0, 0.2],  # 1.5 / 3.5 = 0.43: level 0
+            [0.0, 1.0, -2.5, 0.2],  # 2.0 / 3.5 = 0.57: level 1 (0.7)
+            [0.0, 3.9, -1.0, 0.2],  # 3.4 / 3.5 = 0.97: level 3
+            [0.0, 0.1, 0.3, 5.0],  # no middle value: level 0
+            [0.0, 2.25, -1.0, 0.2],  # exactly 0.5: level 0 (the first level >= need)
+        ]
+    )
+    q = quantize(x, THR, cfg)
+    assert q.level.dtype == torch.uint8 and q.level.tolist() == [0, 0, 1, 3, 0, 0]
+    mins, maxs = level_grids(THR, cfg)
+    assert mins.shape == (4, 3) and mins.dtype == torch.float16
+    assert torch.equal(q.mins[:, :2], mins[q.level.long(), :2]) and torch.equal(q.maxs[:, :2], maxs[q.level.long(), :2])
+    for j, c in enumerate(cfg.static_levels):
+        one = static_grid(THR, cfg, clip=c)
+        assert torch.equal(mins[j], one[0]) and torch.equal(maxs[j], one[1])
+        assert mins[j, GROUP_INNER] == -0.5 and maxs[j, GROUP_INNER] == 0.5  # clip-1 inner grid
+    grids = format_level_grids(THR, cfg)
+    assert len(grids) == 4 and grids[-1] == (-3.28125, 3.28125, -0.5, 0.5)  # the last: the one static grid
+    one_grid = quantize(x, THR, cfg.replace(static_levels=()))  # the one static grid is the last level's
+    assert torch.equal(one_grid.mins[:, :2], mins[3, :2].expand(6, 2))
+    assert torch.equal(one_grid.maxs[:, :2], maxs[3, :2].expand(6, 2))
+    with pytest.raises(ValueError, match="static levels"):
+        level_grids(THR, OakenConfig(static_grids=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=rows_strategy(), thr=thresholds_strategy(), mb=st.sampled_from([2, 3, 4, 5, 7]))
+def test_static_levels_are_the_simulation_bit_for_bit(x, thr, mb):
+    """The format's choice and grids are what benchmarks/static_scales.py --levels simulated: the same codes, end
+    points and dequantized values (so that its perplexities are the real codec's)."""
+    sim = _simulation()
+    levels = (0.5, 0.7, 0.85, 1.0)
+    cfg = OakenConfig(middle_bits=mb, static_grids=True, static_levels=levels)
+    fake = type("Sim", (), {"levels": levels, "config": cfg.replace(static_grids=False, static_levels=()), "stats": {}})
+    want = sim._ReferenceOaken._quantize_levels(fake(), x, thr)
+    q = quantize(x, thr, cfg)
+    for name in ("codes", "groups", "mins", "maxs"):
+        assert torch.equal(getattr(q, name), getattr(want, name)), name
+    assert torch.equal(dequantize(q, thr, cfg), dequantize(want, thr, cfg))
+    # the smallest covering level: a smaller one would have clipped a middle value
+    _check_error_and_sides(x, thr, cfg)

@@ -79,6 +79,8 @@ def test_oaken_bits_match_the_paper():
     assert static == pytest.approx(get_kv_format("oaken").bits_per_value(m) - 64 / m.kv_vector_width)
     w = m.kv_vector_width
     assert static == pytest.approx(expected_bits(w, 0.1, num_scales=2) - 16 / w)  # (the simulator has no header)
+    levels = get_kv_format("oaken-levels").bits_per_value(m)  # static levels: and a level byte per vector
+    assert levels == pytest.approx(expected_bits(w, 0.1, num_scales=2, level=8) - 16 / w)
     assert get_kv_format("oaken").bits_per_value(MODELS["llama2-70b"]) == pytest.approx(4.89375)
     with pytest.raises(ValueError, match="vector_width"):
         oaken_bits(0)

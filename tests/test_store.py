@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
-from oakenkv.format.config import OakenConfig
+from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import packed_decode_attention, reference_packed_attention
 from oakenkv.hf.cache import KEY, VALUE, PackedKV
 from oakenkv.store.paged import PagedKVStore
@@ -121,13 +121,17 @@ def test_a_failed_decode_append_leaves_the_tables_as_they_were():
         (2, 600, "float16", False),  # 2 x 600: the batched path
         (1, 37, "float16", True),  # static grids: records of the outer scales alone
         (3, 50, "float32", True),
+        (1, 37, "float16", "levels"),  # static levels: the outer scales and a level byte
+        (3, 50, "float32", "levels"),
     ],
 )
 def test_append_decoded_stores_what_append_stores_and_returns_its_decode(b, s, scale_dtype, static):
     from oakenkv.kernels import codec
 
     g = torch.Generator().manual_seed(s)
-    fused, plain = (_store(config=OakenConfig(scale_dtype=scale_dtype, static_grids=static)) for _ in range(2))
+    levels = DEFAULT_STATIC_LEVELS if static == "levels" else ()
+    cfg = OakenConfig(scale_dtype=scale_dtype, static_grids=bool(static), static_levels=levels)
+    fused, plain = (_store(config=cfg) for _ in range(2))
     for _ in range(2):  # a first update, then one onto a history
         k = torch.randn(b, H, s, HD, generator=g) * 1.5
         v = torch.randn(b, H, s, HD, generator=g)

@@ -12,6 +12,7 @@ prefix-cache hits and chunked prefills change nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -91,6 +92,27 @@ def test_layout_sizes_follow_the_row_width_and_capacity():
         BlockLayout.make(192, 128, OakenConfig(scale_dtype="float32"))
     with pytest.raises(ValueError, match="sparse_bytes_per_token"):
         BlockLayout.make(192, 128, CFG, sparse_bytes_per_token=0)
+
+
+def test_static_levels_are_refused_by_the_plugin(tmp_path):
+    """Static levels (OakenConfig.static_levels): a level byte per record, which the plugin's blocks and kernels do
+    not read; its profile check, its block layout and the export refuse them with one NotImplementedError, before
+    any work (the export leaves nothing behind)."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, ModelFingerprint, Thresholds
+    from oakenkv.integrations.vllm import check_profile
+    from oakenkv.integrations.vllm.export import export_model
+
+    cfg = OakenConfig(static_grids=True, static_levels=(0.5, 0.7, 0.85, 1.0))
+    with pytest.raises(NotImplementedError, match="not static levels"):
+        BlockLayout.make(192, 128, cfg)
+    g = (GroupThresholds(-2.0, -0.1, 0.1, 2.0),)
+    thr = Thresholds(cfg, ModelFingerprint("llama", 1, 1, 64), g, g)
+    with pytest.raises(NotImplementedError, match=r"profile\.json: the vLLM plugin .* not static levels"):
+        check_profile(thr, "profile.json")
+    check_profile(dataclasses.replace(thr, config=cfg.replace(static_levels=())), "profile.json")  # one grid: served
+    with pytest.raises(NotImplementedError, match="not static levels"):
+        export_model(None, None, tmp_path / "out", "oaken", profile=thr, progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_pool_view_refuses_strides_off_the_record_grid():

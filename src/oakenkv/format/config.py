@@ -10,7 +10,9 @@ whose inner and outer codes have ``middle_bits + 1`` bits (the slot plus the COO
 
 ``static_grids`` (issue #36) fixes the middle and inner groups' grids per layer, from its thresholds
 (``oakenkv.quant.quantizer.static_grid``), instead of each row's min/max: a row then stores only the outer group's
-two end points (``oakenkv.format.layout``: 2 scales instead of 6).
+two end points (``oakenkv.format.layout``: 2 scales instead of 6). ``static_levels`` (with static grids) gives each
+layer a few static grids instead of one (clip factors of the clip-1 grid): each row takes the smallest that covers its
+middle values and stores its index in one byte (``oakenkv.format.layout``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ from typing import Any, Literal
 from oakenkv.util.exact import is_int, is_number, one_of
 
 #: Version of the serialized config; bump when a field changes meaning. Version 2 made ``middle_bits`` (the dense
-#: slot width) a knob; version 3 added ``static_grids``. A config is written in the oldest version that can express
-#: it (version 1 for a 4-bit slot, 2 for another width, 3 only with static grids on), so that the files and the
-#: cache keys derived from them stay byte for byte what they were, and older readers still read them.
-CONFIG_VERSION = 3
+#: slot width) a knob; version 3 added ``static_grids``, version 4 ``static_levels``. A config is written in the
+#: oldest version that can express it (version 1 for a 4-bit slot, 2 for another width, 3 only with static grids on,
+#: 4 only with static levels), so that the files and the cache keys derived from them stay byte for byte what they
+#: were, and older readers still read them.
+CONFIG_VERSION = 4
 #: Dense slot widths (``middle_bits``) the format and every CPU path support. An outlier's code (``middle_bits + 1``
 #: bits) fits a byte up to 7 (the codes are uint8 in the reference and the kernels); an 8-bit slot would take 9.
 MIDDLE_BITS_CHOICES = (2, 3, 4, 5, 6, 7)
+#: The static levels of the method spec's ``levels=1`` (``oakenkv.methods.registry``): clip factors of the layer's
+#: clip-1 static grid, the four the static-grid simulation measured (``benchmarks/static_scales.py --levels``).
+DEFAULT_STATIC_LEVELS = (0.5, 0.7, 0.85, 1.0)
+#: How many static levels a config may have: at least two (one is plain ``static_grids``), at most 16 (a row's
+#: level index is one byte; 16 keeps it a nibble's worth should a later layout pack it).
+MIN_STATIC_LEVELS, MAX_STATIC_LEVELS = 2, 16
 #: The most tokens an oaken-plus profile may keep at 16 bits beside their codes (``Transforms.sink_tokens``; a
 #: sink is a few tokens, not a window).
 MAX_SINK_TOKENS = 64
@@ -95,6 +104,11 @@ class OakenConfig:
     #: 1: every middle value covered) instead of per row: the format then stores only the outer group's two
     #: scales per row (issue #36). Off: the paper's six per-row scales.
     static_grids: bool = False
+    #: Static levels (only with ``static_grids``): ascending clip factors in (0, 1], the last exactly 1.0, 2 to 16 of
+    #: them (:data:`DEFAULT_STATIC_LEVELS`). Each is a static middle grid of the layer (``quant.quantizer.static_grid``
+    #: with that clip); each row takes the smallest covering its middle values and stores its index (one byte). Empty
+    #: (the default): the one clip-1 static grid.
+    static_levels: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         mb = self.middle_bits
@@ -127,6 +141,7 @@ class OakenConfig:
             raise ValueError(f"scale_dtype must be 'float16' or 'float32', got {self.scale_dtype!r}")
         if not isinstance(self.static_grids, bool):
             raise ValueError(f"OakenConfig.static_grids must be True or False, got {self.static_grids!r}")
+        object.__setattr__(self, "static_levels", _check_levels(self.static_levels, self.static_grids))
 
     @property
     def scale_itemsize(self) -> int:
@@ -169,8 +184,12 @@ class OakenConfig:
     def to_dict(self) -> dict[str, Any]:
         """The serialized form: version 1 (exactly the keys and values files have always had) when the slot is the
         paper's 4 bits, else version 2 (the same keys, ``middle_bits`` holding the slot width); with static grids
-        on, version 3 (version 2's keys, then ``static_grids``)."""
+        on, version 3 (version 2's keys, then ``static_grids``); with static levels, version 4 (version 3's keys,
+        then ``static_levels``, a list)."""
         d = {**asdict(self), **FIXED_FIELDS}
+        if self.static_levels:
+            keys = {k: d[k] for k in _V1_KEYS}
+            return {"version": 4, **keys, "static_grids": True, "static_levels": list(self.static_levels)}
         if self.static_grids:
             return {"version": 3, **{k: d[k] for k in _V1_KEYS}, "static_grids": True}
         version = 1 if self.middle_bits == V1_FIXED_FIELDS["middle_bits"] else 2
@@ -183,7 +202,7 @@ class OakenConfig:
             raise ValueError(f"an OakenConfig must be an object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("version", 1)
-        if not one_of(version, (1, 2, 3)):
+        if not one_of(version, (1, 2, 3, 4)):
             raise ValueError(f"unsupported OakenConfig version {version!r} (this oakenkv reads 1 to {CONFIG_VERSION})")
         for name, fixed in (V1_FIXED_FIELDS if version == 1 else FIXED_FIELDS).items():
             value = d.pop(name, fixed)
@@ -196,10 +215,18 @@ class OakenConfig:
             d["middle_bits"] = V1_FIXED_FIELDS["middle_bits"]
         elif "middle_bits" not in d:
             raise ValueError(f"a version-{version} OakenConfig must give middle_bits (the dense slot width)")
+        if version < 4 and "static_levels" in d:
+            raise ValueError(f"static_levels needs a version-4 OakenConfig, got it in version {version}")
         if version < 3 and "static_grids" in d:
             raise ValueError(f"static_grids needs a version-3 OakenConfig, got it in version {version}")
-        if version == 3 and "static_grids" not in d:
-            raise ValueError("a version-3 OakenConfig must give static_grids")
+        if version >= 3 and "static_grids" not in d:
+            raise ValueError(f"a version-{version} OakenConfig must give static_grids")
+        if version == 4:
+            if "static_levels" not in d:
+                raise ValueError("a version-4 OakenConfig must give static_levels")
+            if not isinstance(d["static_levels"], list):
+                raise ValueError(f"static_levels must be a list of numbers, got {d['static_levels']!r}")
+            d["static_levels"] = tuple(d["static_levels"])
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -207,6 +234,28 @@ class OakenConfig:
         return cls(**d)
 
 
-assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == {*_V1_KEYS, "static_grids"}
-assert CONFIG_VERSION == 3
+def _check_levels(levels: Any, static_grids: bool) -> tuple[float, ...]:
+    """``OakenConfig.static_levels`` validated, as a tuple of floats; ValueError naming what is wrong."""
+    name = "OakenConfig.static_levels"
+    if not isinstance(levels, (tuple, list)):
+        raise ValueError(f"{name} must be a tuple of clip factors, got {levels!r}")
+    if not levels:
+        return ()
+    if not static_grids:
+        raise ValueError(f"{name} needs static_grids=True (they are sizes of the static grid), got {tuple(levels)}")
+    if not MIN_STATIC_LEVELS <= len(levels) <= MAX_STATIC_LEVELS:
+        raise ValueError(f"{name} takes {MIN_STATIC_LEVELS} to {MAX_STATIC_LEVELS} clip factors, got {len(levels)}")
+    if not all(is_number(v) and math.isfinite(v) and 0.0 < v <= 1.0 for v in levels):
+        raise ValueError(f"{name} must be numbers in (0, 1], got {tuple(levels)}")
+    out = tuple(float(v) for v in levels)
+    import numpy as np  # (on first use, as scale_np_dtype: the kernels compare in float32)
+
+    f32 = np.asarray(out, dtype=np.float32)
+    if not bool((np.diff(f32) > 0).all()) or out[-1] != 1.0:
+        raise ValueError(f"{name} must ascend strictly (in float32) and end with exactly 1.0, got {out}")
+    return out
+
+
+assert {f.name for f in fields(OakenConfig)} | set(V1_FIXED_FIELDS) == {*_V1_KEYS, "static_grids", "static_levels"}
+assert CONFIG_VERSION == 4
 assert V1_FIXED_FIELDS["middle_bits"] == OakenConfig().middle_bits

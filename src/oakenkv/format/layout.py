@@ -14,6 +14,7 @@ one layer, all KV heads together (granularity "token", the paper's) or one head 
     header  2 bytes (u16 LE)          S = number of sparse bytes of this row                        16 bits
     scales  6 x fp16 | 6 x fp32 (LE)  mid_min mid_max inner_min inner_max outer_min outer_max       96 | 192 bits
             (static grids: 2 x fp16 | 2 x fp32, outer_min outer_max only                           32 | 64 bits)
+    level   1 byte (u8)               static levels only: the row's level index                      8 bits
     dense   ceil(b D / 8) bytes       one b-bit slot per value (b = middle_bits: 2 to 7)            b bits/value
     sparse  S bytes                   one COO entry byte per inner/outer value (+ rare escapes)    8 bits/outlier
 
@@ -27,6 +28,13 @@ decoder has, rounded to the scale dtype), so a row stores only ``outer_min, oute
 (:func:`stored_scale_names`); every other rule is unchanged. Like the slot width, this is not recorded in the bytes:
 the config decoding them must be the one that wrote them. In memory (:class:`EncodedBatch`) the scales stay
 ``[N, 6]``, the static columns holding the layer's grid in every row (redundant, never stored).
+
+Static levels (``OakenConfig.static_levels``, with static grids): the layer has ``L`` static grids (2 to 16), grid
+``j`` the static grid of clip factor ``static_levels[j]`` (``oakenkv.quant.quantizer.level_grids``; the inner grid is
+the clip-1 one in all), and each row takes one of them, the smallest that covers its middle values
+(``oakenkv.quant.quantizer.pick_levels``). The row stores its index ``j`` in one byte after its two outer scales
+(``level``: ``LEVEL_BITS``); the decoder never recomputes the choice, and an index ``>= L`` is corrupt
+(``ERR_LEVEL``). In memory the static columns hold the row's chosen grid and :attr:`EncodedBatch.level` the index.
 
 Dense slots: a little-endian bit stream of ``b``-bit slots (``b = OakenConfig.middle_bits``), value ``j``'s slot at
 bits ``b j .. b j + b - 1`` (bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``); the bits after the last
@@ -93,14 +101,17 @@ Page-record format
 A paged store (``oakenkv.store.paged`` over ``oakenkv.store.pages``) keeps a row as two records::
 
     dense record (fixed size, record_size(D, config) bytes, in the stream's dense pages)
-      offset 0                 scales   scale_bytes(config) = stored scales x itemsize, little-endian, in
-                                        stored_scale_names(config) order (SCALE_NAMES, or its outer two)
+      offset 0                 scales   stored scales x itemsize, little-endian, in stored_scale_names(config)
+                                        order (SCALE_NAMES, or its outer two); with static levels then the
+                                        level byte: scale_bytes(config) bytes in all (2 x itemsize + 1)
       offset scale_bytes       dense    dense_bytes(D, middle_bits) bytes, the row's slots as above
     sparse record (S bytes, in the stream's sparse pages): the row's COO bytes
     header: S, kept in the page table as the token's uint16 sparse length (pages.StreamTable.sparse_len)
 
 :func:`to_records` / :func:`from_records` convert an :class:`EncodedBatch` to and from these records
-(:func:`from_records` of static-grid records needs the layer's static grid back: :func:`static_columns`).
+(:func:`from_records` of static-grid records needs the layer's static grid back: :func:`static_columns`; of
+static-level records the layer's ``L`` grids, :func:`level_columns`). Records of static levels are an odd number of
+bytes long for even dense bytes: readers read their scales bytewise (no alignment is assumed).
 
 Status codes
 ------------
@@ -142,6 +153,8 @@ NUM_SCALES = len(SCALE_NAMES)
 #: the first ``STATIC_COLUMNS`` are the layer's static grid.
 STATIC_SCALE_NAMES = SCALE_NAMES[4:]
 STATIC_COLUMNS = NUM_SCALES - len(STATIC_SCALE_NAMES)
+#: Bits of a static-level row's level index (``OakenConfig.static_levels``): one byte after the stored scales.
+LEVEL_BITS = 8
 #: Width of the per-row header: the row's sparse byte count.
 HEADER_BITS = 16
 #: Largest sparse byte count a 16-bit header can hold.
@@ -200,6 +213,11 @@ def stored_scales(config: OakenConfig) -> int:
     return len(stored_scale_names(config))
 
 
+def level_bits(config: OakenConfig) -> int:
+    """Bits of the level index a row of ``config`` stores: ``LEVEL_BITS`` with static levels, else 0."""
+    return LEVEL_BITS if config.static_levels else 0
+
+
 def format_bits(
     num_rows: int,
     dim: int,
@@ -207,25 +225,33 @@ def format_bits(
     scale_bits: int = 16,
     bits: int = DENSE_BITS,
     num_scales: int = NUM_SCALES,
+    level: int = 0,
 ) -> int:
     """Bits the format stores for ``num_rows`` rows of ``dim`` values in ``bits``-bit slots holding ``num_entries``
     COO entries in all (one per inner or outer value), escape bytes not counted: header, ``num_scales`` scales
-    (:func:`stored_scales`) and dense bytes per row, plus the entries."""
+    (:func:`stored_scales`), the ``level`` bits of a static level index (:func:`level_bits`) and dense bytes per
+    row, plus the entries."""
     dense = 8 * dense_bytes(dim, bits)
-    return num_rows * (HEADER_BITS + num_scales * scale_bits + dense) + COO_ENTRY_BITS * num_entries
+    return num_rows * (HEADER_BITS + num_scales * scale_bits + level + dense) + COO_ENTRY_BITS * num_entries
 
 
 def expected_bits(
-    dim: int, outlier_fraction: float, scale_bits: int = 16, bits: int = DENSE_BITS, num_scales: int = NUM_SCALES
+    dim: int,
+    outlier_fraction: float,
+    scale_bits: int = 16,
+    bits: int = DENSE_BITS,
+    num_scales: int = NUM_SCALES,
+    level: int = 0,
 ) -> float:
-    """Bits per value of the format without escapes: ``b + 8 f + (s * scale_bits + 16) / D`` for ``b``-bit slots
-    and ``s`` stored scales (:func:`stored_scales`: 6, the paper's formula with ``b = 4``, plus our header; 2 with
-    static grids); the dense padding bits are included."""
+    """Bits per value of the format without escapes: ``b + 8 f + (s * scale_bits + l + 16) / D`` for ``b``-bit
+    slots, ``s`` stored scales (:func:`stored_scales`: 6, the paper's formula with ``b = 4``, plus our header; 2 with
+    static grids) and ``l`` level bits (:func:`level_bits`: 8 with static levels); the dense padding bits are
+    included."""
     check_dim(dim)
     return (
         8 * dense_bytes(dim, bits) / dim
         + COO_ENTRY_BITS * outlier_fraction
-        + (num_scales * scale_bits + HEADER_BITS) / dim
+        + (num_scales * scale_bits + level + HEADER_BITS) / dim
     )
 
 
@@ -253,6 +279,7 @@ ERR_SCALE_NONFINITE = 10
 ERR_SCALE_RANGE = 11
 ERR_PADDING = 12
 ERR_THRESHOLDS = 13
+ERR_LEVEL = 14
 
 ERROR_MESSAGES = {
     ERR_NONFINITE: "input contains a NaN or infinite value; the KV cache cannot quantize it",
@@ -271,6 +298,7 @@ ERROR_MESSAGES = {
     ERR_PADDING: "the padding bits after a row's last dense slot (the padding nibble of an odd-width row of 4-bit "
     "slots) are not 0 (bytes of a row of another width?)",
     ERR_THRESHOLDS: "thresholds must be 4 finite float32 values with to_lo < ti_lo <= ti_hi < to_hi",
+    ERR_LEVEL: "a row's static level index is not one of the layer's static levels (OakenConfig.static_levels)",
 }
 
 
@@ -298,6 +326,9 @@ class EncodedBatch:
         stored_scales: how many of the six scale columns the stored form holds (:func:`stored_scales` of the
             config that wrote it: 6, or 2 with static grids); :meth:`nbytes` counts those, :func:`check_encoded`
             refuses a batch whose count is not its config's.
+        level: uint8 ``[N]``, each row's static level index (``OakenConfig.static_levels``: the row's grid is
+            the level's, which the static columns of ``scales`` hold), stored as one byte per row; None without
+            static levels.
     """
 
     dense: torch.Tensor
@@ -306,6 +337,7 @@ class EncodedBatch:
     sparse_offsets: torch.Tensor
     dim: int
     stored_scales: int = NUM_SCALES
+    level: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -321,8 +353,9 @@ class EncodedBatch:
         return self.dense.numel() + self.sparse.numel() + n * self.stored_scale_bytes() + n * HEADER_BITS // 8
 
     def stored_scale_bytes(self) -> int:
-        """Bytes of the scales one row stores (:attr:`stored_scales` of them)."""
-        return self.stored_scales * self.scales.element_size()
+        """Bytes of the scale area one row stores: :attr:`stored_scales` scales, and a static-level row's level byte
+        (``scale_bytes`` of the config that wrote it)."""
+        return self.stored_scales * self.scales.element_size() + (0 if self.level is None else LEVEL_BITS // 8)
 
 
 def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_scales: bool = True) -> None:
@@ -359,6 +392,7 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
             f"the batch stores {enc.stored_scales!r} scales per row, its config {stored_scales(config)} "
             f"(static_grids={config.static_grids}): decode it with the config that wrote it"
         )
+    check_levels(enc, config)
     # numpy, not torch, for these whole-array checks: torch's intra-op thread pool makes every small op wait for
     # a time slice on a busy machine, numpy stays on the calling thread.
     if check_scales and not np.isfinite(enc.scales.detach().cpu().numpy()).all():
@@ -384,12 +418,34 @@ def check_encoded(enc: EncodedBatch, config: OakenConfig | None = None, check_sc
             raise CorruptDataError(f"row {int(pad[0])}: {ERROR_MESSAGES[ERR_PADDING]}")
 
 
+def check_levels(enc: EncodedBatch, config: OakenConfig) -> None:
+    """:class:`CorruptDataError` unless ``enc.level`` fits ``config``: uint8 ``[N]`` of indices below
+    ``len(config.static_levels)`` with static levels, None otherwise."""
+    n_levels = len(config.static_levels)
+    lv = enc.level
+    if not n_levels:
+        if lv is not None:
+            raise CorruptDataError("the batch has static level indices, its config no static levels")
+        return
+    n = enc.dense.shape[0]
+    if not isinstance(lv, torch.Tensor) or lv.dtype != torch.uint8 or tuple(lv.shape) != (n,):
+        raise CorruptDataError(f"level must be a uint8 [{n}] tensor with static levels, got {_describe(lv)}")
+    if lv.device.type != "cpu":
+        raise CorruptDataError(f"EncodedBatch.level is on {lv.device}; the CPU codec reads CPU tensors")
+    bad = np.flatnonzero(lv.numpy() >= n_levels)
+    if bad.size:
+        raise CorruptDataError(
+            f"row {int(bad[0])}: {ERROR_MESSAGES[ERR_LEVEL]} (index {int(lv[bad[0]])} of {n_levels})"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ page records
 
 
 def scale_bytes(config: OakenConfig) -> int:
-    """Bytes of the stored scales at the start of a dense record (six, or two with static grids)."""
-    return stored_scales(config) * config.scale_itemsize
+    """Bytes of the scale area at the start of a dense record: the stored scales (six, or two with static grids),
+    then with static levels the level byte."""
+    return stored_scales(config) * config.scale_itemsize + level_bits(config) // 8
 
 
 def record_size(dim: int, config: OakenConfig) -> int:
@@ -413,13 +469,27 @@ def static_columns(grid: object, config: OakenConfig) -> np.ndarray:
     return out
 
 
+def level_columns(grids: object, config: OakenConfig) -> np.ndarray:
+    """The layer's static-level grids (``OakenConfig.static_levels``) as the scale columns they fill: ``[L, 4]`` in
+    the scale dtype, row ``j`` level ``j``'s grid (:func:`static_columns` each; ``grids`` is any ``L x 4`` numbers,
+    ``oakenkv.quant.quantizer.format_level_grids``). ValueError unless ``L = len(config.static_levels)`` rows of 4
+    values exact in the scale dtype."""
+    a = np.asarray(grids, dtype=np.float64)
+    n_levels = len(config.static_levels)
+    if a.shape != (n_levels, STATIC_COLUMNS):
+        raise ValueError(f"static levels' grids are {n_levels} x {STATIC_COLUMNS} numbers, got shape {a.shape}")
+    return np.stack([static_columns(row, config) for row in a])
+
+
 def to_records(enc: EncodedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Page records of an :class:`EncodedBatch`: dense uint8 ``[N, record_size]`` (the stored scales, then the
     slots), sparse uint8 ``[S]`` and offsets int64 ``[N + 1]`` (the 16-bit header lives in the pool's sparse
-    table). A static-grid batch (``enc.stored_scales == 2``) stores its outer scales only."""
+    table). A static-grid batch (``enc.stored_scales == 2``) stores its outer scales only, a static-level batch
+    then its level byte."""
     n = enc.num_rows
     scales = enc.scales[:, NUM_SCALES - enc.stored_scales :].contiguous().numpy().view(np.uint8).reshape(n, -1)
-    dense = np.concatenate([scales, enc.dense.numpy()], axis=1)
+    parts = [scales] if enc.level is None else [scales, enc.level.numpy().reshape(n, 1)]
+    dense = np.concatenate([*parts, enc.dense.numpy()], axis=1)
     return dense, enc.sparse.numpy(), enc.sparse_offsets.numpy()
 
 
@@ -433,15 +503,17 @@ def from_records(
 ) -> EncodedBatch:
     """The inverse of :func:`to_records`: an :class:`EncodedBatch` of the records (decode it to validate the
     streams). ``static``: with static grids (``config.static_grids``), the layer's static grid (4 numbers,
-    :func:`static_columns`; required), which fills the first four scale columns of every row; None otherwise.
-    Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and ``config``, ValueError
-    for a missing or unexpected ``static``."""
+    :func:`static_columns`; required), which fills the first four scale columns of every row; with static levels
+    the layer's ``L`` grids (``L x 4`` numbers, :func:`level_columns`), each row's columns filled with its level's;
+    None otherwise. Raises :class:`CorruptDataError` when the arrays' types or shapes do not fit ``dim`` and
+    ``config`` or a level index is not below ``L``, ValueError for a missing or unexpected ``static``."""
     if config.static_grids != (static is not None):
         raise ValueError(
             "from_records needs the layer's static grid (static=) for a static-grid config, and takes none otherwise"
             f" (static_grids={config.static_grids})"
         )
-    fixed = None if static is None else static_columns(static, config)
+    levels = bool(config.static_levels)
+    fixed = None if static is None else level_columns(static, config) if levels else static_columns(static, config)
     check_dim_corrupt(dim)
     size = record_size(dim, config)
     for name, a, nd in (("dense", dense, 2), ("sparse", sparse, 1)):
@@ -457,12 +529,24 @@ def from_records(
         raise CorruptDataError(f"offsets must be {dense.shape[0] + 1} integers, got {_describe(offsets)}")
     sb = scale_bytes(config)
     ns = stored_scales(config)
-    stored = np.ascontiguousarray(dense[:, :sb]).view(config.scale_np_dtype).reshape(-1, ns)
+    sized = ns * config.scale_itemsize  # the stored scales (the level byte follows them)
+    stored = np.ascontiguousarray(dense[:, :sized]).view(config.scale_np_dtype).reshape(-1, ns)
+    level = None
     if fixed is None:
         scales = stored.copy()
     else:
         scales = np.empty((dense.shape[0], NUM_SCALES), config.scale_np_dtype)
-        scales[:, :STATIC_COLUMNS] = fixed
+        if levels:
+            level = np.ascontiguousarray(dense[:, sized])
+            bad = np.flatnonzero(level >= fixed.shape[0])
+            if bad.size:
+                raise CorruptDataError(
+                    f"record {int(bad[0])}: {ERROR_MESSAGES[ERR_LEVEL]} (index {int(level[bad[0]])} of "
+                    f"{fixed.shape[0]})"
+                )
+            scales[:, :STATIC_COLUMNS] = fixed[level]
+        else:
+            scales[:, :STATIC_COLUMNS] = fixed
         scales[:, STATIC_COLUMNS:] = stored
     return EncodedBatch(
         dense=torch.from_numpy(np.ascontiguousarray(dense[:, sb:])),
@@ -471,6 +555,7 @@ def from_records(
         sparse_offsets=torch.from_numpy(np.asarray(offsets, dtype=np.int64)),
         dim=dim,
         stored_scales=ns,
+        level=None if level is None else torch.from_numpy(level),
     )
 
 
@@ -539,5 +624,7 @@ class LayerView(NamedTuple):
     middle_bits: int = DENSE_BITS
     #: float32 ``[2, 4]``: with static grids (records holding the outer scales only), the layer's key and value
     #: static grids ``(mid_min, mid_max, inner_min, inner_max)`` (:func:`static_columns`, widened exactly);
-    #: ``[2, 0]`` (the default, :data:`NO_STATIC_GRID`) for records holding all six scales.
+    #: ``[2, 0]`` (the default, :data:`NO_STATIC_GRID`) for records holding all six scales; with static levels
+    #: float32 ``[2, 4 L]``: each kind's ``L`` grids (:func:`level_columns`, flattened: level ``j``'s at ``4 j``),
+    #: the record's level byte (after its outer scales) picking the row's.
     static_grid: np.ndarray = NO_STATIC_GRID  # type: ignore[assignment]

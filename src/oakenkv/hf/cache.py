@@ -60,6 +60,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
 from oakenkv.quant.adapt import AdaptConfig
 from oakenkv.store.paged import KEY, PREFILL_CHUNK, SERIAL_BELOW_ROWS, VALUE, PagedKVStore, serial_numba
@@ -395,6 +396,7 @@ class OakenCache(Cache):
         profile: Any = None,
         progress: bool = True,
         static_grids: bool = False,
+        static_levels: bool | tuple[float, ...] = False,
         **kwargs: Any,
     ) -> OakenCache:
         """A cache for ``model`` with everything it needs, in one call::
@@ -411,7 +413,10 @@ class OakenCache(Cache):
         under the keyword this transformers version does not take go where it does (or raise, when another
         cache is there): a cache the model ignores would run unquantized. ``static_grids``: store the profile's
         rows with static middle/inner grids (``OakenConfig.static_grids``: each token's outer scales alone, 0.33
-        bit per value less on the default model; as accurate there, less on some models: docs/results.md). Other
+        bit per value less on the default model; as accurate there, less on some models: docs/results.md).
+        ``static_levels`` (with ``static_grids``): a few static grids per layer, each row taking the smallest that
+        covers its middle values (``OakenConfig.static_levels``: one byte per row more); True for
+        ``DEFAULT_STATIC_LEVELS``, or the clip factors themselves. Other
         keyword arguments go to the constructor (``pool_config``, ``residual``, ...). Call it once per
         generation: a cache holds one batch.
         """
@@ -419,10 +424,17 @@ class OakenCache(Cache):
 
         if not isinstance(static_grids, bool):
             raise TypeError(f"static_grids must be True or False, got {static_grids!r}")
+        levels: tuple[float, ...] = ()
+        if static_levels is not False:
+            if not static_grids:
+                raise ValueError("static_levels are sizes of the static grid: pass static_grids=True as well")
+            levels = DEFAULT_STATIC_LEVELS if static_levels is True else tuple(static_levels)
+            OakenConfig(static_grids=True, static_levels=levels)  # validated before the profile is looked for
         found = find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
         thresholds = found
-        if static_grids and not found.config.static_grids:  # (the model remembers the profile as found)
-            thresholds = dataclasses.replace(found, config=found.config.replace(static_grids=True))
+        if static_grids and (not found.config.static_grids or levels):  # (the model remembers the profile as found)
+            static = found.config.replace(static_grids=True, static_levels=levels)
+            thresholds = dataclasses.replace(found, config=static)
         cache = cls.from_profile(model, thresholds, **kwargs)
         remember(model, found)
         enable_oaken_attention(model)

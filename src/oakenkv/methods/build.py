@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from oakenkv.calibrate.spec import CalibrationSpec
-from oakenkv.format.config import OakenConfig
+from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.methods.registry import ALIASES, FAMILIES, BuildContext, Method, canonical, check_spec_with_thresholds
 from oakenkv.quant.adapt import AdaptConfig
 
@@ -158,7 +158,9 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         if params["static"]:
             # static grids (OakenConfig.static_grids): the same search's profile (transforms, thresholds, ratios),
             # encoded with the layer's static middle/inner grids; the search itself scores per-row grids
-            static = thresholds.config.replace(static_grids=True)
+            # (levels=1: with the default static levels, DEFAULT_STATIC_LEVELS, each row's index stored)
+            levels = DEFAULT_STATIC_LEVELS if params["levels"] else ()
+            static = thresholds.config.replace(static_grids=True, static_levels=levels)
             thresholds = dataclasses.replace(thresholds, config=static)
         extra["calibration"] = spec.tag()
         base = ctx.spec if ctx.spec in ALIASES else canonical(family, params)  # a preset's alias: its name

@@ -209,8 +209,14 @@ FAMILIES: dict[str, Family] = {
                     "row (OakenConfig.static_grids: 32/D instead of 96/D scale bits; the profile is the per-row one's)",
                     0,
                 ),
+                "levels": _switch(
+                    "with static=1, static levels: a few static middle grids per layer (clip factors 0.5, 0.7, 0.85, "
+                    "1), each row taking the smallest covering its middle values and storing its index in a byte "
+                    "(OakenConfig.static_levels: 40/D scale bits)",
+                    0,
+                ),
             },
-            "as oaken (32/D scale bits with static=1), plus 16 bits x sink tokens",
+            "as oaken (32/D scale bits with static=1, 40/D with levels=1), plus 16 bits x sink tokens",
             "post_rope",
             "methods.build:build_oaken_plus",
             profile="plus",
@@ -356,6 +362,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         params[k] = fam.params[k].parse(name, k, v)
     if name == OAKEN.name and params["outer"] + params["inner"] >= 1.0:
         raise ValueError(f"method {name!r}: outer + inner must be below 1, got {params['outer'] + params['inner']:g}")
+    if params.get("levels") and not params.get("static"):
+        raise ValueError(
+            f"method {name!r}: levels=1 (static levels) are sizes of the static grid: it needs static=1 as well"
+        )
     return name, params
 
 
@@ -428,6 +438,7 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
             "rot_k": _plus_search_flag(thresholds, "key_rotation"),
             "rot_v": _plus_search_flag(thresholds, "value_rotation"),
             "static": int(thresholds.config.static_grids),
+            "levels": int(bool(thresholds.config.static_levels)),
         }
         for key, value in recorded.items():
             if key in given and value is not None and params[key] != value:

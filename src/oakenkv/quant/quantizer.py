@@ -31,7 +31,10 @@ the plain ``[min, max]`` grid, whose codes all decode to that side's sign (see `
 Static grids (``OakenConfig.static_grids``, issue #36): the middle and inner groups take the layer's fixed grid
 (:func:`static_grid` of the thresholds, clip 1) instead of each row's, values beyond it clamped to its end codes;
 the outer group keeps its per-row grid. The format then stores only the outer end points per row
-(``oakenkv.format.layout``); :func:`quantize` is its reference too.
+(``oakenkv.format.layout``); :func:`quantize` is its reference too. With static levels (``OakenConfig.static_levels``)
+the layer has a few static middle grids (:func:`level_grids`, one per clip factor) and each row takes the smallest
+that covers its middle values (:func:`pick_levels`, the choice ``benchmarks/static_scales.py --levels`` simulates);
+the inner grid stays the clip-1 one. The row's level index is stored with it.
 
 All arithmetic is float32, in a fixed order, so that numba kernels can reproduce it bit for bit.
 """
@@ -81,12 +84,15 @@ class QuantizedVectors:
         mins: ``[N, 3]`` in the config's scale dtype; per group (indexed by group id) the value of code 0.
         maxs: ``[N, 3]`` in the config's scale dtype; per group the value of the top code ``2^b - 1``.
             An empty group has ``mins == maxs == 0``.
+        level: uint8 ``[N]``, each row's static level index (``OakenConfig.static_levels``: its middle and inner
+            end points are level ``level[r]``'s grid, :func:`level_grids`), or None without static levels.
     """
 
     codes: torch.Tensor
     groups: torch.Tensor
     mins: torch.Tensor
     maxs: torch.Tensor
+    level: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -325,6 +331,49 @@ def _format_static_grid(t: tuple[float, float, float, float], config: OakenConfi
     return (m[GROUP_MIDDLE], x[GROUP_MIDDLE], m[GROUP_INNER], x[GROUP_INNER])
 
 
+def level_grids(thr: ThresholdsLike, config: OakenConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static levels' grids (``config.static_levels``) for thresholds ``thr``: ``(mins, maxs)``, ``[L, 3]`` in
+    the scale dtype, row ``j`` :func:`static_grid` with clip ``static_levels[j]`` (the shift thresholds, as the
+    decoder has them; the last level, clip 1, is :func:`format_static_grid`'s grid). ValueError without levels."""
+    if not config.static_levels:
+        raise ValueError("level_grids needs a config with static levels (OakenConfig.static_levels)")
+    grids = [static_grid(thr, config, clip=c) for c in config.static_levels]
+    return torch.stack([g[0] for g in grids]), torch.stack([g[1] for g in grids])
+
+
+def format_level_grids(thr: ThresholdsLike, config: OakenConfig) -> tuple[tuple[float, float, float, float], ...]:
+    """:func:`level_grids` as the scale columns they fill: one ``(mid_min, mid_max, inner_min, inner_max)`` per
+    level, values of the scale dtype (as floats, exact); what a reader restores from the thresholds and the levels
+    (``oakenkv.format.layout.from_records``). Cached: encoders ask per call."""
+    return _format_level_grids(thresholds_tuple(thr), config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _format_level_grids(t: tuple[float, float, float, float], config: OakenConfig) -> tuple[tuple[float, ...], ...]:
+    mins, maxs = level_grids(t, config)
+    m = mins.to(torch.float32).tolist()
+    x = maxs.to(torch.float32).tolist()
+    return tuple((a[GROUP_MIDDLE], b[GROUP_MIDDLE], a[GROUP_INNER], b[GROUP_INNER]) for a, b in zip(m, x, strict=True))
+
+
+def pick_levels(s: torch.Tensor, groups: torch.Tensor, thr: ThresholdsLike, config: OakenConfig) -> torch.Tensor:
+    """Each row's static level (``config.static_levels``), int64 ``[N]``: the smallest whose clip factor covers
+    the row's shifted middle values ``s`` (float32 ``[N, D]``, :func:`group_shift`; ``groups`` uint8 ``[N, D]``).
+    ``need`` is the larger of the row's largest negative-side magnitude over ``ti_lo - to_lo`` and its largest
+    positive-side one over ``to_hi - ti_hi`` (float32, true divisions), the level the first whose float32 clip
+    factor is ``>= need``, the last where none is (adaptive grouping's middle values may reach beyond the
+    thresholds). Exactly ``benchmarks/static_scales.py``'s ``_quantize_levels``: the simulation and the format
+    choose alike."""
+    to_lo, ti_lo, ti_hi, to_hi = thresholds_tuple(thr)
+    mid = groups == GROUP_MIDDLE
+    zero = torch.zeros((), dtype=torch.float32)
+    lo = torch.where(mid & (s < 0), -s, zero).amax(dim=1) / (ti_lo - to_lo)
+    hi = torch.where(mid & (s > 0), s, zero).amax(dim=1) / (to_hi - ti_hi)
+    need = torch.maximum(lo, hi)
+    levels = torch.tensor(config.static_levels, dtype=torch.float32)
+    return torch.searchsorted(levels, need.contiguous()).clamp(max=len(config.static_levels) - 1)
+
+
 def quantize(
     x: torch.Tensor,
     thr: ThresholdsLike,
@@ -357,7 +406,9 @@ def quantize(
     x32 = _check_input(x)
     if config.static_grids and static_scales is not None:
         raise ValueError("static_scales simulates static grids; a static_grids config has the format's already")
-    if config.static_grids:
+    if config.static_levels:
+        fixed = level_grids(thr, config)  # [L, 3]: each level's, the row's picked below
+    elif config.static_grids:
         fixed = static_grid(thr, config)  # the decoder's: of the shift thresholds, clip 1 (format_static_grid)
     else:
         fixed = None if static_scales is None else static_grid(thr, config, group, static_scales)
@@ -366,6 +417,11 @@ def quantize(
     s = group_shift(x32, groups, thr)
     bits = group_bits(config)
     n_rows = x32.shape[0]
+    level = None
+    if config.static_levels:
+        pick = pick_levels(s, groups, thr, config)
+        level = pick.to(torch.uint8)
+        fixed = (fixed[0][pick], fixed[1][pick])  # [N, 3]: each row's level's grid
     codes = torch.zeros(x32.shape, dtype=torch.uint8)
     mins = torch.zeros((n_rows, NUM_GROUPS), dtype=config.scale_torch_dtype)
     maxs = torch.zeros_like(mins)
@@ -375,7 +431,10 @@ def quantize(
         member = groups == g
         signed = g != GROUP_INNER
         if fixed is not None and g != GROUP_OUTER:
-            gmin_q, gmax_q = fixed[0][g].expand(n_rows), fixed[1][g].expand(n_rows)
+            if level is not None:
+                gmin_q, gmax_q = fixed[0][:, g], fixed[1][:, g]
+            else:
+                gmin_q, gmax_q = fixed[0][g].expand(n_rows), fixed[1][g].expand(n_rows)
         else:
             scale_dtype = config.scale_torch_dtype
             gmin, gmax = _signed_grid(s, member, bits[g], scale_dtype) if signed else _plain_grid(s, member)
@@ -397,7 +456,7 @@ def quantize(
     bad = torch.nonzero(~decodes_finite(mins, maxs, thr, config))
     if bad.numel():
         raise ValueError(f"cannot encode row {int(bad[0, 0])}: {ERROR_MESSAGES[ERR_SCALE_RANGE]}")
-    return QuantizedVectors(codes=codes, groups=groups, mins=mins, maxs=maxs)
+    return QuantizedVectors(codes=codes, groups=groups, mins=mins, maxs=maxs, level=level)
 
 
 def decodes_finite(

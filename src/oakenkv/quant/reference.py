@@ -3,7 +3,8 @@ COO stream, slow and obvious. Every fast path is tested against it byte for byte
 
 :func:`pack` / :func:`unpack` convert the reference quantizer's output (``oakenkv.quant.quantizer``) to and from the
 bytes (with static grids, ``OakenConfig.static_grids``, the stored form holds the outer scales only: :func:`pack`
-checks that the others are the layer's static grid, :func:`unpack` that they still are, both from the thresholds);
+checks that the others are the layer's static grid, :func:`unpack` that they still are, both from the thresholds;
+with static levels, ``OakenConfig.static_levels``, the grid of each row's level, whose index the stored form holds);
 :func:`encode` / :func:`decode` chain them with the quantizer and have the signatures of
 ``oakenkv.kernels.codec.encode`` /
 ``decode`` (the fast pair), so a store can run on either.
@@ -39,6 +40,7 @@ from oakenkv.quant.quantizer import (
     ThresholdsLike,
     decodes_finite,
     dequantize,
+    format_level_grids,
     format_static_grid,
     group_bits,
     quantize,
@@ -102,6 +104,22 @@ def _decode_coo_row(stream: list[int], dim: int, row: int) -> tuple[list[int], l
     return positions, entries
 
 
+def _quantized_level(q: QuantizedVectors, config: OakenConfig) -> torch.Tensor | None:
+    """``q.level`` checked against ``config``: uint8 ``[N]`` indices below ``len(static_levels)`` with static levels
+    (ValueError otherwise), None without (ValueError if ``q`` has some)."""
+    n_levels = len(config.static_levels)
+    if not n_levels:
+        if q.level is not None:
+            raise ValueError("q has static level indices, its config no static levels")
+        return None
+    lv = q.level
+    if not isinstance(lv, torch.Tensor) or lv.dtype != torch.uint8 or tuple(lv.shape) != (q.codes.shape[0],):
+        raise ValueError(f"a static-level config needs q.level, uint8 [{q.codes.shape[0]}], got {lv!r}")
+    if lv.numel() and int(lv.max()) >= n_levels:
+        raise ValueError(f"q.level holds an index >= {n_levels}, the number of static levels")
+    return lv.contiguous()
+
+
 def _check_quantized(q: QuantizedVectors, config: OakenConfig) -> None:
     if q.codes.dim() != 2 or q.codes.shape != q.groups.shape:
         raise ValueError(f"codes and groups must both be [N, D], got {tuple(q.codes.shape)}, {tuple(q.groups.shape)}")
@@ -139,12 +157,19 @@ def _unpack_slots(dense: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return (stream.reshape(n, dim, bits) << torch.arange(bits)).sum(dim=2).to(torch.uint8)
 
 
-def _static_mismatch(scales: torch.Tensor, thr: ThresholdsLike | None, config: OakenConfig) -> int:
+def _static_mismatch(
+    scales: torch.Tensor, thr: ThresholdsLike | None, config: OakenConfig, level: torch.Tensor | None = None
+) -> int:
     """For a static-grid config: the first row whose middle and inner scale columns (``scales [N, 6]``) are not the
-    layer's static grid (:func:`format_static_grid` of ``thr``), or -1; ValueError without ``thr``."""
+    layer's static grid (:func:`format_static_grid` of ``thr``; with static levels the grid of the row's level,
+    ``level`` uint8 ``[N]`` of valid indices), or -1; ValueError without ``thr``."""
     if thr is None:
         raise ValueError("a static-grid config (static_grids=True) needs the thresholds: they define the static grid")
-    grid = torch.tensor(format_static_grid(thr, config), dtype=torch.float32)
+    if config.static_levels:
+        assert level is not None
+        grid = torch.tensor(format_level_grids(thr, config), dtype=torch.float32)[level.to(torch.int64)]
+    else:
+        grid = torch.tensor(format_static_grid(thr, config), dtype=torch.float32)
     bad = torch.nonzero(~(scales[:, :STATIC_COLUMNS].to(torch.float32) == grid).all(dim=1))
     return int(bad[0, 0]) if bad.numel() else -1
 
@@ -157,16 +182,18 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None, thr: Thresholds
         config: the config ``q`` was quantized with (only the slot width, the group bits and static grids are used;
             default: the paper's).
         thr: the thresholds ``q`` was quantized with: required with static grids, whose middle and inner end
-            points are not stored (ValueError unless every row's are the static grid of ``thr``); unused otherwise.
+            points are not stored (ValueError unless every row's are the static grid of ``thr``, with static levels
+            the grid of the row's level, ``q.level``); unused otherwise.
     """
     config = config or OakenConfig()
     _check_quantized(q, config)
+    level = _quantized_level(q, config)
     n, d = q.codes.shape
     codes = q.codes.to(torch.uint8)
     dense = _pack_slots(codes, config.middle_bits)
     # scales: [mid_min, mid_max, inner_min, inner_max, outer_min, outer_max]
     scales = torch.stack([q.mins, q.maxs], dim=2).reshape(n, NUM_SCALES).to(config.scale_torch_dtype).contiguous()
-    if config.static_grids and (r := _static_mismatch(scales, thr, config)) >= 0:
+    if config.static_grids and (r := _static_mismatch(scales, thr, config, level)) >= 0:
         raise ValueError(f"row {r}: its middle or inner end points are not the static grid, which is not stored")
     # sparse: one entry byte per outlier, then the per-row stream with escapes.
     outlier = q.groups != GROUP_MIDDLE
@@ -192,6 +219,7 @@ def pack(q: QuantizedVectors, config: OakenConfig | None = None, thr: Thresholds
         sparse_offsets=torch.tensor(offsets, dtype=torch.int64),
         dim=int(d),
         stored_scales=stored_scales(config),
+        level=level,
     )
 
 
@@ -199,10 +227,11 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None, thr: Thresholds
     """Reference unpacker: the exact inverse of :func:`pack`. Raises :class:`CorruptDataError` on invalid input.
 
     ``thr``: required with static grids (ValueError without): a row whose middle or inner scale columns are not the
-    static grid of ``thr`` (what a reader restores, ``oakenkv.format.layout.from_records``) is corrupt."""
+    static grid of ``thr`` (what a reader restores, ``oakenkv.format.layout.from_records``; with static levels the
+    grid of the row's level, ``enc.level``) is corrupt."""
     config = config or OakenConfig()
     check_encoded(enc, config)
-    if config.static_grids and (r := _static_mismatch(enc.scales, thr, config)) >= 0:
+    if config.static_grids and (r := _static_mismatch(enc.scales, thr, config, enc.level)) >= 0:
         raise CorruptDataError(f"row {r}: its middle or inner scales are not the layer's static grid")
     n, d = enc.num_rows, enc.dim
     mb = config.middle_bits
@@ -223,7 +252,11 @@ def unpack(enc: EncodedBatch, config: OakenConfig | None = None, thr: Thresholds
             codes[r, pos] = int(codes[r, pos]) | (top << mb)
     scales = enc.scales.reshape(n, 3, 2)
     return QuantizedVectors(
-        codes=codes, groups=groups, mins=scales[:, :, 0].contiguous(), maxs=scales[:, :, 1].contiguous()
+        codes=codes,
+        groups=groups,
+        mins=scales[:, :, 0].contiguous(),
+        maxs=scales[:, :, 1].contiguous(),
+        level=None if enc.level is None else enc.level.clone(),
     )
 
 

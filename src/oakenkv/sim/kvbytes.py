@@ -4,7 +4,8 @@ Oaken's bits come from the codec's accounting (``oakenkv.kernels.codec``), mirro
 the simulator stays torch-free: every value has a 4-bit dense slot, every outlier (outer + inner groups, 10%
 by default) adds an 8-bit COO entry, and each token's K or V vector of one layer carries 96 bits of group
 scales (min and max of three groups, FP16), amortised over the vector width; with static grids
-(``OakenConfig.static_grids``, the ``oaken-static`` format) only the outer group's two, 32 bits. The peers' bits are
+(``OakenConfig.static_grids``, the ``oaken-static`` format) only the outer group's two, 32 bits, and with static
+levels (``OakenConfig.static_levels``, ``oaken-levels``) those and the row's level byte, 40 bits. The peers' bits are
 the effective bits the paper reports for them (Table 2, Llama2-7B) and are treated as model-independent.
 """
 
@@ -20,6 +21,8 @@ OAKEN_OUTLIER_FRACTION = 0.10
 OAKEN_SCALE_BITS = 96
 #: The same with static middle and inner grids (``OakenConfig.static_grids``): the outer group's min and max alone.
 OAKEN_STATIC_SCALE_BITS = 32
+#: With static levels (``OakenConfig.static_levels``): the outer scales and the row's 8-bit level index.
+OAKEN_LEVELS_SCALE_BITS = 40
 
 
 def oaken_bits(
@@ -66,6 +69,12 @@ KV_FORMATS: dict[str, KVFormat] = {
             None,
             "Oaken with static middle/inner grids: outer scales alone per vector (4 + 8 x 0.10 + 32 / width)",
             OAKEN_STATIC_SCALE_BITS,
+        ),
+        KVFormat(
+            "oaken-levels",
+            None,
+            "Oaken with static levels: outer scales and a level byte per vector (4 + 8 x 0.10 + 40 / width)",
+            OAKEN_LEVELS_SCALE_BITS,
         ),
         KVFormat("int4", 4.0, "plain 4-bit, scales ignored (a lower bound for 4-bit formats)"),
         KVFormat("kvquant", 4.82, "KVQuant 4-bit with 1% dense-and-sparse outliers (paper Table 2)"),

@@ -62,6 +62,7 @@ from oakenkv.kernels.cpu.codec import (
     encode_records,
     encode_trusted,
     first_error,
+    levels_array,
     static_grid_array,
 )
 from oakenkv.quant.adapt import AdaptConfig, new_state
@@ -354,10 +355,14 @@ class PagedKVStore:
         #: float32 ``[num_layers, 2, 4]``: ``(to_lo, ti_lo, ti_hi, to_hi)`` per layer and kind, for kernels.
         self.thr = np.array([[t.as_tuple() for t in row] for row in self._decode_thresholds], dtype=np.float32)
         #: float32 ``[num_layers, 2, 4]``: with static grids (``OakenConfig.static_grids``), each layer's and kind's
-        #: static grid (of the thresholds in :attr:`thr`), which the records do not hold; None without.
+        #: static grid (of the thresholds in :attr:`thr`), which the records do not hold; with static levels
+        #: (``OakenConfig.static_levels``) ``[num_layers, 2, 4 L]``, the levels' grids (level ``j``'s at ``4 j``,
+        #: a record's level byte picks one); None without.
         self.static = None
         if config.static_grids:
             self.static = np.array([[static_grid_array(t, config) for t in row] for row in self.thr], np.float32)
+        #: float32 ``[L]``: the static levels' clip factors (the record encoder picks each row's level), or None.
+        self.levels = levels_array(config) if config.static_levels else None
         #: The online part of an ``oaken-plus`` profile (``oakenkv.calibrate.transforms``): None without one; else which
         #: layers transform their keys, and the float32 key shifts ``[num_layers, D]``.
         self.transforms = thresholds.transforms if thresholds.transforms and thresholds.transforms.online_keys else None
@@ -583,7 +588,7 @@ class PagedKVStore:
         sparse = np.empty((2 * n, sparse_capacity(self.dim)), np.uint8)
         counts = np.empty(2 * n, np.int64)
         static = None if self.static is None else np.repeat(self.static[layer], n, axis=0)  # as thr: each row's
-        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits, static)
+        encode_records(rows, thr, *self._record_format, records, sparse, counts, self._slot_bits, static, self.levels)
         _check_encoded_rows(counts, s)
         offsets, flat = _packed_sparse(sparse, counts)
         items = []
@@ -740,7 +745,7 @@ class PagedKVStore:
         sink = rows.astype(np.float16) if t < self._sink_end and self._sink_slices(t, 1) else None
         encode_records(
             rows, thr[layer], *self._record_format, records, sparse, counts, self._slot_bits,
-            None if static is None else static[layer],
+            None if static is None else static[layer], self.levels,
         )  # fmt: skip
         _check_encoded_rows(counts, 1)
         changed = self.pool.append_token(self._targets[layer], records, sparse, counts)
@@ -855,6 +860,8 @@ class PagedKVStore:
             dense = self.pool.read_dense(seq, stream, start)
             sparse, offs = self.pool.read_sparse(seq, stream, start)
             static = None if self.static is None else self.static[layer, kind]
+            if static is not None and self.levels is not None:
+                static = static.reshape(-1, 4)  # the levels' grids, one per row (format.layout.level_columns)
             enc = from_records(dense, sparse, offs, self.dim, self.config, static)
             thr = self._decode_thresholds[layer][kind]
             with serial_numba(enc.num_rows < SERIAL_BELOW_ROWS):

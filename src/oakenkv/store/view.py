@@ -139,7 +139,8 @@ class LayerTables:
     ) -> LayerView:
         """The :class:`LayerView` of these tables over ``pool`` (the storage, flat uint8), with the layer's
         ``thresholds`` (float32 ``[2, 4]``) and format (``middle_bits``: the dense slot width; ``static_grid``:
-        float32 ``[2, 4]``, the static grids of records holding the outer scales only, or ``[2, 0]``); the first
+        float32 ``[2, 4]``, the static grids of records holding the outer scales only, ``[2, 4 L]`` the static
+        levels' grids of records holding a level byte too, or ``[2, 0]``); the first
         ``rows`` rows only, when given (views, no copy). Valid until the tables' next write."""
         if rows is None:
             dp, sp, sf, sc, sl = (

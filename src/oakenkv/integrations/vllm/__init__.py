@@ -145,8 +145,17 @@ def _check_version() -> None:
         )
 
 
+#: What the plugin says to a profile with static levels (``OakenConfig.static_levels``): its blocks and kernels
+#: read records of one static grid per layer and kind, not a level byte per row.
+LEVELS_REFUSED = (
+    "the vLLM plugin serves one static middle/inner grid per layer (OakenConfig.static_grids), not static levels "
+    "(OakenConfig.static_levels, a level byte per record); this profile runs in OakenCache and eval only, for now"
+)
+
+
 def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
-    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``).
+    """Raise ValueError, naming the reason, when the plugin cannot serve with profile ``thr`` (a ``Thresholds``);
+    NotImplementedError for static levels (:data:`LEVELS_REFUSED`).
     Static middle/inner grids (``OakenConfig.static_grids``) are served: the blocks hold the outer scales alone.
 
     oaken-plus profiles are served: their online parts (the key shift and rotation, the 16-bit sink tokens) are
@@ -163,6 +172,8 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
             f"{path}: the vLLM plugin's blocks hold 4-bit dense slots; this profile has {cfg.middle_bits}-bit slots "
             "(oaken-plus-2, -3, -5 and -6 run in OakenCache and eval only, for now)"
         )
+    if cfg.static_levels:
+        raise NotImplementedError(f"{path}: {LEVELS_REFUSED}")
 
 
 def load_profile(path: os.PathLike[str] | str) -> Any:

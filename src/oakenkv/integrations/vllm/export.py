@@ -79,6 +79,10 @@ def export_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         thr = _oaken.find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
+        if thr.config.static_levels:  # (before the model is folded and written: the plugin would refuse it)
+            from oakenkv.integrations.vllm import LEVELS_REFUSED
+
+            raise NotImplementedError(LEVELS_REFUSED)
         if static_grids:
             thr = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
         _oaken.apply_profile(model, thr)

@@ -118,6 +118,10 @@ class BlockLayout:
         """
         if config.scale_dtype != "float16":
             raise ValueError("the vLLM plugin stores fp16 scales; this profile uses scale_dtype='float32'")
+        if config.static_levels:  # (check_profile refuses these profiles at start; this guards the bytes too)
+            from oakenkv.integrations.vllm import LEVELS_REFUSED
+
+            raise NotImplementedError(LEVELS_REFUSED)
         if not isinstance(dim, int) or not isinstance(block_size, int) or dim < 1 or block_size < 1:
             raise ValueError(f"dim and block_size must be positive ints, got {dim!r}, {block_size!r}")
         unit = _oaken.record_size(dim, config)

@@ -5,7 +5,8 @@ inlined row decoder, COO walk and block loop, and numba's disk cache is invalida
 function's own file: kept together, an edit of a shared helper recompiles every kernel that inlines it.
 
 The kernel reads every stored token's dense record (six fp16 scales + nibbles; with static grids two, the outer
-group's, the middle and inner grids coming from the view's ``static_grid``) and sparse record (COO bytes)
+group's, the middle and inner grids coming from the view's ``static_grid``; with static levels those two and a level
+byte, which picks the row's grid among the view's levels') and sparse record (COO bytes)
 straight from the page pool, dequantizes it with its own single-row decoder (the same float32 arithmetic as
 ``oakenkv.kernels.cpu.codec.decode_row_into_lut``, bit-exact with ``oakenkv.quant.quantizer.dequantize``) and folds it
 into an online softmax. The float history is never rebuilt: a work item holds one block of decoded key rows, one of
@@ -53,6 +54,7 @@ from oakenkv.format.layout import (
     COO_INDEX_MASK,
     ERR_ESCAPE_TRUNCATED,
     ERR_EVICTED,
+    ERR_LEVEL,
     ERR_OK,
     ERR_POSITION_RANGE,
     LayerView,
@@ -178,7 +180,9 @@ def _decode_block(
     stream's sparse walker at ``t0`` (page index, byte offset); returns ``(status, sp, off)`` advanced past the
     block. ``mb``, ``ib``, ``ob``: the middle (slot), inner and outer code bits. ``static``: float32 ``[4]``, the
     static grid ``(mid_min, mid_max, inner_min, inner_max)`` of records that hold the outer scales alone (static
-    grids), or empty (records of six scales).
+    grids); float32 ``[4 L]`` (``L >= 2``), the static levels' grids of records that hold the outer scales and a
+    level byte (the row's grid is level ``j``'s, at ``4 j``; ``ERR_LEVEL`` for ``j >= L``); or empty (records of
+    six scales).
 
     The arithmetic is exactly ``oakenkv.kernels.cpu.codec.fill_lut`` / ``decode_row_into_lut`` (and so the reference
     ``quant.dequantize``): ``v = lo + code * step`` in float32, then the threshold of the value's side. The
@@ -203,6 +207,7 @@ def _decode_block(
     slot = t0 - pi * rpp
     # static grids: the middle and inner grids are the layer's, the record holds the outer scales alone (at 0)
     fixed = static.shape[0] >= 4
+    n_levels = static.shape[0] >> 2 if static.shape[0] > 4 else 0  # static levels: the record's byte picks one
     s_lo, s_step, s_in_lo, s_in_step = zero, zero, zero, zero
     if fixed:  # (the decoder's float32 operations, as for scales read from a record)
         s_lo, s_in_lo = static[0], static[2]
@@ -227,7 +232,14 @@ def _decode_block(
                 return ERR_EVICTED, sp, off
             base = page * page_size + slot * rec
             row = row_view(out, j)
-            if fixed:
+            at = 0  # the row's grid in static: its level's (static levels), else the one
+            if n_levels:
+                at = np.int64(pool[base + 4]) << 2  # the level byte, after the two fp16 outer scales
+                if at >= static.shape[0]:
+                    return ERR_LEVEL, sp, off
+                lo = static[at]
+                step = (static[at + 1] - lo) / mid_div  # (the decoder's float32 operations, as s_step's)
+            elif fixed:
                 lo, step = s_lo, s_step
             else:
                 lo = _f16_at(pool, base)
@@ -249,7 +261,10 @@ def _decode_block(
                 spage = np.int64(sc_pages[sp])
                 if spage < 0:
                     return ERR_EVICTED, sp, off
-                if fixed:
+                if n_levels:
+                    in_lo = static[at + 2]
+                    in_step = (static[at + 3] - in_lo) / in_div
+                elif fixed:
                     in_lo, in_step = s_in_lo, s_in_step
                 else:
                     in_lo = _f16_at(pool, base + 4)

@@ -14,7 +14,10 @@ Static grids (``OakenConfig.static_grids``): the encoders take the layer's stati
 ``oakenkv.quant.quantizer.format_static_grid``) for the middle and inner groups instead of each row's (an empty array:
 per-row grids), exactly as the reference quantizer; the record encoder then writes the outer scales only, and the
 record decoder takes the static grid back. The batch decoder reads the in-memory ``[N, 6]`` scales as ever (its
-wrapper checks the static columns are the grid).
+wrapper checks the static columns are the grid). Static levels (``OakenConfig.static_levels``): the encoders take the
+layer's ``L`` grids (float32 ``[4 L]``, level ``j``'s at ``4 j``) and the levels' clip factors (float32 ``[L]``) and
+pick each row's as the reference does (``oakenkv.quant.quantizer.pick_levels``); the level index goes to the batch's
+``level`` or the record's level byte, which the record decoder reads (``ERR_LEVEL`` beyond ``L``).
 
 Kernels never raise: they return an error code per row (``ERR_*``) and the Python wrappers raise
 ``CorruptDataError`` / ``ValueError`` with the row and the reason. Decoding validates every byte it reads, so
@@ -43,6 +46,7 @@ from oakenkv.format.layout import (
     ERR_ESCAPE_NO_ENTRY,
     ERR_ESCAPE_TRUNCATED,
     ERR_FIFTH_BIT,
+    ERR_LEVEL,
     ERR_NONFINITE,
     ERR_OK,
     ERR_PADDING,
@@ -79,7 +83,14 @@ from oakenkv.kernels.cpu.helpers import (
     row_view,
     span_view,
 )
-from oakenkv.quant.quantizer import STEP_FLOOR, ThresholdsLike, format_static_grid, grouping_tuple, thresholds_tuple
+from oakenkv.quant.quantizer import (
+    STEP_FLOOR,
+    ThresholdsLike,
+    format_level_grids,
+    format_static_grid,
+    grouping_tuple,
+    thresholds_tuple,
+)
 
 #: float32 scratch per row for the decode look-up tables: for ``b``-bit slots, ``2^b`` middle codes at 0, then
 #: ``2^(b+1)`` inner codes at ``2^b`` and ``2^(b+1)`` outer codes at ``3 * 2^b``: 16 + 32 + 32 for the paper's 4 bits,
@@ -128,6 +139,18 @@ def _static_rows_impl(static, n):
     if static is None or isinstance(static, (types.NoneType, types.Omitted)):
         return lambda static, n: np.empty((n, 0), np.float32)
     return lambda static, n: static
+
+
+def _levels_arg(levels):  # pragma: no cover - only its overload runs, inside @njit code
+    """The record encoder's optional ``levels`` argument: the given float32 ``[L]`` array, or (omitted or None) an
+    empty one (no static levels), so that calls made before static levels existed still work."""
+
+
+@overload(_levels_arg)
+def _levels_arg_impl(levels):
+    if levels is None or isinstance(levels, (types.NoneType, types.Omitted)):
+        return lambda levels: np.empty(0, np.float32)
+    return lambda levels: levels
 
 
 def _is_f32_vector(a):  # pragma: no cover - only its overload runs, inside @njit code
@@ -611,22 +634,27 @@ _emit_coo = _coo_compress if HW_COMPRESS else _coo_bits
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def encode_row(
-    x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16, static
-):
+    x, thr, middle_bits, inner_bits, outer_bits, fp16, dense_row, scales_row, sparse_row, scratch, h16, k16, static,
+    levels,
+):  # fmt: skip
     """Quantize and pack one row.
 
     Args:
         x: float32 ``[D]``, or fp16 bit patterns (uint16 ``[D]``, each value widened exactly where it is read);
             thr: float32 ``[4]`` ``(to_lo, ti_lo, ti_hi, to_hi)``; fp16: store scales as fp16.
         middle_bits, inner_bits, outer_bits: the groups' code bits (the slot width; it or one more).
-        dense_row: uint8 ``[dense_bytes(D, middle_bits)]`` (out); scales_row: float32 ``[6]`` (out; already rounded
-        to the scale dtype); sparse_row: uint8 scratch of at least ``sparse_capacity(D)`` bytes (out).
+        dense_row: uint8 ``[dense_bytes(D, middle_bits)]`` (out); scales_row: float32 ``[7]`` (out; the six scales
+        already rounded to the scale dtype, then with static levels the row's level index); sparse_row: uint8
+        scratch of at least ``sparse_capacity(D)`` bytes (out).
         scratch: :func:`comb_scratch` of ``D`` (made once per block, not per row).
         h16: int16 ``[D]``, the fp16 bit patterns ``x`` was widened from (the statistics then run on 16-bit
             keys, compared with ``k16 = threshold_keys16`` of the grouping thresholds), or empty (``k16`` unused).
         static: float32 ``[4]``, the layer's static grid ``(mid_min, mid_max, inner_min, inner_max)`` already in
             the scale dtype (static grids: the middle and inner groups use it, values beyond it take its end
-            codes), or empty (per-row grids).
+            codes), or empty (per-row grids); with static levels float32 ``[4 L]``, the ``L`` levels' grids (level
+            ``j``'s at ``4 j``).
+        levels: float32 ``[L]``, the static levels' clip factors (``OakenConfig.static_levels``; the row takes the
+            first covering its middle values, as ``quant.quantizer.pick_levels``), or empty (no static levels).
 
     ``thr`` may hold 8 values: the shift thresholds (what the decoder adds back), then the thresholds the values
     are grouped by, each on or beyond its shift threshold (``oakenkv.quant.adapt``); 4 values group and shift alike.
@@ -683,7 +711,19 @@ def encode_row(
     i_min = v_ge_tilo if i_has else zero
     i_max = v_le_tihi if i_has else zero
     if fixed:  # (values of the scale dtype: _store_scale keeps them as they are)
-        mg0, mg1, i_min, i_max = static[0], static[1], static[2], static[3]
+        at = 0
+        n_levels = levels.shape[0]
+        if n_levels:  # static levels: the first whose clip factor covers the row's middle values (pick_levels)
+            need_lo = m_lo / (ti_lo - to_lo)
+            need_hi = m_hi / (to_hi - ti_hi)
+            # torch.maximum's: a NaN (inf / inf of thresholds beyond the float32 range) wins, and takes the last level
+            need = need_lo if need_lo >= need_hi or need_lo != need_lo else need_hi
+            lv = 0
+            while lv < n_levels - 1 and not levels[lv] >= need:
+                lv += 1
+            scales_row[NUM_SCALES] = _F32(lv)
+            at = 4 * lv
+        mg0, mg1, i_min, i_max = static[at], static[at + 1], static[at + 2], static[at + 3]
     mg0, ok0 = _store_scale(mg0, fp16)
     mg1, ok1 = _store_scale(mg1, fp16)
     ig0, ok2 = _store_scale(i_min, fp16)
@@ -820,8 +860,9 @@ def _borrowed_impl(scratch):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def encode_records(
-    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits=4, static=None
-):
+    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits=4, static=None,
+    levels=None,
+):  # fmt: skip
     """Quantize and pack rows straight into page records, on the calling thread (the decode step's path).
 
     Args:
@@ -836,37 +877,44 @@ def encode_records(
         sparse: uint8 ``[n, >= sparse_capacity(D)]`` (out): row ``r`` starts with its sparse record.
         counts: int64 ``[n]`` (out): sparse bytes of each row, or ``-ERR_*``.
         static: float32 ``[n, 4]``, each row's static grid (static grids; ``scale_bytes`` then holds two scales), or
-            None / omitted (per-row grids).
+            None / omitted (per-row grids); with static levels ``[n, 4 L]``, each row's levels' grids.
+        levels: float32 ``[L]``, the static levels' clip factors (``scale_bytes`` then holds two scales and the
+            level byte, which the encoder writes), or None / omitted.
     """
     d = x.shape[1]
     static = _static_rows(static, x.shape[0])
+    levels = _levels_arg(levels)
     # the row loop compiled once per scratch kind (narrow slots: as before wide ones existed)
     if middle_bits <= _NARROW_MAX:
         _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
-                           comb_scratch(d), static)  # fmt: skip
+                           comb_scratch(d), static, levels)  # fmt: skip
     else:
         _encode_records_of(x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits,
-                           wide_scratch(d), static)  # fmt: skip
+                           wide_scratch(d), static, levels)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_records_of(
-    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits, scr, static
+    x, thr, inner_bits, outer_bits, fp16, scale_bytes, records, sparse, counts, middle_bits, scr, static, levels
 ):
     """:func:`encode_records` with encode_row's scratch ``scr`` (:func:`comb_scratch` or :func:`wide_scratch`)."""
     n = x.shape[0]
-    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
-    itemsize = scale_bytes // (NUM_SCALES - first)
+    # the scales not stored: none, or the static grid's four (static grids, with or without levels)
+    first = STATIC_COLUMNS if static.shape[1] >= STATIC_COLUMNS else 0
+    itemsize = _F16_ITEMSIZE if fp16 else _F32_ITEMSIZE
+    level_at = itemsize * (NUM_SCALES - first)  # static levels: the level byte after the stored scales
     no_h16 = np.empty(0, np.int16)
-    sc = np.empty(NUM_SCALES, np.float32)
+    sc = np.empty(NUM_SCALES + 1, np.float32)
     for r in range(n):
         cnt = encode_row(
             x[r], thr[r], middle_bits, inner_bits, outer_bits, fp16, records[r, scale_bytes:], sc, sparse[r], scr,
-            no_h16, no_h16, static[r],
+            no_h16, no_h16, static[r], levels,
         )  # fmt: skip
         counts[r] = cnt
         if cnt < 0:
             continue
+        if levels.shape[0]:
+            records[r, level_at] = np.uint8(sc[NUM_SCALES])
         for i in range(first, NUM_SCALES):
             bits = np.int64(f32_to_f16_bits(sc[i])) if fp16 else np.int64(np.float32(sc[i]).view(np.uint32))
             for k in range(itemsize):
@@ -887,7 +935,7 @@ _KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_block(
     xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
-    k16, static,
+    k16, static, levels, level,
 ):  # fmt: skip
     """Rows ``r0:r1`` of _encode_rows, read from rows ``r0 - rows:r1 - rows`` of ``xs`` (float32, or fp16 bits
     with their int16 view ``hs``; ``hs`` has no columns for float32). encode_row is inlined here (as are its
@@ -897,36 +945,39 @@ def _encode_block(
     if middle_bits <= _NARROW_MAX:  # compiled once per scratch kind (narrow slots: as before wide ones existed)
         _encode_block_of(
             xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-            counts, k16, comb_scratch(d), static,
+            counts, k16, comb_scratch(d), static, levels, level,
         )  # fmt: skip
     else:
         _encode_block_of(
             xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts,
-            counts, k16, wide_scratch(d), static,
+            counts, k16, wide_scratch(d), static, levels, level,
         )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _encode_block_of(
     xs, hs, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap, starts, counts,
-    k16, scr, static,
+    k16, scr, static, levels, level,
 ):  # fmt: skip
     """:func:`_encode_block` with the block's encode_row scratch ``scr`` (:func:`comb_scratch` or
-    :func:`wide_scratch`)."""
-    sc = np.empty(NUM_SCALES, np.float32)
+    :func:`wide_scratch`). ``level`` (uint8 ``[N]``, out): each row's static level, with static levels."""
+    sc = np.empty(NUM_SCALES + 1, np.float32)
+    has_levels = levels.shape[0] != 0
     # borrowed views of the block's scratch (and the shared arrays) for the rows (no reference counting)
     scr_b = _borrowed(scr)
-    sc_b, thr_b, k16_b, st_b = all_view(sc), all_view(thr), all_view(k16), all_view(static)
+    sc_b, thr_b, k16_b, st_b, lv_b = all_view(sc), all_view(thr), all_view(k16), all_view(static), all_view(levels)
     cursor = r0 * cap
     for r in range(r0, r1):
         # borrowed views (the arrays outlive the loop; cursor + cap <= len(scratch))
         sp, dense_r = span_view(scratch, cursor, cursor + cap), row_view(dense, r)
         x_r, h_r = row_view(xs, r - rows), row_view(hs, r - rows)
         cnt = encode_row(
-            x_r, thr_b, middle_bits, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b, st_b
+            x_r, thr_b, middle_bits, inner_bits, outer_bits, fp16, dense_r, sc_b, sp, scr_b, h_r, k16_b, st_b, lv_b
         )
         for i in range(NUM_SCALES):
             scales[r, i] = out_elem(sc_b[i], scales)  # exact: sc is already rounded to the scale dtype
+        if has_levels and cnt >= 0:
+            level[r] = np.uint8(sc_b[NUM_SCALES])
         counts[r] = cnt
         starts[r] = cursor
         cursor += max(cnt, 0)
@@ -935,11 +986,14 @@ def _encode_block_of(
 
 @njit(cache=True, nogil=True, parallel=True)
 def _encode_rows(
-    x32, xbits, kind, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts, static
-):
+    x32, xbits, kind, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, starts, counts, static,
+    levels, level,
+):  # fmt: skip
     """Encode ``N`` rows of ``D`` values: float32 ``x32 [N, D]`` (``kind`` 0) or fp16 (1) / bf16 (2) bit patterns
     ``xbits`` (uint16 ``[N, D]``; fp16 is read in place, bf16 widened exactly per block); the other input is
-    unused (pass any ``[N, 0]``). ``static``: float32 ``[4]``, the layer's static grid, or empty (per-row grids).
+    unused (pass any ``[N, 0]``). ``static``: float32 ``[4]``, the layer's static grid, or empty (per-row grids);
+    with static levels ``[4 L]``, the levels' grids, ``levels`` float32 ``[L]`` their clip factors (else empty) and
+    ``level`` uint8 ``[N]`` (out) each row's level.
     ``scales`` (out, ``[N, 6]``): float32, or uint16 fp16 bit patterns when the scale dtype is fp16.
 
     Each block of rows writes its sparse bytes back to back in its own part of ``scratch`` (uint8
@@ -957,7 +1011,7 @@ def _encode_rows(
         if kind == _KIND_F16:  # read in place, each value widened where it is used
             _encode_block(
                 xbits, x16, r0, r1, 0, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
-                starts, counts, k16, static,
+                starts, counts, k16, static, levels, level,
             )  # fmt: skip
         else:  # float32 rows; bf16 blocks are widened exactly to float32 first
             xs, rows = x32, 0
@@ -967,7 +1021,7 @@ def _encode_rows(
                     widen_bf16_row(xbits[r], xs[r - r0])
             _encode_block(
                 xs, no_h16, r0, r1, rows, thr, middle_bits, inner_bits, outer_bits, fp16, dense, scales, scratch, cap,
-                starts, counts, k16, static,
+                starts, counts, k16, static, levels, level,
             )  # fmt: skip
 
 
@@ -991,19 +1045,33 @@ _NO_STATIC = np.empty(0, np.float32)
 def static_grid_array(thr: np.ndarray | ThresholdsLike, config: OakenConfig) -> np.ndarray:
     """The kernels' ``static`` argument for thresholds ``thr`` (the shift thresholds: the first 4 of an encoder's
     ``[8]``): float32 ``[4]``, the static grid (:func:`oakenkv.quant.quantizer.format_static_grid`), for a
-    static-grid config; empty for per-row grids. ValueError for a grid beyond the fp16 range."""
+    static-grid config; with static levels float32 ``[4 L]``, the levels' grids (level ``j``'s at ``4 j``,
+    :func:`oakenkv.quant.quantizer.format_level_grids`); empty for per-row grids. ValueError for a grid beyond the
+    fp16 range."""
     if not config.static_grids:
         return _NO_STATIC
     t = thr[:4] if isinstance(thr, np.ndarray) else thr
+    if config.static_levels:
+        return np.asarray(format_level_grids(t, config), dtype=np.float32).reshape(-1)
     return np.asarray(format_static_grid(t, config), dtype=np.float32)
+
+
+def levels_array(config: OakenConfig) -> np.ndarray:
+    """The encoders' ``levels`` argument: float32 ``[L]``, the static levels' clip factors
+    (``OakenConfig.static_levels``, rounded to float32 as ``quant.quantizer.pick_levels`` compares them), or empty."""
+    return np.asarray(config.static_levels, dtype=np.float32)
 
 
 def check_static_columns(enc: EncodedBatch, thr: ThresholdsLike, config: OakenConfig) -> None:
     """For a static-grid config: raise :class:`CorruptDataError` unless every row's middle and inner scale columns
-    are the static grid of ``thr`` (what a stored row does not hold, and a reader restores); nothing otherwise."""
+    are the static grid of ``thr`` (with static levels the grid of the row's level, ``enc.level``, whose indices
+    :func:`check_encoded` has checked) (what a stored row does not hold, and a reader restores); nothing
+    otherwise."""
     if not config.static_grids or enc.num_rows == 0:
         return
     grid = static_grid_array(_thr_array(thr), config)
+    if config.static_levels:
+        grid = grid.reshape(-1, STATIC_COLUMNS)[enc.level.numpy()]
     cols = enc.scales[:, :STATIC_COLUMNS].to(torch.float32).numpy()
     bad = np.flatnonzero(~(cols == grid).all(axis=1))
     if bad.size:
@@ -1077,9 +1145,11 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
     starts = np.empty(n, np.int64)
     counts = np.empty(n, np.int64)
     static = static_grid_array(thr_a, config)
+    levels = levels_array(config)
+    level = np.empty(n if config.static_levels else 0, np.uint8)
     _encode_rows(
         x32, xbits, kind, thr_a, config.middle_bits, config.inner_bits, config.outer_bits, fp16, dense, scales,
-        scratch, starts, counts, static,
+        scratch, starts, counts, static, levels, level,
     )  # fmt: skip
     offsets = np.empty(n + 1, np.int64)
     r = _sparse_offsets(counts, offsets)
@@ -1094,6 +1164,7 @@ def _encode(x32: np.ndarray, xbits: np.ndarray, kind: int, thr_a: np.ndarray, co
         sparse_offsets=torch.from_numpy(offsets),
         dim=int(d),
         stored_scales=stored_scales(config),
+        level=torch.from_numpy(level) if config.static_levels else None,
     )
 
 
@@ -1458,7 +1529,9 @@ def decode_records(
     ``records`` uint8 ``[n, record]``, ``sparse`` uint8 ``[n, >= counts[r]]`` (row ``r``'s stream at its start),
     ``thr`` float32 ``[n, 4]`` (each row's thresholds); ``status[r]``: ERR_OK or ``ERR_*``. With static grids
     (records holding the outer scales only: ``scale_bytes`` of two), ``static`` float32 ``[n, 4]`` gives each row's
-    middle and inner end points back; ``ERR_SHAPE`` for every row where the two disagree."""
+    middle and inner end points back; ``ERR_SHAPE`` for every row where the two disagree. With static levels
+    (records of two scales and a level byte), ``static`` float32 ``[n, 4 L]`` gives each row's levels' grids, the
+    level byte picking one (``ERR_LEVEL`` for an index ``>= L``)."""
     st = _static_rows(static, out.shape[0])
     if middle_bits == 4:  # the row loop compiled once per slot width (see _walk_outliers)
         _decode_records_of(records, sparse, counts, thr, inner_bits, outer_bits, fp16, scale_bytes, out, status, 4, st)
@@ -1484,16 +1557,27 @@ def _decode_records_of(
     lut = np.empty(LUT_SIZE if use_lut else 0, np.float32)
     grid = np.empty(6, np.float32)
     itemsize = _F16_ITEMSIZE if fp16 else _F32_ITEMSIZE
-    first = static.shape[1]  # the scales not stored: none, or the static grid's four (static grids)
-    # records of two scales need the static grid, records of six take none: anything else is another format
-    layout_ok = (first == 0 or first == STATIC_COLUMNS) and scale_bytes == itemsize * (NUM_SCALES - first)
+    width = static.shape[1]  # 0 (per-row grids), 4 (a static grid) or 4 L (L >= 2 static levels)
+    first = STATIC_COLUMNS if width >= STATIC_COLUMNS else 0  # the scales not stored
+    n_levels = width // STATIC_COLUMNS if width > STATIC_COLUMNS else 0
+    level_at = itemsize * (NUM_SCALES - first)  # static levels: the level byte after the stored scales
+    # records of two scales need the static grid, records of six take none, records of two scales and a level byte
+    # take the levels' grids: anything else is another format
+    layout_ok = width % STATIC_COLUMNS == 0 and scale_bytes == level_at + (1 if n_levels else 0)
     for r in range(n):
         rec = records[r]
         if not layout_ok:
             status[r] = ERR_SHAPE
             continue
-        for i in range(first):  # static grids: the layer's middle and inner end points
-            sr[i] = static[r, i]
+        at = 0
+        if n_levels:
+            lv = np.int64(rec[level_at])
+            if lv >= n_levels:
+                status[r] = ERR_LEVEL
+                continue
+            at = STATIC_COLUMNS * lv
+        for i in range(first):  # static grids: the layer's middle and inner end points (the row's level's)
+            sr[i] = static[r, at + i]
         for i in range(first, NUM_SCALES):  # the stored scales, little-endian at the record's start (encode_records)
             bits = np.int64(0)
             for k in range(itemsize):
