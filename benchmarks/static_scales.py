@@ -84,7 +84,7 @@ class _ReferenceOaken(OakenQuantizer):
         sparse = int((q.groups != GROUP_MIDDLE).sum())
         stored_groups = 3 if static is None else 1
         dense_bits = 8 * math.ceil(self.config.middle_bits * width / 8)
-        level_bits = math.ceil(math.log2(len(self.levels))) if self.levels else 0
+        level_bits = math.ceil(math.log2(len(self.levels))) if self.levels and static is not None else 0
         bits = n_rows * (dense_bits + HEADER_BITS + 2 * SCALE_BITS * stored_groups + level_bits) + COO_BITS * sparse
         st = self.stats
         st["rows"] += n_rows
