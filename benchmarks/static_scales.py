@@ -277,6 +277,9 @@ def main() -> None:
     args = ap.parse_args()
     static = None if args.static == "none" else float(args.static)
     levels = tuple(sorted({float(v) for v in args.levels.split(",")} | {1.0})) if args.levels else ()
+    static_kinds = tuple(k.strip() for k in args.static_kinds.split(","))  # checked before minutes of search
+    if not set(static_kinds) <= {"key", "value"}:
+        raise SystemExit(f"--static-kinds takes key, value or key,value, got {args.static_kinds!r}")
     if levels and (static is None or not all(0 < v <= 1 for v in levels)):
         raise SystemExit("--levels needs --static (any clip) and factors in (0, 1]")
 
@@ -313,9 +316,7 @@ def main() -> None:
         method = build_method(args.spec, loaded.model, loaded.tokenizer, args.model, progress=True)
     assert method.extra["thresholds_sha256"] == thresholds.sha256()  # the profile build_method found is ours
     q = StaticPlusQuantizer(thresholds, static, args.check, levels)
-    q.static_kinds = tuple(k.strip() for k in args.static_kinds.split(","))
-    if not q.static_kinds or not set(q.static_kinds) <= {"key", "value"}:
-        raise SystemExit(f"--static-kinds takes key, value or key,value, got {args.static_kinds!r}")
+    q.static_kinds = static_kinds
     ctx = BuildContext(args.spec, loaded.model, loaded.tokenizer, args.model, None, None, False)
     method.make_cache = _fake_quant(ctx, q, method.params["residual"], method.model)
     tag = "per-row" if static is None else f"static{static:g}" + ("-aware" if args.static_search else "")
