@@ -1031,3 +1031,36 @@ def test_static_levels_spec_and_files(tiny_llama):
     for kind in ("key", "value"):
         (y_one, b_one), (y_lv, b_lv) = q_one.quantize(1, kind, x), q_lv.quantize(1, kind, x)
         assert b_lv - b_one == 2 * 9 * 8 and y_lv.shape == y_one.shape
+
+
+def test_alloc_and_aware_specs_and_files(tiny_llama):
+    """``oaken-plus:alloc=1`` (the sparse share allocated over layers) and ``static=1,aware=1`` (the search scored
+    with static grids) name searches of their own: default names unchanged, aware refused without static, and a
+    thresholds file's search decides both (a spec that contradicts it is refused)."""
+    import dataclasses
+
+    from oakenkv.calibrate.transforms import Transforms
+    from oakenkv.methods.registry import check_spec_with_thresholds
+
+    fam, p = parse_spec("oaken-plus:alloc=1")
+    assert p["alloc"] == 1 and canonical(fam, p) == "oaken-plus:alloc=1"
+    fam, p = parse_spec("oaken-plus:static=1,aware=1")
+    assert p["aware"] == 1 and canonical(fam, p) == "oaken-plus:static=1,aware=1"
+    assert canonical(*parse_spec("oaken-plus:static=1")) == "oaken-plus:static=1"  # existing names unchanged
+    with pytest.raises(ValueError, match=r"aware=1 .* needs static=1"):
+        parse_spec("oaken-plus:aware=1")
+    th = _tiny_thresholds(tiny_llama, sink=0)
+    plain = {"ratios": [[0.04, 0.06]], "key_rotation": True, "value_rotation": False}
+
+    def with_search(search):
+        t = th.transforms
+        return dataclasses.replace(th, transforms=Transforms(t.layers, t.num_kv_heads, t.head_dim, {"search": search}))
+
+    got = check_spec_with_thresholds("oaken-plus", with_search(plain))
+    assert got["alloc"] == 0 and got["aware"] == 0
+    with pytest.raises(ValueError, match="profiled with alloc=0"):
+        check_spec_with_thresholds("oaken-plus:alloc=1", with_search(plain))
+    alloc = with_search(plain | {"budget_scales": [0.5, 1.0, 1.5, 2.0]})
+    assert check_spec_with_thresholds("oaken-plus", alloc)["alloc"] == 1
+    aware = with_search(plain | {"static_grids": True, "static_levels": []})
+    assert check_spec_with_thresholds("oaken-plus", aware)["aware"] == 1

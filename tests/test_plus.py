@@ -10,6 +10,7 @@ exactly what the fake-quantizing evaluation cache does with the same profile.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -229,6 +230,73 @@ def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, 
     with pytest.warns(UserWarning, match="every layer at once"):
         fallback = profile_plus(model, windows, search)
     assert _decided(fallback) == _decided(streamed)
+
+
+def test_alloc_spreads_the_same_sparse_budget_over_layers_and_kinds():
+    """oaken-plus:alloc=1: every split is scored at each budget scale too, and the profile's per-layer ratios
+    average at most the sparse share; the choice at scale 1 is the plain search's, the streamed and the all-at-once
+    searches agree, and the profile records what was spent."""
+    import oakenkv.calibrate.plus as plus
+    from oakenkv.calibrate.recording import record_attention
+
+    model = _tiny("qwen2")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    windows = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(4))
+    plain = PlusSearch(query_positions=16, alphas=(0.0, 0.5))
+    search = dataclasses.replace(plain, budget_scales=(0.5, 1.0, 2.0))
+    th = profile_plus(model, windows, search)
+    base = profile_plus(model, windows, plain)
+    stats = th.key_stats + th.value_stats
+    shares = [s.outer_ratio + s.inner_ratio for s in stats]
+    assert sum(shares) / len(shares) <= 0.1 + 1e-9
+    alloc = th.profile["allocation"]
+    assert alloc["used"] in ("allocated", "uniform")
+    assert alloc["error_sum"]["allocated"] <= alloc["error_sum"]["uniform"] or alloc["used"] == "uniform"
+    for made, ref in zip(th.profile["choices"], base.profile["choices"], strict=True):
+        assert made["key"] == ref["key"] and made["value"] == ref["value"]  # scale 1's choice: the plain search's
+        # every split at the two other scales, for the chosen transforms
+        assert len(made["key_errors"]) == len(ref["key_errors"]) + 2 * 3
+        assert len(made["value_errors"]) == len(ref["value_errors"]) + 2 * 3
+        assert {made["allocated"]["key"], made["allocated"]["value"]} <= {0.05, 0.1, 0.2}
+    if alloc["used"] == "uniform":
+        assert th.keys == base.keys and th.values == base.values
+    record = record_attention(model, windows, search.query_runs)
+    at_once = plus.profile_from_record(record, th.fingerprint, search, rope_partners(model))
+    assert _decided(at_once) == _decided(th)
+    assert th.transforms.notes["search"]["budget_scales"] == [0.5, 1.0, 2.0]
+    assert "budget_scales" not in base.transforms.notes["search"]  # a plain profile's digest is unchanged
+
+
+def test_an_aware_search_scores_its_candidates_with_the_static_grids():
+    """oaken-plus:static=1,aware=1: the candidates' errors are those of the static grids (and levels) the profile
+    is served with, and the profile's config carries them; the spec refuses aware=1 without static=1."""
+    from oakenkv.calibrate.search import _fake_quant
+    from oakenkv.methods.registry import parse_spec
+
+    model = _tiny("qwen2")
+    windows = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(5))
+    plain = PlusSearch(query_positions=16, alphas=(0.0,), key_shift=False)
+    aware = dataclasses.replace(plain, static_grids=True, static_levels=(0.5, 1.0))
+    a, p = profile_plus(model, windows, aware), profile_plus(model, windows, plain)
+    assert a.config.static_grids and a.config.static_levels == (0.5, 1.0) and not p.config.static_grids
+    assert a.transforms.notes["search"]["static_levels"] == [0.5, 1.0]
+    assert "static_grids" not in p.transforms.notes["search"]  # a per-row search's digest is unchanged
+    ea, ep = a.profile["choices"][0]["value_errors"], p.profile["choices"][0]["value_errors"]
+    assert ea.keys() == ep.keys() and ea != ep
+    # the round trip the aware search scores is the static codec's
+    x = torch.randn(1, 2, 24, 64)
+    cfg = aware.config(0.04, 0.06)
+    thr = a.values[0]
+    from oakenkv.kernels.codec import decode, encode
+
+    rows = x.permute(0, 2, 1, 3).reshape(24, 128).contiguous()
+    want = decode(encode(rows, thr, cfg), thr, cfg).reshape(1, 24, 2, 64).permute(0, 2, 1, 3)
+    assert torch.equal(_fake_quant(x, thr, cfg), want)
+    with pytest.raises(ValueError, match="needs static=1"):
+        parse_spec("oaken-plus:aware=1")
 
 
 def test_the_streamed_search_on_the_default_model(default_model, profile):

@@ -5,6 +5,8 @@ paper's per-run statistics (the choices and every candidate's error in a profile
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,3 +56,64 @@ def test_a_profile_equals_the_papers_statistics_of_each_run():
         want = acc.finish(c, False, 5, "key")
         assert prof.thresholds[c] == want[0]
         assert prof.profiled(x, c) == want
+
+
+# ----------------------------------------------------------------------------------------------- allocation (alloc=1)
+
+
+def _choice(key_opts, value_opts):
+    """A LayerChoice whose options are ``(share, error)`` pairs (configs at those shares, stand-in profiles)."""
+    from oakenkv.calibrate.search import LayerChoice
+    from oakenkv.calibrate.transforms import LayerTransforms
+
+    def opts(pairs):
+        return [(sh, err, OakenConfig(outer_ratio=sh, inner_ratio=0.0), ("thr", sh)) for sh, err in pairs]
+
+    k, v = opts(key_opts), opts(value_opts)
+    one = next(o for o in k if o[0] == 0.1), next(o for o in v if o[0] == 0.1)
+    return LayerChoice(LayerTransforms(), one[0][2], one[1][2], one[0][3], one[1][3], {}, {"key": k, "value": v})
+
+
+def test_allocation_spends_the_budget_where_the_error_falls_most():
+    from oakenkv.calibrate.search import allocate_sparse
+
+    shares = (0.05, 0.1, 0.15, 0.2)
+    # layer 0's keys gain much from more outliers, its values little; layer 1's keys nothing, its values some
+    choices = [
+        _choice(zip(shares, (9.0, 5.0, 2.0, 1.0), strict=True), zip(shares, (1.0, 0.98, 0.97, 0.96), strict=True)),
+        _choice(zip(shares, (1.0, 1.0, 1.0, 1.0), strict=True), zip(shares, (2.0, 1.5, 1.2, 1.1), strict=True)),
+    ]
+    out, summary = allocate_sparse(choices, 0.1)
+    picked = [(c.key[1], c.value[1]) for c in out]  # the stand-in profiles hold their shares
+    got = [(o.key_config.outer_ratio, o.value_config.outer_ratio) for o in out]
+    assert sum(a + b for a, b in got) <= 4 * 0.1 + 1e-9  # the budget: the model's average share
+    assert got[0][0] == 0.2 and got[1][0] == 0.05  # spent on layer 0's keys, taken from layer 1's
+    assert picked == got  # the thresholds follow the configs
+    assert summary["used"] == "allocated" and summary["error_sum"]["allocated"] < summary["error_sum"]["uniform"]
+    assert out[0].notes["allocated"] == {"key": 0.2, "value": got[0][1]}
+
+
+def test_allocation_keeps_the_uniform_choice_when_it_is_no_worse():
+    from oakenkv.calibrate.search import allocate_sparse
+
+    shares = (0.05, 0.1, 0.15, 0.2)
+    flat = list(zip(shares, (1.0, 1.0, 1.0, 1.0), strict=True))
+    out, summary = allocate_sparse([_choice(flat, flat)], 0.1)
+    assert summary["used"] == "uniform"
+    assert out[0].key_config.outer_ratio == 0.1 and out[0].value_config.outer_ratio == 0.1
+    with pytest.raises(ValueError, match="several budget scales"):
+        allocate_sparse([dataclasses.replace(out[0], options=None)], 0.1)
+
+
+def test_budget_scales_are_checked_before_any_profiling():
+    from oakenkv.calibrate.search import ALLOC_SCALES, PlusSearch
+
+    assert PlusSearch.from_flags(True, False, False, True, True, alloc=True).budget_scales == ALLOC_SCALES
+    assert PlusSearch.from_flags(True, False, False, True, True).budget_scales == (1.0,)
+    for bad in ((), (0.5,), (1.0, 0.5), (0.0, 1.0), (1.0, 1.0)):
+        with pytest.raises(ValueError, match="budget_scales"):
+            PlusSearch(budget_scales=bad)
+    with pytest.raises(ValueError):  # 0.3 x 4: no middle group left
+        PlusSearch(ratios=((0.3, 0.0),), budget_scales=(1.0, 4.0))
+    s = PlusSearch(budget_scales=(0.5, 1.0, 2.0))
+    assert s.sparse == 0.1 and s.scaled_ratios(2.0) == ((0.08, 0.12), (0.16, 0.04), (0.2, 0.0))

@@ -53,6 +53,7 @@ from oakenkv.calibrate.search import (
     DEFAULT_SPARSE,
     LayerChoice,
     PlusSearch,
+    allocate_sparse,
     attention_output,
     candidates_per_layer,
     choose_layer,
@@ -198,7 +199,11 @@ def profile_from_record(
 
 
 def _profile(choices: list[LayerChoice], fingerprint: ModelFingerprint, search: PlusSearch, runs: int) -> Thresholds:
-    """The profile of the layers' choices: their transforms and the thresholds profiled after them."""
+    """The profile of the layers' choices: their transforms and the thresholds profiled after them (with several
+    budget scales, the sparse share first allocated over layers and kinds: :func:`allocate_sparse`)."""
+    allocation = None
+    if len(search.budget_scales) > 1:
+        choices, allocation = allocate_sparse(choices, search.sparse)
     transforms = Transforms(
         tuple(c.transforms for c in choices),
         fingerprint.num_kv_heads,
@@ -213,6 +218,8 @@ def _profile(choices: list[LayerChoice], fingerprint: ModelFingerprint, search: 
         "ratios": "per layer and kind, in each layer's stats",
         "choices": [c.notes for c in choices],
     }
+    if allocation is not None:
+        info["allocation"] = allocation
     return Thresholds(
         search.config(),
         fingerprint,
@@ -233,6 +240,14 @@ def _search_dict(search: PlusSearch) -> dict[str, Any]:
     d["alphas"] = list(search.alphas)
     if search.middle_bits == 4:
         del d["middle_bits"]
+    if not search.static_grids:  # (likewise: a search scored with per-row grids keeps its digest)
+        del d["static_grids"], d["static_levels"]
+    else:
+        d["static_levels"] = list(search.static_levels)
+    if search.budget_scales == (1.0,):  # (likewise: a profile without alloc keeps its digest)
+        del d["budget_scales"]
+    else:
+        d["budget_scales"] = list(search.budget_scales)
     return d
 
 

@@ -12,6 +12,7 @@ taken over all windows of the layer, so a layer is scored once all of them are r
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -29,10 +30,12 @@ from oakenkv.calibrate.transforms import LayerTransforms, fwht, tie_rope_pairs
 from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_tokens
 
 __all__ = [
+    "ALLOC_SCALES",
     "DEFAULT_RATIOS",
     "DEFAULT_SPARSE",
     "LayerChoice",
     "PlusSearch",
+    "allocate_sparse",
     "attention_output",
     "candidates_per_layer",
     "choose_layer",
@@ -45,6 +48,12 @@ __all__ = [
 DEFAULT_RATIOS: tuple[tuple[float, float], ...] = ((0.04, 0.06), (0.08, 0.02), (0.10, 0.0))
 #: The sparse share of :data:`DEFAULT_RATIOS`.
 DEFAULT_SPARSE = 0.10
+
+
+#: The multiples of the sparse share each layer's keys and values may take with ``oaken-plus:alloc=1``
+#: (:attr:`PlusSearch.budget_scales`): the search scores every split at each, and :func:`allocate_sparse` spends the
+#: model's budget (the share times its values) where the scored error falls most.
+ALLOC_SCALES: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
 
 
 def ratio_choices(sparse: float) -> tuple[tuple[float, float], ...]:
@@ -83,6 +92,17 @@ class PlusSearch:
     #: The format's dense slot width (``OakenConfig.middle_bits``): 4 (the paper's), 2..3 or 5..7; the
     #: outliers get one bit more. The candidates are scored, and the profile made, at this width.
     middle_bits: int = 4
+    #: Multiples of the sparse share (``ratios``' sum) a layer's keys or values may take: ``(1.0,)`` (the default)
+    #: gives every layer and kind the same share; more (:data:`ALLOC_SCALES`, ``oaken-plus:alloc=1``) score every
+    #: split at each multiple too, and the profile spends the same budget over the model where the scored error
+    #: falls most (:func:`allocate_sparse`).
+    budget_scales: tuple[float, ...] = (1.0,)
+    #: The grids the candidates are scored with: per row (the default), or the format's static grids
+    #: (``OakenConfig.static_grids``) and, if given, static levels (``OakenConfig.static_levels``) of each candidate's
+    #: thresholds, as the profile will be served with them (``oaken-plus:static=1,aware=1``). The profile's config
+    #: then carries them.
+    static_grids: bool = False
+    static_levels: tuple[float, ...] = ()
 
     @classmethod
     def from_flags(
@@ -95,10 +115,14 @@ class PlusSearch:
         sink: int = 1,
         bits: int = 4,
         sparse: float = DEFAULT_SPARSE,
+        alloc: bool = False,
+        static_levels: tuple[float, ...] | None = None,
     ) -> PlusSearch:
         """The search of the method spec ``oaken-plus:shift=..,rot_k=..,rot_v=..,smooth=..,ratios=..,sink=..,bits=..,
         sparse=..`` (each remedy on or off; off ratios means the 40/60 outer/inner split only; ``sink``: tokens kept
-        at 16 bits; ``bits``: the dense slot width; ``sparse``: the inner + outer share, :func:`ratio_choices`)."""
+        at 16 bits; ``bits``: the dense slot width; ``sparse``: the inner + outer share, :func:`ratio_choices`;
+        ``alloc``: the share allocated over layers and kinds, :data:`ALLOC_SCALES`; ``static_levels``: None (score
+        with per-row grids) or the static levels to score with, ``()`` for one static grid)."""
         choices = ratio_choices(sparse)
         return cls(
             alphas=cls().alphas if smooth else (0.0,),
@@ -108,14 +132,30 @@ class PlusSearch:
             ratios=choices if ratios else choices[:1],
             sink_tokens=int(sink),
             middle_bits=int(bits),
+            budget_scales=ALLOC_SCALES if alloc else (1.0,),
+            static_grids=static_levels is not None,
+            static_levels=tuple(static_levels or ()),
         )
+
+    @property
+    def sparse(self) -> float:
+        """The sparse (inner + outer) share of the ratios (each split has the same)."""
+        outer, inner = self.ratios[0]
+        return round(outer + inner, 6)
+
+    def scaled_ratios(self, scale: float) -> tuple[tuple[float, float], ...]:
+        """The ratios at ``scale`` times the sparse share (the same splits; ``ratios`` itself at 1)."""
+        if scale == 1.0:
+            return self.ratios
+        return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in self.ratios)
 
     def config(self, outer: float | None = None, inner: float | None = None) -> OakenConfig:
         """The codec's configuration for candidate ratios ``(outer, inner)`` at this search's slot width (default
         ratios: the paper's, what a profile file records as its config)."""
+        static = {"static_grids": self.static_grids, "static_levels": self.static_levels}
         if outer is None or inner is None:
-            return OakenConfig(middle_bits=self.middle_bits)
-        return OakenConfig(outer_ratio=outer, inner_ratio=inner, middle_bits=self.middle_bits)
+            return OakenConfig(middle_bits=self.middle_bits, **static)
+        return OakenConfig(outer_ratio=outer, inner_ratio=inner, middle_bits=self.middle_bits, **static)
 
     def __post_init__(self) -> None:
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
@@ -123,6 +163,17 @@ class PlusSearch:
         self.config()  # validates the slot width
         for o, i in self.ratios:
             self.config(o, i)  # validates
+        scales = self.budget_scales
+        if (
+            not scales
+            or 1.0 not in scales
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in scales)
+            or list(scales) != sorted(set(scales))
+        ):
+            raise ValueError(f"budget_scales must be ascending positive multiples including 1.0, got {scales!r}")
+        for x in scales:
+            for o, i in self.scaled_ratios(x):
+                self.config(o, i)  # validates (a share of 1 or more is refused here, before any profiling)
         if self.query_runs < 1 or self.query_positions < 1:
             raise ValueError("query_runs and query_positions must be positive")
         if not valid_sink_tokens(self.sink_tokens):  # (checked before minutes of profiling, not after)
@@ -277,8 +328,12 @@ class _Profile:
 
     def profiled(self, x: torch.Tensor, config: OakenConfig) -> Profiled:
         """The thresholds and statistics at ``config``; ``x``: the vectors this profile was made of."""
+        return self.profiled_many(x, [config])[0]
+
+    def profiled_many(self, x: torch.Tensor, configs: Sequence[OakenConfig]) -> list[Profiled]:
+        """:meth:`profiled` at each of ``configs`` (the runs' kurtosis computed once)."""
         kurt = list(_pool().map(lambda r: kurtosis(x[r]), range(x.shape[0])))
-        return self._accumulate(self.configs.index(config), kurt).finish(config, False, self.layer, self.kind)
+        return [self._accumulate(self.configs.index(c), kurt).finish(c, False, self.layer, self.kind) for c in configs]
 
 
 @functools.cache
@@ -333,6 +388,10 @@ class LayerChoice:
     key: Profiled
     value: Profiled
     notes: dict[str, Any]
+    #: With several budget scales (:attr:`PlusSearch.budget_scales`): per kind (``"key"``, ``"value"``), one option
+    #: per scale, ascending: ``(sparse share, error, config, profiled)`` of the best split at that share (the chosen
+    #: transforms'); :func:`allocate_sparse` picks one. None with one scale.
+    options: dict[str, list[tuple[float, float, OakenConfig, Profiled]]] | None = None
 
 
 def choose_layer(
@@ -355,6 +414,9 @@ def choose_layer(
     scorer = _Scorer(q, k_q, v_q, sc, win, pos)
 
     configs = [search.config(o, inn) for o, inn in search.ratios]
+    # other shares of the sparse budget (alloc): every split at each, scored for the chosen transforms only
+    scaled = {x: [search.config(o, inn) for o, inn in search.scaled_ratios(x)] for x in search.budget_scales if x != 1}
+    profiled_configs = configs + [c for cs in scaled.values() for c in cs]
 
     def key_error(c: _Candidate, cfg: OakenConfig) -> float:
         kq = _fake_quant(c.scored, c.profile.thresholds[cfg], cfg, search.sink_tokens)
@@ -390,7 +452,7 @@ def choose_layer(
                 )
                 name = f"shift={int(use_shift)},rot={int(rot)},alpha={alpha:g}"
                 x = _key_transform(k_all, lt, h, hd)
-                cand = _Candidate(name, lt, base_cfg, _Profile(x, configs, i, "key"), x[:rq].clone())
+                cand = _Candidate(name, lt, base_cfg, _Profile(x, profiled_configs, i, "key"), x[:rq].clone())
                 del x
                 key_errs[name] = key_error(cand, base_cfg)
                 if best is None or key_errs[name] < key_errs[best.name]:
@@ -398,6 +460,7 @@ def choose_layer(
                 if progress:
                     progress(1)
     assert best is not None
+    tname = best.name
     for cfg in configs[:-1]:
         name = best.name + f",outer={cfg.outer_ratio:g},inner={cfg.inner_ratio:g}"
         key_errs[name] = key_error(best, cfg)
@@ -405,12 +468,13 @@ def choose_layer(
             best = _Candidate(name, best.lt, cfg, best.profile, best.scored)
         if progress:
             progress(1)
+    key_scaled = _scaled_options(scaled, tname, key_errs, lambda cfg: key_error(best, cfg), progress)
     # values: rotation, then ratios
     val_errs: dict[str, float] = {}
     vbest: _Candidate | None = None
     for rot in (False, True) if search.value_rotation and not layer.value_norm else (False,):
         x = _rotate(v_all) if rot else v_all
-        profile = _Profile(x, configs, i, "value")
+        profile = _Profile(x, profiled_configs, i, "value")
         for cfg in configs:
             vq = _fake_quant(x[:rq], profile.thresholds[cfg], cfg, search.sink_tokens)
             vh = _rotate(vq) if rot else vq
@@ -422,6 +486,26 @@ def choose_layer(
             if progress:
                 progress(1)
     assert vbest is not None
+    v_rot = vbest.lt.value_rotation
+    v_x = _rotate(v_all) if v_rot else v_all
+
+    def value_error(cfg: OakenConfig) -> float:
+        vq = _fake_quant(v_x[:rq], vbest.profile.thresholds[cfg], cfg, search.sink_tokens)
+        return scorer.value_error(_rotate(vq) if v_rot else vq)
+
+    val_scaled = _scaled_options(scaled, f"rot={int(v_rot)}", val_errs, value_error, progress)
+    k_x = _key_transform(k_all, best.lt, h, hd)
+    options = None
+    if scaled:
+        options = {}
+        for kind, cand, errs, extra, x in (
+            ("key", best, key_errs, key_scaled, k_x),
+            ("value", vbest, val_errs, val_scaled, v_x),
+        ):
+            opts = [(search.sparse, errs[cand.name], cand.config), *extra]
+            opts.sort(key=lambda o: o[0])
+            made = cand.profile.profiled_many(x, [o[2] for o in opts])
+            options[kind] = [(sh, err, cfg, p) for (sh, err, cfg), p in zip(opts, made, strict=True)]
     return LayerChoice(
         LayerTransforms(
             key_shift=best.lt.key_shift,
@@ -431,15 +515,116 @@ def choose_layer(
         ),
         best.config,
         vbest.config,
-        best.profile.profiled(_key_transform(k_all, best.lt, h, hd), best.config),
-        vbest.profile.profiled(_rotate(v_all) if vbest.lt.value_rotation else v_all, vbest.config),
+        best.profile.profiled(k_x, best.config),
+        vbest.profile.profiled(v_x, vbest.config),
         {
             "key": best.name,
             "value": vbest.name,
             "key_errors": {n: round(e, 8) for n, e in key_errs.items()},
             "value_errors": {n: round(e, 8) for n, e in val_errs.items()},
         },
+        options,
     )
+
+
+def _scaled_options(
+    scaled: dict[float, list[OakenConfig]],
+    prefix: str,
+    errs: dict[str, float],
+    error: Callable[[OakenConfig], float],
+    progress: Callable[[int], None] | None,
+) -> list[tuple[float, float, OakenConfig]]:
+    """The best split at each other budget scale: ``(share, error, config)`` per scale; every split's error is
+    noted in ``errs`` under ``prefix`` and its ratios."""
+    out = []
+    for cfgs in scaled.values():
+        pick = None
+        for cfg in cfgs:
+            err = error(cfg)
+            errs[f"{prefix},outer={cfg.outer_ratio:g},inner={cfg.inner_ratio:g}"] = err
+            if pick is None or err < pick[1]:
+                pick = (round(cfg.outer_ratio + cfg.inner_ratio, 6), err, cfg)
+            if progress:
+                progress(1)
+        assert pick is not None
+        out.append(pick)
+    return out
+
+
+def allocate_sparse(choices: Sequence[LayerChoice], sparse: float) -> tuple[list[LayerChoice], dict[str, Any]]:
+    """Spend the sparse budget over every layer's keys and values (``oaken-plus:alloc=1``): each (layer, kind)
+    takes one of its :attr:`LayerChoice.options`, the shares averaging at most ``sparse`` (keys and values of a
+    layer hold the same number of values), the sum of the scored errors as small as found.
+
+    Greedy over each option list's lower convex hull (error against share): every (layer, kind) starts at its
+    smallest share and the step that lowers the error most per share spent is taken while the budget allows (the
+    Lagrangian solution, then filled); ties go to the earlier layer, keys first. The result is kept only if its
+    summed error is below the uniform choice's (every share ``sparse``, what the search picks without alloc).
+    Returns the choices with their key and value configs and thresholds replaced, and a summary for the profile.
+    """
+    items = []
+    for li, c in enumerate(choices):
+        if c.options is None:
+            raise ValueError("allocate_sparse needs choices made with several budget scales (PlusSearch.budget_scales)")
+        for ki, kind in enumerate(("key", "value")):
+            items.append((li, ki, kind, c.options[kind]))
+    budget = sparse * len(items) + 1e-9
+
+    def hull(opts: list[tuple[float, float, OakenConfig, Profiled]]) -> list[int]:
+        path, cur = [0], 0
+        while True:
+            best_j, best_slope = None, 0.0
+            for j in range(cur + 1, len(opts)):
+                gain = opts[cur][1] - opts[j][1]
+                cost = opts[j][0] - opts[cur][0]
+                if gain > 0 and cost > 0 and gain / cost > best_slope:
+                    best_j, best_slope = j, gain / cost
+            if best_j is None:
+                return path
+            path.append(best_j)
+            cur = best_j
+
+    paths = [hull(opts) for *_, opts in items]
+    at = [0] * len(items)  # position along each hull
+    used = sum(opts[0][0] for *_, opts in items)
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push(n: int) -> None:
+        p, opts = paths[n], items[n][3]
+        if at[n] + 1 < len(p):
+            a, b = opts[p[at[n]]], opts[p[at[n] + 1]]
+            heapq.heappush(heap, (-(a[1] - b[1]) / (b[0] - a[0]), items[n][0], items[n][1], n))
+
+    for n in range(len(items)):
+        push(n)
+    while heap:
+        _, _, _, n = heapq.heappop(heap)
+        opts, p = items[n][3], paths[n]
+        cost = opts[p[at[n] + 1]][0] - opts[p[at[n]]][0]
+        if used + cost <= budget:
+            used += cost
+            at[n] += 1
+            push(n)
+    picked = [items[n][3][paths[n][at[n]]] for n in range(len(items))]
+    uniform = []
+    for *_, opts in items:
+        one = [o for o in opts if abs(o[0] - sparse) < 1e-9]
+        uniform.append(one[0])
+    err_alloc = sum(o[1] for o in picked)
+    err_uniform = sum(o[1] for o in uniform)
+    use = picked if err_alloc < err_uniform else uniform
+    out = []
+    for li, c in enumerate(choices):
+        k, v = use[2 * li], use[2 * li + 1]
+        notes = dict(c.notes, allocated={"key": k[0], "value": v[0]})
+        out.append(LayerChoice(c.transforms, k[2], v[2], k[3], v[3], notes, c.options))
+    summary = {
+        "scales": sorted({o[0] for *_, opts in items for o in opts}),
+        "mean_share": round(sum(o[0] for o in use) / len(use), 6),
+        "error_sum": {"allocated": round(err_alloc, 8), "uniform": round(err_uniform, 8)},
+        "used": "allocated" if use is picked else "uniform",
+    }
+    return out, summary
 
 
 def choose_transforms(
@@ -461,4 +646,5 @@ def choose_transforms(
 def candidates_per_layer(search: PlusSearch, rope_ok: bool) -> int:
     alphas = len(search.alphas) if rope_ok else 1
     keys = (2 if search.key_shift else 1) * (2 if search.key_rotation else 1) * alphas + len(search.ratios) - 1
-    return keys + (2 if search.value_rotation else 1) * len(search.ratios)
+    scaled = (len(search.budget_scales) - 1) * len(search.ratios)  # other shares, the chosen transforms only
+    return keys + (2 if search.value_rotation else 1) * len(search.ratios) + 2 * scaled

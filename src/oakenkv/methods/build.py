@@ -148,7 +148,9 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
     else:
         search = PlusSearch.from_flags(
             params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"],
-            params["bits"], params["sparse"],
+            params["bits"], params["sparse"], params["alloc"],
+            # aware=1: scored with the static grids (and levels) it will be encoded with
+            (DEFAULT_STATIC_LEVELS if params["levels"] else ()) if params["aware"] else None,
         )  # fmt: skip
         # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
         # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on its preset's (16 x 2048)

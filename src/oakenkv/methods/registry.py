@@ -209,6 +209,16 @@ FAMILIES: dict[str, Family] = {
                     "row (OakenConfig.static_grids: 32/D instead of 96/D scale bits; the profile is the per-row one's)",
                     0,
                 ),
+                "alloc": _switch(
+                    "the sparse share allocated over layers and kinds (each may take 0.5x to 2x of it, the model's "
+                    "average staying at it) where the search's scored error falls most",
+                    0,
+                ),
+                "aware": _switch(
+                    "with static=1, the search scores its candidates with the static grids (and levels) the format "
+                    "will use, not per-row grids (a profile of its own)",
+                    0,
+                ),
                 "levels": _switch(
                     "with static=1, static levels: a few static middle grids per layer (clip factors 0.5, 0.7, 0.85, "
                     "1), each row taking the smallest covering its middle values and storing its index in a byte "
@@ -362,6 +372,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         params[k] = fam.params[k].parse(name, k, v)
     if name == OAKEN.name and params["outer"] + params["inner"] >= 1.0:
         raise ValueError(f"method {name!r}: outer + inner must be below 1, got {params['outer'] + params['inner']:g}")
+    if params.get("aware") and not params.get("static"):
+        raise ValueError(f"method {name!r}: aware=1 scores the search with the static grids: it needs static=1 as well")
     if params.get("levels") and not params.get("static"):
         raise ValueError(
             f"method {name!r}: levels=1 (static levels) are sizes of the static grid: it needs static=1 as well"
@@ -439,6 +451,8 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
             "rot_v": _plus_search_flag(thresholds, "value_rotation"),
             "static": int(thresholds.config.static_grids),
             "levels": int(bool(thresholds.config.static_levels)),
+            "alloc": _plus_alloc(thresholds),
+            "aware": _plus_aware(thresholds),
         }
         for key, value in recorded.items():
             if key in given and value is not None and params[key] != value:
@@ -477,6 +491,28 @@ def _plus_search_flag(thresholds: Any, name: str) -> int | None:
     except (AttributeError, KeyError, TypeError):
         return None
     return int(flag) if isinstance(flag, bool) else None
+
+
+def _plus_search_notes(thresholds: Any) -> dict[str, Any] | None:
+    try:
+        search = thresholds.transforms.notes["search"]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return search if isinstance(search, dict) else None
+
+
+def _plus_alloc(thresholds: Any) -> int | None:
+    """Whether an oaken-plus profile's search allocated the sparse share over layers (``alloc``: several budget
+    scales), or None when the file does not say (a profile's search notes leave the default out: 0)."""
+    search = _plus_search_notes(thresholds)
+    return None if search is None else int(len(search.get("budget_scales", [1.0])) > 1)
+
+
+def _plus_aware(thresholds: Any) -> int | None:
+    """Whether an oaken-plus profile's search scored its candidates with static grids (``aware``), or None when the
+    file does not say (a profile's search notes leave the default out: 0)."""
+    search = _plus_search_notes(thresholds)
+    return None if search is None else int(bool(search.get("static_grids", False)))
 
 
 def _plus_sparse(thresholds: Any) -> float | None:
