@@ -34,12 +34,18 @@ PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
 # so that the bits stay under the peer's): the default model (3 KV heads x 64), Gemma-3-270m (one KV head of 256) and
 # Qwen2.5-Coder-0.5B (2 x 64)
 # (levels=1: static levels, OakenConfig.static_levels, a byte per row more than static=1)
+# (alloc=1: the sparse share allocated over layers and kinds by the search, docs/plus.md)
 DEFAULT_OURS=("oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1" "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1"
-              oaken-plus-7 "oaken-plus:bits=7,sparse=0.1")
+              oaken-plus-7 "oaken-plus:bits=7,sparse=0.1"
+              "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
+              "oaken-plus:bits=4,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:bits=7,sparse=0.1,alloc=1")
 GEMMA_OURS=("oaken-plus:bits=4,sparse=0.03,rot_k=1,rot_v=1" "oaken-plus:bits=3,sparse=0.03,rot_k=1,rot_v=1"
             "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1" "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1"
-            "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1" "oaken-plus:bits=4,sparse=0.055,static=1,levels=1")
-QWEN_OURS=("oaken-plus:bits=3,sparse=0.045,rot_k=1,rot_v=1,static=1")
+            "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1" "oaken-plus:bits=4,sparse=0.055,static=1,levels=1"
+            "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
+            "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1")
+QWEN_OURS=("oaken-plus:bits=3,sparse=0.045,rot_k=1,rot_v=1,static=1"
+           "oaken-plus:bits=3,sparse=0.04,rot_k=1,rot_v=1,static=1,levels=1,alloc=1")
 
 stem() { echo "$1" | tr ':=,' '___'; }
 ppl() {  # ppl <model> <windows> <dir> <method> [extra args...]
