@@ -94,6 +94,30 @@ def test_layout_sizes_follow_the_row_width_and_capacity():
         BlockLayout.make(192, 128, CFG, sparse_bytes_per_token=0)
 
 
+def test_the_sparse_area_is_sized_by_the_profiles_largest_layer_share():
+    """A profile whose layers take different sparse shares (an oaken-plus search at another share, or alloc=1 at up
+    to twice its average) sizes every block's sparse area for its largest: vLLM's pages are one size. A profile at
+    the paper's 10% everywhere keeps the layout it had."""
+    from oakenkv.calibrate.thresholds import GroupThresholds, LayerStats, ModelFingerprint, Thresholds
+    from oakenkv.integrations.vllm.layout import profile_outlier_share
+
+    def stats(outer, inner):
+        return LayerStats(3.0, 100, 2, outer, inner, (0.0,) * 4)
+
+    fp = ModelFingerprint("LlamaForCausalLM", 2, 3, 64)
+    g = (GroupThresholds(-2.0, -0.1, 0.1, 2.0), GroupThresholds(-2.5, -0.1, 0.1, 2.5))
+    plain = Thresholds(CFG, fp, g, g)
+    assert profile_outlier_share(plain) == pytest.approx(0.1)
+    alloc = Thresholds(CFG, fp, g, g, (stats(0.04, 0.06), stats(0.16, 0.04)), (stats(0.05, 0.0), stats(0.1, 0.0)))
+    assert profile_outlier_share(alloc) == pytest.approx(0.2)
+    ten = BlockLayout.make(192, 128, CFG, outlier_share=profile_outlier_share(plain))
+    assert ten == BlockLayout.make(192, 128, CFG)  # the layout of every profile at 10%, unchanged
+    twenty = BlockLayout.make(192, 128, CFG, outlier_share=0.2)
+    assert twenty.sparse_units == math.ceil(128 * 1.35 * 192 * 0.2 / twenty.unit) > ten.sparse_units
+    with pytest.raises(ValueError, match="outlier_share"):
+        BlockLayout.make(192, 128, CFG, outlier_share=0.0)
+
+
 def test_static_levels_are_refused_by_the_plugin(tmp_path):
     """Static levels (OakenConfig.static_levels): a level byte per record, which the plugin's blocks and kernels do
     not read; its profile check, its block layout and the export refuse them with one NotImplementedError, before

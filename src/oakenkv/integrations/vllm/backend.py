@@ -52,6 +52,7 @@ from oakenkv.integrations.vllm.layout import (
     layer_static_grid,
     pool_view,
     prefill_attention,
+    profile_outlier_share,
 )
 
 logger = init_logger("vllm.oakenkv")  # (a child of vLLM's logger: its handlers print our lines with its own)
@@ -104,7 +105,9 @@ def layout_for(num_kv_heads: int, head_size: int, block_size: int) -> BlockLayou
     s = _settings()
     thr = load_profile(s.profile)
     sink = thr.transforms.sink_tokens if thr.transforms is not None else 0
-    return BlockLayout.make(num_kv_heads * head_size, block_size, thr.config, s.sparse_bytes_per_token, sink)
+    return BlockLayout.make(
+        num_kv_heads * head_size, block_size, thr.config, s.sparse_bytes_per_token, sink, profile_outlier_share(thr)
+    )
 
 
 _WARM = threading.Lock()

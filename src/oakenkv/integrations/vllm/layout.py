@@ -37,6 +37,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,14 +108,17 @@ class BlockLayout:
         config: _oaken.OakenConfig,
         sparse_bytes_per_token: float | None = None,
         sink_tokens: int = 0,
+        outlier_share: float | None = None,
     ) -> BlockLayout:
         """The layout for rows of ``dim`` values in blocks of ``block_size`` tokens.
 
         Args:
             config: the profile's config (needs fp16 scales; the ratios set the default sparse capacity).
             sparse_bytes_per_token: sparse capacity per token and kind (bytes), shared by the block's tokens;
-                default ``DEFAULT_HEADROOM x dim x (outer_ratio + inner_ratio)``.
+                default ``DEFAULT_HEADROOM x dim x outlier_share``.
             sink_tokens: the profile's sink tokens (16-bit copies kept in every block's sink area).
+            outlier_share: the largest sparse (inner + outer) share of any layer and kind
+                (:func:`profile_outlier_share`); default the config's ``outer_ratio + inner_ratio``.
         """
         if config.scale_dtype != "float16":
             raise ValueError("the vLLM plugin stores fp16 scales; this profile uses scale_dtype='float32'")
@@ -126,7 +130,10 @@ class BlockLayout:
             raise ValueError(f"dim and block_size must be positive ints, got {dim!r}, {block_size!r}")
         unit = _oaken.record_size(dim, config)
         if sparse_bytes_per_token is None:
-            sparse_bytes_per_token = DEFAULT_HEADROOM * dim * config.outlier_ratio
+            share = config.outlier_ratio if outlier_share is None else outlier_share
+            if not 0.0 < share < 1.0:
+                raise ValueError(f"outlier_share must be a fraction in (0, 1), got {share!r}")
+            sparse_bytes_per_token = DEFAULT_HEADROOM * dim * share
         if not sparse_bytes_per_token > 0:
             raise ValueError(f"sparse_bytes_per_token must be > 0, got {sparse_bytes_per_token!r}")
         max_record = _oaken.sparse_capacity(dim)
@@ -198,6 +205,16 @@ class BlockLayout:
             "sink_bytes_per_block": self.sink_units * self.unit,
             "static_grids": self.static_grids,
         }
+
+
+def profile_outlier_share(thr: Any) -> float:
+    """The largest sparse (inner + outer) share any layer and kind of profile ``thr`` (a ``Thresholds``) was profiled
+    for, from its statistics (an oaken-plus search sets them per layer; ``alloc=1`` up to twice its average), or its
+    config's ratios when it has none: what every block's sparse area is sized for (vLLM's pages are one size)."""
+    stats = [*(thr.key_stats or ()), *(thr.value_stats or ())]
+    if not stats:
+        return float(thr.config.outlier_ratio)
+    return max(float(s.outer_ratio) + float(s.inner_ratio) for s in stats)
 
 
 def layer_static_grid(layout: BlockLayout, thresholds: np.ndarray) -> np.ndarray:
