@@ -46,7 +46,8 @@ GEMMA_OURS=("oaken-plus:bits=4,sparse=0.03,rot_k=1,rot_v=1" "oaken-plus:bits=3,s
             "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
             "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1,alloc=1")
 QWEN_OURS=("oaken-plus:bits=3,sparse=0.045,rot_k=1,rot_v=1,static=1"
-           "oaken-plus:bits=3,sparse=0.04,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:static=1,levels=1,alloc=1")
+           "oaken-plus:bits=3,sparse=0.04,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:static=1,levels=1,alloc=1"
+           "oaken-plus:sparse=0.08,static=1,levels=1,alloc=1")
 
 stem() { echo "$1" | tr ':=,' '___'; }
 ppl() {  # ppl <model> <windows> <dir> <method> [extra args...]
