@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -63,8 +63,12 @@ def ratio_choices(sparse: float) -> tuple[tuple[float, float], ...]:
         raise ValueError(f"the sparse share must be a fraction in (0, 1), got {sparse!r}")
     if sparse == DEFAULT_SPARSE:
         return DEFAULT_RATIOS
-    scale = sparse / DEFAULT_SPARSE
-    return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in DEFAULT_RATIOS)
+    return _scale_ratios(DEFAULT_RATIOS, sparse / DEFAULT_SPARSE)
+
+
+def _scale_ratios(ratios: Sequence[tuple[float, float]], scale: float) -> tuple[tuple[float, float], ...]:
+    """Each ``(outer, inner)`` times ``scale``, rounded to 6 decimals (the same splits of a larger or smaller share)."""
+    return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in ratios)
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,7 @@ class PlusSearch:
 
     def scaled_ratios(self, scale: float) -> tuple[tuple[float, float], ...]:
         """The ratios at ``scale`` times the sparse share (the same splits; ``ratios`` itself at 1)."""
-        if scale == 1.0:
-            return self.ratios
-        return tuple((round(o * scale, 6), round(i * scale, 6)) for o, i in self.ratios)
+        return self.ratios if scale == 1.0 else _scale_ratios(self.ratios, scale)
 
     def config(self, outer: float | None = None, inner: float | None = None) -> OakenConfig:
         """The codec's configuration for candidate ratios ``(outer, inner)`` at this search's slot width (default
@@ -495,17 +497,18 @@ def choose_layer(
 
     val_scaled = _scaled_options(scaled, f"rot={int(v_rot)}", val_errs, value_error, progress)
     k_x = _key_transform(k_all, best.lt, h, hd)
-    options = None
-    if scaled:
-        options = {}
-        for kind, cand, errs, extra, x in (
-            ("key", best, key_errs, key_scaled, k_x),
-            ("value", vbest, val_errs, val_scaled, v_x),
-        ):
-            opts = [(search.sparse, errs[cand.name], cand.config), *extra]
-            opts.sort(key=lambda o: o[0])
-            made = cand.profile.profiled_many(x, [o[2] for o in opts])
-            options[kind] = [(sh, err, cfg, p) for (sh, err, cfg), p in zip(opts, made, strict=True)]
+    # the chosen candidates' thresholds and statistics, at every scale's best split too with alloc (one kurtosis
+    # pass per kind either way)
+    options: dict[str, list[tuple[float, float, OakenConfig, Profiled]]] = {}
+    chosen: dict[str, Profiled] = {}
+    for kind, cand, errs, extra, x in (
+        ("key", best, key_errs, key_scaled, k_x),
+        ("value", vbest, val_errs, val_scaled, v_x),
+    ):
+        opts = sorted([(search.sparse, errs[cand.name], cand.config), *extra], key=lambda o: o[0])
+        made = cand.profile.profiled_many(x, [o[2] for o in opts])
+        options[kind] = [(sh, err, cfg, p) for (sh, err, cfg), p in zip(opts, made, strict=True)]
+        chosen[kind] = made[[o[2] for o in opts].index(cand.config)]
     return LayerChoice(
         LayerTransforms(
             key_shift=best.lt.key_shift,
@@ -515,15 +518,15 @@ def choose_layer(
         ),
         best.config,
         vbest.config,
-        best.profile.profiled(k_x, best.config),
-        vbest.profile.profiled(v_x, vbest.config),
+        chosen["key"],
+        chosen["value"],
         {
             "key": best.name,
             "value": vbest.name,
             "key_errors": {n: round(e, 8) for n, e in key_errs.items()},
             "value_errors": {n: round(e, 8) for n, e in val_errs.items()},
         },
-        options,
+        options if scaled else None,
     )
 
 
@@ -562,12 +565,12 @@ def allocate_sparse(choices: Sequence[LayerChoice], sparse: float) -> tuple[list
     summed error is below the uniform choice's (every share ``sparse``, what the search picks without alloc).
     Returns the choices with their key and value configs and thresholds replaced, and a summary for the profile.
     """
+    # one option list per (layer, kind), keys first: item n is layer n // 2's kind n % 2
     items = []
-    for li, c in enumerate(choices):
+    for c in choices:
         if c.options is None:
             raise ValueError("allocate_sparse needs choices made with several budget scales (PlusSearch.budget_scales)")
-        for ki, kind in enumerate(("key", "value")):
-            items.append((li, ki, kind, c.options[kind]))
+        items += [c.options["key"], c.options["value"]]
     budget = sparse * len(items) + 1e-9
 
     def hull(opts: list[tuple[float, float, OakenConfig, Profiled]]) -> list[int]:
@@ -584,32 +587,27 @@ def allocate_sparse(choices: Sequence[LayerChoice], sparse: float) -> tuple[list
             path.append(best_j)
             cur = best_j
 
-    paths = [hull(opts) for *_, opts in items]
+    paths = [hull(opts) for opts in items]
     at = [0] * len(items)  # position along each hull
-    used = sum(opts[0][0] for *_, opts in items)
-    heap: list[tuple[float, int, int, int]] = []
+    used = sum(opts[0][0] for opts in items)
+    heap: list[tuple[float, int]] = []  # (minus the step's error drop per share, item): ties to the earlier item
 
     def push(n: int) -> None:
-        p, opts = paths[n], items[n][3]
-        if at[n] + 1 < len(p):
-            a, b = opts[p[at[n]]], opts[p[at[n] + 1]]
-            heapq.heappush(heap, (-(a[1] - b[1]) / (b[0] - a[0]), items[n][0], items[n][1], n))
+        if at[n] + 1 < len(paths[n]):
+            a, b = items[n][paths[n][at[n]]], items[n][paths[n][at[n] + 1]]
+            heapq.heappush(heap, (-(a[1] - b[1]) / (b[0] - a[0]), n))
 
     for n in range(len(items)):
         push(n)
     while heap:
-        _, _, _, n = heapq.heappop(heap)
-        opts, p = items[n][3], paths[n]
-        cost = opts[p[at[n] + 1]][0] - opts[p[at[n]]][0]
+        _, n = heapq.heappop(heap)
+        cost = items[n][paths[n][at[n] + 1]][0] - items[n][paths[n][at[n]]][0]
         if used + cost <= budget:
             used += cost
             at[n] += 1
             push(n)
-    picked = [items[n][3][paths[n][at[n]]] for n in range(len(items))]
-    uniform = []
-    for *_, opts in items:
-        one = [o for o in opts if abs(o[0] - sparse) < 1e-9]
-        uniform.append(one[0])
+    picked = [opts[paths[n][at[n]]] for n, opts in enumerate(items)]
+    uniform = [next(o for o in opts if abs(o[0] - sparse) < 1e-9) for opts in items]
     err_alloc = sum(o[1] for o in picked)
     err_uniform = sum(o[1] for o in uniform)
     use = picked if err_alloc < err_uniform else uniform
@@ -617,9 +615,9 @@ def allocate_sparse(choices: Sequence[LayerChoice], sparse: float) -> tuple[list
     for li, c in enumerate(choices):
         k, v = use[2 * li], use[2 * li + 1]
         notes = dict(c.notes, allocated={"key": k[0], "value": v[0]})
-        out.append(LayerChoice(c.transforms, k[2], v[2], k[3], v[3], notes, c.options))
+        out.append(replace(c, key_config=k[2], value_config=v[2], key=k[3], value=v[3], notes=notes))
     summary = {
-        "scales": sorted({o[0] for *_, opts in items for o in opts}),
+        "scales": sorted({o[0] for opts in items for o in opts}),
         "mean_share": round(sum(o[0] for o in use) / len(use), 6),
         "error_sum": {"allocated": round(err_alloc, 8), "uniform": round(err_uniform, 8)},
         "used": "allocated" if use is picked else "uniform",

@@ -146,11 +146,12 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         if given:
             name += ":" + ",".join(given)
     else:
+        # (levels=1: the default static levels, DEFAULT_STATIC_LEVELS, each row's index stored; static=1 only)
+        levels = DEFAULT_STATIC_LEVELS if params["levels"] else ()
         search = PlusSearch.from_flags(
             params["shift"], params["rot_k"], params["rot_v"], params["smooth"], params["ratios"], params["sink"],
             params["bits"], params["sparse"], params["alloc"],
-            # aware=1: scored with the static grids (and levels) it will be encoded with
-            (DEFAULT_STATIC_LEVELS if params["levels"] else ()) if params["aware"] else None,
+            levels if params["aware"] else None,  # aware=1: scored with the static grids it will be encoded with
         )  # fmt: skip
         # The evaluation's default calibration (16 x 256) is too short for a key shift, which is the mean of
         # post-RoPE keys over the positions it is taken at: oaken-plus calibrates on its preset's (16 x 2048)
@@ -159,9 +160,8 @@ def build_oaken_plus(ctx: BuildContext, params: dict[str, Any]) -> Method:
         thresholds = cached_plus_profile(ctx.model, ctx.tokenizer, ctx.model_name, spec, search, progress=ctx.progress)
         if params["static"]:
             # static grids (OakenConfig.static_grids): the same search's profile (transforms, thresholds, ratios),
-            # encoded with the layer's static middle/inner grids; the search itself scores per-row grids
-            # (levels=1: with the default static levels, DEFAULT_STATIC_LEVELS, each row's index stored)
-            levels = DEFAULT_STATIC_LEVELS if params["levels"] else ()
+            # encoded with the layer's static middle/inner grids (and levels); the search scores per-row grids
+            # unless aware=1
             static = thresholds.config.replace(static_grids=True, static_levels=levels)
             thresholds = dataclasses.replace(thresholds, config=static)
         extra["calibration"] = spec.tag()

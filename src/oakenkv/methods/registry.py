@@ -483,22 +483,20 @@ def check_spec_with_thresholds(spec: str, thresholds: Any, source: str = "the th
     return params
 
 
-def _plus_search_flag(thresholds: Any, name: str) -> int | None:
-    """Whether an oaken-plus profile's search allowed one remedy (``key_rotation``, ``value_rotation``; the search
-    its transforms record), or None when the file does not say."""
-    try:
-        flag = thresholds.transforms.notes["search"][name]
-    except (AttributeError, KeyError, TypeError):
-        return None
-    return int(flag) if isinstance(flag, bool) else None
-
-
 def _plus_search_notes(thresholds: Any) -> dict[str, Any] | None:
+    """The search an oaken-plus profile's transforms record (``Transforms.notes["search"]``), or None."""
     try:
         search = thresholds.transforms.notes["search"]
     except (AttributeError, KeyError, TypeError):
         return None
     return search if isinstance(search, dict) else None
+
+
+def _plus_search_flag(thresholds: Any, name: str) -> int | None:
+    """Whether an oaken-plus profile's search allowed one remedy (``key_rotation``, ``value_rotation``; the search
+    its transforms record), or None when the file does not say."""
+    flag = (_plus_search_notes(thresholds) or {}).get(name)
+    return int(flag) if isinstance(flag, bool) else None
 
 
 def _plus_alloc(thresholds: Any) -> int | None:
