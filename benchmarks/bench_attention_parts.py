@@ -26,6 +26,7 @@ import numpy as np
 #: variant -> (anchor text in the kernel source, replacement)
 VARIANTS = {
     "no_coo_walk": ("        if n:  # the walker", "        n = 0\n        if n:  # the walker"),
+    "no_coo_entries": ("    coo = span_view(pool, s0, s0 + n)\n", "    coo = span_view(pool, s0, s0 + n)\n    n = 0\n"),
     "no_row_decode": (
         "    for j in range(out.shape[0]):\n        t = t0 + j",
         "    for j in range(0):\n        t = t0 + j",

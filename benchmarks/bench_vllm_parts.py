@@ -1,6 +1,7 @@
 """The vLLM plugin's per-layer step parts, timed alone (no vLLM): what one decode step of one layer costs at issue
 #32's ample point (16 rows, 3 KV heads x 64, 9 query heads, blocks of 128, contexts ~300), oaken-plus's layout (one
-sink token, key rotation), on one thread, as vLLM's CPU worker runs them.
+sink token, key rotation), on one thread, as vLLM's CPU worker runs them; and a prompt's first chunk of 256 tokens,
+by the tiles and (with the vLLM venv's python) by vLLM's own kernel.
 
 The blocks hold synthetic heavy-tailed keys and values with thresholds at the config's quantiles (~10% outliers, as
 a profile gives). Every part is timed ``--repeats`` times and the minimum kept: the machine is shared, a minimum is
@@ -84,6 +85,21 @@ def main() -> None:
     k256, v256 = torch.from_numpy(k[:256].copy()), torch.from_numpy(v[:256].copy())
     s256 = table[0, np.arange(256) // bs] * bs + np.arange(256) % bs
     f32 = np.float32
+    # a prompt's first chunk of 256 tokens (no history), attended by the tiles (torch's flash) and, where vLLM's ops
+    # are present (run with the vLLM venv's python), by vLLM's own kernel (integrations/vllm/chunk.py)
+    first = -(-256 // bs)
+    ppool, pupb = lay_mod.pool_view(torch.zeros(first, lay.block_bytes, dtype=torch.uint8), lay)
+    w.write(ppool, pupb, np.arange(256), torch.from_numpy(k[:256].copy()), torch.from_numpy(v[:256].copy()))
+    ptables = lay_mod.BlockTables(lay, pupb)
+    ptables.update(1, np.arange(first, dtype=np.int32)[None], np.array([256]), np.array([256]))
+    qprompt = torch.from_numpy(rng.standard_normal((256, hq, hd)).astype(np.float32))
+    own = None
+    try:
+        from oakenkv.integrations.vllm import chunk
+
+        own = chunk.make(hq, hkv, hd)
+    except ImportError:  # a tree from before chunk.py
+        pass
     parts = {
         "decode_attention_rows (one layer's decode)": decode,
         "decode kernel (packed_decode_attention_serial)": lambda: _oaken.packed_decode_attention_serial(
@@ -95,7 +111,14 @@ def main() -> None:
         "fwht of a prompt's queries [256, 9, 64]": lambda: _oaken.fwht(qp),
         "write 16 tokens (a decode step)": lambda: w.write(pool, upb, s16, k16, v16),
         "write 256 tokens (a prompt)": lambda: w.write(pool, upb, s256, k256, v256),
+        "prefill of a 256-token first chunk, tiles (torch's flash)": lambda: lay_mod.prefill_attention(
+            ptables, 0, ppool, 0, qprompt, params
+        ),
     }
+    if own is not None:
+        parts["prefill of a 256-token first chunk, vLLM's kernel"] = lambda: lay_mod.prefill_attention(
+            ptables, 0, ppool, 0, qprompt, params, own=own
+        )
     res = {}
     for name, fn in parts.items():
         fn()

@@ -570,6 +570,69 @@ def test_plus_prefill_attention_over_tiles_equals_attention_over_the_stored_valu
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    ("rotation", "softcap", "static"), [(False, 0.0, False), (True, 30.0, False), (True, 0.0, True)]
+)
+def test_plus_first_chunk_by_vllms_kernel_equals_attention_over_the_stored_values(rotation, softcap, static):
+    """A prompt's first chunk (no history) attended by vLLM's own CPU kernel over its dequantized rows
+    (``chunk.ChunkAttention``, float32) equals float attention over what OakenCache reads back, and the tiled flash
+    path; the scratch cache, reused for a shorter chunk after a longer one, gives the same."""
+    chunk = pytest.importorskip("oakenkv.integrations.vllm.chunk")
+    from oakenkv.integrations.vllm.layout import LayerParams, prefill_attention
+    from oakenkv.store.paged import KEY, VALUE
+
+    own = chunk.make(9, 3, 64)
+    if own is None:
+        pytest.skip("vLLM's CPU attention ops are not available here")
+    b = _plus_blocks(rotation, seed=11, static=static)
+    tables, pool, stores, rows, thr = b.tables, b.pool, b.stores, b.rows, b.thr
+    params = LayerParams(thr, 3, 0.125, softcap, rotation, b.grid)
+    order = sorted(range(len(stores)), key=lambda r: -len(rows[r][0]))  # longest first: the scratch is reused
+    for r in order:
+        n = len(rows[r][0])
+        q = torch.from_numpy(np.random.default_rng(r).standard_normal((n, 9, 64)).astype(np.float32))
+        got = prefill_attention(tables, 0, pool, r, q, params, own=own)
+        tiled = prefill_attention(tables, 0, pool, r, q, params)
+        k, v = stores[r].read(0, KEY), stores[r].read(0, VALUE)  # [1, H, n, hd]
+        mask = (torch.arange(n)[None, :] <= torch.arange(n)[:, None])[None, None]
+        want = float_attention(q.transpose(0, 1)[None], k, v, mask, 0.125, softcap or None)[0]
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got.numpy(), tiled.numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_chunk_attention_from_two_threads_at_once_gives_each_its_own_result():
+    """The plugin's row threads take a step's prompts in turn: two first chunks attended at the same time, from two
+    threads, each get what one call alone gives (vLLM's kernel, unguarded, gave wrong rows: its working memory is
+    the process's)."""
+    import threading
+
+    from oakenkv.integrations.vllm import chunk
+
+    own = chunk.make(9, 3, 64)
+    if own is None:
+        pytest.skip("vLLM's CPU attention ops are not available here")
+    rng = np.random.default_rng(4)
+    cases = []
+    for s in (256, 200):
+        q = torch.from_numpy(rng.standard_normal((s, 9, 64)).astype(np.float32))
+        k, v = (rng.standard_normal((s, 192)).astype(np.float32) for _ in range(2))
+        cases.append((q, k, v, own(q, k, v, 0.125, 0.0).clone()))
+    wrong = []
+
+    def run(case):
+        q, k, v, alone = case
+        for _ in range(20):
+            if not torch.equal(own(q, k, v, 0.125, 0.0), alone):
+                wrong.append(len(q))
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
 def test_block_tables_kept_across_steps_equal_tables_built_afresh():
     """The tables the builder keeps across steps (refilled from the first token that can have changed) equal a
     fresh fill at every step: rows growing by a token, a row taking other blocks (a preempted request recomputed),

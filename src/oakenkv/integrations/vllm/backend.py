@@ -9,7 +9,8 @@
   and encodes the step's new keys and values into their block slots with one numba call per layer; ``forward``
   runs the packed-page decode kernel for one-token queries (multi-threaded over (row, token range) work items,
   16-bit sink tokens merged) and, for longer queries (prefill, chunked prefill, prefix-cache hits), a flash loop over
-  tiles of the row's tokens dequantized from the blocks.
+  tiles of the row's tokens dequantized from the blocks; a prompt's first chunk (no history) goes to vLLM's own CPU
+  attention kernel over its dequantized rows, in float32 (``chunk.py``).
 
 The numba kernels are compiled (or loaded from numba's on-disk cache) by :func:`warm_up` while the engine starts
 (the first attention layer built in the worker), never inside a request. Everything runs on the CPU, in the worker
@@ -39,7 +40,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
-from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, load_profile, settings
+from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, chunk, load_profile, settings
 from oakenkv.integrations.vllm.layout import (
     ROW_THREADS_MIN_TOKENS,
     BlockLayout,
@@ -381,6 +382,8 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         self._state: _LayerState | None = None
         #: The decode step's buffers, reused by every step of this layer.
         self._scratch = DecodeScratch()
+        #: vLLM's own CPU attention kernel for a prompt's first chunk (no history), or None (torch's flash then).
+        self._chunk = chunk.make(num_heads, self.num_kv_heads, head_size)
         #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
         #: step's time goes (``worker_stats``).
         self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
@@ -509,9 +512,8 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
 
         def prefill(r: int) -> None:
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
-            out = prefill_attention(
-                tables, st.layer_index, st.pool, r, query[a:b].reshape(b - a, self.num_heads, hd), st.params
-            )
+            q = query[a:b].reshape(b - a, self.num_heads, hd)
+            out = prefill_attention(tables, st.layer_index, st.pool, r, q, st.params, own=self._chunk)
             output[a:b] = out.reshape(output[a:b].shape).to(output.dtype)
 
         rt = self.row_threads

@@ -1067,6 +1067,7 @@ def prefill_attention(
     query: torch.Tensor,
     params: LayerParams,
     tile: int = PREFILL_TILE,
+    own: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of row ``row``'s ``S`` query tokens (``query`` ``[S, Hq, hd]``, the last ``S`` positions of
     its ``L`` stored tokens) over its stored tokens, the chunk's own included. Returns float32 ``[S, Hq, hd]``.
@@ -1075,7 +1076,12 @@ def prefill_attention(
     tokens from their 16-bit copies) into small float32 buffers: the history ``tile`` tokens at a time, each tile
     attended without a mask, then the chunk's own ``S`` tokens, attended causally; the parts are merged by their
     log-sum-exp (torch's CPU flash attention returns it), so the history is never held in floats as a whole. With a
-    logit soft cap (or a torch without that kernel) the same tiles go through a plain online-softmax loop."""
+    logit soft cap (or a torch without that kernel) the same tiles go through a plain online-softmax loop.
+
+    ``own``: for a chunk with no history (a prompt's first chunk), a causal float32 attention of the chunk over its
+    own rows, ``own(q [S, Hq, hd], keys [S, D], values [S, D], scale, softcap) -> [S, Hq, hd]`` (the backend passes
+    vLLM's own CPU kernel, ``chunk.ChunkAttention``: about twice torch's flash attention's speed); the tiles
+    otherwise."""
     lay = tables.layout
     lt = tables.layer(layer, pool)
     length = int(tables.seq_lens[row])
@@ -1091,8 +1097,8 @@ def prefill_attention(
     kbuf = np.empty((width, lay.dim), np.float32)
     vbuf = np.empty((width, lay.dim), np.float32)
 
-    def load(t0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens ``t0 .. t0 + n - 1`` as float32 keys and values ``[1, Hq, n, hd]`` (KV heads repeated for GQA)."""
+    def load_rows(t0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``t0 .. t0 + n - 1``: float32 key and value rows ``[n, D]`` (views of the buffers)."""
         for kind, buf in ((0, kbuf), (1, vbuf)):
             st = _decode_span(
                 pool, lay.unit, lay.scale_bytes, lt.dense_pages[row, kind], lt.sparse_pages[row, kind],
@@ -1102,10 +1108,18 @@ def prefill_attention(
             )  # fmt: skip
             if st:
                 raise _oaken.CorruptDataError(f"Oaken KV blocks: {_oaken.ERROR_MESSAGES[int(st)]}")
+        return kbuf[:n], vbuf[:n]
+
+    def load(t0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``t0 .. t0 + n - 1`` as float32 keys and values ``[1, Hq, n, hd]`` (KV heads repeated for GQA)."""
+        load_rows(t0, n)
         k = torch.from_numpy(kbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
         v = torch.from_numpy(vbuf[:n]).view(1, n, hkv, 1, hd).expand(1, n, hkv, group, hd).reshape(1, n, hq, hd)
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    if own is not None and history == 0:
+        k_rows, v_rows = load_rows(0, s)
+        return own(q, k_rows, v_rows, params.scale, params.softcap)
     spans = [(t0, min(tile, history - t0), False) for t0 in range(0, history, tile)] + [(history, s, True)]
     qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, S, hd]
     flash = _flash_with_lse() if not params.softcap else None
