@@ -131,7 +131,12 @@ def main() -> None:
         print(f"{name:48s} {best * 1e6:9.1f} us")
     if a.json:
         up = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-        meta = {"rows": rows, "context": ctx, "repeats": a.repeats, "threads": 1, "uptime": up, "cpus": os.cpu_count()}
+        import sys
+
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None  # fmt: skip
+        meta = {"rows": rows, "context": ctx, "repeats": a.repeats, "threads": 1, "uptime": up, "cpus": os.cpu_count(),
+                "cpu": cpu, "vllm_kernel": own is not None, "command": " ".join(["python", *sys.argv])}  # fmt: skip
         a.json.write_text(json.dumps({"min_us": res, "meta": meta}, indent=1) + "\n")
 
 
