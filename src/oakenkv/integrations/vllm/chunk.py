@@ -11,8 +11,8 @@ cache in vLLM's layout (its ``cpu_attn_reshape_and_cache``, which knows the ISA'
 ``cpu_attention_with_kv_cache`` on it. A chunk with history keeps the tiled flash loop of
 ``layout.prefill_attention``: it needs each part's log-sum-exp, which vLLM's kernel does not return.
 
-Only importable where vLLM is (the backend builds one per layer); :func:`make` returns None where this vLLM lacks
-the ops or the head size, and the backend falls back to torch's flash attention.
+The backend builds one per layer; :func:`make` imports vLLM's ops and returns None where vLLM, its CPU ops or the
+head size are missing (the backend then keeps torch's flash attention).
 """
 
 from __future__ import annotations
@@ -35,21 +35,21 @@ _CALL = threading.Lock()
 
 class ChunkAttention:
     """Causal float32 attention of ``S`` queries over the ``S`` key and value rows of the same positions, by vLLM's
-    CPU kernel. One per layer: its scratch cache, one per thread (the plugin's row threads take a step's prompts in
-    turn), grows to the longest chunk seen and is reused."""
+    CPU kernel. One per layer: its scratch cache (used under the process-wide lock only) grows to the longest chunk
+    seen and is reused."""
 
     def __init__(self, ops, isa: str, num_heads: int, num_kv_heads: int, head_size: int) -> None:
         self._ops = ops
         self.isa = isa
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self._local = threading.local()
+        self._kv: torch.Tensor | None = None
 
     def _cache(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = getattr(self._local, "kv", None)
+        kv = self._kv
         if kv is None or kv.shape[0] < blocks:
             # zeros, and later only finite decoded rows: the kernel reads the unused tail of the last block (masked,
             # but 0 x NaN would still be NaN)
-            kv = self._local.kv = torch.zeros(blocks, self.num_kv_heads, 2 * BLOCK, self.head_size)
+            kv = self._kv = torch.zeros(blocks, self.num_kv_heads, 2 * BLOCK, self.head_size)
         k, v = kv[:blocks].chunk(2, dim=2)
         return k, v
 
@@ -59,7 +59,6 @@ class ChunkAttention:
         s = query.shape[0]
         hkv, hd = self.num_kv_heads, self.head_size
         blocks = -(-s // BLOCK)
-        kc, vc = self._cache(blocks)
         ops = self._ops
         k = torch.from_numpy(keys).view(s, hkv, hd)
         v = torch.from_numpy(values).view(s, hkv, hd)
@@ -69,6 +68,7 @@ class ChunkAttention:
         out = torch.empty(s, self.num_heads, hd, dtype=torch.float32)
         query = query.contiguous()
         with _CALL:
+            kc, vc = self._cache(blocks)
             ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(s, dtype=torch.int64), self.isa)
             meta = ops.cpu_attn_get_scheduler_metadata(
                 1, self.num_heads, hkv, hd, lens, torch.float32, qsl, True, -1, self.isa, False
