@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -133,10 +132,10 @@ def main() -> None:
         up = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
         import sys
 
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None  # fmt: skip
-        meta = {"rows": rows, "context": ctx, "repeats": a.repeats, "threads": 1, "uptime": up, "cpus": os.cpu_count(),
-                "cpu": cpu, "vllm_kernel": own is not None, "command": " ".join(["python", *sys.argv])}  # fmt: skip
+        from oakenkv.bench.results import machine
+
+        meta = {"rows": rows, "context": ctx, "repeats": a.repeats, "threads": 1, "uptime": up, "machine": machine(),
+                "vllm_kernel": own is not None, "command": " ".join(["python", *sys.argv])}  # fmt: skip
         a.json.write_text(json.dumps({"min_us": res, "meta": meta}, indent=1) + "\n")
 
 

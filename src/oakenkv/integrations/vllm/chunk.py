@@ -31,25 +31,28 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: concurrent calls gave wrong rows, and NaN keys in the next layer, when the plugin's row threads took a step's
 #: prompts in turn): one call at a time, process-wide.
 _CALL = threading.Lock()
+#: The float32 scratch cache ``[blocks, H_kv, 2 x BLOCK, hd]`` per ``(H_kv, hd)``, shared by every layer (used under
+#: ``_CALL`` only): one per layer would hold 30 copies of a long prompt's rows.
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 
 
 class ChunkAttention:
     """Causal float32 attention of ``S`` queries over the ``S`` key and value rows of the same positions, by vLLM's
-    CPU kernel. One per layer: its scratch cache (used under the process-wide lock only) grows to the longest chunk
-    seen and is reused."""
+    CPU kernel. One per layer; the scratch cache it copies the rows into is the process's (``_SCRATCH``), grown to
+    the longest chunk seen."""
 
     def __init__(self, ops, isa: str, num_heads: int, num_kv_heads: int, head_size: int) -> None:
         self._ops = ops
         self.isa = isa
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self._kv: torch.Tensor | None = None
 
     def _cache(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._kv
+        key = (self.num_kv_heads, self.head_size)
+        kv = _SCRATCH.get(key)
         if kv is None or kv.shape[0] < blocks:
             # zeros, and later only finite decoded rows: the kernel reads the unused tail of the last block (masked,
             # but 0 x NaN would still be NaN)
-            kv = self._kv = torch.zeros(blocks, self.num_kv_heads, 2 * BLOCK, self.head_size)
+            kv = _SCRATCH[key] = torch.zeros(blocks, self.num_kv_heads, 2 * BLOCK, self.head_size)
         k, v = kv[:blocks].chunk(2, dim=2)
         return k, v
 
