@@ -148,6 +148,18 @@ def _tiny(family: str):
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    if family in ("olmo2", "cohere"):  # q/k norms with a weight per head: over the whole projection / per head
+        import transformers
+
+        if family == "olmo2":
+            model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common)).eval()
+        else:
+            model = transformers.CohereForCausalLM(transformers.CohereConfig(**common, use_qk_norm=True)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
+        return model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
@@ -161,7 +173,7 @@ def _tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere"])
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -180,8 +192,12 @@ def test_folding_preserves_logits_on_other_families(family):
         moved = sum(float((a - b).abs().max()) for a, b in zip(ok.parameters(), model.parameters(), strict=True))
         assert moved > 1e-2  # the weights did change: the test is not vacuous
         if norms:
+            refused = copy.deepcopy(model)
             with pytest.raises(TransformError, match="shared by the heads"):
-                fold_into_model(copy.deepcopy(model), _random_transforms(model, partners, seed=3))
+                fold_into_model(refused, _random_transforms(model, partners, seed=3))
+            # checked before anything changes: layer 0's value rotation did not happen before the refusal
+            for a, b in zip(refused.parameters(), model.parameters(), strict=True):
+                assert torch.equal(a, b)
     # the search itself respects what the model allows: a profile of it folds, and the FP outputs stay
     windows = torch.randint(0, 97, (2, 48))
     th = profile_plus(model, windows, PlusSearch(alphas=(0.0, 0.5, 0.75), query_positions=16))
@@ -194,6 +210,42 @@ def test_folding_preserves_logits_on_other_families(family):
         if norms:
             lam = torch.tensor(lt.key_scale).reshape(2, 64)
             assert torch.equal(lam[0], lam[1])
+
+
+def test_the_norm_probe_restores_the_weight_whatever_the_norm_raises():
+    from oakenkv.calibrate.transforms import _norm_adds_one
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.tensor([0.5, 2.0, -1.0]))
+
+        def forward(self, x):
+            raise RuntimeError("no")
+
+    norm = Broken()
+    with pytest.raises(TransformError, match="cannot run Broken"):
+        _norm_adds_one(norm)
+    assert norm.weight.tolist() == [0.5, 2.0, -1.0]
+
+
+def test_a_search_with_rotations_runs_without_them_on_a_head_dim_that_is_no_power_of_two():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=48, max_position_embeddings=256,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="power-of-two head_dim, this model's is 48"):
+        th = profile_plus(model, windows, PlusSearch(query_positions=16, key_rotation=True, value_rotation=True))
+    assert not any(lt.key_rotation or lt.value_rotation for lt in th.transforms.layers)
+    ids = torch.randint(0, 97, (1, 24))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(apply_profile(copy.deepcopy(model), th)(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
 def _decided(th: Thresholds) -> tuple[str, list]:

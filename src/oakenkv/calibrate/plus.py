@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,14 @@ def profile_plus_many(
     except TransformError as e:
         partners = None
         warnings.warn(f"key smoothing disabled: {e}", stacklevel=2)
+    hd = fingerprint.head_dim
+    if hd & (hd - 1) and any(s.key_rotation or s.value_rotation for s in searches):
+        # the rotations are a choice the search makes per layer: without them it still runs (and chooses the rest)
+        warnings.warn(
+            f"Hadamard rotations need a power-of-two head_dim, this model's is {hd}: searching without them",
+            stacklevel=2,
+        )
+        searches = [replace(s, key_rotation=False, value_rotation=False) for s in searches]
     t0, cpu0 = time.perf_counter(), time.process_time()
     n = fingerprint.num_layers
     work = n * (runs + sum(candidates_per_layer(s, partners is not None) for s in searches))

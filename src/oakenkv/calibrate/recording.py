@@ -48,7 +48,7 @@ import torch
 
 from oakenkv.assets.lazy import execution_device
 from oakenkv.calibrate.rope import rotate_half
-from oakenkv.calibrate.transforms import TransformError, attention_modules
+from oakenkv.calibrate.transforms import TransformError, attention_modules, norm_heads
 from oakenkv.util.compat import cache_kwargs
 from oakenkv.util.resources import release_free_memory
 
@@ -258,12 +258,26 @@ def _traits(model: Any) -> _Traits:
             raise TransformError("attention sinks are not shift-invariant: oaken-plus does not support this model")
     text = model.config.get_text_config(decoder=True)
     if getattr(text, "attn_logit_softcapping", None):
-        raise TransformError("soft-capped attention logits are not shift-invariant: oaken-plus does not support them")
+        raise TransformError(
+            "soft-capped attention logits are not shift-invariant: oaken-plus does not support them (the paper's "
+            "preset='oaken' does)"
+        )
     types = getattr(text, "layer_types", None) or ["full_attention"] * len(mods)
+    shared = False  # a q/k norm whose one weight every head shares takes one set of key scales
+    for m in mods:
+        hd = int(m.head_dim)
+        for proj, norm in (("k_proj", "k_norm"), ("q_proj", "q_norm")):
+            if getattr(m, norm, None) is not None:
+                heads = getattr(m, proj).out_features // hd
+                try:
+                    shared |= norm_heads(getattr(m, norm), heads, hd) == 1
+                except TransformError as e:
+                    where = f"layer {m.layer_idx} {norm}"
+                    raise TransformError(f"{where}: {e}; oaken-plus cannot fold key scales into it") from None
     return _Traits(
         mods,
         [int(text.sliding_window) if t == "sliding_attention" else None for t in types],
-        key_scale_shared_by_heads=any(hasattr(m, "k_norm") or hasattr(m, "q_norm") for m in mods),
+        key_scale_shared_by_heads=shared,
         value_norm=any(hasattr(m, "v_norm") for m in mods),
     )
 

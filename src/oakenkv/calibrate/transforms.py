@@ -332,7 +332,8 @@ def attention_modules(model: Any) -> list[Any]:
     if len(mods) != n or [m.layer_idx for m in mods] != list(range(n)):
         raise TransformError(
             f"found {len(mods)} attention modules with q/k/v/o projections for {n} layers in "
-            f"{type(model).__name__}; oaken-plus transforms support Llama-style attention (Llama, Qwen2, Gemma 3, ...)"
+            f"{type(model).__name__}; oaken-plus transforms support Llama-style attention (Llama, Qwen2, Gemma 3, "
+            "...); the paper's preset='oaken' needs no transforms and runs on it"
         )
     return mods
 
@@ -386,9 +387,10 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
     """Fold the weight part of ``transforms`` (value rotations, key scales) into ``model`` in place and mark it.
 
     Refused (:class:`TransformError`) when the model already carries folded transforms, or its shape differs.
-    Models with a q/k norm (Gemma 3, Qwen 3) take key scales in the norm weights, following each family's
-    convention (Gemma's norm multiplies by ``1 + w``); their norms are shared by the heads, so the scale must then
-    be the same for every KV head.
+    Models with a q/k norm take key scales in the norm weights, following each family's convention (Gemma's norm
+    multiplies by ``1 + w``; :func:`norm_heads` has the weight shapes taken): a norm whose weight every head shares
+    (Gemma 3, Qwen 3) needs the same scales for every KV head. Everything is checked before the first weight
+    changes, so a refused fold leaves the model as it was.
     """
     done = is_folded(model)
     if done is not None:
@@ -400,18 +402,29 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
     if len(mods) != transforms.num_layers:
         raise TransformError(f"transforms hold {transforms.num_layers} layers, the model has {len(mods)}")
     h, hd = transforms.num_kv_heads, transforms.head_dim
+    plans = []
     for i, (m, lt) in enumerate(zip(mods, transforms.layers, strict=True)):
         if int(m.head_dim) != hd or m.k_proj.out_features != h * hd:
             raise TransformError(f"layer {i}: the model's KV shape differs from the transforms' ({h} x {hd})")
         if hasattr(m, "v_norm") and lt.value_rotation:
             raise TransformError(f"layer {i}: a value norm does not commute with a value rotation")
+        if lt.value_rotation and m.o_proj.in_features % hd:
+            raise TransformError(f"layer {i}: o_proj reads {m.o_proj.in_features} values, not whole heads of {hd}")
+        group = m.q_proj.out_features // (h * hd)
+        scale = None
+        if lt.key_scale is not None:
+            lam = torch.tensor(lt.key_scale, dtype=torch.float64).reshape(h, hd)
+            try:
+                scale = _key_scale_plan(m, lam, group)
+            except TransformError as e:
+                raise TransformError(f"layer {i}: {e}") from None
+        plans.append((m, lt, group, scale))
     with torch.no_grad():
-        for m, lt in zip(mods, transforms.layers, strict=True):
-            group = m.q_proj.out_features // (h * hd)
+        for m, lt, group, scale in plans:
             if lt.value_rotation:
                 _rotate_values(m, h, hd, group)
-            if lt.key_scale is not None:
-                _scale_keys(m, torch.tensor(lt.key_scale, dtype=torch.float64).reshape(h, hd), group)
+            for target, factor, kind in scale or ():
+                _scale_weight(target, factor, kind)
     setattr(model.config, FOLD_MARK, transforms.digest())
 
 
@@ -427,40 +440,87 @@ def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
     wo.copy_((wo.double().reshape(-1, hq, hd) @ had).reshape_as(wo).to(wo.dtype))
 
 
-def _scale_keys(m: Any, lam: torch.Tensor, group: int) -> None:
-    """Keys / lam, queries * lam (lam ``[h, hd]`` float64, RoPE-pair tied)."""
+def _key_scale_plan(m: Any, lam: torch.Tensor, group: int) -> list[tuple[Any, torch.Tensor, str]]:
+    """What folding keys / lam, queries * lam (lam ``[h, hd]`` float64, RoPE-pair tied) changes, checked before
+    anything changes: ``(module, factor, kind)`` per module, ``kind`` ``"proj"`` (a projection's output rows,
+    ``factor [heads, hd]``), ``"norm"`` or ``"norm+1"`` (a norm's weight, ``factor`` shaped like it; ``+1``: the
+    norm multiplies by ``1 + w``)."""
     hd = lam.shape[1]
     q_lam = lam.repeat_interleave(group, dim=0)  # [hq, hd]
+    plan = []
     for proj_name, norm_name, factor in (("k_proj", "k_norm", 1.0 / lam), ("q_proj", "q_norm", q_lam)):
         norm = getattr(m, norm_name, None)
-        if norm is not None:
-            f = factor
-            if not torch.allclose(f, f[:1].expand_as(f)):
-                raise TransformError(f"{norm_name} is shared by the heads: key scales must be equal across heads")
-            w = norm.weight
-            if _norm_adds_one(norm):
-                w.copy_(((1.0 + w.double()) * f[0] - 1.0).to(w.dtype))
-            else:
-                w.copy_((w.double() * f[0]).to(w.dtype))
+        if norm is None:
+            plan.append((getattr(m, proj_name), factor, "proj"))
             continue
-        proj = getattr(m, proj_name)
-        w = proj.weight  # [heads * hd, hidden]
+        heads = norm_heads(norm, factor.shape[0], hd)
+        if heads == 1:
+            if not torch.allclose(factor, factor[:1].expand_as(factor)):
+                raise TransformError(f"{norm_name} is shared by the heads: key scales must be equal across heads")
+            factor = factor[0]
+        plan.append((norm, factor.reshape(norm.weight.shape), "norm+1" if _norm_adds_one(norm) else "norm"))
+    return plan
+
+
+def norm_heads(norm: Any, heads: int, hd: int) -> int:
+    """How many heads a q/k norm's weight covers: 1 (one ``[hd]`` weight every head shares: Qwen 3, Gemma 3) or
+    ``heads`` (a weight per head: ``[heads * hd]`` over the whole projection, OLMo 2; ``[heads, hd]``, Cohere).
+    Raises :class:`TransformError` for any other weight."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise TransformError(f"{type(norm).__name__} has no weight to take key scales")
+    if w.numel() == hd:
+        return 1
+    if w.numel() == heads * hd and w.shape[-1] in (hd, heads * hd):
+        return heads
+    raise TransformError(
+        f"{type(norm).__name__}'s weight {tuple(w.shape)} fits neither one head ({hd}) nor {heads} heads of {hd}"
+    )
+
+
+def _scale_weight(target: Any, factor: torch.Tensor, kind: str) -> None:
+    """Multiply what ``target`` outputs by ``factor`` (:func:`_key_scale_plan`)."""
+    if kind == "proj":
+        hd = factor.shape[-1]
+        w = target.weight  # [heads * hd, hidden]
         w.copy_((w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype))
-        if proj.bias is not None:
-            b = proj.bias
+        if target.bias is not None:
+            b = target.bias
             b.copy_((b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype))
+        return
+    w = target.weight
+    if kind == "norm+1":
+        w.copy_(((1.0 + w.double()) * factor - 1.0).to(w.dtype))
+    else:
+        w.copy_((w.double() * factor).to(w.dtype))
+    b = getattr(target, "bias", None)
+    if isinstance(b, torch.Tensor):
+        b.copy_((b.double() * factor).to(b.dtype))
 
 
 def _norm_adds_one(norm: Any) -> bool:
-    """Whether an RMSNorm multiplies by ``1 + weight`` (Gemma's convention) instead of ``weight``: checked on the
-    module itself, not by its name."""
+    """Whether a norm multiplies by ``1 + weight`` (Gemma's convention) instead of ``weight``: checked on the
+    module itself, not by its name (with its weight and bias zeroed, a plain norm outputs zeros). The weight and
+    bias are restored whatever the call raises."""
+    w = norm.weight
+    b = getattr(norm, "bias", None)
+    b = b if isinstance(b, torch.Tensor) else None
+    x = torch.randn((2, *w.shape), generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.no_grad():
-        saved = norm.weight.detach().clone()
-        norm.weight.zero_()
-        x = torch.ones(1, norm.weight.shape[0])
-        y = norm(x.to(saved.dtype)).float()
-        norm.weight.copy_(saved)
-    return bool(torch.allclose(y, torch.ones_like(y), atol=1e-3))
+        saved = w.detach().clone(), None if b is None else b.detach().clone()
+        try:
+            w.zero_()
+            if b is not None:
+                b.zero_()
+            y = norm(x).float()
+        except Exception as e:
+            shape = ", ".join(map(str, (2, *w.shape)))
+            raise TransformError(f"cannot run {type(norm).__name__} on a [{shape}] probe: {e}") from e
+        finally:
+            w.copy_(saved[0])
+            if b is not None:
+                b.copy_(saved[1])
+    return not bool(torch.allclose(y, torch.zeros_like(y), atol=1e-6))
 
 
 def check_transforms_shape(transforms: Transforms, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
