@@ -241,9 +241,11 @@ def generate_text(
         )
     new = out[0, ids.shape[1] :]
     cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    from oakenkv.calibrate.identity import kv_shape
+
+    kv_heads, head_dim = kv_shape(cfg)
     stored = cache.get_seq_length()
-    fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * stored
+    fp32 = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * stored
     return Generation(
         text=tok.decode(new, skip_special_tokens=True),
         new_tokens=int(new.numel()),
@@ -362,8 +364,11 @@ def oaken_demo_side(
             total_nll += nll
             total_tokens += n
     seconds = time.perf_counter() - t0
-    cfg = loaded.model.config
-    fp32 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * windows.shape[1]
+    from oakenkv.calibrate.identity import kv_shape
+
+    cfg = loaded.model.config.get_text_config(decoder=True)
+    kv_heads, head_dim = kv_shape(cfg)
+    fp32 = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * windows.shape[1]
     out["oaken"] = {
         "perplexity": math.exp(total_nll / total_tokens),
         "nll": total_nll,

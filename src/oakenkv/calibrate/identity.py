@@ -160,6 +160,19 @@ def short_digest(digest: str) -> str:
 MAX_LAYERS = 4096
 
 
+def kv_shape(cfg: Any) -> tuple[int, int]:
+    """``(KV heads, head_dim)`` of a transformers decoder config: ``num_key_value_heads``, or Falcon's
+    ``num_kv_heads`` (its new decoder) or one head (``multi_query``), else every attention head (GPT-2, OPT,
+    GPT-NeoX: multi-head attention); ``head_dim``, else ``hidden_size / num_attention_heads``."""
+    heads = int(cfg.num_attention_heads)
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv is None and getattr(cfg, "new_decoder_architecture", False):
+        kv = getattr(cfg, "num_kv_heads", None)
+    if kv is None and getattr(cfg, "multi_query", False):
+        kv = 1
+    return int(kv or heads), int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What identifies the model a profile belongs to: thresholds of another shape, architecture or weights are
@@ -205,11 +218,9 @@ class ModelFingerprint:
         cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         try:
             num_layers = int(cfg.num_hidden_layers)
-            num_heads = int(cfg.num_attention_heads)
+            kv_heads, head_dim = kv_shape(cfg)
         except AttributeError as e:
             raise ValueError(f"{type(cfg).__name__} does not describe a decoder (missing {e.name})") from e
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         arch = getattr(cfg, "model_type", None) or type(cfg).__name__
         return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights)
 

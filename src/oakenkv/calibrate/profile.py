@@ -9,7 +9,8 @@ Layer by layer (post-RoPE keys, one window per forward, the defaults): every win
 kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds every window's hidden states and one
 layer's keys and values, and a model loaded lazily (``load_model(lazy=True)``, what :func:`profile_model` loads)
 keeps one unit's weights in memory, so a model larger than memory profiles. Otherwise (pre-RoPE keys, batches of
-windows, a model whose layers cannot run one at a time) one window (or batch) at a time through the whole model:
+windows, a model whose layers cannot run one at a time or whose attention is not Llama-style: GPT-2, Phi-3,
+GPT-NeoX, soft-capped Gemma 2) one window (or batch) at a time through the whole model:
 the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``); memory holds one window's
 recording of every layer. Both give the same profile, bit for bit (``tests/test_profile.py``).
 
@@ -70,6 +71,7 @@ from oakenkv.calibrate.stats import (
     run_thresholds,
 )
 from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.calibrate.transforms import TransformError
 from oakenkv.format.config import OakenConfig
 
 __all__ = [
@@ -189,7 +191,9 @@ def profile_thresholds(
         with ProgressLog(progress, runs * fingerprint.num_layers, "profiling", "layer runs") as advance:
             try:
                 layers = stream_attention(model, windows, 1, advance)
-            except StreamingUnsupported as e:
+            except (StreamingUnsupported, TransformError) as e:
+                # TransformError: attention the layer-by-layer recorder does not know (fused projections, no
+                # layer_idx) or refuses for oaken-plus (soft caps, sinks); the cache sees every model's K/V
                 streamed = False
                 if lazy_weights(model) is not None:
                     warnings.warn(

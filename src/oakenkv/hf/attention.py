@@ -259,6 +259,10 @@ def float_attention(
         else:
             scores = scores + attention_mask
     p = torch.softmax(scores, dim=-1)
+    if attention_mask is not None:
+        # a query that may attend to nothing (a left-padded row's padding) outputs zeros, as SDPA and the packed
+        # kernels do, not softmax's NaN over all -inf (its NaN would reach the next layer's keys)
+        p = p.masked_fill((scores == float("-inf")).all(dim=-1, keepdim=True), 0.0)
     return (p @ v).transpose(1, 2).to(query.dtype)
 
 
@@ -274,6 +278,8 @@ def oaken_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function: packed pages at decode, SDPA for everything else."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("learned attention sinks (s_aux) are not supported by the packed-page attention")
     if isinstance(key, PackedKV):
         if dropout:
             raise ValueError("packed decode attention is for inference; dropout must be 0")
@@ -304,6 +310,11 @@ def enable_oaken_attention(model: Any) -> str:
 
     Prefill and non-Oaken caches keep running SDPA, so the model stays correct with any cache.
     """
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise NotImplementedError(
+            f"{type(model).__name__} has learned attention sinks (gpt-oss style), which the packed-page attention "
+            "does not add: oakenkv does not support this model"
+        )
     register_oaken_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

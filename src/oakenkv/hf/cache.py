@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from oakenkv.calibrate.identity import kv_shape
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
@@ -479,13 +480,13 @@ class OakenCache(Cache):
         if is_model(model) and thresholds.transforms is not None and thresholds.transforms.sink_tokens:
             track_padding(model)  # sink tokens are each row's first real tokens (module doc)
         num_layers = text.num_hidden_layers
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_kv_heads, head_dim = kv_shape(text)
         self.backend = backend
         #: The stores' constructor arguments (``"auto"`` builds the device store when it first sees CUDA tensors).
         self._store_args = (
             thresholds,
             num_layers,
-            text.num_key_value_heads,
+            num_kv_heads,
             head_dim,
             pool_config,
             codec,

@@ -1,0 +1,125 @@
+"""The paper's preset on model families whose attention is not Llama-style (tiny random models, no download).
+
+The paper's method needs only the keys and values a model's cache receives: GPT-2 (fused projections, no RoPE),
+GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile through the cache
+(``oakenkv.calibrate.recording.KVRecorder``) and decode from the packed pages. oaken-plus, whose transforms fold
+into Llama-style projections, refuses them with the reason (``tests/test_plus.py`` has the families it folds into).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from oakenkv import OakenCache
+from oakenkv.calibrate.identity import kv_shape
+from oakenkv.calibrate.profile import profile_thresholds
+from oakenkv.calibrate.transforms import TransformError
+from oakenkv.hf.attention import enable_oaken_attention, float_attention
+from oakenkv.util.compat import cache_kwargs
+
+VOCAB = 97
+
+
+def _model(family: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0
+        )
+    elif family == "gpt-neox":
+        cfg = tf.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, rotary_pct=0.25,
+        )  # fmt: skip
+    elif family == "falcon":
+        cfg = tf.FalconConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, max_position_embeddings=256,
+        )  # fmt: skip
+    else:
+        cfg = tf.Gemma2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256,
+            attn_logit_softcapping=5.0,
+        )  # fmt: skip
+        cfg._attn_implementation = "eager"
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_kv_shape_reads_each_familys_config():
+    import transformers as tf
+
+    assert kv_shape(tf.GPT2Config(n_embd=64, n_head=4)) == (4, 16)
+    assert kv_shape(tf.FalconConfig(hidden_size=64, num_attention_heads=4, multi_query=True)) == (1, 16)
+    new = tf.FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True)
+    assert kv_shape(new) == (2, 16)
+    llama = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    assert kv_shape(llama) == (2, 32)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt-neox", "falcon", "gemma2-softcap"])
+def test_the_papers_preset_profiles_and_decodes_models_without_llama_style_attention(family, monkeypatch):
+    import oakenkv.hf.attention as attention
+
+    packed = []
+    kernel = attention.packed_decode_attention
+    monkeypatch.setattr(attention, "packed_decode_attention", lambda *a, **k: packed.append(1) or kernel(*a, **k))
+    model = _model(family)
+    kv_heads, head_dim = kv_shape(model.config)
+    windows = torch.randint(0, VOCAB, (3, 48), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few calibration runs
+        th = profile_thresholds(model, windows)
+    assert (th.fingerprint.num_kv_heads, th.fingerprint.head_dim) == (kv_heads, head_dim)
+    # a left-padded batch: row 1's padding attends to nothing (a softmax over all -inf must not give NaN keys)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    step = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(3))
+    float_model = copy.deepcopy(model)
+    cache = OakenCache.for_model(model, preset="oaken", profile=th)  # decode reads the packed pages
+    reference = OakenCache(th, float_model)  # the same pages, read back as floats by the model's own attention
+    logits = []
+    with torch.no_grad():
+        for m, c in ((model, cache), (float_model, reference)):
+            m(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(m, c))
+            out = m(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), **cache_kwargs(m, c))
+            logits.append(out.logits)
+    assert cache.get_seq_length() == 13 and torch.isfinite(logits[0]).all()
+    assert len(packed) == 2  # the decode step of each layer read the packed pages (the reference did not)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:key smoothing disabled")
+def test_oaken_plus_refuses_them_with_the_reason_and_names_the_papers_preset():
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
+
+    windows = torch.randint(0, VOCAB, (2, 32))
+    with pytest.raises(TransformError, match="preset='oaken' needs no transforms"):
+        profile_plus(_model("gpt2"), windows, PlusSearch(query_positions=8))
+    with pytest.raises(TransformError, match=r"soft-capped.*preset='oaken' does"):
+        profile_plus(_model("gemma2-softcap"), windows, PlusSearch(query_positions=8))
+
+
+def test_a_fully_masked_query_gets_zeros_not_nan():
+    q = torch.randn(1, 2, 3, 8)
+    k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    mask[0, 0, 0] = False  # query 0 may attend to nothing
+    for softcap in (None, 5.0):
+        out = float_attention(q, k, v, mask, 8**-0.5, softcap)
+        assert torch.equal(out[0, 0], torch.zeros(2, 8))
+        torch.testing.assert_close(out[:, 1:], float_attention(q[:, :, 1:], k, v, mask[:, :, 1:], 8**-0.5, softcap))
+
+
+def test_learned_attention_sinks_are_refused():
+    model = _model("gpt2")
+    model.transformer.h[0].attn.sinks = torch.nn.Parameter(torch.zeros(4))  # as gpt-oss's attention carries
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        enable_oaken_attention(model)
