@@ -123,3 +123,21 @@ def test_learned_attention_sinks_are_refused():
     model.transformer.h[0].attn.sinks = torch.nn.Parameter(torch.zeros(4))  # as gpt-oss's attention carries
     with pytest.raises(NotImplementedError, match="attention sinks"):
         enable_oaken_attention(model)
+
+
+def test_pre_rope_keys_of_a_model_without_rope_are_its_cached_keys():
+    """KVQuant-style methods quantize pre-RoPE keys: GPT-2 applies no RoPE, so they are the keys it caches; GPT-NeoX
+    rotates inside fused projections the recorder cannot undo, which it says."""
+    from oakenkv.calibrate.recording import record_kv
+    from oakenkv.calibrate.rope import has_rope
+
+    model = _model("gpt2")
+    ids = torch.randint(0, VOCAB, (1, 16))
+    assert not has_rope(model)
+    pre, post = record_kv(model, ids, "pre_rope"), record_kv(model, ids, "post_rope")
+    for a, b in zip(pre[0] + pre[1], post[0] + post[1], strict=True):
+        assert torch.equal(a, b)
+    neox = _model("gpt-neox")
+    assert has_rope(neox)
+    with pytest.raises(NotImplementedError, match="cannot undo its RoPE"):
+        record_kv(neox, ids, "pre_rope")

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from oakenkv.assets.lazy import execution_device
-from oakenkv.calibrate.rope import rotate_half
+from oakenkv.calibrate.rope import has_rope, rotate_half
 from oakenkv.calibrate.transforms import TransformError, attention_modules, norm_heads
 from oakenkv.util.compat import cache_kwargs
 from oakenkv.util.resources import release_free_memory
@@ -105,12 +105,15 @@ class KVRecorder:
         self._hooks: list[Any] = []
         self._keys: list[torch.Tensor | None] = []
         self._values: list[torch.Tensor | None] = []
-        if key_position == "pre_rope":
+        #: Whether the model applies no rotary embedding (GPT-2, OPT): its cached keys are already pre-RoPE.
+        self.no_rope = not has_rope(model)
+        if key_position == "pre_rope" and not self.no_rope:
             attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
             if len(attn) != self.num_layers:
                 raise NotImplementedError(
                     f"pre-RoPE recording found {len(attn)} attention modules (with k_proj and layer_idx) for "
-                    f"{self.num_layers} layers in {type(model).__name__}; use key_position='post_rope'"
+                    f"{self.num_layers} layers in {type(model).__name__}, so it cannot undo its RoPE; methods "
+                    "that quantize post-RoPE keys (oaken, kivi, int) record it (key_position='post_rope')"
                 )
             for m in attn:
                 self._hooks.append(m.register_forward_pre_hook(self._capture_rope, with_kwargs=True))
@@ -127,7 +130,7 @@ class KVRecorder:
 
     def _sink(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H, S, D]
-        if self.key_position == "pre_rope":
+        if self.key_position == "pre_rope" and not self.no_rope:
             cos, sin = self._rope[layer_idx]  # [B, S, D] (or [1, S, D])
             if cos.shape[-1] != k.shape[-1]:
                 raise NotImplementedError(

@@ -36,6 +36,12 @@ def invert_rope(k_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (k_rot * cos - rotate_half(k_rot) * sin) / (cos * cos + sin * sin)
 
 
+def has_rope(model: Any) -> bool:
+    """Whether ``model`` has a rotary embedding module. A model without one (GPT-2, OPT: learned or no positions)
+    caches keys that are already what a pre-RoPE method quantizes."""
+    return any("rotary" in type(m).__name__.lower() for m in model.modules())
+
+
 class RopeTable:
     """cos/sin of a model's rotary embedding per layer and position, computed on demand and memoized.
 

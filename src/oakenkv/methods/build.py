@@ -43,11 +43,11 @@ def _loaded(thresholds: Any) -> tuple[Any, str | None]:
 
 
 def _fake_quant(ctx: BuildContext, quantizer: Any, residual: int = 0, model: Any = None) -> Callable[[], Any]:
-    from oakenkv.calibrate.rope import RopeTable
+    from oakenkv.calibrate.rope import RopeTable, has_rope
     from oakenkv.methods.fakequant import FakeQuantCache
 
     model = ctx.model if model is None else model
-    rope = RopeTable(model) if quantizer.key_position == "pre_rope" else None
+    rope = RopeTable(model) if quantizer.key_position == "pre_rope" and has_rope(model) else None
     return lambda: FakeQuantCache(model, quantizer, rope, residual)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from oakenkv.calibrate.rope import RopeTable, apply_rope, invert_rope
+from oakenkv.calibrate.rope import RopeTable, apply_rope, has_rope, invert_rope
 from oakenkv.methods.base import FP16_BITS, BitCounter, KVFakeQuantizer
 from oakenkv.methods.kivi import KiviLayer
 
@@ -163,8 +163,8 @@ class FakeQuantCache(DynamicCache):
         #: bits of the quantized tokens, counted as they are quantized (the residual window's: stored_bits)
         self.counter = BitCounter()
         self.rope = None
-        if quantizer.key_position == "pre_rope":
-            self.rope = rope if rope is not None else RopeTable(model)
+        if quantizer.key_position == "pre_rope" and (rope is not None or has_rope(model)):
+            self.rope = rope if rope is not None else RopeTable(model)  # (no RoPE: the keys are pre-RoPE)
         #: int64 ``[B]``: each row's first real token (its first sink token); None: 0 for every row (module doc).
         self.row_starts: np.ndarray | None = None
         if quantizer.sink_tokens:
