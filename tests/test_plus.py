@@ -148,6 +148,10 @@ def _tiny(family: str):
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    if family == "phi3":  # one fused qkv_proj
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(**common, pad_token_id=0)).eval()
     if family in ("olmo2", "cohere"):  # q/k norms with a weight per head: over the whole projection / per head
         import transformers
 
@@ -173,7 +177,7 @@ def _tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3"])
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -253,7 +257,7 @@ def _decided(th: Thresholds) -> tuple[str, list]:
     return th.sha256(), th.profile["choices"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
 def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
     """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
     profile exactly what the search over all layers recorded at once chooses, every candidate's error included.

@@ -9,8 +9,8 @@ Layer by layer (post-RoPE keys, one window per forward, the defaults): every win
 kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds every window's hidden states and one
 layer's keys and values, and a model loaded lazily (``load_model(lazy=True)``, what :func:`profile_model` loads)
 keeps one unit's weights in memory, so a model larger than memory profiles. Otherwise (pre-RoPE keys, batches of
-windows, a model whose layers cannot run one at a time or whose attention is not Llama-style: GPT-2, Phi-3,
-GPT-NeoX, soft-capped Gemma 2) one window (or batch) at a time through the whole model:
+windows, a model whose layers cannot run one at a time or whose attention is not Llama-style: GPT-2, GPT-NeoX,
+Falcon, soft-capped Gemma 2) one window (or batch) at a time through the whole model:
 the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``); memory holds one window's
 recording of every layer. Both give the same profile, bit for bit (``tests/test_profile.py``).
 

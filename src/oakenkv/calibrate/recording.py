@@ -48,7 +48,7 @@ import torch
 
 from oakenkv.assets.lazy import execution_device
 from oakenkv.calibrate.rope import has_rope, rotate_half
-from oakenkv.calibrate.transforms import TransformError, attention_modules, norm_heads
+from oakenkv.calibrate.transforms import TransformError, attention_modules, norm_heads, projection
 from oakenkv.util.compat import cache_kwargs
 from oakenkv.util.resources import release_free_memory
 
@@ -269,9 +269,9 @@ def _traits(model: Any) -> _Traits:
     shared = False  # a q/k norm whose one weight every head shares takes one set of key scales
     for m in mods:
         hd = int(m.head_dim)
-        for proj, norm in (("k_proj", "k_norm"), ("q_proj", "q_norm")):
+        for which, norm in (("k", "k_norm"), ("q", "q_norm")):
             if getattr(m, norm, None) is not None:
-                heads = getattr(m, proj).out_features // hd
+                heads = projection(m, which, hd)[2] // hd
                 try:
                     shared |= norm_heads(getattr(m, norm), heads, hd) == 1
                 except TransformError as e:

@@ -30,6 +30,9 @@ every attention reads them from there (``oakenkv.store.paged``). Not a transform
 ``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
 part of the profile, because the thresholds and the per-layer choices were made with it.
 
+A fused ``qkv_proj`` (Phi-3) takes each fold in its query, key or value rows (:func:`projection`); per-head q/k norm
+weights take per-head key scales, a weight every head shares one set (:func:`norm_heads`).
+
 Order on a key (post-RoPE, as the cache receives it): ``H ((k - mu))`` where ``k`` already carries the folded
 ``1 / lam``; the shift is subtracted before the rotation. Values carry their rotation from the weights.
 
@@ -321,11 +324,14 @@ class Transforms:
 
 
 def attention_modules(model: Any) -> list[Any]:
-    """The decoder's attention modules in layer order (modules with ``layer_idx`` and q/k/v/o projections)."""
+    """The decoder's attention modules in layer order (modules with ``layer_idx``, ``o_proj`` and q/k/v
+    projections: separate, or one fused ``qkv_proj`` as Phi-3's)."""
     mods = [
         m
         for m in model.modules()
-        if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        if hasattr(m, "layer_idx")
+        and hasattr(m, "o_proj")
+        and (all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) or hasattr(m, "qkv_proj"))
     ]
     mods.sort(key=lambda m: m.layer_idx)
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
@@ -336,6 +342,26 @@ def attention_modules(model: Any) -> list[Any]:
             "...); the paper's preset='oaken' needs no transforms and runs on it"
         )
     return mods
+
+
+def projection(m: Any, which: str, hd: int) -> tuple[Any, int, int]:
+    """``(linear, first row, rows)``: where attention module ``m`` computes its queries (``"q"``), keys (``"k"``)
+    or values (``"v"``): a projection of its own (``q_proj``...), or a slice of a fused ``qkv_proj`` laid out
+    ``[q | k | v]`` (Phi-3: ``Hq + 2 H`` heads of ``hd``, ``Hq = H x num_key_value_groups``)."""
+    own = getattr(m, f"{which}_proj", None)
+    if own is not None:
+        return own, 0, int(own.out_features)
+    fused = m.qkv_proj
+    group = int(getattr(m, "num_key_value_groups", 0) or 0)
+    total = int(fused.out_features)
+    if group < 1 or total % (hd * (group + 2)):
+        raise TransformError(
+            f"{type(m).__name__}.qkv_proj has {total} outputs, not [q | k | v] heads of {hd} with {group} query "
+            "heads per KV head"
+        )
+    kv = total // (hd * (group + 2)) * hd
+    q = kv * group
+    return fused, {"q": 0, "k": q, "v": q + kv}[which], q if which == "q" else kv
 
 
 def rope_partners(model: Any) -> np.ndarray:
@@ -404,13 +430,13 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
     h, hd = transforms.num_kv_heads, transforms.head_dim
     plans = []
     for i, (m, lt) in enumerate(zip(mods, transforms.layers, strict=True)):
-        if int(m.head_dim) != hd or m.k_proj.out_features != h * hd:
+        if int(m.head_dim) != hd or projection(m, "k", hd)[2] != h * hd:
             raise TransformError(f"layer {i}: the model's KV shape differs from the transforms' ({h} x {hd})")
         if hasattr(m, "v_norm") and lt.value_rotation:
             raise TransformError(f"layer {i}: a value norm does not commute with a value rotation")
         if lt.value_rotation and m.o_proj.in_features % hd:
             raise TransformError(f"layer {i}: o_proj reads {m.o_proj.in_features} values, not whole heads of {hd}")
-        group = m.q_proj.out_features // (h * hd)
+        group = projection(m, "q", hd)[2] // (h * hd)
         scale = None
         if lt.key_scale is not None:
             lam = torch.tensor(lt.key_scale, dtype=torch.float64).reshape(h, hd)
@@ -430,10 +456,11 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
 
 def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
     had = hadamard(hd, torch.float64)
-    w = m.v_proj.weight  # [h * hd, hidden]
+    proj, r0, n = projection(m, "v", hd)
+    w = proj.weight[r0 : r0 + n]  # [h * hd, hidden]: the value rows (a view of a fused projection's weight)
     w.copy_((had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype))
-    if m.v_proj.bias is not None:
-        b = m.v_proj.bias
+    if proj.bias is not None:
+        b = proj.bias[r0 : r0 + n]
         b.copy_((b.double().reshape(h, hd) @ had).reshape_as(b).to(b.dtype))  # H symmetric: H b = b H
     wo = m.o_proj.weight  # [hidden, hq * hd]; query head j reads value head j // group
     hq = h * group
@@ -442,16 +469,16 @@ def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
 
 def _key_scale_plan(m: Any, lam: torch.Tensor, group: int) -> list[tuple[Any, torch.Tensor, str]]:
     """What folding keys / lam, queries * lam (lam ``[h, hd]`` float64, RoPE-pair tied) changes, checked before
-    anything changes: ``(module, factor, kind)`` per module, ``kind`` ``"proj"`` (a projection's output rows,
-    ``factor [heads, hd]``), ``"norm"`` or ``"norm+1"`` (a norm's weight, ``factor`` shaped like it; ``+1``: the
-    norm multiplies by ``1 + w``)."""
+    anything changes: ``(target, factor, kind)`` per target, ``kind`` ``"proj"`` (a projection's output rows,
+    ``target`` :func:`projection`'s triple, ``factor [heads, hd]``), ``"norm"`` or ``"norm+1"`` (a norm's weight,
+    ``factor`` shaped like it; ``+1``: the norm multiplies by ``1 + w``)."""
     hd = lam.shape[1]
     q_lam = lam.repeat_interleave(group, dim=0)  # [hq, hd]
     plan = []
-    for proj_name, norm_name, factor in (("k_proj", "k_norm", 1.0 / lam), ("q_proj", "q_norm", q_lam)):
+    for which, norm_name, factor in (("k", "k_norm", 1.0 / lam), ("q", "q_norm", q_lam)):
         norm = getattr(m, norm_name, None)
         if norm is None:
-            plan.append((getattr(m, proj_name), factor, "proj"))
+            plan.append((projection(m, which, hd), factor, "proj"))
             continue
         heads = norm_heads(norm, factor.shape[0], hd)
         if heads == 1:
@@ -481,11 +508,12 @@ def norm_heads(norm: Any, heads: int, hd: int) -> int:
 def _scale_weight(target: Any, factor: torch.Tensor, kind: str) -> None:
     """Multiply what ``target`` outputs by ``factor`` (:func:`_key_scale_plan`)."""
     if kind == "proj":
+        proj, r0, n = target  # (:func:`projection`)
         hd = factor.shape[-1]
-        w = target.weight  # [heads * hd, hidden]
+        w = proj.weight[r0 : r0 + n]  # [heads * hd, hidden]
         w.copy_((w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype))
-        if target.bias is not None:
-            b = target.bias
+        if proj.bias is not None:
+            b = proj.bias[r0 : r0 + n]
             b.copy_((b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype))
         return
     w = target.weight
