@@ -1,9 +1,10 @@
-"""The paper's preset on model families whose attention is not Llama-style (tiny random models, no download).
+"""The paper's preset on model families beyond Llama (tiny random models, no download).
 
 The paper's method needs only the keys and values a model's cache receives: GPT-2 (fused projections, no RoPE),
-GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile through the cache
-(``oakenkv.calibrate.recording.KVRecorder``) and decode from the packed pages. oaken-plus, whose transforms fold
-into Llama-style projections, refuses them with the reason (``tests/test_plus.py`` has the families it folds into).
+GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile (through the cache,
+``oakenkv.calibrate.recording.KVRecorder``, where the layer-by-layer recorder does not know the attention) and
+decode from the packed pages. oaken-plus refuses GPT-2, Falcon and Gemma 2 with the reason (``tests/test_plus.py``
+has the families it folds into, GPT-NeoX among them).
 """
 
 from __future__ import annotations

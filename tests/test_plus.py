@@ -61,9 +61,11 @@ def folded(default_model, profile):
 
 
 def _random_transforms(model, partners, seed=0, rotate=True, same_for_heads=False) -> Transforms:
+    from oakenkv.calibrate.identity import kv_shape
+
     cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    h, n = cfg.num_key_value_heads, cfg.num_hidden_layers
+    h, hd = kv_shape(cfg)
+    n = cfg.num_hidden_layers
     g = torch.Generator().manual_seed(seed)
     layers = []
     for _ in range(n):
@@ -148,6 +150,17 @@ def _tiny(family: str):
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    if family == "gpt-neox":  # one fused query_key_value, laid out per head (full rotary here: Pythia's is partial)
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        kw = {k: v for k, v in common.items() if k != "num_key_value_heads"}
+        cfg = GPTNeoXConfig(**kw, attention_bias=True, rotary_pct=1.0)
+        model = GPTNeoXForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.3)
+        return model
     if family == "phi3":  # one fused qkv_proj
         from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -177,7 +190,7 @@ def _tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox"])
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -257,7 +270,7 @@ def _decided(th: Thresholds) -> tuple[str, list]:
     return th.sha256(), th.profile["choices"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox"])
 def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
     """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
     profile exactly what the search over all layers recorded at once chooses, every candidate's error included.

@@ -48,7 +48,7 @@ import torch
 
 from oakenkv.assets.lazy import execution_device
 from oakenkv.calibrate.rope import has_rope, rotate_half
-from oakenkv.calibrate.transforms import TransformError, attention_modules, norm_heads, projection
+from oakenkv.calibrate.transforms import TransformError, attention_modules, head_dim, norm_heads, projection
 from oakenkv.util.compat import cache_kwargs
 from oakenkv.util.resources import release_free_memory
 
@@ -268,10 +268,10 @@ def _traits(model: Any) -> _Traits:
     types = getattr(text, "layer_types", None) or ["full_attention"] * len(mods)
     shared = False  # a q/k norm whose one weight every head shares takes one set of key scales
     for m in mods:
-        hd = int(m.head_dim)
+        hd = head_dim(m)
         for which, norm in (("k", "k_norm"), ("q", "q_norm")):
             if getattr(m, norm, None) is not None:
-                heads = projection(m, which, hd)[2] // hd
+                heads = len(projection(m, which, hd)[1]) // hd
                 try:
                     shared |= norm_heads(getattr(m, norm), heads, hd) == 1
                 except TransformError as e:

@@ -30,7 +30,8 @@ every attention reads them from there (``oakenkv.store.paged``). Not a transform
 ``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
 part of the profile, because the thresholds and the per-layer choices were made with it.
 
-A fused ``qkv_proj`` (Phi-3) takes each fold in its query, key or value rows (:func:`projection`); per-head q/k norm
+A fused projection (Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``) takes each fold in its query, key or value
+rows (:func:`projection`); per-head q/k norm
 weights take per-head key scales, a weight every head shares one set (:func:`norm_heads`).
 
 Order on a key (post-RoPE, as the cache receives it): ``H ((k - mu))`` where ``k`` already carries the folded
@@ -323,15 +324,24 @@ class Transforms:
 # ----------------------------------------------------------------------------------------------- the model side
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _neox(m: Any) -> bool:
+    """GPT-NeoX's attention (``query_key_value`` laid out per head, ``dense``); Falcon's module of the same names
+    lays its heads out otherwise and is not taken."""
+    return "NeoX" in type(m).__name__ and hasattr(m, "query_key_value") and hasattr(m, "dense")
+
+
 def attention_modules(model: Any) -> list[Any]:
-    """The decoder's attention modules in layer order (modules with ``layer_idx``, ``o_proj`` and q/k/v
-    projections: separate, or one fused ``qkv_proj`` as Phi-3's)."""
+    """The decoder's attention modules in layer order (modules with ``layer_idx``, an output projection and q/k/v
+    projections: separate, or fused as Phi-3's ``qkv_proj`` and GPT-NeoX's ``query_key_value``)."""
     mods = [
         m
         for m in model.modules()
         if hasattr(m, "layer_idx")
-        and hasattr(m, "o_proj")
-        and (all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) or hasattr(m, "qkv_proj"))
+        and (hasattr(m, "o_proj") or _neox(m))
+        and (hasattr(m, "qkv_proj") or _neox(m) or all(hasattr(m, p) for p in _QKV))
     ]
     mods.sort(key=lambda m: m.layer_idx)
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
@@ -344,24 +354,47 @@ def attention_modules(model: Any) -> list[Any]:
     return mods
 
 
-def projection(m: Any, which: str, hd: int) -> tuple[Any, int, int]:
-    """``(linear, first row, rows)``: where attention module ``m`` computes its queries (``"q"``), keys (``"k"``)
-    or values (``"v"``): a projection of its own (``q_proj``...), or a slice of a fused ``qkv_proj`` laid out
-    ``[q | k | v]`` (Phi-3: ``Hq + 2 H`` heads of ``hd``, ``Hq = H x num_key_value_groups``)."""
+def head_dim(m: Any) -> int:
+    """The head size of attention module ``m`` (``head_dim``; GPT-NeoX's ``head_size``)."""
+    hd = getattr(m, "head_dim", None) or getattr(m, "head_size", None)
+    if hd is None:
+        raise TransformError(f"{type(m).__name__} has no head_dim")
+    return int(hd)
+
+
+def out_projection(m: Any) -> Any:
+    """The output projection of attention module ``m`` (``o_proj``; GPT-NeoX's ``dense``)."""
+    return m.o_proj if hasattr(m, "o_proj") else m.dense
+
+
+def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
+    """``(linear, rows)``: where attention module ``m`` computes its queries (``"q"``), keys (``"k"``) or values
+    (``"v"``), as the output rows (int64) of a linear layer: a projection of its own (``q_proj``...); a slice of
+    a fused ``qkv_proj`` laid out ``[q | k | v]`` (Phi-3: ``Hq + 2 H`` heads of ``hd``, ``Hq = H x
+    num_key_value_groups``); or every head's share of GPT-NeoX's ``query_key_value``, laid out ``[head][q | k |
+    v][hd]`` (multi-head)."""
     own = getattr(m, f"{which}_proj", None)
     if own is not None:
-        return own, 0, int(own.out_features)
-    fused = m.qkv_proj
-    group = int(getattr(m, "num_key_value_groups", 0) or 0)
+        return own, torch.arange(int(own.out_features))
+    part = {"q": 0, "k": 1, "v": 2}[which]
+    fused = getattr(m, "qkv_proj", None)
+    if fused is not None:
+        group = int(getattr(m, "num_key_value_groups", 0) or 0)
+        total = int(fused.out_features)
+        if group < 1 or total % (hd * (group + 2)):
+            raise TransformError(
+                f"{type(m).__name__}.qkv_proj has {total} outputs, not [q | k | v] heads of {hd} with {group} query "
+                "heads per KV head"
+            )
+        kv = total // (hd * (group + 2)) * hd
+        first, n = (0, kv * group) if part == 0 else (kv * group + (part - 1) * kv, kv)
+        return fused, torch.arange(first, first + n)
+    fused = m.query_key_value
     total = int(fused.out_features)
-    if group < 1 or total % (hd * (group + 2)):
-        raise TransformError(
-            f"{type(m).__name__}.qkv_proj has {total} outputs, not [q | k | v] heads of {hd} with {group} query "
-            "heads per KV head"
-        )
-    kv = total // (hd * (group + 2)) * hd
-    q = kv * group
-    return fused, {"q": 0, "k": q, "v": q + kv}[which], q if which == "q" else kv
+    if total % (3 * hd):
+        raise TransformError(f"{type(m).__name__}.query_key_value has {total} outputs, not [head][q | k | v] of {hd}")
+    heads = torch.arange(total // (3 * hd))[:, None] * (3 * hd)
+    return fused, (heads + part * hd + torch.arange(hd)).reshape(-1)
 
 
 def rope_partners(model: Any) -> np.ndarray:
@@ -374,7 +407,7 @@ def rope_partners(model: Any) -> np.ndarray:
     rotary = getattr(decoder, "rotary_emb", None)
     if apply is None or rotary is None:
         raise TransformError(f"{type(model).__name__}: no apply_rotary_pos_emb / rotary_emb to read RoPE pairs from")
-    hd = int(attn.head_dim)
+    hd = head_dim(attn)
     eye = torch.eye(hd, dtype=torch.float32)[None, :, None, :]  # [1, hd (as heads), 1, hd]
     kwargs = {}
     cfg = model.config.get_text_config(decoder=True)
@@ -430,13 +463,14 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
     h, hd = transforms.num_kv_heads, transforms.head_dim
     plans = []
     for i, (m, lt) in enumerate(zip(mods, transforms.layers, strict=True)):
-        if int(m.head_dim) != hd or projection(m, "k", hd)[2] != h * hd:
+        if head_dim(m) != hd or len(projection(m, "k", hd)[1]) != h * hd:
             raise TransformError(f"layer {i}: the model's KV shape differs from the transforms' ({h} x {hd})")
         if hasattr(m, "v_norm") and lt.value_rotation:
             raise TransformError(f"layer {i}: a value norm does not commute with a value rotation")
-        if lt.value_rotation and m.o_proj.in_features % hd:
-            raise TransformError(f"layer {i}: o_proj reads {m.o_proj.in_features} values, not whole heads of {hd}")
-        group = projection(m, "q", hd)[2] // (h * hd)
+        reads = out_projection(m).in_features
+        if lt.value_rotation and reads % hd:
+            raise TransformError(f"layer {i}: the output projection reads {reads} values, not whole heads of {hd}")
+        group = len(projection(m, "q", hd)[1]) // (h * hd)
         scale = None
         if lt.key_scale is not None:
             lam = torch.tensor(lt.key_scale, dtype=torch.float64).reshape(h, hd)
@@ -456,13 +490,13 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
 
 def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
     had = hadamard(hd, torch.float64)
-    proj, r0, n = projection(m, "v", hd)
-    w = proj.weight[r0 : r0 + n]  # [h * hd, hidden]: the value rows (a view of a fused projection's weight)
-    w.copy_((had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype))
+    proj, rows = projection(m, "v", hd)
+    w = proj.weight[rows]  # [h * hd, hidden]: the value rows (a copy: fused projections interleave them)
+    proj.weight[rows] = (had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype)
     if proj.bias is not None:
-        b = proj.bias[r0 : r0 + n]
-        b.copy_((b.double().reshape(h, hd) @ had).reshape_as(b).to(b.dtype))  # H symmetric: H b = b H
-    wo = m.o_proj.weight  # [hidden, hq * hd]; query head j reads value head j // group
+        b = proj.bias[rows]
+        proj.bias[rows] = (b.double().reshape(h, hd) @ had).reshape_as(b).to(b.dtype)  # H symmetric: H b = b H
+    wo = out_projection(m).weight  # [hidden, hq * hd]; query head j reads value head j // group
     hq = h * group
     wo.copy_((wo.double().reshape(-1, hq, hd) @ had).reshape_as(wo).to(wo.dtype))
 
@@ -470,7 +504,7 @@ def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
 def _key_scale_plan(m: Any, lam: torch.Tensor, group: int) -> list[tuple[Any, torch.Tensor, str]]:
     """What folding keys / lam, queries * lam (lam ``[h, hd]`` float64, RoPE-pair tied) changes, checked before
     anything changes: ``(target, factor, kind)`` per target, ``kind`` ``"proj"`` (a projection's output rows,
-    ``target`` :func:`projection`'s triple, ``factor [heads, hd]``), ``"norm"`` or ``"norm+1"`` (a norm's weight,
+    ``target`` :func:`projection`'s pair, ``factor [heads, hd]``), ``"norm"`` or ``"norm+1"`` (a norm's weight,
     ``factor`` shaped like it; ``+1``: the norm multiplies by ``1 + w``)."""
     hd = lam.shape[1]
     q_lam = lam.repeat_interleave(group, dim=0)  # [hq, hd]
@@ -508,13 +542,13 @@ def norm_heads(norm: Any, heads: int, hd: int) -> int:
 def _scale_weight(target: Any, factor: torch.Tensor, kind: str) -> None:
     """Multiply what ``target`` outputs by ``factor`` (:func:`_key_scale_plan`)."""
     if kind == "proj":
-        proj, r0, n = target  # (:func:`projection`)
+        proj, rows = target  # (:func:`projection`)
         hd = factor.shape[-1]
-        w = proj.weight[r0 : r0 + n]  # [heads * hd, hidden]
-        w.copy_((w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype))
+        w = proj.weight[rows]  # [heads * hd, hidden]
+        proj.weight[rows] = (w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype)
         if proj.bias is not None:
-            b = proj.bias[r0 : r0 + n]
-            b.copy_((b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype))
+            b = proj.bias[rows]
+            proj.bias[rows] = (b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype)
         return
     w = target.weight
     if kind == "norm+1":
