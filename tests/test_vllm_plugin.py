@@ -1398,6 +1398,56 @@ def test_vllm_plus_greedy_tokens_equal_oaken_cache_on_the_same_folded_model(plus
             assert first >= GREEDY_EQUAL_AT_LEAST and margins[first] < NEAR_TIE, (first, margins[first], got, want)
 
 
+def _tiny_family(family: str, vocab: int):
+    """A small random model of ``family`` whose oaken-plus transforms fold in a way the default model's do not."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    if family == "olmo2":  # q/k norms over the whole projection: per-head key scales in their weights
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=0))
+    if family == "phi3":  # one fused qkv_proj [q | k | v]
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0))
+    return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common))  # query_key_value per head, partial rotary
+
+
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gpt-neox"])
+def test_vllm_serves_other_families_exported_with_oaken_plus(family, default_model, tmp_path):
+    """``oakenkv export`` of a random OLMo 2, Phi-3 and GPT-NeoX (the folds of docs/plus.md, "Which models"): vLLM
+    on the directory generates the greedy tokens of transformers + ``OakenCache`` on it."""
+    _skip_without_vllm()
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from oakenkv.cli import run
+    from oakenkv.integrations.vllm import PROFILE_FILE
+
+    tok = default_model.tokenizer
+    src, out = tmp_path / family, tmp_path / f"{family}-oaken-plus"
+    _tiny_family(family, len(tok)).save_pretrained(src)
+    tok.save_pretrained(src)
+    assert run(["export", "--model", str(src), "--preset", "oaken-plus", "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = _hf_greedy(model, tok, out / PROFILE_FILE, PROMPTS, 12)
+    llm = _export_engine(out)
+    try:
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in ref],
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for (_, want, margins), o in zip(ref, outs, strict=True):
+        got = list(o.outputs[0].token_ids)
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if first is not None:  # (a random model's logits: allow a near tie, never before the fourth token)
+            assert first >= 4 and margins[first] < NEAR_TIE, (first, margins[first], got, want)
+
+
 def test_vllm_plus_perplexity_equals_eval_ppl(plus_engine, plus_dir):
     """Prompt logprobs through vLLM on the exported directory (chunked prefill over the blocks, sink tokens at 16
     bits) vs ``eval ppl --method oaken-plus`` with the same profile on the same windows: within 0.5%."""
