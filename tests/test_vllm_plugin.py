@@ -189,6 +189,45 @@ def test_blocks_hold_the_codec_bytes(dim, block_size, stride_blocks, static):
     assert torch.equal(vd, decode(encode(torch.from_numpy(v), tuple(thr[1]), cfg), tuple(thr[1]), cfg))
 
 
+def test_writers_of_every_layer_and_thread_share_working_rows_without_mixing_them():
+    """The layers' writers share one set of working rows per thread (grown once, not once per layer): writers of
+    two layouts, interleaved, in two threads at once, still store exactly the codec's rows."""
+    import threading
+
+    from oakenkv.integrations.vllm import layout as layout_mod
+
+    def run(dim: int, static: bool, seed: int, out: dict) -> None:
+        rng = np.random.default_rng(seed)
+        cfg = CFG.replace(static_grids=static)
+        lay = BlockLayout.make(dim, 8, cfg, sparse_bytes_per_token=0.5 * dim)
+        layers = []
+        for _ in range(2):
+            k, v, thr = _kv(rng, 40, dim)
+            _, pool, upb = _pool(lay, 5)
+            layers.append((BlockWriter(lay, thr, overflow="error"), pool, upb, k, v, thr))
+        for n0, n1 in ((0, 3), (3, 40)):  # a short write grows the rows, a long one grows them again
+            for w, pool, upb, k, v, _ in layers:
+                w.write(pool, upb, np.arange(n0, n1), torch.from_numpy(k[n0:n1]), torch.from_numpy(v[n0:n1]))
+        for w, pool, upb, k, v, thr in layers:
+            for kind, x in enumerate((k, v)):
+                got = read_rows(pool, upb, lay, np.arange(5), 40, kind, w.static_grid)
+                want = encode(torch.from_numpy(x), tuple(thr[kind]), cfg)
+                out[(dim, seed, kind)] = all(
+                    np.array_equal(getattr(got, a), getattr(want, a)) for a in ("dense", "scales", "sparse")
+                )
+        out[(dim, seed, "sets")] = len(layout_mod._WRITE_SCRATCH.sets)
+
+    out: dict = {}
+    cases = [(64, False), (96, True)]
+    threads = [threading.Thread(target=run, args=(d, st, i, out)) for i, (d, st) in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 6 and all(out[k] is True for k in out if k[2] != "sets")
+    assert out[(64, 0, "sets")] == 1 and out[(96, 1, "sets")] == 1  # one set per thread and shape: not per layer
+
+
 def test_writer_accepts_bf16_and_head_shaped_inputs():
     rng = np.random.default_rng(1)
     k, v, thr = _kv(rng, 10, 128)

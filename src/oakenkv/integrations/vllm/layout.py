@@ -534,6 +534,12 @@ class OverflowStats:
 _NO_SHIFT = np.zeros(0, np.float32)
 
 
+#: The writers' working rows, one set per thread and record shape: a step writes its layers one after another, so
+#: they share one set instead of each holding its own (30 layers held 30 copies of a long prompt's rows), and a set
+#: grown once (the engine's warm-up, the first long prompt) serves every layer after it.
+_WRITE_SCRATCH = threading.local()
+
+
 class BlockWriter:
     """Encodes new tokens with the codec and writes them into their block slots (one instance per layer).
 
@@ -572,14 +578,19 @@ class BlockWriter:
         self.rscale = np.float32(1.0 / math.sqrt(self.head_dim))
         #: float32 ``[2, 4]`` (static grids) or ``[2, 0]``: the key and value grids the records are encoded with.
         self.static_grid = layer_static_grid(layout, self.thr)
-        self._scratch: tuple[np.ndarray, ...] | None = None
 
     def _buffers(self, n: int) -> tuple[np.ndarray, ...]:
+        """Working rows for ``n`` tokens' keys and values, from the calling thread's set for this record shape
+        (:data:`_WRITE_SCRATCH`), grown when too small."""
         lay = self.layout
-        s = self._scratch
+        key = (lay.dim, lay.unit, lay.max_record, self.static_grid.shape[1])
+        sets = getattr(_WRITE_SCRATCH, "sets", None)
+        if sets is None:
+            sets = _WRITE_SCRATCH.sets = {}
+        s = sets.get(key)
         if s is None or s[0].shape[0] < 2 * n:
-            m = max(2 * n, 64)
-            s = (
+            m = max(2 * n, 64, 2 * s[0].shape[0] if s is not None else 0)
+            s = sets[key] = (
                 np.empty((m, lay.dim), np.float32),
                 np.empty((m, lay.unit), np.uint8),
                 np.empty((m, lay.max_record), np.uint8),
@@ -587,7 +598,6 @@ class BlockWriter:
                 np.empty((m, 4), np.float32),
                 np.empty((m, self.static_grid.shape[1]), np.float32),
             )
-            self._scratch = s
         return tuple(a[: 2 * n] for a in s)
 
     def write(self, pool: np.ndarray, units_per_block: int, slots: np.ndarray, keys: Tensorish, values: Tensorish):
