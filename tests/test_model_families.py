@@ -3,8 +3,8 @@
 The paper's method needs only the keys and values a model's cache receives: GPT-2 (fused projections, no RoPE),
 GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile (through the cache,
 ``oakenkv.calibrate.recording.KVRecorder``, where the layer-by-layer recorder does not know the attention) and
-decode from the packed pages. oaken-plus refuses GPT-2, Falcon and Gemma 2 with the reason (``tests/test_plus.py``
-has the families it folds into, GPT-NeoX among them).
+decode from the packed pages. oaken-plus refuses GPT-2 and Falcon with the reason, and leaves the key shift out for
+Gemma 2's soft cap (``tests/test_plus.py`` has the families it folds into, GPT-NeoX among them).
 """
 
 from __future__ import annotations
@@ -98,14 +98,39 @@ def test_the_papers_preset_profiles_and_decodes_models_without_llama_style_atten
 
 
 @pytest.mark.filterwarnings("ignore:key smoothing disabled")
-def test_oaken_plus_refuses_them_with_the_reason_and_names_the_papers_preset():
+def test_oaken_plus_refuses_other_attention_modules_and_names_the_papers_preset():
     from oakenkv.calibrate.plus import PlusSearch, profile_plus
 
     windows = torch.randint(0, VOCAB, (2, 32))
     with pytest.raises(TransformError, match="preset='oaken' needs no transforms"):
         profile_plus(_model("gpt2"), windows, PlusSearch(query_positions=8))
-    with pytest.raises(TransformError, match=r"soft-capped.*preset='oaken' does"):
-        profile_plus(_model("gemma2-softcap"), windows, PlusSearch(query_positions=8))
+
+
+def test_oaken_plus_on_soft_capped_logits_searches_without_the_key_shift():
+    """A soft cap is not shift-invariant, smoothing and rotations keep every score: on Gemma 2 the search leaves
+    the key shift out (warned), the fold keeps the logits, and the cache decodes from the packed pages."""
+    from oakenkv.calibrate.identity import ModelFingerprint
+    from oakenkv.calibrate.plus import PlusSearch, apply_profile, profile_from_record, profile_plus
+    from oakenkv.calibrate.recording import record_attention
+
+    model = _model("gemma2-softcap")
+    windows = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UserWarning, match="without the key shift"):
+        th = profile_plus(model, windows, PlusSearch(query_positions=16, alphas=(0.0, 0.5)))
+    assert all(lt.key_shift is None for lt in th.transforms.layers)
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(apply_profile(copy.deepcopy(model), th)(ids).logits, want, rtol=1e-4, atol=1e-4)
+    cache = OakenCache.for_model(model, preset="oaken-plus", profile=th)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == out.shape[1] - 1
+    # a search asked for the shift anyway is refused at the layer, not run wrong
+    record = record_attention(_model("gemma2-softcap"), windows, 1)
+    fp = ModelFingerprint.from_model(_model("gemma2-softcap"))
+    with pytest.raises(TransformError, match="soft-capped logits change under a key shift"):
+        profile_from_record(record, fp, PlusSearch(query_positions=16), None)
 
 
 def test_a_fully_masked_query_gets_zeros_not_nan():

@@ -135,6 +135,12 @@ def profile_plus_many(
     except TransformError as e:
         partners = None
         warnings.warn(f"key smoothing disabled: {e}", stacklevel=2)
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "attn_logit_softcapping", None) and any(s.key_shift for s in searches):
+        # a shift moves every score of a query by the same amount, which softmax ignores and a soft cap does not;
+        # smoothing and rotations keep each score, so they stay
+        warnings.warn("soft-capped attention logits (Gemma 2): searching without the key shift", stacklevel=2)
+        searches = [replace(s, key_shift=False) for s in searches]
     hd = fingerprint.head_dim
     if hd & (hd - 1) and any(s.key_rotation or s.value_rotation for s in searches):
         # the rotations are a choice the search makes per layer: without them it still runs (and chooses the rest)

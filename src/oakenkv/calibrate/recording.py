@@ -206,6 +206,8 @@ class LayerRecord:
     sliding_window: int | None
     key_scale_shared_by_heads: bool = False
     value_norm: bool = False
+    #: Whether the attention soft-caps its logits (Gemma 2): a key shift would change them.
+    softcap: bool = False
 
 
 @dataclass
@@ -219,6 +221,7 @@ class AttentionRecord:
     sliding_window: list[int | None]
     key_scale_shared_by_heads: bool = False
     value_norm: bool = False
+    softcap: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -234,6 +237,7 @@ class AttentionRecord:
             self.sliding_window[i],
             self.key_scale_shared_by_heads,
             self.value_norm,
+            self.softcap,
         )
 
 
@@ -250,21 +254,17 @@ class _Traits:
     sliding_window: list[int | None]
     key_scale_shared_by_heads: bool
     value_norm: bool
+    softcap: bool
 
 
 def _traits(model: Any) -> _Traits:
-    """The attention modules and what the search needs to know of them; refuses attention that is not
-    shift-invariant (the key shift would change it)."""
+    """The attention modules and what the search needs to know of them; refuses learned attention sinks (the
+    key shift would change their weight, and the packed attention does not add them)."""
     mods = attention_modules(model)
     for m in mods:
         if getattr(m, "sinks", None) is not None:
             raise TransformError("attention sinks are not shift-invariant: oaken-plus does not support this model")
     text = model.config.get_text_config(decoder=True)
-    if getattr(text, "attn_logit_softcapping", None):
-        raise TransformError(
-            "soft-capped attention logits are not shift-invariant: oaken-plus does not support them (the paper's "
-            "preset='oaken' does)"
-        )
     types = getattr(text, "layer_types", None) or ["full_attention"] * len(mods)
     shared = False  # a q/k norm whose one weight every head shares takes one set of key scales
     for m in mods:
@@ -282,6 +282,7 @@ def _traits(model: Any) -> _Traits:
         [int(text.sliding_window) if t == "sliding_attention" else None for t in types],
         key_scale_shared_by_heads=shared,
         value_norm=any(hasattr(m, "v_norm") for m in mods),
+        softcap=bool(getattr(text, "attn_logit_softcapping", None)),
     )
 
 
@@ -295,6 +296,11 @@ def _recording_attention(model: Any, sink: Callable[[Any, torch.Tensor, torch.Te
 
     def rec(module, query, key, value, attention_mask, **kw):
         sink(module, query, key, value, kw)
+        if kw.get("softcap"):  # SDPA has no soft cap: the eager formula, as the model computes it
+            from oakenkv.hf.attention import float_attention
+
+            scaling = kw.get("scaling") or module.scaling
+            return float_attention(query, key, value, attention_mask, scaling, kw["softcap"]), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(_ATTN_NAME, rec)
@@ -354,6 +360,7 @@ def record_attention(
         traits.sliding_window,
         traits.key_scale_shared_by_heads,
         traits.value_norm,
+        traits.softcap,
     )
 
 
@@ -542,6 +549,7 @@ def _run_layers(
                 traits.sliding_window[i],
                 traits.key_scale_shared_by_heads,
                 traits.value_norm,
+                traits.softcap,
             )
             got.clear()
             if i == len(layers) - 1:

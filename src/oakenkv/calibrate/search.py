@@ -26,7 +26,7 @@ import torch
 from oakenkv.calibrate.recording import AttentionRecord, LayerRecord
 from oakenkv.calibrate.stats import RunAccumulator, kurtosis, run_quantiles
 from oakenkv.calibrate.thresholds import GroupThresholds, LayerStats
-from oakenkv.calibrate.transforms import LayerTransforms, fwht, tie_rope_pairs
+from oakenkv.calibrate.transforms import LayerTransforms, TransformError, fwht, tie_rope_pairs
 from oakenkv.format.config import MAX_SINK_TOKENS, OakenConfig, valid_sink_tokens
 
 __all__ = [
@@ -425,6 +425,8 @@ def choose_layer(
         return scorer.key_error(_key_restore(kq, c.lt, h, hd), v_q)
 
     # keys: shift, rotation and smoothing first (at the middle ratios), then the ratios for the winner
+    if search.key_shift and layer.softcap:
+        raise TransformError(f"layer {i}: soft-capped logits change under a key shift; search with key_shift=False")
     shift = k_all[:, :, 1:].mean(dim=(0, 2)).reshape(-1) if search.key_shift else None  # token 0: the sink
     key_errs: dict[str, float] = {}
     best: _Candidate | None = None
