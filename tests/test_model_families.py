@@ -3,8 +3,8 @@
 The paper's method needs only the keys and values a model's cache receives: GPT-2 (fused projections, no RoPE),
 GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile (through the cache,
 ``oakenkv.calibrate.recording.KVRecorder``, where the layer-by-layer recorder does not know the attention) and
-decode from the packed pages. oaken-plus refuses GPT-2 and Falcon with the reason, and leaves the key shift out for
-Gemma 2's soft cap (``tests/test_plus.py`` has the families it folds into, GPT-NeoX among them).
+decode from the packed pages. oaken-plus refuses Falcon with the reason, and leaves the key shift out for Gemma 2's
+soft cap (``tests/test_plus.py`` has the families it folds into, GPT-2 and GPT-NeoX among them).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_oaken_plus_refuses_other_attention_modules_and_names_the_papers_preset(
 
     windows = torch.randint(0, VOCAB, (2, 32))
     with pytest.raises(TransformError, match="preset='oaken' needs no transforms"):
-        profile_plus(_model("gpt2"), windows, PlusSearch(query_positions=8))
+        profile_plus(_model("falcon"), windows, PlusSearch(query_positions=8))
 
 
 def test_oaken_plus_on_soft_capped_logits_searches_without_the_key_shift():
@@ -167,3 +167,17 @@ def test_pre_rope_keys_of_a_model_without_rope_are_its_cached_keys():
     assert has_rope(neox)
     with pytest.raises(NotImplementedError, match="cannot undo its RoPE"):
         record_kv(neox, ids, "pre_rope")
+
+
+def test_calibration_windows_fit_the_models_positions():
+    """oaken-plus calibrates on 2048-token windows; GPT-2 has 1024 positions (here 256): the windows shorten to
+    them, with a warning, instead of an index error inside the model."""
+    from oakenkv.calibrate.spec import CalibrationSpec
+
+    model = _model("gpt2")
+    with pytest.warns(UserWarning, match="longer than the model's 256 positions"):
+        assert CalibrationSpec(samples=2, window=2048).fit(model).window == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short = CalibrationSpec(samples=2, window=128)
+        assert short.fit(model) is short

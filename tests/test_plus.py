@@ -161,6 +161,16 @@ def _tiny(family: str):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.3)
         return model
+    if family == "gpt2":  # c_attn [q | k | v] and c_proj are Conv1D (weights [in, out]); no RoPE
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=97, n_embd=128, n_layer=2, n_head=4, n_positions=256, bos_token_id=0)
+        model = GPT2LMHeadModel(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.3)
+        return model
     if family == "phi3":  # one fused qkv_proj
         from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -190,7 +200,7 @@ def _tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2"])
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -270,7 +280,7 @@ def _decided(th: Thresholds) -> tuple[str, list]:
     return th.sha256(), th.profile["choices"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox", "gpt2"])
 def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
     """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
     profile exactly what the search over all layers recorded at once chooses, every candidate's error included.

@@ -546,8 +546,8 @@ def diagnose_model(
     from oakenkv.assets.models import load_model
     from oakenkv.calibrate.profile import cached_thresholds, calibration_windows
 
-    spec = spec or DIAGNOSE_CALIBRATION
     loaded = load_model(model)
+    spec = (spec or DIAGNOSE_CALIBRATION).fit(loaded.model)
     windows = calibration_windows(loaded.tokenizer, spec)
     paper_spec = CalibrationSpec()
     thresholds = cached_thresholds(loaded.model, loaded.tokenizer, model, OakenConfig(), paper_spec, progress=progress)

@@ -312,7 +312,7 @@ def cached_plus_profiles(
 ) -> list[Thresholds]:
     """:func:`cached_plus_profile` for several search settings (an ablation): the profiles not cached yet are all
     chosen from one recording of the calibration attention (the slow part), as :func:`profile_plus` would each."""
-    spec = spec or PLUS_CALIBRATION
+    spec = (spec or PLUS_CALIBRATION).fit(model)
     windows = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, windows)
     out: list[Thresholds | None] = []

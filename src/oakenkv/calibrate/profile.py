@@ -9,8 +9,8 @@ Layer by layer (post-RoPE keys, one window per forward, the defaults): every win
 kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds every window's hidden states and one
 layer's keys and values, and a model loaded lazily (``load_model(lazy=True)``, what :func:`profile_model` loads)
 keeps one unit's weights in memory, so a model larger than memory profiles. Otherwise (pre-RoPE keys, batches of
-windows, a model whose layers cannot run one at a time or whose attention is not Llama-style: GPT-2, GPT-NeoX,
-Falcon, soft-capped Gemma 2) one window (or batch) at a time through the whole model:
+windows, a model whose layers cannot run one at a time or whose attention the layer-by-layer recorder does not
+know: Falcon, OPT) one window (or batch) at a time through the whole model:
 the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``); memory holds one window's
 recording of every layer. Both give the same profile, bit for bit (``tests/test_profile.py``).
 
@@ -316,6 +316,9 @@ def load_calibration(
             stacklevel=3,
         )
     loaded = load_model(model, lazy=lazy and locate_model(model).kind != "hub")
+    most = getattr(loaded.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if isinstance(most, int) and window > most:
+        raise ValueError(f"windows of {window} tokens are longer than the model's {most} positions (--window {most})")
     text = load_text(data, data_path)
     ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
     if ids.shape[0] < samples:
@@ -377,7 +380,7 @@ def cached_thresholds(
     The cache is keyed by content (:class:`CalibrationKey`: the model's weights and the windows' tokens, with the
     config and tuning) and a cached file is checked against that key when read: a model changed at the same
     name or path, or an edited calibration text, is profiled again, never served another model's profile."""
-    spec = spec or CalibrationSpec()
+    spec = (spec or CalibrationSpec()).fit(model)
     ids = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, ids)
     entry = thresholds_entry(key, config, kurtosis_tuning, cache_dir)

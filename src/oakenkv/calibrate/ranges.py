@@ -114,7 +114,7 @@ def kv_ranges(
     model: Any, tokenizer: Any, model_name: str, spec: CalibrationSpec | None = None, q: float = 0.005
 ) -> KVRanges:
     """Compute (or load from the disk cache) :class:`KVRanges` on the calibration windows."""
-    spec = spec or CalibrationSpec()
+    spec = (spec or CalibrationSpec()).fit(model)
     ids = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, ids)
     entry = _ranges_entry(key, q)
@@ -218,7 +218,7 @@ def calibrate_all(
     """
     from oakenkv.calibrate.rope import RopeTable, invert_rope
 
-    spec = spec or CalibrationSpec()
+    spec = (spec or CalibrationSpec()).fit(model)
     ids = calibration_windows(tokenizer, spec)
     key = calibration_key(model, model_name, spec, ids)
     fp = key.fingerprint

@@ -7,6 +7,7 @@ checks ``--calib-*`` options before anything loads; ``oakenkv.calibrate.profile`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from dataclasses import dataclass
@@ -54,6 +55,19 @@ class CalibrationSpec:
             raise ValueError(f"unknown calibration text {self.text!r}; known: {', '.join([*TEXTS, 'file'])}")
         if self.text == "file" and self.text_path is None:
             raise ValueError("calibration text 'file' needs a path (--calib-path)")
+
+    def fit(self, model: Any) -> CalibrationSpec:
+        """This spec with its windows no longer than ``model``'s positions (``max_position_embeddings``: GPT-2's 1024
+        under oaken-plus's 2048-token windows), with a warning when it shortens them."""
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model, "config") else model
+        most = getattr(cfg, "max_position_embeddings", None)
+        if not isinstance(most, int) or most < 2 or self.window <= most:
+            return self
+        warnings.warn(
+            f"calibration windows of {self.window} tokens are longer than the model's {most} positions: using {most}",
+            stacklevel=3,
+        )
+        return dataclasses.replace(self, window=most)
 
     def tag(self) -> str:
         path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]

@@ -333,15 +333,20 @@ def _neox(m: Any) -> bool:
     return "NeoX" in type(m).__name__ and hasattr(m, "query_key_value") and hasattr(m, "dense")
 
 
+def _gpt2(m: Any) -> bool:
+    """GPT-2's self-attention (``c_attn`` ``[q | k | v]`` and ``c_proj``, ``Conv1D`` layers: weights ``[in, out]``)."""
+    return "GPT2" in type(m).__name__ and hasattr(m, "c_attn") and not getattr(m, "is_cross_attention", False)
+
+
 def attention_modules(model: Any) -> list[Any]:
     """The decoder's attention modules in layer order (modules with ``layer_idx``, an output projection and q/k/v
-    projections: separate, or fused as Phi-3's ``qkv_proj`` and GPT-NeoX's ``query_key_value``)."""
+    projections: separate, or fused as Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value`` and GPT-2's ``c_attn``)."""
     mods = [
         m
         for m in model.modules()
         if hasattr(m, "layer_idx")
-        and (hasattr(m, "o_proj") or _neox(m))
-        and (hasattr(m, "qkv_proj") or _neox(m) or all(hasattr(m, p) for p in _QKV))
+        and (hasattr(m, "o_proj") or _neox(m) or _gpt2(m))
+        and (hasattr(m, "qkv_proj") or _neox(m) or _gpt2(m) or all(hasattr(m, p) for p in _QKV))
     ]
     mods.sort(key=lambda m: m.layer_idx)
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
@@ -363,8 +368,18 @@ def head_dim(m: Any) -> int:
 
 
 def out_projection(m: Any) -> Any:
-    """The output projection of attention module ``m`` (``o_proj``; GPT-NeoX's ``dense``)."""
-    return m.o_proj if hasattr(m, "o_proj") else m.dense
+    """The output projection of attention module ``m`` (``o_proj``; GPT-NeoX's ``dense``, GPT-2's ``c_proj``)."""
+    return m.o_proj if hasattr(m, "o_proj") else m.c_proj if _gpt2(m) else m.dense
+
+
+def _conv1d(layer: Any) -> bool:
+    """Whether ``layer`` is transformers' ``Conv1D`` (GPT-2): ``y = x W + b``, ``W`` ``[in, out]``."""
+    return type(layer).__name__ == "Conv1D"
+
+
+def _out_rows(layer: Any) -> torch.Tensor:
+    """``layer``'s weight as ``[out, in]`` (a view: a ``Conv1D``'s transposed)."""
+    return layer.weight.T if _conv1d(layer) else layer.weight
 
 
 def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
@@ -377,6 +392,9 @@ def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
     if own is not None:
         return own, torch.arange(int(own.out_features))
     part = {"q": 0, "k": 1, "v": 2}[which]
+    if _gpt2(m):  # c_attn: [q | k | v], multi-head
+        e = int(m.c_attn.nf) // 3
+        return m.c_attn, torch.arange(part * e, (part + 1) * e)
     fused = getattr(m, "qkv_proj", None)
     if fused is not None:
         group = int(getattr(m, "num_key_value_groups", 0) or 0)
@@ -400,8 +418,13 @@ def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
 def rope_partners(model: Any) -> np.ndarray:
     """For each of the ``head_dim`` channels, the channel RoPE rotates it with, read off the model's own
     ``apply_rotary_pos_emb`` (transformers' Llama-style models pair ``i`` with ``i + hd / 2``; GPT-J-style code
-    pairs neighbours). Raises :class:`TransformError` when the pairing cannot be established."""
+    pairs neighbours); each channel its own for a model without RoPE (GPT-2). Raises :class:`TransformError` when
+    the pairing cannot be established."""
+    from oakenkv.calibrate.rope import has_rope
+
     attn = attention_modules(model)[0]
+    if not has_rope(model):
+        return np.arange(head_dim(attn))
     apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
     decoder = getattr(model, "model", None) or model.base_model
     rotary = getattr(decoder, "rotary_emb", None)
@@ -467,7 +490,7 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
             raise TransformError(f"layer {i}: the model's KV shape differs from the transforms' ({h} x {hd})")
         if hasattr(m, "v_norm") and lt.value_rotation:
             raise TransformError(f"layer {i}: a value norm does not commute with a value rotation")
-        reads = out_projection(m).in_features
+        reads = _out_rows(out_projection(m)).shape[1]
         if lt.value_rotation and reads % hd:
             raise TransformError(f"layer {i}: the output projection reads {reads} values, not whole heads of {hd}")
         group = len(projection(m, "q", hd)[1]) // (h * hd)
@@ -491,12 +514,13 @@ def fold_into_model(model: Any, transforms: Transforms) -> None:
 def _rotate_values(m: Any, h: int, hd: int, group: int) -> None:
     had = hadamard(hd, torch.float64)
     proj, rows = projection(m, "v", hd)
-    w = proj.weight[rows]  # [h * hd, hidden]: the value rows (a copy: fused projections interleave them)
-    proj.weight[rows] = (had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype)
+    weight = _out_rows(proj)
+    w = weight[rows]  # [h * hd, hidden]: the value rows (a copy: fused projections interleave them)
+    weight[rows] = (had @ w.double().reshape(h, hd, -1)).reshape_as(w).to(w.dtype)
     if proj.bias is not None:
         b = proj.bias[rows]
         proj.bias[rows] = (b.double().reshape(h, hd) @ had).reshape_as(b).to(b.dtype)  # H symmetric: H b = b H
-    wo = out_projection(m).weight  # [hidden, hq * hd]; query head j reads value head j // group
+    wo = _out_rows(out_projection(m))  # [hidden, hq * hd]; query head j reads value head j // group
     hq = h * group
     wo.copy_((wo.double().reshape(-1, hq, hd) @ had).reshape_as(wo).to(wo.dtype))
 
@@ -544,8 +568,9 @@ def _scale_weight(target: Any, factor: torch.Tensor, kind: str) -> None:
     if kind == "proj":
         proj, rows = target  # (:func:`projection`)
         hd = factor.shape[-1]
-        w = proj.weight[rows]  # [heads * hd, hidden]
-        proj.weight[rows] = (w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype)
+        weight = _out_rows(proj)
+        w = weight[rows]  # [heads * hd, hidden]
+        weight[rows] = (w.double().reshape(-1, hd, w.shape[1]) * factor[..., None]).reshape_as(w).to(w.dtype)
         if proj.bias is not None:
             b = proj.bias[rows]
             proj.bias[rows] = (b.double().reshape(-1, hd) * factor).reshape_as(b).to(b.dtype)
