@@ -4,7 +4,7 @@ The paper's method needs only the keys and values a model's cache receives: GPT-
 GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile (through the cache,
 ``oakenkv.calibrate.recording.KVRecorder``, where the layer-by-layer recorder does not know the attention) and
 decode from the packed pages. oaken-plus refuses Falcon with the reason, and leaves the key shift out for Gemma 2's
-soft cap (``tests/test_plus.py`` has the families it folds into, GPT-2 and GPT-NeoX among them).
+soft cap (``tests/test_plus.py`` has the families it folds into, GPT-2, GPT-NeoX and OPT among them).
 """
 
 from __future__ import annotations

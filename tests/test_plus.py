@@ -171,6 +171,14 @@ def _tiny(family: str):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.3)
         return model
+    if family == "opt":  # out_proj; learned positions (no RoPE)
+        from transformers import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig(
+            vocab_size=97, hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, word_embed_proj_dim=128, pad_token_id=1,
+        )  # fmt: skip
+        return OPTForCausalLM(cfg).eval()
     if family == "phi3":  # one fused qkv_proj
         from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -200,7 +208,7 @@ def _tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2", "opt"])
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -280,7 +288,7 @@ def _decided(th: Thresholds) -> tuple[str, list]:
     return th.sha256(), th.profile["choices"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox", "gpt2", "opt"])
 def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
     """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
     profile exactly what the search over all layers recorded at once chooses, every candidate's error included.

@@ -10,7 +10,7 @@ kurtosis (``oakenkv.calibrate.stats``), averaged over runs; memory holds every w
 layer's keys and values, and a model loaded lazily (``load_model(lazy=True)``, what :func:`profile_model` loads)
 keeps one unit's weights in memory, so a model larger than memory profiles. Otherwise (pre-RoPE keys, batches of
 windows, a model whose layers cannot run one at a time or whose attention the layer-by-layer recorder does not
-know: Falcon, OPT) one window (or batch) at a time through the whole model:
+know: Falcon) one window (or batch) at a time through the whole model:
 the keys and values the cache would store (``oakenkv.calibrate.recording.KVRecorder``); memory holds one window's
 recording of every layer. Both give the same profile, bit for bit (``tests/test_profile.py``).
 

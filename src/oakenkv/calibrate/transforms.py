@@ -345,7 +345,7 @@ def attention_modules(model: Any) -> list[Any]:
         m
         for m in model.modules()
         if hasattr(m, "layer_idx")
-        and (hasattr(m, "o_proj") or _neox(m) or _gpt2(m))
+        and (hasattr(m, "o_proj") or hasattr(m, "out_proj") or _neox(m) or _gpt2(m))
         and (hasattr(m, "qkv_proj") or _neox(m) or _gpt2(m) or all(hasattr(m, p) for p in _QKV))
     ]
     mods.sort(key=lambda m: m.layer_idx)
@@ -368,8 +368,12 @@ def head_dim(m: Any) -> int:
 
 
 def out_projection(m: Any) -> Any:
-    """The output projection of attention module ``m`` (``o_proj``; GPT-NeoX's ``dense``, GPT-2's ``c_proj``)."""
-    return m.o_proj if hasattr(m, "o_proj") else m.c_proj if _gpt2(m) else m.dense
+    """The output projection of attention module ``m`` (``o_proj``; OPT's ``out_proj``, GPT-NeoX's ``dense``,
+    GPT-2's ``c_proj``)."""
+    for name in ("o_proj", "out_proj"):
+        if hasattr(m, name):
+            return getattr(m, name)
+    return m.c_proj if _gpt2(m) else m.dense
 
 
 def _conv1d(layer: Any) -> bool:
