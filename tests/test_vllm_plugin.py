@@ -1450,13 +1450,19 @@ def _tiny_family(family: str, vocab: int):
         return tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=0))
     if family == "phi3":  # one fused qkv_proj [q | k | v]
         return tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0))
+    if family == "gpt2":  # Conv1D c_attn [q | k | v] and c_proj; learned positions
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=2, n_head=4, n_positions=1024))
+    if family == "opt":  # out_proj; learned positions
+        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=vocab, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                                              num_attention_heads=4, max_position_embeddings=1024,
+                                              word_embed_proj_dim=128))  # fmt: skip
     return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common))  # query_key_value per head, partial rotary
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "gpt-neox"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gpt-neox", "gpt2", "opt"])
 def test_vllm_serves_other_families_exported_with_oaken_plus(family, default_model, tmp_path):
-    """``oakenkv export`` of a random OLMo 2, Phi-3 and GPT-NeoX (the folds of docs/plus.md, "Which models"): vLLM
-    on the directory generates the greedy tokens of transformers + ``OakenCache`` on it."""
+    """``oakenkv export`` of a random OLMo 2, Phi-3, GPT-NeoX, GPT-2 and OPT (the folds of docs/plus.md, "Which
+    models"): vLLM on the directory generates the greedy tokens of transformers + ``OakenCache`` on it."""
     _skip_without_vllm()
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
