@@ -297,7 +297,7 @@ def _recording_attention(model: Any, sink: Callable[[Any, torch.Tensor, torch.Te
     def rec(module, query, key, value, attention_mask, **kw):
         sink(module, query, key, value, kw)
         if kw.get("softcap"):  # SDPA has no soft cap: the eager formula, as the model computes it
-            from oakenkv.hf.attention import float_attention
+            from oakenkv.quant.attention import float_attention
 
             scaling = kw.get("scaling") or module.scaling
             return float_attention(query, key, value, attention_mask, scaling, kw["softcap"]), None

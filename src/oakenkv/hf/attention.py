@@ -26,6 +26,7 @@ from numba import get_num_threads
 
 from oakenkv.format.layout import ERROR_MESSAGES, CorruptDataError
 from oakenkv.kernels.cpu import attention as attention_cpu
+from oakenkv.quant.attention import float_attention
 from oakenkv.store.paged import KEY, VALUE, PagedKVStore
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
@@ -234,36 +235,6 @@ def reference_packed_attention(
         k = torch.cat([k, store.window(key.layer, KEY)], dim=2)
         v = torch.cat([v, store.window(key.layer, VALUE)], dim=2)
     return float_attention(query, k, v, attention_mask, scaling, softcap)
-
-
-def float_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Plain float32 attention with GQA: query ``[B, Hq, S, hd]``, keys/values ``[B, H, T, hd]``, mask
-    ``[B, 1, S, T]`` (bool or additive) -> ``[B, S, Hq, hd]``."""
-    q = query.to(torch.float32)
-    group = q.shape[1] // keys.shape[1]
-    k = keys.to(torch.float32).repeat_interleave(group, dim=1)
-    v = values.to(torch.float32).repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scaling
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        else:
-            scores = scores + attention_mask
-    p = torch.softmax(scores, dim=-1)
-    if attention_mask is not None:
-        # a query that may attend to nothing (a left-padded row's padding) outputs zeros, as SDPA and the packed
-        # kernels do, not softmax's NaN over all -inf (its NaN would reach the next layer's keys)
-        p = p.masked_fill((scores == float("-inf")).all(dim=-1, keepdim=True), 0.0)
-    return (p @ v).transpose(1, 2).to(query.dtype)
 
 
 def oaken_attention_forward(
