@@ -30,9 +30,9 @@ every attention reads them from there (``oakenkv.store.paged``). Not a transform
 ``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
 part of the profile, because the thresholds and the per-layer choices were made with it.
 
-A fused projection (Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``) takes each fold in its query, key or value
-rows (:func:`projection`); per-head q/k norm
-weights take per-head key scales, a weight every head shares one set (:func:`norm_heads`).
+A fused projection (Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``, GPT-2's ``Conv1D`` ``c_attn``) takes each
+fold in its query, key or value rows (:func:`projection`); per-head q/k norm weights take per-head key scales, a
+weight every head shares one set (:func:`norm_heads`); without RoPE every channel is its own pair.
 
 Order on a key (post-RoPE, as the cache receives it): ``H ((k - mu))`` where ``k`` already carries the folded
 ``1 / lam``; the shift is subtracted before the rotation. Values carry their rotation from the weights.
@@ -390,8 +390,9 @@ def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
     """``(linear, rows)``: where attention module ``m`` computes its queries (``"q"``), keys (``"k"``) or values
     (``"v"``), as the output rows (int64) of a linear layer: a projection of its own (``q_proj``...); a slice of
     a fused ``qkv_proj`` laid out ``[q | k | v]`` (Phi-3: ``Hq + 2 H`` heads of ``hd``, ``Hq = H x
-    num_key_value_groups``); or every head's share of GPT-NeoX's ``query_key_value``, laid out ``[head][q | k |
-    v][hd]`` (multi-head)."""
+    num_key_value_groups``; GPT-2's ``Conv1D`` ``c_attn``, multi-head, whose rows are its weight's columns:
+    :func:`_out_rows`); or every head's share of GPT-NeoX's ``query_key_value``, laid out ``[head][q | k | v][hd]``
+    (multi-head)."""
     own = getattr(m, f"{which}_proj", None)
     if own is not None:
         return own, torch.arange(int(own.out_features))
