@@ -133,6 +133,15 @@ def test_folding_preserves_full_precision_logits(default_model):
         fold_into_model(ok, _random_transforms(model, rope_partners(model)))
 
 
+def _randomized(model, pick, mean: float = 0.0):
+    """``model`` with the parameters whose names ``pick`` takes drawn from N(mean, 0.3^2), in parameter order."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if pick(name):
+                p.normal_(mean, 0.3)
+    return model
+
+
 def _tiny(family: str):
     """A small random model of another family (no download): Qwen2 has biases on q/k/v; Gemma 3 has q/k norms
     that store ``1 + w``, sliding-window layers and an attention soft-cap-free GQA with head_dim 64."""
@@ -155,22 +164,12 @@ def _tiny(family: str):
 
         kw = {k: v for k, v in common.items() if k != "num_key_value_heads"}
         cfg = GPTNeoXConfig(**kw, attention_bias=True, rotary_pct=1.0)
-        model = GPTNeoXForCausalLM(cfg).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0.0, 0.3)
-        return model
+        return _randomized(GPTNeoXForCausalLM(cfg).eval(), lambda name: name.endswith("bias"))
     if family == "gpt2":  # c_attn [q | k | v] and c_proj are Conv1D (weights [in, out]); no RoPE
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(vocab_size=97, n_embd=128, n_layer=2, n_head=4, n_positions=256, bos_token_id=0)
-        model = GPT2LMHeadModel(cfg).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0.0, 0.3)
-        return model
+        return _randomized(GPT2LMHeadModel(cfg).eval(), lambda name: name.endswith("bias"))
     if family == "opt":  # out_proj; learned positions (no RoPE)
         from transformers import OPTConfig, OPTForCausalLM
 
@@ -190,22 +189,14 @@ def _tiny(family: str):
             model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common)).eval()
         else:
             model = transformers.CohereForCausalLM(transformers.CohereConfig(**common, use_qk_norm=True)).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.3)
-        return model
+        return _randomized(model, lambda name: "norm" in name, mean=1.0)
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
         **common, head_dim=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"]
     )
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # random, non-trivial norm weights and biases: the fold must handle each
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-    return model
+    # random, non-trivial norm weights and biases: the fold must handle each
+    return _randomized(Gemma3ForCausalLM(cfg).eval(), lambda name: "norm" in name or name.endswith("bias"))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2", "opt"])

@@ -57,6 +57,7 @@ from oakenkv.calibrate.spec import (
     DEFAULT_CALIB_WINDOW,
     CalibrationSpec,
     calibration_windows,
+    max_positions,
 )
 from oakenkv.calibrate.stats import (
     INNER_DELTA,
@@ -192,8 +193,8 @@ def profile_thresholds(
             try:
                 layers = stream_attention(model, windows, 1, advance)
             except (StreamingUnsupported, TransformError) as e:
-                # TransformError: attention the layer-by-layer recorder does not know (fused projections, no
-                # layer_idx) or refuses for oaken-plus (soft caps, sinks); the cache sees every model's K/V
+                # TransformError: attention the layer-by-layer recorder does not know (Falcon's fused projections)
+                # or refuses for oaken-plus (learned sinks); the cache sees every model's K/V
                 streamed = False
                 if lazy_weights(model) is not None:
                     warnings.warn(
@@ -316,8 +317,8 @@ def load_calibration(
             stacklevel=3,
         )
     loaded = load_model(model, lazy=lazy and locate_model(model).kind != "hub")
-    most = getattr(loaded.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if isinstance(most, int) and window > most:
+    most = max_positions(loaded.model)
+    if most is not None and window > most:
         raise ValueError(f"windows of {window} tokens are longer than the model's {most} positions (--window {most})")
     text = load_text(data, data_path)
     ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)

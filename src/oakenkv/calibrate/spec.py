@@ -31,6 +31,15 @@ DEFAULT_CALIB_SAMPLES = 16
 DEFAULT_CALIB_WINDOW = 256
 
 
+def max_positions(model: Any) -> int | None:
+    """The positions a model (or its config) can attend over (``max_position_embeddings`` of its text decoder), or
+    None where the config does not say."""
+    cfg = model.config if hasattr(model, "config") else model
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    most = getattr(cfg, "max_position_embeddings", None)
+    return most if isinstance(most, int) else None
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     """Which text and how much of it calibration uses.
@@ -57,11 +66,10 @@ class CalibrationSpec:
             raise ValueError("calibration text 'file' needs a path (--calib-path)")
 
     def fit(self, model: Any) -> CalibrationSpec:
-        """This spec with its windows no longer than ``model``'s positions (``max_position_embeddings``: GPT-2's 1024
+        """This spec with its windows no longer than ``model``'s positions (:func:`max_positions`: GPT-2's 1024
         under oaken-plus's 2048-token windows), with a warning when it shortens them."""
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model, "config") else model
-        most = getattr(cfg, "max_position_embeddings", None)
-        if not isinstance(most, int) or most < 2 or self.window <= most:
+        most = max_positions(model)
+        if most is None or most < 2 or self.window <= most:
             return self
         warnings.warn(
             f"calibration windows of {self.window} tokens are longer than the model's {most} positions: using {most}",

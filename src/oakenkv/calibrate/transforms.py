@@ -338,16 +338,19 @@ def _gpt2(m: Any) -> bool:
     return "GPT2" in type(m).__name__ and hasattr(m, "c_attn") and not getattr(m, "is_cross_attention", False)
 
 
+def _is_attention(m: Any) -> bool:
+    if not hasattr(m, "layer_idx"):
+        return False
+    if _neox(m) or _gpt2(m):
+        return True
+    outs = hasattr(m, "o_proj") or hasattr(m, "out_proj")
+    return outs and (hasattr(m, "qkv_proj") or all(hasattr(m, p) for p in _QKV))
+
+
 def attention_modules(model: Any) -> list[Any]:
     """The decoder's attention modules in layer order (modules with ``layer_idx``, an output projection and q/k/v
     projections: separate, or fused as Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value`` and GPT-2's ``c_attn``)."""
-    mods = [
-        m
-        for m in model.modules()
-        if hasattr(m, "layer_idx")
-        and (hasattr(m, "o_proj") or hasattr(m, "out_proj") or _neox(m) or _gpt2(m))
-        and (hasattr(m, "qkv_proj") or _neox(m) or _gpt2(m) or all(hasattr(m, p) for p in _QKV))
-    ]
+    mods = [m for m in model.modules() if _is_attention(m)]
     mods.sort(key=lambda m: m.layer_idx)
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     if len(mods) != n or [m.layer_idx for m in mods] != list(range(n)):
