@@ -1027,24 +1027,14 @@ class DeviceKVStore:
     def _merge_sinks(self, layer, q, out, lse, keep, scaling, softcap):
         """Merge the sink tokens' part (16-bit keys and values, ``keep [B, S, n]``) into attention ``out [B, Hq, S,
         hd]`` with log-sum-exp ``lse [B, Hq, S]``: float32, on the device."""
-        from oakenkv.kernels.triton.prefill import merge_lse
+        from oakenkv.kernels.triton.prefill import merge_lse, sink_attention
 
-        b, hq, _, hd = q.shape
+        b, _, _, hd = q.shape
         n = keep.shape[-1]
         h = self.num_kv_heads
         sk = self.sinks[layer][:, KEY, :n].to(torch.float32).view(b, n, h, hd).transpose(1, 2)  # [B, H, n, hd]
         sv = self.sinks[layer][:, VALUE, :n].to(torch.float32).view(b, n, h, hd).transpose(1, 2)
-        g = hq // h
-        sk = sk.repeat_interleave(g, dim=1)
-        sv = sv.repeat_interleave(g, dim=1)
-        x = (q @ sk.transpose(-1, -2)) * scaling  # [B, Hq, S, n]
-        if softcap:
-            x = torch.tanh(x / softcap) * softcap
-        x = x.masked_fill(keep[:, None].to(torch.bool).logical_not(), float("-inf"))
-        lse_s = torch.logsumexp(x, dim=-1)
-        finite = torch.isfinite(lse_s)
-        p = torch.exp(x - torch.where(finite, lse_s, torch.zeros_like(lse_s))[..., None])
-        out_s = p @ sv
+        out_s, lse_s = sink_attention(q, sk, sv, keep, scaling, softcap)
         return merge_lse(out, lse, out_s, lse_s)
 
     # ---------------------------------------------------------------------------------------------- policies

@@ -35,7 +35,7 @@ from oakenkv.kernels.triton.attention import (
     spread_heads,
 )
 from oakenkv.kernels.triton.coo import flags_to_error
-from oakenkv.kernels.triton.interpret import install
+from oakenkv.kernels.triton.interpret import install, interpreting
 from oakenkv.kernels.triton.view import DeviceLayerView
 
 install()  # under TRITON_INTERPRET=1: the interpreter's helper calls without a redundant patch each
@@ -156,7 +156,12 @@ def _pow2(n: int) -> int:
 
 
 def dot_kind(dtype: torch.dtype) -> int:
-    """The ``tl.dot`` operand type for queries of ``dtype``: float16 and bfloat16 keep theirs, others float32."""
+    """The ``tl.dot`` operand type for queries of ``dtype``: float16 and bfloat16 keep theirs, others float32.
+
+    Under the interpreter bfloat16 takes float32 products: its ``tl.dot`` of bfloat16 operands returns garbage
+    (1e10 for a product of unit normals, triton 3.6 and 3.9; numpy has no bfloat16), where a GPU's is right."""
+    if dtype == torch.bfloat16 and interpreting():
+        return DOT_FP32
     return {torch.float16: DOT_FP16, torch.bfloat16: DOT_BF16}.get(dtype, DOT_FP32)
 
 
@@ -283,3 +288,23 @@ def merge_lse(out_a, lse_a, out_b, lse_b):
     out = (out_a * wa[..., None] + out_b * wb[..., None]) / safe[..., None]
     lse = torch.where(total > 0, m_safe + torch.log(safe), torch.full_like(m, -float("inf")))
     return out, lse
+
+
+def sink_attention(q, sink_keys, sink_values, keep, scaling: float, softcap: float | None = None):
+    """Attention of queries ``q [B, Hq, S, hd]`` (float32) over 16-bit sink tokens read as float32 ``sink_keys`` /
+    ``sink_values [B, H, n, hd]`` (``H`` KV heads, ``Hq`` a multiple), ``keep`` ``[B, S, n]`` (nonzero: attend).
+    Returns ``(out [B, Hq, S, hd], lse [B, Hq, S])`` (``-inf`` where nothing is kept), to merge with the pages' part
+    through :func:`merge_lse`: how a store (``oakenkv.store.device``) and the vLLM plugin's device path read an
+    oaken-plus profile's sink tokens."""
+    hq, h = q.shape[1], sink_keys.shape[1]
+    g = hq // h
+    sk = sink_keys.repeat_interleave(g, dim=1)
+    sv = sink_values.repeat_interleave(g, dim=1)
+    x = (q @ sk.transpose(-1, -2)) * scaling  # [B, Hq, S, n]
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    x = x.masked_fill(keep[:, None].to(torch.bool).logical_not(), float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(x - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+    return p @ sv, lse
