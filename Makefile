@@ -50,7 +50,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.oakenkv-vllm-setup-done
 VLLM_PIP := $(VLLM_PY) -m pip install --quiet --progress-bar off
 VLLM_CUDA_ONLY := torchvision torchaudio torchcodec
-VLLM_TESTS ?= tests/test_vllm_plugin.py tests/test_compat.py
+VLLM_TESTS ?= tests/test_vllm_plugin.py tests/test_vllm_device.py tests/test_compat.py
 
 .PHONY: help setup test test-all demo info lint format clean-venv vllm-venv test-vllm
 

@@ -1493,6 +1493,61 @@ def test_vllm_serves_other_families_exported_with_oaken_plus(family, default_mod
             assert first >= 4 and margins[first] < NEAR_TIE, (first, margins[first], got, want)
 
 
+def test_vllm_device_backend_under_the_interpreter_serves_oaken_cache_tokens(default_model, tmp_path, monkeypatch):
+    """The CUDA backend (``OAKEN_CUDA``: the Triton kernels over the same blocks, ``device.py``), selected on the CPU
+    engine by ``OAKENKV_VLLM_KERNELS=triton`` and run under the Triton interpreter, serves a random Llama exported
+    with oaken-plus (key shift, rotations, a sink token): chunked prefill, prefix-cache hits and decode steps give
+    the greedy tokens of transformers + ``OakenCache`` on the directory, and the CPU backend's."""
+    _skip_without_vllm()
+    pytest.importorskip("triton")
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from oakenkv.cli import run
+    from oakenkv.integrations.vllm import CUDA_BACKEND_NAME, ENV_KERNELS, PROFILE_FILE
+    from oakenkv.integrations.vllm.backend import worker_stats
+
+    tok = default_model.tokenizer
+    src, out = tmp_path / "llama", tmp_path / "llama-oaken-plus"
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    tf.LlamaForCausalLM(config).save_pretrained(src)
+    tok.save_pretrained(src)
+    assert run(["export", "--model", str(src), "--preset", "oaken-plus", "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompts = (*PROMPTS, "A prompt long enough to be prefilled in two chunks of sixty-four tokens: " * 5)
+    assert len(tok(prompts[1]).input_ids) > 64
+    ref = _hf_greedy(model, tok, out / PROFILE_FILE, prompts, 8)
+    got = {}
+    for kernels in ("triton", "numba"):
+        monkeypatch.setenv(ENV_KERNELS, kernels)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (worker_stats, a callable RPC)
+        llm = _export_engine(out)
+        try:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in ref] * 2,  # the second time: prefix-cache hits
+                SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            )
+            (stats,) = llm.collective_rpc(worker_stats)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+        assert stats["backend"] == (CUDA_BACKEND_NAME if kernels == "triton" else "OAKEN"), stats
+        assert stats["times_s"]["decode_calls"] > 0 and stats["times_s"]["prefill_calls"] > 0, stats
+        got[kernels] = [list(o.outputs[0].token_ids) for o in outs]
+    for i, (_, want, margins) in enumerate(ref * 2):
+        for kernels in got:
+            g = got[kernels][i]
+            first = next((j for j, (a, b) in enumerate(zip(g, want, strict=True)) if a != b), None)
+            if first is not None:  # (a random model's logits: allow a near tie, never before the fourth token)
+                assert first >= 4 and margins[first] < NEAR_TIE, (kernels, first, margins[first], g, want)
+
+
 def test_vllm_plus_perplexity_equals_eval_ppl(plus_engine, plus_dir):
     """Prompt logprobs through vLLM on the exported directory (chunked prefill over the blocks, sink tokens at 16
     bits) vs ``eval ppl --method oaken-plus`` with the same profile on the same windows: within 0.5%."""

@@ -54,6 +54,15 @@ BACKEND_NAME = "OAKEN"
 BACKEND_PATH = "oakenkv.integrations.vllm.backend.OakenAttentionBackend"
 #: What ``CPU_ATTN`` is overridden with: a name resolved per process (:mod:`oakenkv.integrations.vllm.select`).
 SELECT_PATH = "oakenkv.integrations.vllm.select.Backend"
+#: The backend on the pools' device (the Triton kernels: vLLM's CUDA engine; ``cuda.py``).
+CUDA_BACKEND_NAME = "OAKEN_CUDA"
+CUDA_BACKEND_PATH = "oakenkv.integrations.vllm.cuda.OakenCudaAttentionBackend"
+#: What ``FLASH_ATTN`` (CUDA's first choice) is overridden with: the Oaken device backend when a profile serves the
+#: model, else vLLM's own.
+SELECT_CUDA_PATH = "oakenkv.integrations.vllm.select.CudaBackend"
+#: ``triton``: the CPU engine uses the device backend too (its Triton kernels on CPU tensors: with
+#: ``TRITON_INTERPRET=1``, how the tests run it inside vLLM without a GPU); unset or ``numba``: the CPU backend.
+ENV_KERNELS = "OAKENKV_VLLM_KERNELS"
 
 ENV_PROFILE = "OAKENKV_VLLM_PROFILE"
 ENV_SPARSE_BYTES = "OAKENKV_VLLM_SPARSE_BYTES"
@@ -292,6 +301,11 @@ def register() -> None:
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)
+    if CUDA_BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(CUDA_BACKEND_NAME, CUDA_BACKEND_PATH)
+    # CUDA's platform walks FLASH_ATTN first when no backend is selected (vllm/platforms/cuda.py): the same kind of
+    # selector, so that a served profile gets the device backend without a flag (on the CPU engine never consulted).
+    register_backend(AttentionBackendEnum.FLASH_ATTN, SELECT_CUDA_PATH)
     # The CPU platform always picks CPU_ATTN (vllm/platforms/cpu.py, CpuPlatform.get_attn_backend_cls): override
     # that member, through vLLM's own registry (register_backend documents overriding an existing backend), with the
     # selector, which gives back vLLM's own class unless the served model is to be served with Oaken.

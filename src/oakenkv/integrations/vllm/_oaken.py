@@ -24,11 +24,18 @@ used, and why:
   for splitting rows over threads (``split_work``), and their block decoder (``decode_rows``, ``sparse_start``) for
   prefill tiles.
 
+- for the device path (``device.py``, the CUDA backend ``cuda.py``), the Triton kernels (:func:`triton_kernels`:
+  the encoder into page records and ``copy_spans``, the key transform, decode and prefill attention over
+  ``DeviceLayerView`` s, the sink tokens' part and ``merge_lse``, the interpreter's launch options), imported on first
+  use so that the CPU plugin never imports triton.
+
 Importing this module compiles nothing; numba compiles (or loads from its cache) on the first call, which the
 backend makes while the engine starts (``backend.warm_up``).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from oakenkv.calibrate.plus import apply_profile
 from oakenkv.calibrate.presets import PRESETS, find_profile
@@ -61,6 +68,18 @@ from oakenkv.kernels.cpu.helpers import f16_widen, f32_to_f16_bits
 from oakenkv.kernels.cpu.rotate import shift_rotate_rows
 from oakenkv.store.records import put_record
 from oakenkv.store.view import LayerTables, grown
+
+
+def triton_kernels() -> SimpleNamespace:
+    """The Triton kernels the device path uses (module docstring), imported now: ``encode``, ``rotate``,
+    ``attention``, ``prefill``, ``view`` (``DeviceLayerView``) and ``interpret`` (``store_blocks``: launch options
+    under the interpreter)."""
+    from oakenkv.kernels.triton import attention, encode, interpret, prefill, rotate, view
+
+    return SimpleNamespace(
+        attention=attention, encode=encode, interpret=interpret, prefill=prefill, rotate=rotate, view=view
+    )
+
 
 __all__ = [
     "ERROR_MESSAGES",
@@ -96,4 +115,5 @@ __all__ = [
     "sparse_start",
     "split_work",
     "static_grid_array",
+    "triton_kernels",
 ]

@@ -331,6 +331,9 @@ class _LayerState:
 class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
     """Writes new tokens in Oaken's format and attends over them (module docstring)."""
 
+    #: The backend's name (``worker_stats`` reports it).
+    backend_name: ClassVar[str] = BACKEND_NAME
+
     def __init__(
         self,
         num_heads: int,
@@ -345,6 +348,39 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        self._common_init(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap,
+            attn_type, kv_sharing_target_layer_name, sinks,
+        )  # fmt: skip
+        self.threads = _threads(self.settings)
+        self.row_threads = _row_threads(self.settings)
+        config = get_current_vllm_config()
+        self._state: _LayerState | None = None
+        #: The decode step's buffers, reused by every step of this layer.
+        self._scratch = DecodeScratch()
+        #: vLLM's own CPU attention kernel for a prompt's first chunk (no history), or None (torch's flash then).
+        self._chunk = chunk.make(num_heads, self.num_kv_heads, head_size)
+        #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
+        #: step's time goes (``worker_stats``).
+        self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
+                      "prefill_calls": 0}  # fmt: skip
+        # Compile (or load) the kernels now, while the engine starts: with a block size of vLLM's default for this
+        # platform; the layer's real layout, if it differs, is warmed when its cache is bound (_layer).
+        cache_config = config.cache_config
+        block_size = int(getattr(cache_config, "block_size", None) or 128)
+        warm_up(
+            layout_for(self.num_kv_heads, head_size, block_size), num_heads, self.num_kv_heads, head_size, self.threads,
+            self.row_threads,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _common_init(
+        self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+        logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
+    ) -> None:  # fmt: skip
+        """What the CPU and the device backends check and keep alike: what they refuse, the heads, the settings and
+        the profile (checked against the served model), the tensor-parallel size."""
         refuse = []
         if attn_type != AttentionType.DECODER:
             refuse.append(f"attention type {attn_type}")
@@ -370,34 +406,20 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.settings = _settings()
-        self.threads = _threads(self.settings)
-        self.row_threads = _row_threads(self.settings)
         self.profile = load_profile(self.settings.profile)
         config = get_current_vllm_config()
-        model_config = config.model_config
-        parallel = config.parallel_config
-        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-        if model_config is not None:
-            self.profile.check_model(model_config.hf_config)
-        self._state: _LayerState | None = None
-        #: The decode step's buffers, reused by every step of this layer.
-        self._scratch = DecodeScratch()
-        #: vLLM's own CPU attention kernel for a prompt's first chunk (no history), or None (torch's flash then).
-        self._chunk = chunk.make(num_heads, self.num_kv_heads, head_size)
-        #: Seconds spent in this layer's parts (write, decode attention, prefill attention) and their calls: where a
-        #: step's time goes (``worker_stats``).
-        self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
-                      "prefill_calls": 0}  # fmt: skip
-        # Compile (or load) the kernels now, while the engine starts: with a block size of vLLM's default for this
-        # platform; the layer's real layout, if it differs, is warmed when its cache is bound (_layer).
-        cache_config = config.cache_config
-        block_size = int(getattr(cache_config, "block_size", None) or 128)
-        warm_up(
-            layout_for(self.num_kv_heads, head_size, block_size), num_heads, self.num_kv_heads, head_size, self.threads,
-            self.row_threads,
-        )  # fmt: skip
+        self.tp_size = int(getattr(config.parallel_config, "tensor_parallel_size", 1) or 1)
+        if config.model_config is not None:
+            self.profile.check_model(config.model_config.hf_config)
 
-    # ------------------------------------------------------------------------------------------ helpers
+    def _layer_transforms(self, index: int) -> tuple[np.ndarray | None, bool]:
+        """Layer ``index``'s online key transform for this rank's heads: ``(key shift or None, key rotation)``."""
+        t = self.profile.transforms
+        if t is None:
+            return None, False
+        lt = t.layers[index]
+        shift = None if lt.key_shift is None else np.asarray(lt.key_shift, np.float32)[self._rank_slice()]
+        return shift, lt.key_rotation
 
     def _rank_slice(self) -> slice:
         """The values of this tensor-parallel rank's KV heads within a token's full row (the profile's): its share of
@@ -421,13 +443,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
             layout = layout_for(self.num_kv_heads, self.head_size, block_size)
             warm_up(layout, self.num_heads, self.num_kv_heads, self.head_size, self.threads, self.row_threads)
             thr = np.array([self.profile.layer(index, kind).as_tuple() for kind in ("key", "value")], dtype=np.float32)
-            shift, rotation = None, False
-            t = self.profile.transforms
-            if t is not None:
-                lt = t.layers[index]
-                rotation = lt.key_rotation
-                if lt.key_shift is not None:
-                    shift = np.asarray(lt.key_shift, np.float32)[self._rank_slice()]
+            shift, rotation = self._layer_transforms(index)
             writer = BlockWriter(
                 layout, thr, self.settings.overflow, key_shift=shift, key_rotation=rotation, head_dim=self.head_size
             )
@@ -553,7 +569,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         impl = getattr(module, "impl", None)
         if not isinstance(impl, OakenAttentionImpl):
             continue
-        out["backend"] = BACKEND_NAME
+        out["backend"] = impl.backend_name
         out["attention_threads"] = impl.threads
         out["torch_threads"] = torch.get_num_threads()  # (what vLLM set: numba's start must leave it alone)
         out["attention_cpus"] = list(impl.row_threads.cpus) if impl.row_threads is not None else []

@@ -600,9 +600,19 @@ class BlockWriter:
             )
         return tuple(a[: 2 * n] for a in s)
 
-    def write(self, pool: np.ndarray, units_per_block: int, slots: np.ndarray, keys: Tensorish, values: Tensorish):
+    def write(
+        self,
+        pool: np.ndarray,
+        units_per_block: int,
+        slots: np.ndarray,
+        keys: Tensorish,
+        values: Tensorish,
+        slot_names: np.ndarray | None = None,
+    ):
         """Encode and store ``n`` tokens: ``keys`` / ``values`` ``[n, D]`` (any float dtype, or ``[n, H, hd]``),
-        token ``i`` into slot ``slots[i]`` (``block * block_size + offset``; negative = padding, skipped)."""
+        token ``i`` into slot ``slots[i]`` (``block * block_size + offset``; negative = padding, skipped).
+        ``slot_names``: the slots an overflow message names instead (a caller writing a copy of some blocks: the
+        device writer, ``device.DeviceBlockWriter``)."""
         lay = self.layout
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         n = slots.shape[0]
@@ -629,7 +639,10 @@ class BlockWriter:
             order = np.argsort(slots, kind="stable") if info[2] else np.arange(n)
             while True:
                 start = int(info[0])
-                self._overflow(start, int(info[1]), n, slots, order, x, thr, static, records, sparse, counts)
+                self._overflow(
+                    start, int(info[1]), n, slots if slot_names is None else slot_names, order, x, thr, static,
+                    records, sparse, counts,
+                )  # fmt: skip
                 if not _write_records(
                     pool, lay.unit, units_per_block, lay.block_size, lay.sparse_units, lay.header_unit,
                     lay.len_bytes, slots, order, records, sparse, counts, start, info,
