@@ -24,7 +24,9 @@ Stages (the JSON is rewritten after each, so a run cut short still leaves what i
    FMA contraction), ``torch.nn.functional.scaled_dot_product_attention`` over fp16 K/V of the same shape, and
    FlashAttention's ``flash_attn_with_kvcache`` when installed; achieved bandwidth in packed bytes per second;
 5. ``step``: a whole decode step of the model in fp16, ``OakenCache`` against ``DynamicCache``, batch 1/16 at 1K/4K;
-6. ``vllm``: recorded as skipped (the plugin has no CUDA backend yet); ``tuning``: splits, tiles, warps, FMA;
+6. ``vllm``: vLLM on the device with bf16, fp8 and Oaken KV (``vllm_cuda_serve.py`` per kind: output tokens per
+   second at a KV budget that limits fp8), where vLLM is installed and the budget leaves time; ``tuning``: splits,
+   tiles, warps, FMA;
    ``goals``: the issues' goals read off the measurements.
 
 The paged pool of a layer shape is built once at its largest batch and context (rows encoded on the GPU by the
@@ -1011,13 +1013,76 @@ def stage_step(run: Run) -> None:
         run.save()
 
 
+#: The vllm stage needs about this many seconds of the budget (three engines starting, three timed batches).
+VLLM_STAGE_S = 150.0
+
+
 def stage_vllm(run: Run) -> None:
-    """vLLM's serve-load on CUDA with bf16, fp8 and Oaken KV: needs the plugin's CUDA backend, not built yet."""
-    run.res["vllm"] = {
-        "skipped": "oakenkv's vLLM plugin has no CUDA backend yet (integrations/vllm runs on vLLM's CPU engine only; "
-        "docs/gpu.md): the serve-load comparison of bf16, fp8 and Oaken KV on CUDA is not run"
-    }
-    print(f"  vllm: {run.res['vllm']['skipped']}")
+    """vLLM on this device with bf16, fp8 and Oaken KV (the plugin's CUDA backend, ``OAKEN_CUDA``, picked by the
+    served profile): the default model (or its random-weight stand-in) saved to a directory, a quick profile of it,
+    then ``benchmarks/vllm_cuda_serve.py`` once per kind, each in a process of its own: output tokens per second of
+    64 requests of 256 + 128 tokens at a 128 MiB KV budget (one that limits fp8), and the greedy tokens. Needs vLLM
+    installed on the machine (nothing is installed here) and the plugin's vLLM version; skipped with the reason
+    otherwise, and in the dry run (``tests/test_vllm_plugin.py`` runs the backend inside vLLM's CPU engine under the
+    Triton interpreter)."""
+    import subprocess
+    import tempfile
+
+    torch = run.torch
+    res: dict = {}
+    run.res["vllm"] = res
+    try:
+        import vllm
+
+        from oakenkv.integrations.vllm import SUPPORTED_VLLM
+    except ImportError as e:
+        res["skipped"] = f"vLLM is not installed here ({e}); the serve comparison needs it on the device machine"
+    else:
+        if vllm.__version__ != SUPPORTED_VLLM:
+            res["skipped"] = f"vLLM {vllm.__version__} here; the plugin supports {SUPPORTED_VLLM}"
+        elif run.args.dry_run:
+            res["skipped"] = "the dry run starts no vLLM (tests/test_vllm_plugin.py runs the backend in its CPU engine)"
+        elif run.args.budget_s - run.elapsed() < VLLM_STAGE_S:
+            res["skipped"] = (
+                f"time budget ({run.args.budget_s - run.elapsed():.0f} s left, about {VLLM_STAGE_S:.0f} s needed): "
+                "run benchmarks/gpu_check.sh OUT --stages vllm"
+            )
+    if "skipped" in res:
+        print(f"  vllm: {res['skipped']}")
+        run.save()
+        return
+    model, name, _ = _load_model(run)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_vllm_"))
+    model_dir, profile = work / "model", work / "oaken-profile.json"  # (not oakenkv-profile.json: bf16 and fp8 too)
+    model.to(torch.bfloat16).save_pretrained(model_dir)
+    ids = torch.randint(10, model.config.vocab_size, (1, 512))
+    _model_thresholds(torch, model.float(), ids).save(profile)
+    res["model"] = name
+    script = Path(__file__).with_name("vllm_cuda_serve.py")
+    for kind in ("bf16", "fp8", "oaken"):
+        left = run.args.budget_s + 60 - run.elapsed()
+        if left < 30:
+            run.res["skipped"].append(f"vllm {kind}: time budget")
+            continue
+        cmd = [sys.executable, str(script), "--model", str(model_dir), "--kind", kind, "--profile", str(profile)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, 150), check=False)
+        except subprocess.TimeoutExpired:
+            res[kind] = {"error": "timed out"}
+            continue
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            res[kind] = json.loads(lines[-1][7:])
+            print(f"  vllm {kind}: {res[kind]['output_tokens_per_s']} output tokens/s")
+        else:
+            res[kind] = {"error": f"exit {proc.returncode}", "tail": (proc.stdout[-1500:] + proc.stderr[-3000:])}
+            run.res["errors"].append(f"vllm {kind}: exit {proc.returncode}")
+        run.save()
+    tps = {k: res[k].get("output_tokens_per_s") for k in ("bf16", "fp8", "oaken") if isinstance(res.get(k), dict)}
+    if tps.get("oaken") and tps.get("fp8"):
+        res["oaken_over_fp8"] = round(tps["oaken"] / tps["fp8"], 3)
+    if tps.get("oaken") and tps.get("bf16"):
+        res["oaken_over_bf16"] = round(tps["oaken"] / tps["bf16"], 3)
     run.save()
 
 
@@ -1049,6 +1114,9 @@ def stage_goals(run: Run) -> None:
     goals["store_bytes_equal_cpu"] = {"goal": "true", "value": store.get("bytes_equal")}
     own = store.get("rows_own_sinks_adapt", {})
     goals["store_left_padding_adapt_equal_cpu"] = {"goal": "true", "value": own.get("ok")}
+    vl = run.res.get("vllm", {})
+    goals["vllm_oaken_over_fp8_at_a_budget_limiting_fp8"] = {"goal": ">= 1", "value": vl.get("oaken_over_fp8"),
+                                                             "skipped": vl.get("skipped")}  # fmt: skip
     model = run.res.get("model", {})
     goals["greedy_tokens_equal_cpu"] = {"goal": "true", "value": model.get("greedy", {}).get("same_tokens")}
     goals["perplexity_within_0.5%_of_cpu"] = {"goal": "<= 0.005", "value": model.get("perplexity", {}).get("rel_diff")}

@@ -4,7 +4,8 @@
 # (every record's bytes, tables, reads, attention); the default model through OakenCache on CUDA against the CPU
 # backend (greedy tokens, perplexity on 4 windows). Then CUDA-event timings: device-to-device copy, encode, decode
 # attention against SDPA over fp16 K/V (and FlashAttention if installed), a whole decode step of the model against
-# DynamicCache fp16, kernel tuning; the vLLM serve-load stage is recorded as skipped (no CUDA vLLM backend yet).
+# DynamicCache fp16, kernel tuning; vLLM with bf16, fp8 and Oaken KV (the plugin's CUDA backend) where the machine
+# has vLLM and the budget leaves time (else skipped with the reason; alone: --stages vllm).
 # Writes one JSON (default benchmarks/results/gpu_check_<date>_<device>.json), rewritten after every stage.
 #
 #   benchmarks/gpu_check.sh [OUT] [extra gpu_check.py options]     e.g. benchmarks/gpu_check.sh "$OUT"
