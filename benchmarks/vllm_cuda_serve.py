@@ -1,8 +1,8 @@
 """One KV kind through vLLM's engine on this machine's device: output tokens per second of a batch of requests at a
 KV budget, and the greedy tokens (issue 33: the plugin's CUDA backend, ``OAKEN_CUDA``, against vLLM's bf16 and fp8
 caches). ``benchmarks/gpu_check.py``'s ``vllm`` stage runs it once per kind, each in a process of its own; it also
-runs on vLLM's CPU engine (the Oaken kind then with ``OAKENKV_VLLM_KERNELS=triton`` under ``TRITON_INTERPRET=1``:
-how its dry run was checked without a GPU).
+runs on vLLM's CPU engine (the Oaken kind then with ``--kernels triton`` under ``TRITON_INTERPRET=1``: how it was
+checked without a GPU).
 
     python benchmarks/vllm_cuda_serve.py --model DIR --kind oaken --profile P.json --kv-mib 128
 
@@ -35,6 +35,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kernels",
+        choices=("numba", "triton"),
+        default="numba",
+        help="oaken on vLLM's CPU engine: the CPU backend (numba) or the device one (triton); CUDA: ignored",
+    )
     args = p.parse_args(argv)
     if args.kind == "oaken" and args.profile is None:
         p.error("--kind oaken needs --profile")
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
 
     disable()
     if args.kind == "oaken":
-        enable(args.profile, overflow="clip")
+        enable(args.profile, overflow="clip", kernels=args.kernels)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -25,6 +25,7 @@ from oakenkv.format.layout import record_size
 from oakenkv.hf.attention import float_attention
 from oakenkv.integrations.vllm import (
     ENV_CPUS,
+    ENV_KERNELS,
     ENV_OVERFLOW,
     ENV_PROFILE,
     ENV_SPARSE_BYTES,
@@ -836,6 +837,13 @@ def test_settings_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_THREADS, "0")
     with pytest.raises(ValueError, match="number of threads"):
         Settings.from_env()
+    monkeypatch.setenv(ENV_THREADS, "2")
+    assert Settings.from_env().kernels == "numba"
+    monkeypatch.setenv(ENV_KERNELS, "triton")
+    assert Settings.from_env().kernels == "triton"
+    monkeypatch.setenv(ENV_KERNELS, "cuda")
+    with pytest.raises(ValueError, match="'numba' or 'triton'"):
+        Settings.from_env()
 
 
 def test_profiles_the_plugin_cannot_serve_are_refused_with_their_reason(default_model, tmp_path):
@@ -1506,7 +1514,7 @@ def test_vllm_device_backend_under_the_interpreter_serves_oaken_cache_tokens(def
     from vllm.inputs import TokensPrompt
 
     from oakenkv.cli import run
-    from oakenkv.integrations.vllm import CUDA_BACKEND_NAME, ENV_KERNELS, PROFILE_FILE
+    from oakenkv.integrations.vllm import CUDA_BACKEND_NAME, PROFILE_FILE
     from oakenkv.integrations.vllm.backend import worker_stats
 
     tok = default_model.tokenizer
@@ -1525,10 +1533,10 @@ def test_vllm_device_backend_under_the_interpreter_serves_oaken_cache_tokens(def
     ref = _hf_greedy(model, tok, out / PROFILE_FILE, prompts, 8)
     got = {}
     for kernels in ("triton", "numba"):
-        monkeypatch.setenv(ENV_KERNELS, kernels)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (worker_stats, a callable RPC)
-        llm = _export_engine(out)
+        llm = _export_engine(out, kernels=kernels)
+        assert os.environ[ENV_KERNELS] == kernels
         try:
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in ref] * 2,  # the second time: prefix-cache hits

@@ -31,6 +31,9 @@ Settings (environment variables, read in every vLLM process):
   that share every decode step's rows with the worker's thread (``layout.RowThreads``). Off by default. vLLM binds
   the worker and its OpenMP threads (numba's too) to the cores it gives the worker; this puts the decode kernel on
   cores vLLM left out, such as the one it reserves for the engine process on a machine of few cores.
+- ``OAKENKV_VLLM_KERNELS``: ``numba`` (default) or ``triton``: on vLLM's CPU engine, the device backend
+  (``OAKEN_CUDA``, ``cuda.py``: the Triton kernels) instead of the CPU one; with ``TRITON_INTERPRET=1`` that is how
+  its tests run it inside vLLM without a GPU. vLLM's CUDA engine always takes the device backend.
 
 Importing this module imports neither vLLM nor torch.
 """
@@ -93,6 +96,8 @@ class Settings:
     attention_threads: int | None = None
     #: CPUs of the plugin's own decode threads, one thread bound to each (``layout.RowThreads``); () for none.
     attention_cpus: tuple[int, ...] = ()
+    #: ``numba`` (the CPU backend on the CPU engine) or ``triton`` (the device backend there too: ``ENV_KERNELS``).
+    kernels: str = "numba"
 
     @classmethod
     def from_env(cls, profile: str | os.PathLike[str] | None = None) -> Settings | None:
@@ -113,9 +118,13 @@ class Settings:
             raise ValueError(f"{ENV_SPARSE_BYTES} must be > 0, got {sparse_bytes!r}")
         threads = env_number(ENV_THREADS, None, 1, MAX_THREADS, integer=True, what="a number of threads")
         cpus = parse_cpus(os.environ.get(ENV_CPUS, ""), ENV_CPUS)
+        kernels = os.environ.get(ENV_KERNELS, "").strip() or "numba"
+        if kernels not in ("numba", "triton"):
+            raise ValueError(f"{ENV_KERNELS} must be 'numba' or 'triton', got {kernels[:40]!r}")
         return cls(
-            Path(path).expanduser().resolve(), sparse_bytes, overflow, None if threads is None else int(threads), cpus
-        )
+            Path(path).expanduser().resolve(), sparse_bytes, overflow, None if threads is None else int(threads), cpus,
+            kernels,
+        )  # fmt: skip
 
 
 def parse_cpus(text: str, what: str = "CPU list") -> tuple[int, ...]:
@@ -319,11 +328,12 @@ def enable(
     overflow: str = "clip",
     attention_threads: int | None = None,
     attention_cpus: str | None = None,
+    kernels: str = "numba",
 ) -> None:
     """Turn the plugin on with ``profile`` for vLLM engines built afterwards in this process and the processes it
     starts (to serve an exported directory, nothing needs turning on)."""
     os.environ[ENV_PROFILE] = str(Path(profile).expanduser().resolve())
-    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus)
+    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus, kernels)
     Settings.from_env()  # validate now, not in a worker
     register()
 
@@ -334,20 +344,23 @@ def configure(
     overflow: str = "clip",
     attention_threads: int | None = None,
     attention_cpus: str | None = None,
+    kernels: str = "numba",
 ) -> None:
     """Set the optional settings (module docstring) for engines built afterwards, without naming a profile (for
     an exported directory, whose profile the plugin finds itself)."""
-    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus)
-    if os.environ.get(ENV_PROFILE):
-        Settings.from_env()
-    else:
-        parse_cpus(os.environ.get(ENV_CPUS, ""), ENV_CPUS)
+    _set_env(sparse_bytes_per_token, overflow, attention_threads, attention_cpus, kernels)
+    Settings.from_env(os.environ.get(ENV_PROFILE) or "(found in the served directory)")  # validate them now
     register()
 
 
 def _set_env(
-    sparse_bytes_per_token: float | None, overflow: str, attention_threads: int | None, attention_cpus: str | None
+    sparse_bytes_per_token: float | None,
+    overflow: str,
+    attention_threads: int | None,
+    attention_cpus: str | None,
+    kernels: str = "numba",
 ) -> None:
+    os.environ[ENV_KERNELS] = kernels
     if attention_cpus is None:
         os.environ.pop(ENV_CPUS, None)
     else:
@@ -366,7 +379,7 @@ def _set_env(
 def disable() -> None:
     """Turn the plugin off for engines built afterwards (already built engines keep it)."""
     global _ACTIVE
-    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS, ENV_CPUS):
+    for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS, ENV_CPUS, ENV_KERNELS):
         os.environ.pop(key, None)
     _ACTIVE = None
     try:
@@ -374,6 +387,7 @@ def disable() -> None:
     except ImportError:
         return
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    AttentionBackendEnum.FLASH_ATTN.clear_override()
 
 
 __all__ = [

@@ -20,13 +20,11 @@ from typing import Any
 def backend_class(platform: str = "cpu") -> type:
     """The attention backend class for the model the current vLLM config serves (module docstring) on vLLM's CPU
     engine (``platform="cpu"``: in place of ``CPU_ATTN``) or its CUDA engine (``"cuda"``: of ``FLASH_ATTN``)."""
-    import os
-
     from vllm.config import get_current_vllm_config_or_none
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from oakenkv.integrations.vllm import ENV_KERNELS, activate
+    from oakenkv.integrations.vllm import activate
 
     config = get_current_vllm_config_or_none()
     model_config = getattr(config, "model_config", None)
@@ -39,10 +37,7 @@ def backend_class(platform: str = "cpu") -> type:
     from oakenkv.integrations.vllm.backend import logger
 
     logger.info("Oaken KV cache: profile %s checked against the served model %s", settings.profile, model_dir)
-    kernels = os.environ.get(ENV_KERNELS, "numba")
-    if kernels not in ("numba", "triton"):
-        raise ValueError(f"{ENV_KERNELS} must be 'numba' or 'triton', got {kernels!r}")
-    if platform == "cpu" and kernels == "numba":
+    if platform == "cpu" and settings.kernels == "numba":
         from oakenkv.integrations.vllm.backend import OakenAttentionBackend
 
         return OakenAttentionBackend
