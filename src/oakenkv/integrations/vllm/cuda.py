@@ -245,7 +245,7 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
                 dview = device.row_view(view, slice(0, nd), pages.num_tokens)
                 dpages = device.head_rows(pages, nd)
             out = device.decode_attention(
-                query[:nd].view(nd, self.num_heads, hd), dview, dpages, None if sinks is None else sinks[:nd],
+                query[:nd].reshape(nd, self.num_heads, hd), dview, dpages, None if sinks is None else sinks[:nd],
                 self.scale, self.softcap, st.rotation,
             )  # fmt: skip
             output[:nd].view(nd, self.num_heads, hd).copy_(out)
@@ -257,7 +257,7 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
             r = int(r)
             a, b = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
             out = device.prefill_attention(
-                query[a:b].view(b - a, self.num_heads, hd), device.row_view(view, r, int(md.seq_lens[r])),
+                query[a:b].reshape(b - a, self.num_heads, hd), device.row_view(view, r, int(md.seq_lens[r])),
                 None if sinks is None else sinks[r : r + 1], self.scale, self.softcap, st.rotation,
             )  # fmt: skip
             output[a:b].view(b - a, self.num_heads, hd).copy_(out)
