@@ -1556,6 +1556,43 @@ def test_vllm_device_backend_under_the_interpreter_serves_oaken_cache_tokens(def
                 assert first >= 4 and margins[first] < NEAR_TIE, (kernels, first, margins[first], g, want)
 
 
+def test_cuda_backend_is_registered_and_validates_as_vllms_cuda_platform_asks(monkeypatch, tmp_path, caplog):
+    """``register()`` adds ``OAKEN_CUDA`` and points ``FLASH_ATTN`` (CUDA's first choice) at the selector;
+    ``disable()`` takes that back. ``validate_configuration`` (what the CUDA platform calls, here with a stubbed
+    device capability) passes fp16/bf16 on sm_80+ and names what it refuses, with a warning that vLLM will fall back
+    to its own KV cache."""
+    _skip_without_vllm()
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from oakenkv.integrations.vllm import CUDA_BACKEND_NAME, SELECT_CUDA_PATH, disable
+    from oakenkv.integrations.vllm.cuda import OakenCudaAttentionBackend as B
+
+    monkeypatch.delenv(ENV_PROFILE, raising=False)
+    register()
+    assert AttentionBackendEnum[CUDA_BACKEND_NAME].get_path().endswith("cuda.OakenCudaAttentionBackend")
+    assert AttentionBackendEnum.FLASH_ATTN.get_path() == SELECT_CUDA_PATH
+    disable()
+    assert not AttentionBackendEnum.FLASH_ATTN.is_overridden()
+    kw = dict(
+        head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False, has_sink=False,
+        use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False, attn_type="decoder",
+    )  # fmt: skip
+    assert B.validate_configuration(device_capability=DeviceCapability(9, 0), **kw) == []
+    assert B.validate_configuration(device_capability=DeviceCapability(8, 0), **{**kw, "dtype": torch.float16}) == []
+    with caplog.at_level("WARNING"):
+        assert B.validate_configuration(device_capability=DeviceCapability(7, 5), **kw) == [
+            "compute capability not supported"
+        ]
+    assert "falls back" in caplog.text
+    assert "head_size not supported" in B.validate_configuration(
+        device_capability=DeviceCapability(9, 0), **{**kw, "head_size": 8}
+    )
+    assert "kv_cache_dtype not supported" in B.validate_configuration(
+        device_capability=DeviceCapability(9, 0), **{**kw, "kv_cache_dtype": "fp8"}
+    )
+
+
 def test_vllm_plus_perplexity_equals_eval_ppl(plus_engine, plus_dir):
     """Prompt logprobs through vLLM on the exported directory (chunked prefill over the blocks, sink tokens at 16
     bits) vs ``eval ppl --method oaken-plus`` with the same profile on the same windows: within 0.5%."""

@@ -68,6 +68,20 @@ class OakenCudaAttentionBackend(OakenAttentionBackend):
     def supports_compute_capability(cls, capability: Any) -> bool:
         return capability is None or (int(capability.major), int(capability.minor)) >= (8, 0)
 
+    @classmethod
+    def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
+        """vLLM's checks; when they fail, say so loudly: vLLM then serves the model with another backend, in its own
+        KV format, although a profile asked for Oaken's."""
+        reasons = super().validate_configuration(*args, **kwargs)
+        if reasons:
+            logger.warning(
+                "the Oaken KV backend (%s) cannot serve this configuration: %s; vLLM falls back to another attention "
+                "backend and its own KV cache, not Oaken's",
+                CUDA_BACKEND_NAME,
+                "; ".join(reasons),
+            )
+        return reasons
+
 
 @dataclass
 class OakenDeviceMetadata:
