@@ -197,8 +197,9 @@ def test_no_two_cached_kernels_share_one_python_function():
             continue  # heavy optional imports; they define no kernels
         if info.name.startswith("oakenkv.kernels.triton") and importlib.util.find_spec("triton") is None:
             continue  # the optional Triton backend (extra "triton"); its kernels are not numba's
-        if info.name == "oakenkv.integrations.vllm.backend" and importlib.util.find_spec("vllm") is None:
-            continue  # the vLLM plugin's backend imports vLLM (extra "vllm"); its numba kernels are in layout.py
+        vllm_api = ("oakenkv.integrations.vllm.backend", "oakenkv.integrations.vllm.cuda")
+        if info.name in vllm_api and importlib.util.find_spec("vllm") is None:
+            continue  # the vLLM plugin's backends import vLLM (extra "vllm"); its numba kernels are in layout.py
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if isinstance(obj, CPUDispatcher):
