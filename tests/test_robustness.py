@@ -1419,7 +1419,13 @@ def test_every_environment_read_goes_through_a_checked_reader():
     from pathlib import Path
 
     paths = {"OAKENKV_CACHE", "OAKENKV_DATA_DIR", "OAKENKV_VLLM_PROFILE"}
-    switches = {"OAKENKV_ALLOW_HUB", "OAKENKV_DEBUG", "OAKENKV_VLLM_OVERFLOW", "TRITON_INTERPRET"}
+    switches = {
+        "OAKENKV_ALLOW_HUB",
+        "OAKENKV_DEBUG",
+        "OAKENKV_VLLM_OVERFLOW",
+        "OAKENKV_VLLM_KERNELS",
+        "TRITON_INTERPRET",
+    }
     numbers = {"OAKENKV_VLLM_SPARSE_BYTES", "OAKENKV_VLLM_ATTENTION_THREADS"}
     cpu_lists = {"OAKENKV_VLLM_ATTENTION_CPUS"}  # integrations.vllm.parse_cpus: ids of CPUs this machine has
     src = Path(__file__).resolve().parents[1] / "src" / "oakenkv"
