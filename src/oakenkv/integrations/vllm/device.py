@@ -194,8 +194,9 @@ class DeviceBlockWriter:
         self.stats.written += 2 * n
 
     def _host_blocks(self, pool, units_per_block, blocks, slots, keys, values) -> None:
-        """The step's rows of ``blocks`` written again by the CPU writer (its overflow policy) on a host copy of
-        those blocks, and the blocks copied back (also when the policy raises: what it wrote stays, as on the CPU)."""
+        """The step's rows of ``blocks`` written by the CPU writer (its overflow policy) on a host copy of those
+        blocks (only their sink copies were written here), and the blocks copied back (also when the policy raises:
+        what it wrote stays, as on the CPU)."""
         lay = self.layout
         dev = pool.device
         stride = units_per_block * lay.unit
