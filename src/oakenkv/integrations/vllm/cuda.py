@@ -177,6 +177,8 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
         if head_size < MIN_HEAD_SIZE:
             raise NotImplementedError(f"the Oaken device backend needs head_size >= {MIN_HEAD_SIZE}, got {head_size}")
         self._state: _DeviceLayer | None = None
+        #: Host seconds per part, as the CPU backend's (``worker_stats``); on a GPU the kernels run asynchronously,
+        #: so these count launches and the host reads between them, not the kernels' time.
         self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
                       "prefill_calls": 0}  # fmt: skip
         self.threads, self.row_threads = 1, None  # (worker_stats reads them)
