@@ -38,10 +38,10 @@ def _model(family: str):
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=256, rotary_pct=0.25,
         )  # fmt: skip
-    elif family == "falcon":
+    elif family in ("falcon", "falcon-alibi"):
         cfg = tf.FalconConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-            new_decoder_architecture=False, max_position_embeddings=256,
+            new_decoder_architecture=False, max_position_embeddings=256, alibi=family == "falcon-alibi",
         )  # fmt: skip
     else:
         cfg = tf.Gemma2Config(
@@ -64,8 +64,10 @@ def test_kv_shape_reads_each_familys_config():
     assert kv_shape(llama) == (2, 32)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt-neox", "falcon", "gemma2-softcap"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt-neox", "falcon", "falcon-alibi", "gemma2-softcap"])
 def test_the_papers_preset_profiles_and_decodes_models_without_llama_style_attention(family, monkeypatch):
+    """... and with ALiBi (Falcon adds its position bias to the attention mask, per head), where the packed kernels,
+    which read a keep mask, would drop the bias: those layers read their pages back to floats (warned)."""
     import oakenkv.hf.attention as attention
 
     packed = []
@@ -87,13 +89,17 @@ def test_the_papers_preset_profiles_and_decodes_models_without_llama_style_atten
     cache = OakenCache.for_model(model, preset="oaken", profile=th)  # decode reads the packed pages
     reference = OakenCache(th, float_model)  # the same pages, read back as floats by the model's own attention
     logits = []
-    with torch.no_grad():
+    alibi = family == "falcon-alibi"
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for m, c in ((model, cache), (float_model, reference)):
             m(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(m, c))
             out = m(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), **cache_kwargs(m, c))
             logits.append(out.logits)
     assert cache.get_seq_length() == 13 and torch.isfinite(logits[0]).all()
-    assert len(packed) == 2  # the decode step of each layer read the packed pages (the reference did not)
+    # each layer's decode step read the packed pages (the reference did not); with ALiBi their floats, warned
+    assert len(packed) == (0 if alibi else 2)
+    assert any("ALiBi" in str(w.message) for w in caught) == alibi
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 

@@ -16,6 +16,7 @@ history with the reference read path, then float attention.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,7 @@ def _keep_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int)
 
 def _convert_mask(attention_mask: torch.Tensor, batch: int, num_tokens: int) -> np.ndarray:
     m = attention_mask
-    if m.dim() != 4 or m.shape[-2] != 1:
+    if m.dim() != 4 or m.shape[-2] != 1 or m.shape[1] != 1:
         raise ValueError(f"decode attention expects a [B, 1, 1, T] mask, got {tuple(m.shape)}")
     m = m[:, 0, 0, :]
     if m.shape[-1] != num_tokens:
@@ -125,8 +126,9 @@ def packed_decode_attention(
             f"query [B={b}, Hq={hq}, 1, hd={hd}] does not fit the cache (batch {store.batch_size}, "
             f"{store.num_kv_heads} KV heads, head_dim {store.head_dim})"
         )
-    if store.config.scale_dtype != "float16":
-        # The kernel reads fp16 scales; fp32 scales take the reference path (correct, slower).
+    if store.config.scale_dtype != "float16" or _mask_has_bias(attention_mask):
+        # The kernel reads fp16 scales and keep masks; fp32 scales and a mask carrying a bias (ALiBi) take the
+        # reference path (correct, slower).
         return reference_packed_attention(query, key, value, attention_mask, scaling, softcap)
     t = key.num_tokens
     n_win = store.window_len[key.layer]
@@ -173,6 +175,26 @@ def packed_decode_attention(
         merge(q, window_keep, keys_t, values, np.float32(scaling), np.float32(softcap or 0.0), out3, lse)
     result = torch.from_numpy(out)
     return result if query.dtype == torch.float32 else result.to(query.dtype)
+
+
+#: The last mask :func:`_mask_has_bias` looked at, its version and the answer (as :data:`_KEEP_CACHE`).
+_BIAS_CACHE: list[Any] = [None, -1, False]
+
+
+def _mask_has_bias(attention_mask: torch.Tensor | None) -> bool:
+    """Whether an additive mask carries more than "attend" / "do not attend": a head dimension or finite values
+    other than 0 (Falcon's ALiBi comes as its position bias added to the mask, ``[B, heads, S, T]``). The packed
+    kernels read a mask as a keep mask of one row per sequence, so such a mask takes the float path."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return False
+    c = _BIAS_CACHE
+    if c[0] is attention_mask and c[1] == _version(attention_mask):
+        return c[2]
+    m = attention_mask
+    low = torch.finfo(m.dtype).min / 2
+    bias = (m.dim() == 4 and m.shape[1] > 1) or bool(((m > low) & (m != 0)).any())
+    _BIAS_CACHE[:] = [attention_mask, _version(attention_mask), bias]
+    return bias
 
 
 def _device_attention(query, key: PackedKV, value: PackedKV, attention_mask, scaling: float, softcap) -> torch.Tensor:
@@ -255,6 +277,9 @@ def oaken_attention_forward(
         if dropout:
             raise ValueError("packed decode attention is for inference; dropout must be 0")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if _mask_has_bias(attention_mask):  # (ALiBi in the mask: the kernels take keep masks; the float read is exact)
+            _warn_bias_once(module)
+            return reference_packed_attention(query, key, value, attention_mask, scaling, softcap), None
         if getattr(key.store, "on_device", False):  # the device store: decode and prefill over its pages
             return _device_attention(query, key, value, attention_mask, scaling, softcap), None
         return packed_decode_attention(query, key, value, attention_mask, scaling, softcap), None
@@ -265,6 +290,20 @@ def oaken_attention_forward(
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return float_attention(query, key, value, attention_mask, scaling, softcap), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+_BIAS_WARNED: set[str] = set()
+
+
+def _warn_bias_once(module: torch.nn.Module) -> None:
+    name = type(module).__name__
+    if name not in _BIAS_WARNED:
+        _BIAS_WARNED.add(name)
+        warnings.warn(
+            f"{name} adds a bias to its attention mask (ALiBi): the packed-page kernels read masks as keep masks, "
+            "so its cached tokens are read back to floats and attended in float32 (correct, slower)",
+            stacklevel=3,
+        )
 
 
 def register_oaken_attention() -> None:

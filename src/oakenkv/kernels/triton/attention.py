@@ -429,7 +429,7 @@ def keep_from_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: 
     if attention_mask is None:
         return None
     m = attention_mask
-    if m.dim() != 4 or m.shape[-2] != 1:
+    if m.dim() != 4 or m.shape[-2] != 1 or m.shape[1] != 1:
         raise ValueError(f"decode attention expects a [B, 1, 1, T] mask, got {tuple(m.shape)}")
     m = m[:, 0, 0, :]
     if m.shape[-1] != num_tokens:
