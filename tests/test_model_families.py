@@ -3,8 +3,9 @@
 The paper's method needs only the keys and values a model's cache receives: GPT-2 (fused projections, no RoPE),
 GPT-NeoX (partial rotary), Falcon (one KV head) and Gemma 2 (soft-capped logits) profile (through the cache,
 ``oakenkv.calibrate.recording.KVRecorder``, where the layer-by-layer recorder does not know the attention) and
-decode from the packed pages. oaken-plus refuses Falcon with the reason, and leaves the key shift out for Gemma 2's
-soft cap (``tests/test_plus.py`` has the families it folds into, GPT-2, GPT-NeoX and OPT among them).
+decode from the packed pages. oaken-plus refuses BLOOM's attention with the reason, and leaves the key shift out for
+Gemma 2's soft cap (``tests/test_plus.py`` has the families it folds into, GPT-2, GPT-NeoX, OPT and Falcon's three
+layouts among them).
 """
 
 from __future__ import annotations
@@ -108,8 +109,12 @@ def test_oaken_plus_refuses_other_attention_modules_and_names_the_papers_preset(
     from oakenkv.calibrate.plus import PlusSearch, profile_plus
 
     windows = torch.randint(0, VOCAB, (2, 32))
+    import transformers as tf
+
+    torch.manual_seed(0)
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)).eval()
     with pytest.raises(TransformError, match="preset='oaken' needs no transforms"):
-        profile_plus(_model("falcon"), windows, PlusSearch(query_positions=8))
+        profile_plus(bloom, windows, PlusSearch(query_positions=8))
 
 
 def test_oaken_plus_on_soft_capped_logits_searches_without_the_key_shift():

@@ -165,6 +165,19 @@ def _tiny(family: str):
         kw = {k: v for k, v in common.items() if k != "num_key_value_heads"}
         cfg = GPTNeoXConfig(**kw, attention_bias=True, rotary_pct=1.0)
         return _randomized(GPTNeoXForCausalLM(cfg).eval(), lambda name: name.endswith("bias"))
+    if family.startswith("falcon"):  # query_key_value in three layouts (modeling_falcon); dense; biases
+        from transformers import FalconConfig, FalconForCausalLM
+
+        layout = {
+            "falcon-gqa": {"new_decoder_architecture": True, "num_kv_heads": 2},  # [H][G + 2][hd]
+            "falcon-mq": {"multi_query": True, "new_decoder_architecture": False},  # [q | k | v], one KV head
+            "falcon-mha": {"multi_query": False, "new_decoder_architecture": False},  # [head][q | k | v]
+        }[family]
+        cfg = FalconConfig(
+            vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+            bias=True, **layout,
+        )  # fmt: skip
+        return _randomized(FalconForCausalLM(cfg).eval(), lambda name: name.endswith("bias"))
     if family == "gpt2":  # c_attn [q | k | v] and c_proj are Conv1D (weights [in, out]); no RoPE
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -199,7 +212,10 @@ def _tiny(family: str):
     return _randomized(Gemma3ForCausalLM(cfg).eval(), lambda name: "norm" in name or name.endswith("bias"))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2", "opt"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2", "gemma3", "olmo2", "cohere", "phi3", "gpt-neox", "gpt2", "opt", "falcon-gqa", "falcon-mq", "falcon-mha"],
+)
 def test_folding_preserves_logits_on_other_families(family):
     model = _tiny(family)
     if family == "qwen2":
@@ -279,7 +295,7 @@ def _decided(th: Thresholds) -> tuple[str, list]:
     return th.sha256(), th.profile["choices"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox", "gpt2", "opt"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "gpt-neox", "gpt2", "opt", "falcon-gqa"])
 def test_the_streamed_search_equals_the_search_over_every_layer_at_once(family, monkeypatch):
     """The search records one layer at a time (oakenkv.calibrate.recording.stream_attention); it must choose and
     profile exactly what the search over all layers recorded at once chooses, every candidate's error included.

@@ -30,7 +30,7 @@ every attention reads them from there (``oakenkv.store.paged``). Not a transform
 ``16 n`` bits per value of a sequence: ~0.008 bit per value at 2048 tokens and ``n = 1``, counted in the bits), but
 part of the profile, because the thresholds and the per-layer choices were made with it.
 
-A fused projection (Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``, GPT-2's ``Conv1D`` ``c_attn``) takes each
+A fused projection (Phi-3's ``qkv_proj``, GPT-NeoX's and Falcon's ``query_key_value``, GPT-2's ``c_attn``) takes each
 fold in its query, key or value rows (:func:`projection`); per-head q/k norm weights take per-head key scales, a
 weight every head shares one set (:func:`norm_heads`); without RoPE every channel is its own pair.
 
@@ -329,8 +329,13 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 def _neox(m: Any) -> bool:
     """GPT-NeoX's attention (``query_key_value`` laid out per head, ``dense``); Falcon's module of the same names
-    lays its heads out otherwise and is not taken."""
+    lays its heads out otherwise (:func:`_falcon`)."""
     return "NeoX" in type(m).__name__ and hasattr(m, "query_key_value") and hasattr(m, "dense")
+
+
+def _falcon(m: Any) -> bool:
+    """Falcon's attention (``query_key_value`` in one of three layouts, :func:`projection`; ``dense``)."""
+    return "Falcon" in type(m).__name__ and hasattr(m, "query_key_value") and hasattr(m, "dense")
 
 
 def _gpt2(m: Any) -> bool:
@@ -341,7 +346,7 @@ def _gpt2(m: Any) -> bool:
 def _is_attention(m: Any) -> bool:
     if not hasattr(m, "layer_idx"):
         return False
-    if _neox(m) or _gpt2(m):
+    if _neox(m) or _gpt2(m) or _falcon(m):
         return True
     outs = hasattr(m, "o_proj") or hasattr(m, "out_proj")
     return outs and (hasattr(m, "qkv_proj") or all(hasattr(m, p) for p in _QKV))
@@ -395,7 +400,7 @@ def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
     a fused ``qkv_proj`` laid out ``[q | k | v]`` (Phi-3: ``Hq + 2 H`` heads of ``hd``, ``Hq = H x
     num_key_value_groups``; GPT-2's ``Conv1D`` ``c_attn``, multi-head, whose rows are its weight's columns:
     :func:`_out_rows`); or every head's share of GPT-NeoX's ``query_key_value``, laid out ``[head][q | k | v][hd]``
-    (multi-head)."""
+    (multi-head), or of Falcon's (:func:`_falcon_rows`: three layouts)."""
     own = getattr(m, f"{which}_proj", None)
     if own is not None:
         return own, torch.arange(int(own.out_features))
@@ -417,10 +422,39 @@ def projection(m: Any, which: str, hd: int) -> tuple[Any, torch.Tensor]:
         return fused, torch.arange(first, first + n)
     fused = m.query_key_value
     total = int(fused.out_features)
+    if _falcon(m):
+        return fused, _falcon_rows(m, part, hd, total)
     if total % (3 * hd):
         raise TransformError(f"{type(m).__name__}.query_key_value has {total} outputs, not [head][q | k | v] of {hd}")
     heads = torch.arange(total // (3 * hd))[:, None] * (3 * hd)
     return fused, (heads + part * hd + torch.arange(hd)).reshape(-1)
+
+
+def _falcon_rows(m: Any, part: int, hd: int, total: int) -> torch.Tensor:
+    """The rows of Falcon's ``query_key_value`` holding its queries (``part`` 0, in query-head order), keys (1) or
+    values (2): ``new_decoder_architecture``: per KV head its ``G`` query heads, then its key and value
+    (``[H][G + 2][hd]``); ``multi_query``: ``[q (Hq heads) | k | v]``; otherwise per head ``[q | k | v]``, as
+    GPT-NeoX (``modeling_falcon.FalconAttention.forward``)."""
+    hq = int(m.num_heads)
+    h = int(m.num_kv_heads)
+    g = hq // h
+    cols = torch.arange(hd)
+    if getattr(m, "new_decoder_architecture", False):
+        rows = torch.arange(h)[:, None] * ((g + 2) * hd)  # each KV head's first row
+        if part == 0:
+            rows = (rows[:, :, None] + torch.arange(g)[None, :, None] * hd + cols).reshape(-1)
+        else:
+            rows = (rows + (g + part - 1) * hd + cols).reshape(-1)
+        want = h * (g + 2) * hd
+    elif getattr(m, "multi_query", False):
+        rows = torch.arange(hq * hd) if part == 0 else (hq + part - 1) * hd + cols
+        want = (hq + 2) * hd
+    else:
+        rows = (torch.arange(hq)[:, None] * (3 * hd) + part * hd + cols).reshape(-1)
+        want = 3 * hq * hd
+    if total != want:
+        raise TransformError(f"{type(m).__name__}.query_key_value has {total} outputs, its layout needs {want}")
+    return rows
 
 
 def rope_partners(model: Any) -> np.ndarray:
