@@ -10,6 +10,7 @@ layouts among them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -192,3 +193,21 @@ def test_calibration_windows_fit_the_models_positions():
         warnings.simplefilter("error")
         short = CalibrationSpec(samples=2, window=128)
         assert short.fit(model) is short
+
+
+def test_attention_that_bypasses_the_interface_is_refused_by_name_not_by_a_stack_error(monkeypatch):
+    """A model whose attention does not go through transformers' attention interface (Falcon in transformers 5.19
+    calls SDPA itself) records nothing: oaken-plus refuses it naming why (it failed on ``torch.stack`` of no
+    tensors), and the paper's preset profiles it from its cache instead."""
+    from oakenkv.calibrate import recording
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
+
+    monkeypatch.setattr(recording, "_recording_attention", lambda model, sink: contextlib.nullcontext())
+    model = _model("gpt-neox")
+    windows = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(TransformError, match="did not go through transformers' attention interface"):
+        profile_plus(model, windows, PlusSearch(query_positions=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        th = profile_thresholds(model, windows)
+    assert th.fingerprint.num_layers == 2

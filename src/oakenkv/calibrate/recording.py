@@ -313,6 +313,19 @@ def _recording_attention(model: Any, sink: Callable[[Any, torch.Tensor, torch.Te
         model.set_attn_implementation(previous)
 
 
+def _check_recorded(model: Any, counts: list[int]) -> None:
+    """Raise :class:`TransformError` when a layer's attention recorded nothing: the model computes attention itself
+    instead of through transformers' attention interface (Falcon in transformers 5.19 calls SDPA directly), so
+    nothing of it can be recorded (nor read from packed pages)."""
+    missing = [i for i, c in enumerate(counts) if not c]
+    if missing:
+        raise TransformError(
+            f"{type(model).__name__}'s attention of layer(s) {missing[:4]} did not go through transformers' attention "
+            "interface (its code computes attention itself: newer transformers versions route it through the "
+            "interface), so oaken-plus cannot record it"
+        )
+
+
 def _host(x: torch.Tensor) -> torch.Tensor:
     """A float32 copy on the CPU, where the search's statistics and kernels run (bf16/fp16 widen exactly)."""
     return x.detach().to("cpu", torch.float32, copy=True)
@@ -352,6 +365,7 @@ def record_attention(
             _prefill(model, windows[r : r + 1].to(device))
             if progress is not None:
                 progress(1)
+    _check_recorded(model, [len(k) for k in ks])
     return AttentionRecord(
         [torch.stack(q) for q in qs],
         [torch.stack(k) for k in ks],
