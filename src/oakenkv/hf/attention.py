@@ -278,7 +278,7 @@ def oaken_attention_forward(
             raise ValueError("packed decode attention is for inference; dropout must be 0")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         if _mask_has_bias(attention_mask):  # (ALiBi in the mask: the kernels take keep masks; the float read is exact)
-            _warn_bias_once(module)
+            _warn_bias(module)
             return reference_packed_attention(query, key, value, attention_mask, scaling, softcap), None
         if getattr(key.store, "on_device", False):  # the device store: decode and prefill over its pages
             return _device_attention(query, key, value, attention_mask, scaling, softcap), None
@@ -292,18 +292,14 @@ def oaken_attention_forward(
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-_BIAS_WARNED: set[str] = set()
-
-
-def _warn_bias_once(module: torch.nn.Module) -> None:
-    name = type(module).__name__
-    if name not in _BIAS_WARNED:
-        _BIAS_WARNED.add(name)
-        warnings.warn(
-            f"{name} adds a bias to its attention mask (ALiBi): the packed-page kernels read masks as keep masks, "
-            "so its cached tokens are read back to floats and attended in float32 (correct, slower)",
-            stacklevel=3,
-        )
+def _warn_bias(module: torch.nn.Module) -> None:
+    """Say why a layer reads its pages back to floats (Python's warning filters show it once per place by
+    default; the float path's cost dwarfs the call)."""
+    warnings.warn(
+        f"{type(module).__name__} adds a bias to its attention mask (ALiBi): the packed-page kernels read masks as "
+        "keep masks, so its cached tokens are read back to floats and attended in float32 (correct, slower)",
+        stacklevel=3,
+    )
 
 
 def register_oaken_attention() -> None:
