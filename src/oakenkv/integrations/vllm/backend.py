@@ -459,6 +459,10 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
 
     # ------------------------------------------------------------------------------------------ vLLM API
 
+    def _slots(self, slot_mapping: torch.Tensor) -> Any:
+        """The step's slots as this backend's writer takes them (the CPU writer: a numpy array)."""
+        return slot_mapping.cpu().numpy()
+
     def do_kv_cache_update(
         self,
         layer: AttentionLayer,
@@ -474,7 +478,7 @@ class OakenAttentionImpl(AttentionImpl[OakenMetadata]):
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         before = sum(st.writer.stats.tokens)
-        st.writer.write(st.pool, st.units_per_block, slot_mapping.cpu().numpy(), key[:n], value[:n])
+        st.writer.write(st.pool, st.units_per_block, self._slots(slot_mapping), key[:n], value[:n])
         self.times["write"] += time.perf_counter() - t0
         self.times["write_calls"] += 1
         over = sum(st.writer.stats.tokens)

@@ -6,10 +6,11 @@ blocks (``device.py``).
   (``validate_configuration``: head sizes the kernels take, compute capability 8.0 or newer, decoder attention).
 - :class:`OakenDeviceMetadataBuilder`: per step, the requests' query ranges and lengths on the host and their block
   table on the device; the step's shared tables (``device.step_pages``) built by the first layer that asks.
-- :class:`OakenDeviceAttentionImpl`: ``do_kv_cache_update`` encodes the step's keys (after the profile's key shift
-  and rotation) and values into their slots (``device.DeviceBlockWriter``); ``forward`` runs the paged decode
-  kernel for one-token queries and the paged prefill kernel per longer query, each layer's view built from its
-  headers (``device.layer_view``), the sink tokens merged at 16 bits.
+- :class:`OakenDeviceAttentionImpl`: ``do_kv_cache_update`` (the CPU impl's, over this backend's layer state)
+  encodes the step's keys (after the profile's key shift and rotation) and values into their slots
+  (``device.DeviceBlockWriter``); ``forward`` runs the paged decode kernel for one-token queries and the paged
+  prefill kernel per longer query, each layer's view built from its headers (``device.layer_view``), the sink tokens
+  merged at 16 bits.
 
 vLLM's CUDA platform honours a selected backend: ``--attention-config.backend OAKEN_CUDA`` (``register()``
 registers the name); a served model with a profile also gets it in place of ``FLASH_ATTN`` (``select.py``). On the
@@ -26,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionLayer,
@@ -182,9 +183,8 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
         self.times = {"write": 0.0, "decode": 0.0, "prefill": 0.0, "write_calls": 0, "decode_calls": 0,
                       "prefill_calls": 0}  # fmt: skip
         self.threads, self.row_threads = 1, None  # (worker_stats reads them)
-        get_current_vllm_config()  # (the engine's config is current while layers are built: fail early if not)
 
-    def _device_layer(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> _DeviceLayer:
+    def _layer(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> _DeviceLayer:
         st = self._state
         if st is None:
             from vllm.model_executor.models.utils import extract_layer_index
@@ -205,29 +205,8 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
             st.pool_key = key
         return st
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if kv_cache.numel() == 0:
-            return
-        t0 = time.perf_counter()
-        st = self._device_layer(layer, kv_cache)
-        n = slot_mapping.shape[0]
-        before = sum(st.writer.stats.tokens)
-        st.writer.write(st.pool, st.units_per_block, slot_mapping, key[:n], value[:n])
-        self.times["write"] += time.perf_counter() - t0
-        self.times["write_calls"] += 1
-        over = sum(st.writer.stats.tokens)
-        if over != before:
-            logger.warning(
-                "Oaken KV: %d record(s) of layer %d did not fit in their block's sparse area (%s policy; layer "
-                "totals %s)", over - before, st.layer_index, st.writer.overflow, st.writer.stats.to_dict(),
-            )  # fmt: skip
+    def _slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        return slot_mapping  # (the device writer reads them where they are)
 
     def forward(
         self,
@@ -247,7 +226,7 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
             return output
         md = attn_metadata
         t0 = time.perf_counter()
-        st = self._device_layer(layer, kv_cache)
+        st = self._layer(layer, kv_cache)
         lay, hd = st.layout, self.head_size
         pages = md.pages(lay, st.units_per_block)
         view = device.layer_view(st.pool, lay, st.units_per_block, pages, st.thresholds, self.num_kv_heads, hd)
@@ -256,10 +235,7 @@ class OakenDeviceAttentionImpl(OakenAttentionImpl):
             sinks = device.layer_sinks(st.pool, lay, st.units_per_block, md.block_table[:, 0])
         nd = md.num_decodes
         if nd:
-            dview, dpages = view, pages
-            if nd < pages.blocks.shape[0]:
-                dview = device.row_view(view, slice(0, nd), pages.num_tokens)
-                dpages = device.head_rows(pages, nd)
+            dview, dpages = device.row_view(view, slice(0, nd), pages.num_tokens), device.head_rows(pages, nd)
             out = device.decode_attention(
                 query[:nd].reshape(nd, self.num_heads, hd), dview, dpages, None if sinks is None else sinks[:nd],
                 self.scale, self.softcap, st.rotation,

@@ -35,6 +35,7 @@ import torch
 
 from oakenkv.integrations.vllm import _oaken
 from oakenkv.integrations.vllm.layout import BlockLayout, BlockWriter
+from oakenkv.integrations.vllm.layout import pool_tensor as pool_tensor  # (the flat pool on any device, re-exported)
 
 STATIC_GRIDS_REFUSED = (
     "the plugin's device path (Triton kernels) does not read records of static grids (oaken-plus:static=1) yet; "
@@ -49,22 +50,6 @@ def _kernels() -> Any:
 def _launch(kind: str) -> dict[str, Any]:
     """The launch options of the device store for kernel ``kind`` (larger blocks under the interpreter)."""
     return _kernels().interpret.store_blocks()[kind]
-
-
-def pool_tensor(kv_cache: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, int]:
-    """``(pool, units_per_block)``: one layer's cache (``uint8``, dim 0 the block, on any device) as a flat tensor
-    from its first block on, sharing its memory, and the block stride in units (``layout.pool_view`` on a device)."""
-    if kv_cache.dtype != torch.uint8:
-        raise ValueError(f"the Oaken KV cache must be a uint8 tensor, got {kv_cache.dtype}")
-    num_blocks = kv_cache.shape[0]
-    stride = kv_cache.stride(0)
-    if stride % layout.unit or stride < layout.block_bytes:
-        raise ValueError(
-            f"block stride {stride} bytes must be a multiple of the {layout.unit}-byte record and hold a "
-            f"{layout.block_bytes}-byte block"
-        )
-    nbytes = (num_blocks - 1) * stride + layout.block_bytes
-    return torch.as_strided(kv_cache, (nbytes,), (1,), kv_cache.storage_offset()), stride // layout.unit
 
 
 def _header_lengths(pool: torch.Tensor, at: torch.Tensor, len_bytes: int) -> torch.Tensor:
@@ -332,13 +317,16 @@ def _rotated(q: torch.Tensor, rotate: bool, head_dim: int) -> torch.Tensor:
     return q32
 
 
-def _sink_part(q, sinks, keep, num_kv_heads, scale, softcap):
-    """The sink tokens' attention (``q [B, Hq, S, hd]`` float32, ``sinks [B, 2, n, D]``, ``keep [B, S, n]``)."""
+def _with_sinks(q, out, lse, sinks, keep, num_kv_heads, scale, softcap) -> torch.Tensor:
+    """``out`` (``[B, Hq, S, hd]``, log-sum-exp ``lse``) merged with the sink tokens' attention (``q [B, Hq, S, hd]``
+    float32, ``sinks [B, 2, n, D]``, ``keep [B, S, n]``)."""
+    k = _kernels()
     b, n = sinks.shape[0], sinks.shape[2]
     hd = q.shape[-1]
     sk = sinks[:, 0].reshape(b, n, num_kv_heads, hd).transpose(1, 2)
     sv = sinks[:, 1].reshape(b, n, num_kv_heads, hd).transpose(1, 2)
-    return _kernels().prefill.sink_attention(q, sk, sv, keep, scale, softcap)
+    out_s, lse_s = k.prefill.sink_attention(q, sk, sv, keep, scale, softcap)
+    return k.prefill.merge_lse(out, lse, out_s, lse_s)[0]
 
 
 def decode_attention(
@@ -363,9 +351,10 @@ def decode_attention(
         n = sinks.shape[2]
         dev = q.device
         stored = torch.arange(n, device=dev)[None, :] < torch.from_numpy(pages.seq_lens).to(dev)[:, None]
-        out_s, lse_s = _sink_part(q[:, :, None], sinks, stored[:, None, :], view.num_kv_heads, scale, softcap)
-        out, _ = k.prefill.merge_lse(out[:, :, None], lse[:, :, None], out_s, lse_s)
-        out = out[:, :, 0]
+        out = _with_sinks(
+            q[:, :, None], out[:, :, None], lse[:, :, None], sinks, stored[:, None, :], view.num_kv_heads, scale,
+            softcap,
+        )[:, :, 0]  # fmt: skip
     return out
 
 
@@ -395,6 +384,5 @@ def prefill_attention(
         dev = q.device
         pos = past + torch.arange(s, device=dev)
         keep = (torch.arange(n_sink, device=dev)[None, :] <= pos[:, None])[None]  # [1, S, n]
-        out_s, lse_s = _sink_part(q, sinks[:, :, :n_sink], keep, view.num_kv_heads, scale, softcap)
-        out, _ = k.prefill.merge_lse(out, lse, out_s, lse_s)
+        out = _with_sinks(q, out, lse, sinks[:, :, :n_sink], keep, view.num_kv_heads, scale, softcap)
     return out[0].transpose(0, 1)

@@ -231,11 +231,11 @@ def layer_static_grid(layout: BlockLayout, thresholds: np.ndarray) -> np.ndarray
 # ------------------------------------------------------------------------------------------------ the pool
 
 
-def pool_view(kv_cache: torch.Tensor, layout: BlockLayout) -> tuple[np.ndarray, int]:
-    """``(pool, units_per_block)``: one layer's cache (a ``uint8`` tensor whose dim 0 is the block) as a flat
-    numpy array from its first block on, and the block stride in units. Shares memory with ``kv_cache``."""
-    if kv_cache.dtype != torch.uint8 or kv_cache.device.type != "cpu":
-        raise ValueError(f"the Oaken KV cache must be a CPU uint8 tensor, got {kv_cache.dtype} on {kv_cache.device}")
+def pool_tensor(kv_cache: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, int]:
+    """``(pool, units_per_block)``: one layer's cache (``uint8``, dim 0 the block, on any device) as a flat tensor
+    from its first block on, sharing its memory, and the block stride in units."""
+    if kv_cache.dtype != torch.uint8:
+        raise ValueError(f"the Oaken KV cache must be a uint8 tensor, got {kv_cache.dtype}")
     num_blocks = kv_cache.shape[0]
     stride = kv_cache.stride(0)
     if stride % layout.unit or stride < layout.block_bytes:
@@ -244,8 +244,16 @@ def pool_view(kv_cache: torch.Tensor, layout: BlockLayout) -> tuple[np.ndarray, 
             f"{layout.block_bytes}-byte block"
         )
     nbytes = (num_blocks - 1) * stride + layout.block_bytes
-    flat = torch.as_strided(kv_cache, (nbytes,), (1,), kv_cache.storage_offset())
-    return flat.numpy(), stride // layout.unit
+    return torch.as_strided(kv_cache, (nbytes,), (1,), kv_cache.storage_offset()), stride // layout.unit
+
+
+def pool_view(kv_cache: torch.Tensor, layout: BlockLayout) -> tuple[np.ndarray, int]:
+    """:func:`pool_tensor` of a CPU cache as a numpy array (what the numba kernels take). Shares memory with
+    ``kv_cache``."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.device.type != "cpu":
+        raise ValueError(f"the Oaken KV cache must be a CPU uint8 tensor, got {kv_cache.dtype} on {kv_cache.device}")
+    flat, units_per_block = pool_tensor(kv_cache, layout)
+    return flat.numpy(), units_per_block
 
 
 # ------------------------------------------------------------------------------------------------ numba kernels
