@@ -404,11 +404,13 @@ DEVICE_DRIFT = 3.0
 
 
 def test_default_model_generates_the_numba_backends_greedy_tokens(default_model):
-    """The default model (30 layers), 16 new tokens, under the interpreter. The float read path stores and reads
-    back the same floats with both backends (the device store's bytes are the CPU store's): identical logits at every
-    step. The packed attention: the numba backend's greedy tokens, logits within ``DEVICE_DRIFT``
-    (``assert_same_greedy``). Under the interpreter the store launches its kernels with larger blocks and fewer
-    programs (``kernels.triton.interpret.store_blocks``; docs/gpu.md: the time of this test)."""
+    """The default model (30 layers) under the interpreter. The packed attention, 16 new tokens: the numba
+    backend's greedy tokens, logits within ``DEVICE_DRIFT`` (``assert_same_greedy``). The float read path, 4 new
+    tokens (the prompt's records and four decode steps' in every layer: each step of it reads a layer's whole history
+    through the interpreter, so more steps cost a minute and test the same code again): both backends store and read
+    back the same floats (the device store's bytes are the CPU store's), so identical logits at every step. Under the
+    interpreter the store launches its kernels with larger blocks and fewer programs
+    (``kernels.triton.interpret.store_blocks``; docs/gpu.md: the time of this test)."""
     from kv_helpers import assert_same_greedy, quick_thresholds
     from oakenkv.hf.attention import oaken_attention
     from oakenkv.hf.cache import OakenCache
@@ -417,14 +419,18 @@ def test_default_model_generates_the_numba_backends_greedy_tokens(default_model)
     model, tok = default_model.model, default_model.tokenizer
     thr = quick_thresholds(default_model)
     ids = tok("The capital of France is", return_tensors="pt").input_ids
-    kw = {"max_new_tokens": 16, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     outs = {}
     for packed in (False, True):
         for backend in ("numba", "triton"):
             cache = OakenCache(thr, model.config, backend=backend, pool_config=PoolConfig(budget_bytes=64 << 20))
             with torch.no_grad(), oaken_attention(model) if packed else contextlib.nullcontext():
-                outs[packed, backend] = model.generate(input_ids=ids, **cache_kwargs(model, cache), **kw)
+                outs[packed, backend] = model.generate(
+                    input_ids=ids, max_new_tokens=16 if packed else 4, **cache_kwargs(model, cache), **kw
+                )
     want, got = outs[False, "numba"], outs[False, "triton"]
     assert torch.equal(want.sequences, got.sequences)
     assert all(torch.equal(a, b) for a, b in zip(want.logits, got.logits, strict=True))
+    assert len(got.logits) == 4
     assert_same_greedy(outs[True, "numba"], outs[True, "triton"], first_atol=DEVICE_DRIFT, drift=DEVICE_DRIFT)
+    assert len(outs[True, "triton"].logits) == 16
