@@ -242,3 +242,34 @@ def test_cli_profile_and_inspect(default_model, tmp_path, capsys):
     assert run(["inspect", str(tmp_path / "bad.json")]) == 2  # the console script's path: one error line, code 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "corrupt JSON" in err and err.count("\n") == 1
+
+
+@pytest.mark.model
+def test_cli_profile_on_your_own_text_file_and_a_short_text_warns(default_model, tmp_path):
+    """`oakenkv profile --data file --data-path F` calibrates on a plain text file (the domain a user serves); a text
+    too short for the windows asked for says so, there and in the evaluation's calibration, instead of calibrating on
+    less under a label that says otherwise."""
+    from typer.testing import CliRunner
+
+    from oakenkv.assets.data import token_windows
+    from oakenkv.calibrate.spec import CalibrationSpec, calibration_windows
+    from oakenkv.cli import app
+
+    tok = default_model.tokenizer
+    text = "def f(x):\n    return x + 1\n\n" * 12
+    n = token_windows(tok, text, 32).shape[0]
+    assert 1 <= n < 9  # fewer windows of 32 tokens than the 9 asked for below
+    src = tmp_path / "code.py.txt"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "t.json"
+    res = CliRunner().invoke(
+        app,
+        ["profile", "--data", "file", "--data-path", str(src), "--samples", "9", "--window", "32", "--out", str(out)],
+    )
+    assert res.exit_code == 0, res.output
+    assert f"holds only {n} window" in res.output and "fewer than the 9 asked for" in res.output
+    th = Thresholds.load(out, expect=ModelFingerprint.from_model_config(default_model.model.config))
+    assert th.profile["runs"] == n and th.profile["data"] == "file" and th.profile["data_path"] == str(src)
+    with pytest.warns(UserWarning, match=f"holds only {n} window.* fewer than the 9 asked for"):
+        ids = calibration_windows(tok, CalibrationSpec("file", 9, 32, str(src)))
+    assert torch.equal(ids, token_windows(tok, text, 32))

@@ -56,8 +56,10 @@ from oakenkv.calibrate.spec import (
     DEFAULT_CALIB_TEXT,
     DEFAULT_CALIB_WINDOW,
     CalibrationSpec,
+    calibration_text,
     calibration_windows,
     max_positions,
+    warn_if_short,
 )
 from oakenkv.calibrate.stats import (
     INNER_DELTA,
@@ -303,9 +305,10 @@ def load_calibration(
 ) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """Load a model and cut ``samples`` consecutive, non-overlapping windows of ``window`` tokens from the start of
     its calibration text: ``(LoadedModel, int64 [R, S] windows, metadata for the profile)``. ``data`` defaults to
-    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about. ``lazy``:
+    the calibration text ("wikipedia"); "wikitext2" (the evaluation text) is allowed but warned about; "file" is the
+    plain text file at ``data_path`` (:func:`~oakenkv.calibrate.spec.calibration_text`). ``lazy``:
     the model's units stay on disk until called (``load_model(lazy=True)``; hub ids load eagerly)."""
-    from oakenkv.assets.data import load_text, token_windows
+    from oakenkv.assets.data import token_windows
     from oakenkv.assets.models import load_model, locate_model
 
     if not isinstance(samples, int) or samples < 1:
@@ -320,14 +323,10 @@ def load_calibration(
     most = max_positions(loaded.model)
     if most is not None and window > most:
         raise ValueError(f"windows of {window} tokens are longer than the model's {most} positions (--window {most})")
-    text = load_text(data, data_path)
-    ids = token_windows(loaded.tokenizer, text, window, max_windows=samples)
-    if ids.shape[0] < samples:
-        warnings.warn(
-            f"the {data!r} text holds only {ids.shape[0]} windows of {window} tokens; profiling with those",
-            UserWarning,
-            stacklevel=3,
-        )
+    ids = token_windows(loaded.tokenizer, calibration_text(data, data_path), window, max_windows=samples)
+    warn_if_short(
+        ids, samples, window, f"the calibration text {data_path!r}" if data == "file" else f"the {data!r} text", 4
+    )
     meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
     return loaded, ids, meta
 

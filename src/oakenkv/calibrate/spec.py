@@ -21,7 +21,9 @@ __all__ = [
     "DEFAULT_CALIB_TEXT",
     "DEFAULT_CALIB_WINDOW",
     "CalibrationSpec",
+    "calibration_text",
     "calibration_windows",
+    "warn_if_short",
 ]
 
 #: Default calibration of a cached profile: the Wikipedia excerpt, 16 windows of 256 tokens. The paper averages
@@ -82,18 +84,42 @@ class CalibrationSpec:
         return f"{self.text}{path}-{self.samples}x{self.window}"
 
 
-def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
-    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2)."""
-    from oakenkv.assets.data import load_text, token_windows
-
-    if spec.text == "wikitext2":
-        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
-    if spec.text == "file":  # any plain UTF-8 text file
-        if spec.text_path is None:
+def calibration_text(text: str, path: str | None) -> str:
+    """The calibration text ``text`` names: an ``oakenkv.assets.data.load_text`` name (``path``: its file, if not
+    the packaged one) or "file", the plain UTF-8 text file at ``path`` (a regular file, size-capped)."""
+    if text == "file":
+        if path is None:
             raise ValueError("calibration text 'file' needs a path (--calib-path)")
         from oakenkv.util.paths import MAX_TEXT_BYTES, read_text_capped
 
-        text = read_text_capped(spec.text_path, "the calibration text file", MAX_TEXT_BYTES)  # (a regular file, capped)
-    else:
-        text = load_text(spec.text, spec.text_path)
-    return token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+        return read_text_capped(path, "the calibration text file", MAX_TEXT_BYTES)
+    from oakenkv.assets.data import load_text
+
+    return load_text(text, path)
+
+
+def warn_if_short(ids: torch.Tensor, samples: int, window: int, what: str, stacklevel: int = 3) -> None:
+    """Warn when the calibration text gave fewer than ``samples`` windows of ``window`` tokens (``ids``: what it
+    gave): a short text would otherwise calibrate on less than asked, under a label that says otherwise."""
+    if ids.shape[0] < samples:
+        warnings.warn(
+            f"{what} holds only {ids.shape[0]} window{'' if ids.shape[0] == 1 else 's'} of {window} tokens, fewer "
+            f"than the {samples} asked for: "
+            "calibrating on those (a longer text, or fewer or shorter windows, calibrates as asked)",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
+    """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2, or too short
+    for ``samples`` windows)."""
+    from oakenkv.assets.data import token_windows
+
+    if spec.text == "wikitext2":
+        warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
+    text = calibration_text(spec.text, spec.text_path)
+    ids = token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
+    what = f"the calibration text {spec.text_path!r}" if spec.text == "file" else f"the {spec.text!r} text"
+    warn_if_short(ids, spec.samples, spec.window, what)
+    return ids

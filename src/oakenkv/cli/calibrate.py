@@ -62,14 +62,16 @@ def profile_cmd(
     data: Annotated[
         str,
         typer.Option(
-            help="Calibration text: 'wikipedia' (the default calibration excerpt) or 'wikitext2' (the "
-            "evaluation text; warned about, since perplexity on it is then not held-out)."
+            help="Calibration text: 'wikipedia' (the default calibration excerpt), 'wikitext2' (the "
+            "evaluation text; warned about, since perplexity on it is then not held-out) or 'file' (your own plain "
+            "UTF-8 text at --data-path: calibrate on the domain you serve)."
         ),
     ] = "wikipedia",
     data_path: Annotated[
         Path | None,
         typer.Option(
-            help="Read the calibration text from this file instead of the built-in source.",
+            help="Read the calibration text from this file: a MediaWiki XML dump (.xml, .xml.bz2) for 'wikipedia', "
+            "the WikiText-2 file for 'wikitext2', any plain UTF-8 text for 'file'.",
             exists=True,
             dir_okay=False,
             readable=True,
@@ -123,8 +125,10 @@ def profile_cmd(
         raise bad_option(
             "--preset", "oaken-plus chooses its own group ratios on post-RoPE keys; drop the ratio options"
         )
-    if data not in TEXTS:
-        raise bad_option("--data", f"unknown text {data!r}; known: {', '.join(TEXTS)}")
+    if data not in TEXTS and data != "file":
+        raise bad_option("--data", f"unknown text {data!r}; known: {', '.join([*TEXTS, 'file'])}")
+    if data == "file" and data_path is None:
+        raise bad_option("--data", "'file' calibrates on your own text: give it with --data-path")
     if inner_center not in ("median", "zero"):
         raise bad_option("--inner-center", f"must be 'median' or 'zero', got {inner_center!r}")
     # a Wikipedia dump is streamed (any size; its first bytes checked); a plain text is read whole (capped)
@@ -134,7 +138,10 @@ def profile_cmd(
             head = f.read(64)
         xml = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"<"
         if not (head.startswith(b"BZh") if data_path.suffix == ".bz2" else xml):
-            raise bad_option("--data-path", f"{data_path} is not a MediaWiki XML dump (.xml or .xml.bz2)")
+            raise bad_option(
+                "--data-path",
+                f"{data_path} is not a MediaWiki XML dump (.xml or .xml.bz2); for a plain text file add --data file",
+            )
     check_model(model)
     check_out(out, "--out")
     from oakenkv.calibrate.profile import DEFAULT_SAMPLES, DEFAULT_WINDOW, profile_model  # (imports torch)
@@ -174,7 +181,8 @@ def profile_cmd(
     path = save_output(out, th.save, "--out")  # (never lost: minutes of profiling)
     typer.echo(
         f"profiled {th.fingerprint.describe()} on {th.profile['runs']} x {th.profile['window']} tokens of "
-        f"{data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv inspect {path}`)"
+        f"{data_path if data == 'file' else data} in {th.profile['seconds']:.1f} s; wrote {path} (see `oakenkv "
+        f"inspect {path}`)"
     )
 
 
