@@ -5,7 +5,7 @@
 # grouping in and out of domain. Results under docs/results/<model>-<N>w (WikiText-2) and docs/results/default-python
 # (Python source); `report` rewrites docs/results.md and its plot.
 #
-#   benchmarks/eval_frontier.sh [part...]    parts: default python adapt gemma qwen report
+#   benchmarks/eval_frontier.sh [part...]    parts: default python adapt ood gemma qwen report
 #
 # One process per method, one thread each (OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1): on the shared 2-core machine
 # several single-threaded runs finish sooner than one run on two threads. Every run writes a resumable checkpoint
@@ -70,6 +70,17 @@ for part in "${parts[@]}"; do
       done ;;
     adapt)  # adaptive grouping in domain, paired with oaken-plus on the same windows
       ppl default "$WINDOWS" "$OUT/default-${WINDOWS}w" oaken-plus:adapt=1 ;;
+    ood)  # is the out-of-domain loss a calibration mismatch? (benchmarks/ood_gap.py; results/ood, not this report)
+      [[ -f "$PYTEXT" ]] || .venv/bin/python benchmarks/make_python_text.py "$PYTEXT"
+      R=benchmarks/results/ood
+      .venv/bin/python benchmarks/ood_gap.py --text-file "$PYTEXT" --windows 16 --window 1024 \
+        --out "$R/default-python-16x1024.json"
+      .venv/bin/python benchmarks/ood_gap.py --windows 8 --window 2048 --runs-list oaken-plus,oaken-plus:adapt=1 \
+        --out "$R/default-wikitext2-8x2048.json"
+      for m in gemma3-270m qwen2.5-coder-0.5b; do
+        .venv/bin/python benchmarks/ood_gap.py --model "$m" --text-file "$PYTEXT" --windows 16 --window 1024 \
+          --runs-list oaken-plus,oaken-plus:adapt=1,oaken-plus@target --out "$R/$m-python-16x1024.json"
+      done ;;
     gemma)
       n="${GEMMA_WINDOWS:-20}"
       for m in "${PEERS[@]}" "${OURS[@]}" "${GEMMA_OURS[@]}"; do ppl gemma3-270m "$n" "$OUT/gemma3-270m-${n}w" "$m"; done ;;
