@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     results, commands = {}, {}
     for name in ["fp", *names]:
         path = runs_dir / _file_name(name)
-        commands[name] = " ".join(run_eval(args, name, path, calib)[1:]).replace(sys.executable, "python")
+        commands[name] = " ".join(["python", *run_eval(args, name, path, calib)[1:]])
         results[name] = json.loads(path.read_text(encoding="utf-8"))
         # (a run calibrated on a file is named "METHOD@file-<digest>-<samples>x<window>" by eval ppl)
         want = {
