@@ -78,7 +78,11 @@ def _ppl(nll: np.ndarray, tokens_per_window: float) -> np.ndarray:
 
 
 def summarize(results: dict[str, dict], names: list[str], n_boot: int = 2000) -> dict:
-    """Gaps to FP and gap ratios against ``names[0]`` with paired-bootstrap intervals (module doc)."""
+    """Gaps to FP and their differences against ``names[0]`` with the evaluation report's paired-bootstrap intervals
+    (``oakenkv.eval.report.paired_delta``), and the gap ratios with an interval from the same resampled windows
+    (the same generator and seed: a resample's ratio pairs that resample's gaps)."""
+    from oakenkv.eval.report import paired_delta
+
     fp = np.asarray(results["fp"]["window_nll"], dtype=np.float64)
     tokens = results["fp"]["tokens"]
     for name in names:
@@ -86,32 +90,30 @@ def summarize(results: dict[str, dict], names: list[str], n_boot: int = 2000) ->
         if r["tokens"] != tokens or len(r["window_nll"]) != fp.size:
             raise SystemExit(f"run {name!r} scored other windows than FP ({r['tokens']} tokens vs {tokens})")
     per_window = tokens / fp.size
-    idx = np.random.default_rng(0).integers(0, fp.size, size=(n_boot, fp.size))
-    fp_ppl, fp_boot = float(_ppl(fp, per_window)), _ppl(fp[idx], per_window)
-    rows, gaps = {}, {}
+    idx = np.random.default_rng(0).integers(0, fp.size, size=(n_boot, fp.size))  # (paired_delta's draw)
+    nll = {name: np.asarray(results[name]["window_nll"], dtype=np.float64) for name in names}
+    boot = {name: _ppl(nll[name][idx], per_window) - _ppl(fp[idx], per_window) for name in names}
+    rows = {}
     for name in names:
-        nll = np.asarray(results[name]["window_nll"], dtype=np.float64)
-        gap, boot = float(_ppl(nll, per_window)) - fp_ppl, _ppl(nll[idx], per_window) - fp_boot
-        gaps[name] = (gap, boot)
+        gap, lo, hi = paired_delta(nll[name], fp, tokens, n_boot=n_boot)
         rows[name] = {
             "method": results[name]["method"],
             "calibration": results[name].get("extra", {}).get("calibration"),
             "ppl": results[name]["ppl"],
             "effective_bits": results[name]["effective_bits"],
             "gap": gap,
-            "gap_ci95": [float(x) for x in np.quantile(boot, [0.025, 0.975])],
+            "gap_ci95": [lo, hi],
         }
     base = names[0]
     for name in names[1:]:
-        ratio = gaps[name][1] / gaps[base][1]
-        diff = gaps[name][1] - gaps[base][1]
+        diff, lo, hi = paired_delta(nll[name], nll[base], tokens, n_boot=n_boot)
         rows[name]["vs_" + base] = {
-            "gap_ratio": gaps[name][0] / gaps[base][0] if gaps[base][0] else math.nan,
-            "gap_ratio_ci95": [float(x) for x in np.quantile(ratio, [0.025, 0.975])],
-            "gap_difference": gaps[name][0] - gaps[base][0],
-            "gap_difference_ci95": [float(x) for x in np.quantile(diff, [0.025, 0.975])],
+            "gap_ratio": rows[name]["gap"] / rows[base]["gap"] if rows[base]["gap"] else math.nan,
+            "gap_ratio_ci95": [float(x) for x in np.quantile(boot[name] / boot[base], [0.025, 0.975])],
+            "gap_difference": diff,
+            "gap_difference_ci95": [lo, hi],
         }
-    return {"fp_ppl": fp_ppl, "tokens": tokens, "windows": int(fp.size), "runs": rows}
+    return {"fp_ppl": float(_ppl(fp, per_window)), "tokens": tokens, "windows": int(fp.size), "runs": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
