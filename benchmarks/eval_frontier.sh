@@ -77,9 +77,10 @@ for part in "${parts[@]}"; do
         --out "$R/default-python-16x1024.json"
       .venv/bin/python benchmarks/ood_gap.py --windows 8 --window 2048 --runs-list oaken-plus,oaken-plus:adapt=1 \
         --out "$R/default-wikitext2-8x2048.json"
-      for m in gemma3-270m qwen2.5-coder-0.5b; do
-        .venv/bin/python benchmarks/ood_gap.py --model "$m" --text-file "$PYTEXT" --windows 16 --window 1024 \
-          --runs-list oaken-plus,oaken-plus:adapt=1,oaken-plus@target --out "$R/$m-python-16x1024.json"
+      for mw in gemma3-270m:16 qwen2.5-coder-0.5b:16 qwen2.5-coder-0.5b:32; do
+        m="${mw%:*}" w="${mw#*:}"
+        .venv/bin/python benchmarks/ood_gap.py --model "$m" --text-file "$PYTEXT" --windows "$w" --window 1024 \
+          --runs-list oaken-plus,oaken-plus:adapt=1,oaken-plus@target --out "$R/$m-python-${w}x1024.json"
       done ;;
     gemma)
       n="${GEMMA_WINDOWS:-20}"
