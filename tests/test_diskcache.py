@@ -10,6 +10,7 @@ is computed again, not a crash. (tests/test_robustness.py holds the thresholds' 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -140,3 +141,21 @@ def test_ranges_files_of_the_earlier_cache_are_still_read(default_tokenizer, cal
     torch.save(d, entry.path)
     with pytest.warns(UserWarning, match="made for another"), pytest.raises(AssertionError, match="recomputed"):
         cal.kv_ranges(m, default_tokenizer, "m", calib)
+
+
+def test_a_calibration_file_is_named_by_its_content_not_its_path(tmp_path):
+    """The same text under two paths is one calibration (one label, one cache file name: an experiment that writes
+    its text to a fresh temporary file reuses the search); an edited file is another; a file the reader would refuse
+    (a pipe) is named by its path without being read (hashing a pipe would block)."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def f():\n    return 1\n" * 50)
+    b.write_bytes(a.read_bytes())
+    tag = CalibrationSpec("file", 2, 24, str(a)).tag()
+    assert tag == CalibrationSpec("file", 2, 24, str(b)).tag() and tag.startswith("file-") and tag.endswith("-2x24")
+    b.write_text("def g():\n    return 2\n" * 50)
+    assert CalibrationSpec("file", 2, 24, str(b)).tag() != tag
+    key = CalibrationKey("m", ModelFingerprint("llama", 2, 2, 8), CalibrationSpec("file", 2, 24, str(a)), "0" * 64)
+    assert CacheEntry(key, "demo", {}, ("demo",), directory=tmp_path).path.name.startswith(f"demo-m-{tag}-")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert CalibrationSpec("file", 2, 24, str(fifo)).tag().startswith("file-")  # (returns: nothing read)

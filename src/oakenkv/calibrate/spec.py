@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import stat
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,8 +82,23 @@ class CalibrationSpec:
         return dataclasses.replace(self, window=most)
 
     def tag(self) -> str:
-        path = "" if self.text_path is None else "-" + hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
-        return f"{self.text}{path}-{self.samples}x{self.window}"
+        """A short name of this calibration for labels and cache file names: ``<text>[-<digest>]-<samples>x<window>``.
+        The digest is of a "file" text's content (the same text under another path is the same calibration, an edited
+        file another one); of the path for a packaged text's own file (a Wikipedia dump may be gigabytes), or for a
+        file the reader would refuse (not a regular file, too large, unreadable: the reader then says why)."""
+        if self.text_path is None:
+            return f"{self.text}-{self.samples}x{self.window}"
+        digest = hashlib.sha1(self.text_path.encode()).hexdigest()[:8]
+        if self.text == "file":
+            from oakenkv.util.paths import MAX_TEXT_BYTES, file_sha256  # (memoised by path, size and mtime)
+
+            try:  # only a regular file the reader would take: a pipe would block the hash, /dev/zero never end it
+                st = os.stat(self.text_path)
+                if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_TEXT_BYTES:
+                    digest = file_sha256(self.text_path)[:8]
+            except OSError:
+                pass
+        return f"{self.text}-{digest}-{self.samples}x{self.window}"
 
 
 def calibration_text(text: str, path: str | None) -> str:
