@@ -39,7 +39,7 @@ def _file_name(run: str) -> str:
     return "ppl-" + "".join(c if c.isalnum() or c in "-." else "_" for c in run) + ".json"
 
 
-def calibration_text(text_file: Path, tail_bytes: int, out: Path, scored_chars: int) -> Path:
+def write_tail(text_file: Path, tail_bytes: int, out: Path, scored_chars: int) -> Path:
     """The last ``tail_bytes`` of ``text_file`` (from its first line break on) as ``out``; refused when it would
     overlap the first ``scored_chars`` characters (what the scored windows read, with a wide margin)."""
     text = text_file.read_text(encoding="utf-8")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = tempfile.TemporaryDirectory(prefix="oakenkv-ood-")
     if args.text_file is not None:
         # ~4 characters per token of source code or prose: 8x that is far past what the windows read
-        calib = calibration_text(
+        calib = write_tail(
             args.text_file,
             args.calib_bytes,
             Path(tmp.name) / "calibration-tail.txt",

@@ -324,9 +324,7 @@ def load_calibration(
     if most is not None and window > most:
         raise ValueError(f"windows of {window} tokens are longer than the model's {most} positions (--window {most})")
     ids = token_windows(loaded.tokenizer, calibration_text(data, data_path), window, max_windows=samples)
-    warn_if_short(
-        ids, samples, window, f"the calibration text {data_path!r}" if data == "file" else f"the {data!r} text", 4
-    )
+    warn_if_short(ids, samples, window, data, data_path, stacklevel=4)
     meta = {"model": model, "model_source": loaded.source, "data": data, "data_path": data_path}
     return loaded, ids, meta
 

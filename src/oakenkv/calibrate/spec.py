@@ -115,10 +115,14 @@ def calibration_text(text: str, path: str | None) -> str:
     return load_text(text, path)
 
 
-def warn_if_short(ids: torch.Tensor, samples: int, window: int, what: str, stacklevel: int = 3) -> None:
-    """Warn when the calibration text gave fewer than ``samples`` windows of ``window`` tokens (``ids``: what it
-    gave): a short text would otherwise calibrate on less than asked, under a label that says otherwise."""
+def warn_if_short(
+    ids: torch.Tensor, samples: int, window: int, text: str, path: str | None, stacklevel: int = 3
+) -> None:
+    """Warn when the calibration text ``text`` (``path``: a "file" text's file) gave fewer than ``samples`` windows
+    of ``window`` tokens (``ids``: what it gave): a short text would otherwise calibrate on less than asked, under a
+    label that says otherwise."""
     if ids.shape[0] < samples:
+        what = f"the calibration text {path!r}" if text == "file" else f"the {text!r} text"
         warnings.warn(
             f"{what} holds only {ids.shape[0]} window{'' if ids.shape[0] == 1 else 's'} of {window} tokens, fewer "
             f"than the {samples} asked for: "
@@ -137,6 +141,5 @@ def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
         warnings.warn("calibrating on wikitext2, the evaluation text: results are not held-out", stacklevel=2)
     text = calibration_text(spec.text, spec.text_path)
     ids = token_windows(tokenizer, text, spec.window, max_windows=spec.samples)
-    what = f"the calibration text {spec.text_path!r}" if spec.text == "file" else f"the {spec.text!r} text"
-    warn_if_short(ids, spec.samples, spec.window, what)
+    warn_if_short(ids, spec.samples, spec.window, spec.text, spec.text_path)
     return ids
