@@ -16,7 +16,8 @@ Kinds: ``bf16`` (vLLM's own cache in the model dtype), ``fp8`` (``kv_cache_dtype
 the paper's profile ``--thresholds``, through ``OAKENKV_VLLM_PROFILE``), ``oaken-plus`` (the plugin on the directory
 ``oakenkv export --preset oaken-plus`` wrote, ``--plus-dir``; exported there first when missing),
 ``oaken-plus-static`` (the same with ``--static-grids``, in ``--plus-dir``'s name + ``-static``), ``fp32`` (vLLM's
-own cache, float32 model: the ppl and greedy reference).
+own cache, float32 model: the ppl and greedy reference). An Oaken kind with ``@cpus=N`` (``oaken-plus@cpus=1``)
+runs it with ``--attention-cpus N`` (``OAKENKV_VLLM_ATTENTION_CPUS``), so one run pairs it with and without them.
 
 ``serve-load``: the same fixed KV memory budget (``kv_cache_memory_bytes``) for each KV format; reports vLLM's
 block count, token capacity and how many of the workload's sequences fit at once, then offline throughput
@@ -451,12 +452,34 @@ def serve_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ driver
 
 
+def _split_kind(kind: str) -> tuple[str, list[str]]:
+    """``oaken-plus@cpus=1`` -> (``oaken-plus``, ``["--attention-cpus", "1"]``); a plain kind -> (kind, [])."""
+    base, _, mod = kind.partition("@")
+    if not mod:
+        return kind, []
+    name, _, value = mod.partition("=")
+    if name != "cpus" or not value or not base.startswith("oaken"):
+        raise ValueError(f"{kind!r}: the only modifier is @cpus=N, on an Oaken kind")
+    return base, ["--attention-cpus", value]
+
+
+def _one_command(mode: str, kind: str, argv: list[str]) -> list[str]:
+    """The child process's command line for one engine of ``kind`` (a modifier's setting replaces the command
+    line's)."""
+    base, extra = _split_kind(kind)
+    if extra:
+        argv = [a for i, a in enumerate(argv) if a != "--attention-cpus" and argv[i - 1 : i] != ["--attention-cpus"]]
+    return [sys.executable, __file__, "_one", mode, base, *argv, *extra]
+
+
 def _run_one(mode: str, kind: str, argv: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "_one", mode, kind, *argv]
+    cmd = _one_command(mode, kind, argv)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            r = json.loads(line[7:])
+            r["kind"] = kind
+            return r
     sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
     raise RuntimeError(f"{mode} {kind} failed (exit {proc.returncode})")
 
@@ -507,10 +530,13 @@ def main() -> None:
     kinds = (args.kinds or default).split(",")
     if args.mode == "_one":
         kinds = args.rest[1:]
-    unknown = [k for k in kinds if k not in KINDS]
+    try:
+        unknown = [k for k in kinds if _split_kind(k)[0] not in KINDS]
+    except ValueError as e:
+        ap.error(str(e))
     if unknown:
         ap.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
-    if "oaken" in kinds and args.thresholds is None:
+    if any(_split_kind(k)[0] == "oaken" for k in kinds) and args.thresholds is None:
         ap.error("the kind 'oaken' needs --thresholds (a profile of the paper's method: `oakenkv profile`)")
     if args.thresholds is not None:
         args.thresholds = args.thresholds.resolve()
@@ -522,9 +548,10 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(kind, args)), flush=True)
         return
 
-    if "oaken-plus" in kinds:
+    bases = {_split_kind(k)[0] for k in kinds}
+    if "oaken-plus" in bases:
         _ensure_plus_dir(args.plus_dir)
-    if "oaken-plus-static" in kinds:
+    if "oaken-plus-static" in bases:
         _ensure_plus_dir(_static_dir(args), static_grids=True)
     argv = [a for a in sys.argv[2:]]
     t0 = time.time()

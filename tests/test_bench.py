@@ -132,3 +132,22 @@ def test_a_saved_result_is_the_points_one_current_file_with_its_run(tmp_path):
     assert json.loads(path.read_text())["ratio"] == 2.0 and len(list(tmp_path.rglob("*.json"))) == 1
     with pytest.raises(ValueError, match="letters, digits"):
         results.save("../decode", "x", {}, root=tmp_path)
+
+
+def test_bench_vllm_runs_a_kind_with_the_plugins_threads_as_a_kind_of_its_own():
+    """``oaken-plus@cpus=1`` pairs the plugin's own decode threads against the same kind without them in one run:
+    the child engine gets the base kind and that setting (replacing the command line's), plain kinds are unchanged,
+    anything else is refused."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vllm.py"
+    spec = importlib.util.spec_from_file_location("bench_vllm", path)
+    bv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bv)  # stdlib only at import: vLLM is imported inside the child engines
+    argv = ["--kv-mib", "18", "--attention-cpus", "0", "--rounds", "2"]
+    cmd = bv._one_command("serve-load", "oaken-plus@cpus=1", argv)
+    assert cmd[2:] == ["_one", "serve-load", "oaken-plus", "--kv-mib", "18", "--rounds", "2", "--attention-cpus", "1"]
+    assert bv._one_command("serve-load", "fp8", argv)[2:] == ["_one", "serve-load", "fp8", *argv]
+    for bad in ("fp8@cpus=1", "oaken-plus@threads=2", "oaken-plus@cpus="):
+        with pytest.raises(ValueError, match="@cpus=N"):
+            bv._split_kind(bad)
