@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from oakenkv import OakenCache
-from oakenkv.calibrate.identity import kv_shape
+from oakenkv.calibrate.identity import kv_shape, layer_kinds
 from oakenkv.calibrate.profile import profile_thresholds
 from oakenkv.calibrate.transforms import TransformError
 from oakenkv.hf.attention import enable_oaken_attention, float_attention
@@ -64,6 +64,53 @@ def test_kv_shape_reads_each_familys_config():
     assert kv_shape(new) == (2, 16)
     llama = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     assert kv_shape(llama) == (2, 32)
+
+
+def test_layer_kinds_read_a_sliding_window_without_layer_types_as_transformers_does():
+    import transformers as tf
+
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3}
+    assert layer_kinds(tf.MistralConfig(**small, sliding_window=8)) == ["sliding_attention"] * 3
+    assert layer_kinds(tf.MistralConfig(**small, sliding_window=None)) == ["full_attention"] * 3
+    assert layer_kinds(tf.LlamaConfig(**small)) == ["full_attention"] * 3
+    kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+    gemma = tf.Gemma3TextConfig(**small, sliding_window=8, layer_types=kinds)
+    assert layer_kinds(gemma) == gemma.layer_types  # explicit layer types win
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_sliding_window_without_layer_types_slides_and_evicts(family):
+    """Mistral and Phi-3 configs give a ``sliding_window`` and no ``layer_types``; their attention masks slide on
+    every layer (transformers' own caches read them so). The cache's layers slide too: a prompt far past the window
+    releases its pages, with the same logits as a cache that keeps everything (the mask hides the same tokens)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    kw = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+          "sliding_window": 16}  # fmt: skip
+    cfg = tf.MistralConfig(**kw) if family == "mistral" else tf.Phi3Config(**kw, pad_token_id=0)
+    assert getattr(cfg, "layer_types", None) is None
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    profile = profile_thresholds(model, torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1)))
+    ids = torch.randint(0, VOCAB, (1, 400), generator=torch.Generator().manual_seed(2))
+    logits, caches = [], []
+    for evict in (True, False):
+        cache = OakenCache.for_model(model, preset="oaken", profile=profile, evict_sliding=evict)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+            step = model(input_ids=ids[:, -1:], use_cache=True, **cache_kwargs(model, cache)).logits
+        assert all(layer.is_sliding and layer.sliding_window == 16 for layer in cache.layers)
+        logits.append(step)
+        caches.append(cache)
+    assert torch.equal(logits[0], logits[1])
+    store, seq = caches[0].store, caches[0].store.seqs[0]
+    for i in range(2):  # the pages of tokens that left the window are released (whole pages), the rest kept
+        table = store.pool.table(seq, 2 * i)
+        assert table.evicted_before == 401 - 16
+        released = table.evicted_before // store.pool.records_per_page(table.rec_size)
+        assert (table.dense_pages.view == -1).sum() == released > 0
+    assert caches[0].kv_bytes() < caches[1].kv_bytes()
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt-neox", "falcon", "falcon-alibi", "gemma2-softcap"])

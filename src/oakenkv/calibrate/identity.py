@@ -19,7 +19,7 @@ from typing import Any
 
 from oakenkv.util.exact import is_int
 
-__all__ = ["WEIGHTS_DIGEST_PREFIX", "ModelFingerprint", "short_digest", "weights_digest"]
+__all__ = ["WEIGHTS_DIGEST_PREFIX", "ModelFingerprint", "layer_kinds", "short_digest", "weights_digest"]
 
 #: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
 WEIGHTS_DIGEST_PREFIX = "sha256:"
@@ -171,6 +171,23 @@ def kv_shape(cfg: Any) -> tuple[int, int]:
     if kv is None and getattr(cfg, "multi_query", False):
         kv = 1
     return int(kv or heads), int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
+def layer_kinds(cfg: Any) -> list[str]:
+    """Each decoder layer's attention kind (``"full_attention"``, ``"sliding_attention"``, ...) as transformers'
+    own caches read it (``cache_utils.get_layer_types_and_kwargs``): the config's ``layer_types``, else every
+    layer sliding when it has a ``sliding_window`` (Mistral, Phi-3: their attention masks slide), chunked when it has
+    an ``attention_chunk_size``, full otherwise."""
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is not None:
+        return list(kinds)
+    if getattr(cfg, "sliding_window", None) is not None:
+        kind = "sliding_attention"
+    elif getattr(cfg, "attention_chunk_size", None) is not None:
+        kind = "chunked_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * int(cfg.num_hidden_layers)
 
 
 @dataclass(frozen=True)

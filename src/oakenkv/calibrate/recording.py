@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from oakenkv.assets.lazy import execution_device
+from oakenkv.calibrate.identity import layer_kinds
 from oakenkv.calibrate.rope import has_rope, rotate_half
 from oakenkv.calibrate.transforms import TransformError, attention_modules, head_dim, norm_heads, projection
 from oakenkv.util.compat import cache_kwargs
@@ -265,7 +266,7 @@ def _traits(model: Any) -> _Traits:
         if getattr(m, "sinks", None) is not None:
             raise TransformError("attention sinks are not shift-invariant: oaken-plus does not support this model")
     text = model.config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None) or ["full_attention"] * len(mods)
+    types = layer_kinds(text)
     shared = False  # a q/k norm whose one weight every head shares takes one set of key scales
     for m in mods:
         hd = head_dim(m)

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oakenkv.calibrate.identity import kv_shape
+from oakenkv.calibrate.identity import kv_shape, layer_kinds
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
@@ -498,9 +498,8 @@ class OakenCache(Cache):
         #: Adaptive grouping's settings (``oakenkv.quant.adapt``), or None.
         self._adapt = AdaptConfig() if adapt is True else adapt or None
         self.store = self._make_store(backend)
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * num_layers
         layers: list[CacheLayerMixin] = []
-        for i, kind in enumerate(layer_types):
+        for i, kind in enumerate(layer_kinds(text)):
             if kind == "full_attention":
                 layers.append(OakenLayer(self.store, i, model_config=config))
             elif kind == "sliding_attention":
