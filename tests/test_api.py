@@ -201,3 +201,30 @@ def test_for_model_with_static_grids_stores_fewer_bytes_and_generates(default_mo
         OakenCache.for_model(model_copy, preset="oaken", static_levels=True)
     with pytest.raises(ValueError, match="ascend strictly"):
         OakenCache.for_model(model_copy, preset="oaken", static_grids=True, static_levels=(0.9, 0.5, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_embedded_model_finds_its_shipped_oaken_plus_profile_in_float32_and_bfloat16(dtype, monkeypatch):
+    """A profile belongs to the weights' bytes, so the embedded model loaded in bfloat16 (``load_model(...,
+    dtype=torch.bfloat16)``) is other weights than the float32 model: the package ships a profile for each, so that
+    ``for_model`` finds one instead of running the oaken-plus search (minutes) in either dtype. Only shipped files
+    are looked at here (not the disk cache), and profiling fails the test."""
+    import oakenkv.calibrate.plus as plus
+    from oakenkv import load_model
+    from oakenkv.calibrate.identity import weights_digest
+
+    real = plus.load_profile
+    monkeypatch.setattr(plus, "load_profile", lambda entry, path=None, **k: real(entry, path, **k) if path else None)
+
+    def no_profiling(*a, **k):
+        raise AssertionError(f"no shipped oaken-plus profile for the embedded model in {dtype}: it profiled")
+
+    monkeypatch.setattr(plus, "profile_plus_many", no_profiling)
+    lm = load_model("default", dtype=dtype)
+    found = find_profile(lm.model, "oaken-plus", tokenizer=lm.tokenizer, progress=False)
+    assert found.transforms is not None and found.fingerprint.weights == weights_digest(lm.model)
+    cache = OakenCache.for_model(lm.model, profile=found)
+    inputs = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = lm.model.generate(**inputs, max_new_tokens=3, do_sample=False, **{cache_keyword(lm.model): cache})
+    assert "Paris" in lm.tokenizer.decode(out[0])
