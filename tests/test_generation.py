@@ -66,3 +66,37 @@ def test_timed_generate_splits_prefill_and_decode(default_model):
     assert t.total_s == pytest.approx(t.prefill_s + t.decode_s)
     d = t.to_dict()
     assert d["decode_step_ms"] == pytest.approx(1e3 * t.decode_s / 4) and len(d["step_ms"]) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_the_fp32_reference_bytes_are_what_a_float32_transformers_cache_holds(family):
+    """The compression the apps print is against what transformers' own float32 cache holds: every token of a
+    full-attention layer, the window's of a sliding one (Mistral slides on every layer, Gemma 3 on some); counting
+    every token there printed a sliding model's Oaken cache as 4.78x smaller when it was 2.25x larger."""
+    import transformers as tf
+    from transformers import DynamicCache
+
+    from oakenkv.apps.generate import fp32_kv_bytes
+    from oakenkv.hf.cache import kv_bytes
+
+    small = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    cfg = {
+        "llama": lambda: tf.LlamaConfig(**small),
+        "mistral": lambda: tf.MistralConfig(**small, sliding_window=8),
+        "gemma3": lambda: tf.Gemma3TextConfig(**small, head_dim=16, sliding_window=8, sliding_window_pattern=2),
+    }[family]()
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.arange(30)[None] % 64, use_cache=True, past_key_values=cache)
+    assert fp32_kv_bytes(model.config, 30) == kv_bytes(cache)
+
+
+def test_a_cache_larger_than_its_reference_is_said_to_be_larger():
+    from oakenkv.apps.generate import size_against
+
+    assert size_against(171_008, 35_776) == "4.78x smaller"
+    assert size_against(27_648, 33_504) == "1.21x larger"
+    assert size_against(100, 100) == "the same"

@@ -162,7 +162,7 @@ def run_demo(
     generation = _greedy_generation(lm, max_new_tokens, console) if max_new_tokens > 0 else None
 
     # The Oaken side (profile or cached profile, perplexity through the paged 4.8-bit cache, generation).
-    from oakenkv.apps.generate import oaken_demo_side
+    from oakenkv.apps.generate import oaken_demo_side, size_against
 
     plus = None
     if preset == "oaken-plus":
@@ -221,7 +221,7 @@ def run_demo(
             f"{o['perplexity']:.3f}",
             f"{o['tokens'] / o['seconds']:,.0f}",
             f"{o['bits_per_value']['format']:.2f}; {o['bits_per_value']['with_pages']:.2f}",
-            f"{o['kv_bytes_per_window']:,} ({fp32_bytes / o['kv_bytes_per_window']:.2f}x smaller)",
+            f"{o['kv_bytes_per_window']:,} ({size_against(fp32_bytes, o['kv_bytes_per_window'])})",
         )
     console.print(table)
     if generation is not None:

@@ -240,12 +240,7 @@ def generate_text(
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         )
     new = out[0, ids.shape[1] :]
-    cfg = model.config.get_text_config(decoder=True)
-    from oakenkv.calibrate.identity import kv_shape
-
-    kv_heads, head_dim = kv_shape(cfg)
-    stored = cache.get_seq_length()
-    fp32 = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * stored
+    fp32 = fp32_kv_bytes(model.config, cache.get_seq_length())
     return Generation(
         text=tok.decode(new, skip_special_tokens=True),
         new_tokens=int(new.numel()),
@@ -255,6 +250,31 @@ def generate_text(
         fp32_kv_bytes=fp32,
         timing=timing,
     )
+
+
+def fp32_kv_bytes(config: Any, tokens: int) -> int:
+    """Bytes of keys and values a float32 transformers cache holds after ``tokens`` tokens of one sequence: every
+    token in a full-attention layer, the last ``sliding_window - 1`` in a sliding one (``DynamicSlidingWindowLayer``;
+    the layers as transformers reads them, ``calibrate.identity.layer_kinds``): what the compression is against."""
+    from oakenkv.calibrate.identity import kv_shape, layer_kinds
+
+    cfg = config.get_text_config(decoder=True)
+    kv_heads, head_dim = kv_shape(cfg)
+    held = sum(
+        min(tokens, max(int(cfg.sliding_window) - 1, 0)) if kind == "sliding_attention" else tokens
+        for kind in layer_kinds(cfg)
+    )
+    return 2 * kv_heads * head_dim * 4 * held
+
+
+def size_against(reference: int, held: int) -> str:
+    """``held`` bytes against ``reference`` bytes in words: ``"4.78x smaller"``, ``"1.86x larger"`` (a short
+    context holds whole pages), ``"the same"``."""
+    if held <= 0 or reference <= 0:
+        return "n/a"
+    if held == reference:
+        return "the same"
+    return f"{reference / held:.2f}x smaller" if held < reference else f"{held / reference:.2f}x larger"
 
 
 def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, int, dict[str, float], int]:
@@ -364,11 +384,7 @@ def oaken_demo_side(
             total_nll += nll
             total_tokens += n
     seconds = time.perf_counter() - t0
-    from oakenkv.calibrate.identity import kv_shape
-
-    cfg = loaded.model.config.get_text_config(decoder=True)
-    kv_heads, head_dim = kv_shape(cfg)
-    fp32 = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * windows.shape[1]
+    fp32 = fp32_kv_bytes(loaded.model.config, windows.shape[1])
     out["oaken"] = {
         "perplexity": math.exp(total_nll / total_tokens),
         "nll": total_nll,

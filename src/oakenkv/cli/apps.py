@@ -109,7 +109,13 @@ def generate(
     thr_file = load_thresholds(thresholds, model)
     if thr_file is not None:
         preset = "oaken-plus" if thr_file.transforms is not None else "oaken"
-    from oakenkv.apps.generate import generate_text, load_or_profile_plus, load_or_profile_thresholds, plus_model
+    from oakenkv.apps.generate import (
+        generate_text,
+        load_or_profile_plus,
+        load_or_profile_thresholds,
+        plus_model,
+        size_against,
+    )
     from oakenkv.assets.models import load_model
 
     loaded = load_model(model)
@@ -131,7 +137,7 @@ def generate(
         typer.echo(printable(g.text, newlines=True))  # (a model's text may hold escape sequences)
         typer.echo(
             f"KV cache: {g.kv_bytes:,} bytes for {g.prompt_tokens + g.new_tokens - 1} tokens "
-            f"(fp32 would hold {g.fp32_kv_bytes:,} bytes: {g.fp32_kv_bytes / g.kv_bytes:.2f}x)"
+            f"(fp32 would hold {g.fp32_kv_bytes:,} bytes: {size_against(g.fp32_kv_bytes, g.kv_bytes)})"
         )
 
 
