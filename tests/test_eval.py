@@ -1064,3 +1064,19 @@ def test_alloc_and_aware_specs_and_files(tiny_llama):
     assert check_spec_with_thresholds("oaken-plus", alloc)["alloc"] == 1
     aware = with_search(plain | {"static_grids": True, "static_levels": []})
     assert check_spec_with_thresholds("oaken-plus", aware)["aware"] == 1
+
+
+def test_a_method_whose_residual_window_covers_the_windows_says_nothing_was_quantized():
+    """KIVI keeps its newest 128 tokens at 16 bits: on windows of 64 it quantizes nothing, and its perplexity is full
+    precision's. That is said (``NothingQuantizedWarning``), not printed as KIVI's result silently."""
+    import warnings
+
+    from oakenkv.eval.ppl import NothingQuantizedWarning, run_ppl
+
+    with pytest.warns(NothingQuantizedWarning, match=r"kivi4: no key or value was quantized .*kivi's is 128 tokens"):
+        res = run_ppl("default", "kivi4", window=64, max_windows=1)
+    assert res.effective_bits >= 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingQuantizedWarning)
+        short = run_ppl("default", "kivi:bits=4,residual=32", window=64, max_windows=1)
+    assert short.effective_bits < 16 and short.ppl != res.ppl

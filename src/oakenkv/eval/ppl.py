@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,11 @@ def window_nll(model: Any, ids: torch.Tensor, cache: Any, chunk: int | None = No
             logits = out.logits[0].float()  # [b - a, V]
             nll += float(torch.nn.functional.cross_entropy(logits, ids[a + 1 : b + 1], reduction="sum"))
     return nll, s - 1
+
+
+class NothingQuantizedWarning(UserWarning):
+    """A quantization method left every key and value of the evaluated windows at full precision (its residual
+    window covered them): the perplexity printed is full precision's, not the method's."""
 
 
 def perplexity(
@@ -242,7 +248,7 @@ def run_ppl(
     Every argument is validated before the model loads (:func:`check_run_args`)."""
     from oakenkv.assets.data import adds_bos, load_text, load_text_file, token_windows
     from oakenkv.assets.models import load_model
-    from oakenkv.methods.registry import build_method
+    from oakenkv.methods.registry import build_method, parse_spec
 
     check_run_args(
         model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk, text_file=text_file
@@ -268,6 +274,17 @@ def run_ppl(
         method, loaded.model, loaded.tokenizer, model, thresholds=thresholds, calibration=calibration, progress=progress
     )
     res = perplexity(loaded.model, ids, m, chunk=chunk, progress=progress, model_name=model, checkpoint=checkpoint)
+    family, params = parse_spec(method)
+    if family != "fp" and res.effective_bits >= 16:
+        held = f" ({family}'s is {params['residual']} tokens)" if params.get("residual") else ""
+        warnings.warn(
+            f"{method}: no key or value was quantized in these windows ({res.effective_bits:.2f} bits per value): a "
+            f"method that keeps its newest tokens at full precision quantizes nothing when the window ({window} "
+            f"tokens) is no longer than that residual window{held}; use longer windows (--window) or a shorter "
+            "residual (e.g. kivi:bits=4,residual=32)",
+            NothingQuantizedWarning,
+            stacklevel=2,
+        )
     res.stride = stride or window
     res.dataset = dataset if source is None else "file"
     if source is not None:
