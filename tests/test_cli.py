@@ -124,3 +124,30 @@ def test_bench_generate_runs_a_selected_point_and_rejects_bad_points(default_mod
     assert res["meta"]["points"] == ["8x1"] and res["results"]["dynamic"]["8x1"]["new_tokens"] == 2
     bad = runner.invoke(app, ["bench", "generate", "--points", "8by1", "--methods", "dynamic"])
     assert bad.exit_code != 0 and "PROMPTxBATCH" in bad.output
+
+
+def test_export_of_a_bfloat16_checkpoint_says_it_writes_float32_weights(default_model, tmp_path):
+    """oakenkv loads a model in float32 and folds the transforms there; exporting a checkpoint saved in bfloat16
+    writes float32 weights (twice its bytes). The command says so instead of changing the dtype silently."""
+    import torch
+    import transformers as tf
+
+    from oakenkv.calibrate.profile import profile_thresholds
+
+    src = tmp_path / "tiny-bf16"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(default_model.tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    default_model.tokenizer.save_pretrained(src)
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)  # as oakenkv loads it
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    profile_thresholds(model, ids, name="tiny").save(tmp_path / "thr.json")
+    out = tmp_path / "export"
+    args = ["export", "--model", str(src), "--preset", "oaken", "--profile", str(tmp_path / "thr.json")]
+    res = runner.invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "is saved in bfloat16; the export holds float32 weights" in res.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -62,7 +62,36 @@ def export_cmd(
         loaded.model, loaded.tokenizer, out, preset, profile=thr, source=str(loaded.source), static_grids=static_grids
     )
     kind = ", static grids" if static_grids else ""
+    written = str(loaded.model.dtype).removeprefix("torch.")
+    saved = _saved_dtype(loaded.source)
+    if saved is not None and saved != written:
+        typer.echo(
+            f"note: {model} is saved in {saved}; the export holds {written} weights (the transforms are folded into "
+            f"the weights oakenkv loads, {written}, and written as they are: about "
+            f"{_itemsize(written) / max(_itemsize(saved), 1):.0f}x the checkpoint's bytes; vLLM casts them to its "
+            "--dtype when it serves)",
+            err=True,
+        )
     typer.echo(
-        f"wrote {out} ({preset}{kind}; profile {path.name}); serve it with: "
+        f"wrote {out} ({preset}{kind}, {written} weights; profile {path.name}); serve it with: "
         f"python -m vllm.entrypoints.openai.api_server --model {out.resolve()} --dtype bfloat16 --enforce-eager"
     )
+
+
+def _saved_dtype(source: Any) -> str | None:
+    """The dtype a local model directory's ``config.json`` says its weights are saved in, None when unknown."""
+    import json
+
+    try:
+        cfg = json.loads((Path(str(source)) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return value.removeprefix("torch.") if isinstance(value, str) else None
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    t = getattr(torch, dtype, None)
+    return torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 0
