@@ -218,3 +218,28 @@ def test_a_path_that_is_no_model_is_named_as_such(tmp_path):
     renamed.write_bytes(head[:20])
     with pytest.raises(ModelFileError, match="header is truncated"):
         locate_model(str(renamed))
+
+
+def test_a_model_directory_without_a_tokenizer_says_so(tmp_path):
+    """transformers' own message for a directory with no tokenizer names backends and sentencepiece; the user's
+    problem is the missing files, and that is what is said."""
+    import transformers as tf
+
+    tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelFileError, match=r"holds no tokenizer \(none of tokenizer.json.*save it beside the model"):
+        load_model(str(tmp_path))
+
+
+def test_a_mistyped_local_path_that_reads_as_a_hub_id_says_both(tmp_path, monkeypatch):
+    """``models/nonexistent`` has the shape of a hub id; when the hub cannot give it either, the error says that no
+    such local path exists as well as why the hub failed (offline here: transformers' message alone spoke of the
+    internet connection)."""
+    import transformers as tf
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(MissingModelError, match=r"'models/nonexistent' is not a local path \(there is no .*models"):
+        load_model("models/nonexistent")

@@ -489,6 +489,31 @@ def load_tokenizer(name: str = "default") -> Any:
     return AutoTokenizer.from_pretrained(_weights_dir(locate_model(name)))
 
 
+def _load_error(name: str, src: ModelSource, what: str, e: Exception) -> Exception | None:
+    """What to say when transformers cannot load ``what`` ("tokenizer", "model") of ``src``: a hub id that may be a
+    mistyped local path says both; a local directory without a tokenizer says that, not which backend failed."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if src.kind == "hub":
+        local = Path(name).expanduser().resolve()
+        return MissingModelError(
+            f"{name!r} is not a local path (there is no {local}) and its {what} could not be loaded as a Hugging Face "
+            f"id: {first}"
+        )
+    if what == "tokenizer" and src.kind == "directory":
+        where = Path(src.location)
+        if not any((where / f).exists() for f in _TOKENIZER_FILES):
+            return ModelFileError(
+                f"{where} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save it beside the model "
+                "(tokenizer.save_pretrained(directory))"
+            )
+        return ModelFileError(f"the tokenizer in {where} could not be loaded: {first}")
+    return None
+
+
+#: Files a saved transformers tokenizer leaves in a model directory (any one of them).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_model(name: str = "default", *, dtype: torch.dtype | None = None, lazy: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer on CPU in eval mode.
 
@@ -514,12 +539,24 @@ def load_model(name: str = "default", *, dtype: torch.dtype | None = None, lazy:
     if lazy and src.kind == "hub":
         raise ValueError(f"lazy loading reads local safetensors weights; {name!r} is a hub id")
     where = _weights_dir(src)
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError) as e:
+        err = _load_error(name, src, "tokenizer", e)
+        if err is None:
+            raise
+        raise err from e
     if lazy:
         from oakenkv.assets.lazy import load_lazy
 
         model = load_lazy(where, dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+        except OSError as e:
+            err = _load_error(name, src, "model", e)
+            if err is None:
+                raise
+            raise err from e
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=where)
