@@ -273,3 +273,28 @@ def test_cli_profile_on_your_own_text_file_and_a_short_text_warns(default_model,
     with pytest.warns(UserWarning, match=f"holds only {n} window.* fewer than the 9 asked for"):
         ids = calibration_windows(tok, CalibrationSpec("file", 9, 32, str(src)))
     assert torch.equal(ids, token_windows(tok, text, 32))
+
+
+def test_inspect_shows_the_group_ratios_each_layer_was_set_for():
+    """oaken-plus chooses each layer's and kind's group ratios: inspect printed only the config's 4% / 6%, which
+    no layer of the shipped profile uses. It says the layers have their own, and the tables list them."""
+    from typer.testing import CliRunner
+
+    from oakenkv.calibrate.plus import SHIPPED_PROFILES
+    from oakenkv.cli import app
+
+    path = next(SHIPPED_PROFILES.glob("plus-default-wikipedia-*.json"))
+    th = Thresholds.load(path)
+    res = CliRunner().invoke(app, ["inspect", str(path)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "60 of 60 layer rows have their own" in res.output
+    st = th.stats(0, "value")
+    row = next(line for line in res.output.splitlines() if "value thresholds" in line)
+    table = res.output.split(row, 1)[1].strip("\n").splitlines()
+    assert table[0].split()[:7] == ["layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "outer", "inner"]
+    assert table[1].split()[:7] == [
+        "0",
+        *(f"{v:+.4f}" for v in th.layer(0, "value").as_tuple()),
+        f"{st.outer_ratio:.2%}",
+        f"{st.inner_ratio:.2%}",
+    ]

@@ -213,9 +213,19 @@ def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -
         return printable(v, limit=limit)
 
     c = th.config
+    kinds = ("key", "value")
+    ratios = [(st.outer_ratio, st.inner_ratio) for i in range(th.num_layers) for k in kinds if (st := th.stats(i, k))]
+    own = [(o, n) for o, n in ratios if abs(o - c.outer_ratio) > 1e-9 or abs(n - c.inner_ratio) > 1e-9]
+    per_layer = ""
+    if own:  # (oaken-plus chooses each layer's and kind's group ratios; kurtosis tuning raises some)
+        outer, inner = [r[0] for r in ratios], [r[1] for r in ratios]
+        per_layer = (
+            f" (the config's; {len(own)} of {len(ratios)} layer rows have their own: outer {min(outer):.2%}-"
+            f"{max(outer):.2%}, inner {min(inner):.2%}-{max(inner):.2%}, in the tables)"
+        )
     lines = [
         f"model   {text(th.fingerprint.describe())}",
-        f"config  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}; "
+        f"config  outer {c.outer_ratio:.2%} / middle {c.middle_ratio:.2%} / inner {c.inner_ratio:.2%}{per_layer}; "
         f"bits middle {c.to_dict()['middle_bits']}, inner {c.inner_bits}, outer {c.outer_bits}; keys {c.key_position}, "
         f"granularity {c.granularity}, scales {c.scale_dtype}",
     ]
@@ -231,14 +241,18 @@ def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -
             f"key and {sum(lt.value_rotation for lt in t.layers)} value rotations, {t.sink_tokens} sink tokens"
         )
     if layers:
-        head = ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "kurtosis", "runs")
-        for kind in ("key", "value"):
-            lines += ["", f"{kind} thresholds per decoder layer"]
+        head = ("layer", "to_lo", "ti_lo", "ti_hi", "to_hi", "outer", "inner", "kurtosis", "runs")
+        for kind in kinds:
+            lines += ["", f"{kind} thresholds per decoder layer (outer, inner: the group ratios they were set for)"]
             lines.append("  ".join(f"{h:>9}" for h in head) + "  notes")
             for i in range(th.num_layers):
                 st = th.stats(i, kind)
                 cells = [str(i), *(f"{v:+.4f}" for v in th.layer(i, kind).as_tuple())]
-                cells += ["-", "-"] if st is None else [f"{st.kurtosis:.1f}", str(st.num_runs)]
+                cells += (
+                    ["-"] * 4
+                    if st is None
+                    else [f"{st.outer_ratio:.2%}", f"{st.inner_ratio:.2%}", f"{st.kurtosis:.1f}", str(st.num_runs)]
+                )
                 notes = "" if st is None else text("; ".join(st.adjustments), 100)
                 lines.append("  ".join(f"{x:>9}" for x in cells) + ("  " + notes if notes else ""))
     import sys
