@@ -151,3 +151,15 @@ def test_export_of_a_bfloat16_checkpoint_says_it_writes_float32_weights(default_
     assert res.exit_code == 0, res.output
     assert "is saved in bfloat16; the export holds float32 weights" in res.output
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_export_refuses_a_profile_of_the_other_preset_in_the_flags_words(tmp_path):
+    """Checked before the model loads, and said with the command's flags (the API's message says preset='...')."""
+    from oakenkv.calibrate.plus import SHIPPED_PROFILES
+
+    plus = next(SHIPPED_PROFILES.glob("plus-default-wikipedia-*.json"))
+    args = ["export", "--model", "default", "--preset", "oaken", "--profile", str(plus), "--out", str(tmp_path / "x")]
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert res.exit_code == 2
+    assert "not a profile of --preset oaken; use --preset oaken-plus" in " ".join(res.output.split())
+    assert not (tmp_path / "x").exists()

@@ -54,6 +54,15 @@ def export_cmd(
         raise bad_option("--out", str(e).removeprefix(f"--out {out} ").strip()) from None
     check_model(model)
     thr = load_thresholds(profile)
+    if thr is not None:  # before the model loads, in the flags' words (find_profile says it in the API's)
+        has, wants = thr.transforms is not None, PRESETS[preset].transforms
+        if has != wants:
+            kind = "has oaken-plus transforms" if has else "has no oaken-plus transforms"
+            raise bad_option(
+                "--profile",
+                f"{profile} {kind}, so it is not a profile of --preset {preset}; use --preset "
+                f"{'oaken-plus' if has else 'oaken'}, or a profile made with `oakenkv profile --preset {preset}`",
+            )
     from oakenkv.assets.models import load_model
     from oakenkv.integrations.vllm.export import export_model
 
