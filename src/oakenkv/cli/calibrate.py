@@ -215,12 +215,12 @@ def print_thresholds(th: Thresholds, console: Any = None, layers: bool = True) -
     c = th.config
     kinds = ("key", "value")
     ratios = [(st.outer_ratio, st.inner_ratio) for i in range(th.num_layers) for k in kinds if (st := th.stats(i, k))]
-    own = [(o, n) for o, n in ratios if abs(o - c.outer_ratio) > 1e-9 or abs(n - c.inner_ratio) > 1e-9]
+    own = sum(abs(o - c.outer_ratio) > 1e-9 or abs(n - c.inner_ratio) > 1e-9 for o, n in ratios)
     per_layer = ""
     if own:  # (oaken-plus chooses each layer's and kind's group ratios; kurtosis tuning raises some)
-        outer, inner = [r[0] for r in ratios], [r[1] for r in ratios]
+        outer, inner = zip(*ratios, strict=True)
         per_layer = (
-            f" (the config's; {len(own)} of {len(ratios)} layer rows have their own: outer {min(outer):.2%}-"
+            f" (the config's; {own} of {len(ratios)} layer rows have their own: outer {min(outer):.2%}-"
             f"{max(outer):.2%}, inner {min(inner):.2%}-{max(inner):.2%}, in the tables)"
         )
     lines = [

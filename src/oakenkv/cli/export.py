@@ -71,36 +71,33 @@ def export_cmd(
         loaded.model, loaded.tokenizer, out, preset, profile=thr, source=str(loaded.source), static_grids=static_grids
     )
     kind = ", static grids" if static_grids else ""
-    written = str(loaded.model.dtype).removeprefix("torch.")
-    saved = _saved_dtype(loaded.source)
+    written, saved = loaded.model.dtype, _saved_dtype(loaded.source)
     if saved is not None and saved != written:
         typer.echo(
-            f"note: {model} is saved in {saved}; the export holds {written} weights (the transforms are folded into "
-            f"the weights oakenkv loads, {written}, and written as they are: about "
-            f"{_itemsize(written) / max(_itemsize(saved), 1):.0f}x the checkpoint's bytes; vLLM casts them to its "
-            "--dtype when it serves)",
+            f"note: {model} is saved in {_name(saved)}; the export holds {_name(written)} weights (the transforms are "
+            f"folded into the weights oakenkv loads, {_name(written)}, and written as they are: about "
+            f"{written.itemsize / saved.itemsize:.0f}x the checkpoint's bytes; vLLM casts them to its --dtype when it "
+            "serves)",
             err=True,
         )
     typer.echo(
-        f"wrote {out} ({preset}{kind}, {written} weights; profile {path.name}); serve it with: "
+        f"wrote {out} ({preset}{kind}, {_name(written)} weights; profile {path.name}); serve it with: "
         f"python -m vllm.entrypoints.openai.api_server --model {out.resolve()} --dtype bfloat16 --enforce-eager"
     )
 
 
-def _saved_dtype(source: Any) -> str | None:
-    """The dtype a local model directory's ``config.json`` says its weights are saved in, None when unknown."""
-    import json
+def _saved_dtype(source: Any) -> Any:
+    """The ``torch.dtype`` the checkpoint's config says its weights are saved in (transformers' reading of it), None
+    when unknown."""
+    import torch
+    from transformers import AutoConfig
 
     try:
-        cfg = json.loads((Path(str(source)) / "config.json").read_text(encoding="utf-8"))
+        dtype = AutoConfig.from_pretrained(str(source)).dtype
     except (OSError, ValueError):
         return None
-    value = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
-    return value.removeprefix("torch.") if isinstance(value, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    t = getattr(torch, dtype, None)
-    return torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 0
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
