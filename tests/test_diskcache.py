@@ -106,6 +106,15 @@ def test_a_cached_plus_profile_follows_the_model_and_the_windows(default_tokeniz
     path_b.write_bytes(path_a.read_bytes())  # a's profile under b's name
     with pytest.warns(UserWarning, match="was made for another model"):
         again = plus.cached_plus_profile(b, default_tokenizer, "same/name", calib, search)
+    # b's own profile, from its copy under the rounded digest (rounded_entry), put back under its name
+    assert len(made) == 2 and again.sha256() == pb.sha256()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plus.cached_plus_profile(b, default_tokenizer, "same/name", calib, search).sha256() == pb.sha256()
+    for path in profile_cache_dir().glob("plus-*"):
+        path.write_bytes(path_a.read_bytes())  # a's profile under every name: b is profiled again
+    with pytest.warns(UserWarning, match="was made for another model"):
+        again = plus.cached_plus_profile(b, default_tokenizer, "same/name", calib, search)
     assert len(made) == 3 and again.sha256() == pb.sha256()
     text = Path(calib.text_path)
     text.write_text(text.read_text()[5000:])  # the same spec, other text: other windows
@@ -159,3 +168,42 @@ def test_a_calibration_file_is_named_by_its_content_not_its_path(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert CalibrationSpec("file", 2, 24, str(fifo)).tag().startswith("file-")  # (returns: nothing read)
+
+
+def test_a_profile_made_in_one_dtype_is_found_for_the_other(default_tokenizer, calib, monkeypatch):
+    """The same weights loaded in float32 and in bfloat16 share a profile: the one made for either is found for the
+    other from the cache (kept under the rounded digest too), accepted with OtherDtypeWarning, folded into the
+    copy and checked again later by the fold record; another checkpoint in bfloat16 is profiled anew. For the
+    oaken-plus search and the paper's thresholds, in both directions."""
+    import oakenkv.calibrate.plus as plus
+    import oakenkv.calibrate.profile as prof
+    from oakenkv.calibrate.match import check_profile_model
+    from oakenkv.calibrate.thresholds import OtherDtypeWarning
+    from oakenkv.format.config import OakenConfig
+
+    made = []
+    real_plus, real_thr = plus.profile_plus_many, prof.profile_thresholds
+    monkeypatch.setattr(plus, "profile_plus_many", lambda *a, **k: made.append("plus") or real_plus(*a, **k))
+    monkeypatch.setattr(prof, "profile_thresholds", lambda *a, **k: made.append("thr") or real_thr(*a, **k))
+    search = plus.PlusSearch(alphas=(0.0,), query_positions=8)
+    fp32, bf16 = _tiny_llama(0), _tiny_llama(0).to(torch.bfloat16)
+    th = plus.cached_plus_profile(fp32, default_tokenizer, "m", calib, search)
+    assert made == ["plus"] and th.fingerprint.weights_bf16 is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # found by the rounded digest, silently: the model check says it
+        found = plus.cached_plus_profile(bf16, default_tokenizer, "m", calib, search)
+    assert made == ["plus"] and found.sha256() == th.sha256()
+    with pytest.warns(OtherDtypeWarning, match="another dtype"):
+        plus.apply_profile(bf16, found)
+    assert plus.is_folded(bf16) is not None
+    with pytest.warns(OtherDtypeWarning):
+        check_profile_model(found, bf16)  # the folded copy, by its fold record
+    plus.cached_plus_profile(_tiny_llama(1).to(torch.bfloat16), default_tokenizer, "m", calib, search)
+    assert made == ["plus", "plus"]  # a fine-tune is not the same weights
+    # the paper's thresholds, made on the bfloat16 copy first
+    fresh = _tiny_llama(0).to(torch.bfloat16)
+    t16 = prof.cached_thresholds(fresh, default_tokenizer, "m", OakenConfig(), calib)
+    t32 = prof.cached_thresholds(_tiny_llama(0), default_tokenizer, "m", OakenConfig(), calib)
+    assert made == ["plus", "plus", "thr"] and t32.sha256() == t16.sha256()
+    with pytest.warns(OtherDtypeWarning):
+        t32.check_model(_tiny_llama(0))

@@ -16,6 +16,7 @@ from oakenkv.calibrate.thresholds import (
     LayerStats,
     ModelFingerprint,
     ModelMismatchError,
+    OtherDtypeWarning,
     Thresholds,
     ThresholdsFileError,
     UnverifiedWeightsWarning,
@@ -266,6 +267,52 @@ def test_check_model_compares_the_weights():
         th.check_model(other)
     with pytest.raises(ModelMismatchError, match="other weights"):
         th.check_fingerprint(ModelFingerprint.from_model(other))
+
+
+def test_the_rounded_digest_is_the_same_weights_in_float32_and_bfloat16():
+    """``rounded_weights_digest``: a float32 model and its bfloat16 copy are the same weights (their exact digests
+    differ); another checkpoint of the shape is not, nor is a change beyond bfloat16's precision."""
+    import torch
+
+    from oakenkv.calibrate.identity import rounded_weights_digest
+
+    a, bf16 = _tiny_llama(0), _tiny_llama(0).to(torch.bfloat16)
+    assert weights_digest(a) != weights_digest(bf16)
+    assert rounded_weights_digest(a) == rounded_weights_digest(bf16) == rounded_weights_digest(bf16.float())
+    assert rounded_weights_digest(a) != weights_digest(bf16)  # never mistaken for an exact digest
+    assert rounded_weights_digest(_tiny_llama(1)) != rounded_weights_digest(a)
+    with torch.no_grad():
+        p = a.model.layers[2].mlp.down_proj.weight
+        p[5, 7] = p[5, 7] * 1.5  # far beyond a bfloat16 rounding
+    assert rounded_weights_digest(a) != rounded_weights_digest(bf16)
+
+
+def test_a_profile_serves_its_weights_in_the_other_dtype_with_a_warning(tmp_path):
+    """A profile recording the rounded digest is accepted for the model's bfloat16 copy (and a bfloat16 profile for
+    the float32 model) with OtherDtypeWarning; another checkpoint is still refused; a profile without the rounded
+    digest (made before oakenkv recorded it) refuses the copy as before. The file keeps the field only when set, so
+    an earlier profile's sha256 is unchanged."""
+    import torch
+
+    model, copy, other = _tiny_llama(0), _tiny_llama(0).to(torch.bfloat16), _tiny_llama(1).to(torch.bfloat16)
+    th = make(ModelFingerprint.from_model(model, name="tiny", rounded=True))
+    assert th.fingerprint.weights_bf16 is not None
+    with pytest.warns(OtherDtypeWarning, match="another dtype"):
+        th.check_model(copy)
+    with pytest.raises(ModelMismatchError, match="other weights of the same shape"):
+        th.check_model(other)
+    back = Thresholds.load(th.save(tmp_path / "t.json"))
+    assert back.fingerprint.weights_bf16 == th.fingerprint.weights_bf16 and back.sha256() == th.sha256()
+    reverse = make(ModelFingerprint.from_model(copy, name="tiny", rounded=True))
+    with pytest.warns(OtherDtypeWarning):
+        reverse.check_model(model)
+    old = make(ModelFingerprint.from_model(model, name="tiny"))  # no rounded digest
+    assert "weights_bf16" not in old.to_dict()["model"]
+    assert old.sha256() == make(ModelFingerprint("llama", 3, 2, 8, "tiny", weights_digest(model))).sha256()
+    with pytest.raises(ModelMismatchError, match="another dtype"):
+        old.check_model(copy)
+    with pytest.raises(ValueError, match="weights_bf16"):
+        ModelFingerprint("llama", 3, 2, 8, weights_bf16="sha256:xyz")
 
 
 def test_a_file_without_weights_still_loads_and_says_it_is_unverified(tmp_path):

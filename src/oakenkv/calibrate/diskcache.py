@@ -12,7 +12,8 @@ atomically (``oakenkv.util.paths.atomic_write``): a reader never sees half of on
 
 Profiles (thresholds files) record their identity in their own fields: the model fingerprint, the profile's
 ``windows_sha256`` and ``kurtosis_tuning``, the config, the transforms' ``search`` (:func:`profile_identity`);
-other files record an ``identity`` object (:meth:`CacheEntry.identity`).
+other files record an ``identity`` object (:meth:`CacheEntry.identity`). A profile is also kept under the model's
+weights rounded to bfloat16 (:func:`rounded_entry`), where the same weights loaded in the other dtype find it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
@@ -39,8 +40,11 @@ __all__ = [
     "CalibrationKey",
     "calibration_key",
     "load_cached_thresholds",
+    "load_profile_of_other_dtype",
     "profile_cache_dir",
     "profile_identity",
+    "rounded_entry",
+    "store_profile",
     "thresholds_cache_path",
     "thresholds_entry",
 ]
@@ -57,8 +61,9 @@ def profile_cache_dir() -> Path:
 
 
 def _model_identity(fingerprint: ModelFingerprint) -> dict[str, Any]:
-    """The compared part of a fingerprint: shape and weights digest (not the name it was loaded by)."""
-    return {k: v for k, v in fingerprint.to_dict().items() if k != "name"}
+    """The compared part of a fingerprint: shape and weights digest (not the name it was loaded by, nor the rounded
+    digest a newer profile records beside the weights': keys and files of earlier profiles stay as they were)."""
+    return {k: v for k, v in fingerprint.to_dict().items() if k not in ("name", "weights_bf16")}
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,44 @@ def profile_identity(th: Thresholds) -> dict[str, Any]:
 def load_profile(entry: CacheEntry, path: Path | None = None, *, quiet: bool = False) -> Thresholds | None:
     """:meth:`CacheEntry.load` of a profile (a thresholds file)."""
     return entry.load(Thresholds.load, profile_identity, "profile", "profiling again", path=path, quiet=quiet)
+
+
+def rounded_entry(entry: CacheEntry, rounded: str) -> CacheEntry:
+    """Where a profile of ``entry`` is also kept under the model's weights rounded to bfloat16: ``entry`` with the
+    weights digest replaced by ``rounded`` (``identity.rounded_weights_digest``) and ``-bf16`` in the file name. A
+    profile made on a float32 model is found there for its bfloat16 copy, and the reverse
+    (:func:`store_profile`, :func:`load_profile_of_other_dtype`)."""
+    fp = replace(entry.key.fingerprint, weights=rounded, weights_bf16=None)
+    return replace(entry, key=replace(entry.key, fingerprint=fp), label=f"{entry.label}-bf16")
+
+
+def _rounded_identity(th: Thresholds) -> dict[str, Any]:
+    """:func:`profile_identity` with the model's rounded weights digest in place of its own (:func:`rounded_entry`)."""
+    identity = profile_identity(th)
+    identity["model"] = {**identity["model"], "weights": th.fingerprint.weights_bf16}
+    return identity
+
+
+def store_profile(entry: CacheEntry, th: Thresholds) -> Path:
+    """Write profile ``th`` to ``entry``'s file and, when it records its weights' rounded digest, to the
+    :func:`rounded_entry` too."""
+    path = entry.store(th.to_json())
+    if th.fingerprint.weights_bf16 is not None:
+        rounded_entry(entry, th.fingerprint.weights_bf16).store(th.to_json())
+    return path
+
+
+def load_profile_of_other_dtype(entry: CacheEntry, model: Any) -> Thresholds | None:
+    """The profile of ``entry`` made on ``model``'s weights in another dtype (same weights when rounded to bfloat16;
+    :func:`rounded_entry`), or None. Checked as :func:`load_profile` checks, with the rounded digests in place of
+    the weights'; the caller's model check then accepts it with ``OtherDtypeWarning``."""
+    from oakenkv.calibrate.identity import rounded_weights_digest
+
+    alias = rounded_entry(entry, rounded_weights_digest(model))
+    found = alias.load(Thresholds.load, _rounded_identity, "profile", "profiling again")
+    if found is not None and found.fingerprint.weights == entry.key.fingerprint.weights:
+        entry.store(found.to_json())  # the model's own profile, its file lost or overwritten: put back
+    return found
 
 
 def thresholds_entry(

@@ -14,21 +14,35 @@ import hashlib
 import os
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from oakenkv.util.exact import is_int
 
-__all__ = ["WEIGHTS_DIGEST_PREFIX", "ModelFingerprint", "layer_kinds", "short_digest", "weights_digest"]
+__all__ = [
+    "ROUNDED_DTYPE",
+    "WEIGHTS_DIGEST_PREFIX",
+    "ModelFingerprint",
+    "layer_kinds",
+    "rounded_weights_digest",
+    "short_digest",
+    "weights_digest",
+]
 
 #: How :func:`weights_digest` spells a digest: the scheme, then 64 hex digits.
 WEIGHTS_DIGEST_PREFIX = "sha256:"
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
+#: The dtype :func:`rounded_weights_digest` rounds floating-point weights to: a float32 checkpoint and its bfloat16
+#: copy (``model.to(torch.bfloat16)``, or ``from_pretrained(..., dtype=torch.bfloat16)`` of the float32 files) hold
+#: the same numbers at this precision.
+ROUNDED_DTYPE = "bfloat16"
+
 #: Per model object: the tensors' identity and version counters when :func:`weights_digest` last hashed them, and
-#: the digest (weak keys: a model's entry goes with it).
+#: the digest (weak keys: a model's entry goes with it); one table per kind of digest (exact, rounded).
 _DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+_ROUNDED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
 
 
 def _versions(state: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -51,6 +65,18 @@ def _versions(state: dict[str, Any]) -> tuple[Any, ...] | None:
         )
     except (RuntimeError, AttributeError):
         return None
+
+
+def rounded_weights_digest(model: Any, *, reuse: bool = True) -> str:
+    """The identity of a model's weights up to their dtype: :func:`weights_digest` of the weights with every
+    floating-point tensor rounded to :data:`ROUNDED_DTYPE` (bfloat16; listed under that dtype), the others as they
+    are. A float32 model and its bfloat16 copy have the same rounded digest and different :func:`weights_digest`;
+    two checkpoints that differ beyond bfloat16's precision (a fine-tune) differ here too. A profile records it
+    (``ModelFingerprint.weights_bf16``) so that it serves the same weights loaded in the other dtype
+    (``Thresholds.check_fingerprint``); a float16 copy is not the same (float16 rounds otherwise) and does not match.
+    Costs one more pass over the weights (each tensor rounded, one at a time); remembered per model object as
+    :func:`weights_digest` is (``reuse``)."""
+    return _digest(model, reuse, rounded=True)
 
 
 def weights_digest(model: Any, *, reuse: bool = True) -> str:
@@ -80,10 +106,16 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     Raises:
         ValueError: a tensor without data (the ``meta`` device).
     """
+    return _digest(model, reuse, rounded=False)
+
+
+def _digest(model: Any, reuse: bool, rounded: bool) -> str:
+    """:func:`weights_digest` (``rounded`` False) or :func:`rounded_weights_digest`."""
     import torch
 
     from oakenkv.assets.lazy import lazy_weights
 
+    memo = _ROUNDED if rounded else _DIGESTS
     state = model.state_dict()
     # a model made by oakenkv.assets.lazy: its units' placeholders hold no data; they are read from disk one at a
     # time (as the eagerly loaded model holds them), and only the other tensors can change
@@ -92,7 +124,7 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     versions = _versions({n: t for n, t in state.items() if n not in on_disk})
     if reuse and versions is not None:
         try:
-            known = _DIGESTS.get(model)
+            known = memo.get(model)
         except TypeError:  # (not weakly referenceable)
             known = None
         if known is not None and known[0] == versions:
@@ -112,7 +144,7 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
         views.setdefault(key, []).append(name)
 
     def digest_of(name: str) -> str:
-        return _sha256_of(state[name])
+        return _sha256_of(state[name], rounded)
 
     firsts = [group[0] for group in views.values()]
     workers = max(1, min(4, os.cpu_count() or 1, len(firsts)))
@@ -128,25 +160,29 @@ def weights_digest(model: Any, *, reuse: bool = True) -> str:
     per_name = {n: per_first[group[0]] for group in views.values() for n in group}
     for name in names:
         if name in on_disk:  # one at a time: bounded memory (tied names read twice)
-            per_name[name] = _sha256_of(lazy.tensor(name))  # type: ignore[union-attr]
+            per_name[name] = _sha256_of(lazy.tensor(name), rounded)  # type: ignore[union-attr]
     h = hashlib.sha256()
     for name in names:
         t = state[name]
-        h.update(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}\t{per_name[name]}\n".encode())
+        dtype = ROUNDED_DTYPE if rounded and t.is_floating_point() else str(t.dtype).removeprefix("torch.")
+        h.update(f"{name}\t{dtype}\t{list(t.shape)}\t{per_name[name]}\n".encode())
     digest = WEIGHTS_DIGEST_PREFIX + h.hexdigest()
     if versions is not None:
         with contextlib.suppress(TypeError):
-            _DIGESTS[model] = (versions, digest)
+            memo[model] = (versions, digest)
     return digest
 
 
-def _sha256_of(t: Any) -> str:
-    """sha256 of a tensor's bytes (native byte order, row-major), copied to the CPU if it is elsewhere."""
+def _sha256_of(t: Any, rounded: bool = False) -> str:
+    """sha256 of a tensor's bytes (native byte order, row-major), copied to the CPU if it is elsewhere; ``rounded``:
+    of its values rounded to :data:`ROUNDED_DTYPE` when it is floating-point."""
     import torch
 
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if rounded and t.is_floating_point():
+        t = t.to(getattr(torch, ROUNDED_DTYPE))
     flat = t.contiguous().reshape(-1)
     return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
 
@@ -213,6 +249,10 @@ class ModelFingerprint:
     name: str | None = field(default=None, compare=False)
     #: :func:`weights_digest` of the model, or None when unknown (compared by ``Thresholds.check_fingerprint``).
     weights: str | None = field(default=None, compare=False)
+    #: :func:`rounded_weights_digest` of the model, or None (profiles made before oakenkv recorded it): lets the
+    #: profile serve the same weights in another dtype (``Thresholds.check_fingerprint``). Written to a file only
+    #: when set, and not part of a calibration cache key, so earlier files keep their digests and names.
+    weights_bf16: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -225,13 +265,17 @@ class ModelFingerprint:
             raise ValueError(f"num_layers must be at most {MAX_LAYERS} (more than a model has), got {self.num_layers}")
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"name must be a string or None, got {self.name!r}")
-        if self.weights is not None and not (isinstance(self.weights, str) and _DIGEST_RE.fullmatch(self.weights)):
-            raise ValueError(f"weights must be 'sha256:' and 64 lowercase hex digits, or None, got {self.weights!r}")
+        for n in ("weights", "weights_bf16"):
+            v = getattr(self, n)
+            if v is not None and not (isinstance(v, str) and _DIGEST_RE.fullmatch(v)):
+                raise ValueError(f"{n} must be 'sha256:' and 64 lowercase hex digits, or None, got {v!r}")
 
     @classmethod
-    def from_model_config(cls, hf_config: Any, name: str | None = None, weights: str | None = None) -> ModelFingerprint:
+    def from_model_config(
+        cls, hf_config: Any, name: str | None = None, weights: str | None = None, weights_bf16: str | None = None
+    ) -> ModelFingerprint:
         """From a transformers ``PretrainedConfig`` (multimodal configs: their text decoder's config); the shape
-        only unless the ``weights`` digest is given."""
+        only unless the ``weights`` digests are given."""
         cfg = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         try:
             num_layers = int(cfg.num_hidden_layers)
@@ -239,12 +283,14 @@ class ModelFingerprint:
         except AttributeError as e:
             raise ValueError(f"{type(cfg).__name__} does not describe a decoder (missing {e.name})") from e
         arch = getattr(cfg, "model_type", None) or type(cfg).__name__
-        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights)
+        return cls(str(arch), num_layers, int(kv_heads), int(head_dim), name, weights, weights_bf16)
 
     @classmethod
-    def from_model(cls, model: Any, name: str | None = None) -> ModelFingerprint:
-        """From a transformers model: its config's shape and :func:`weights_digest` of its weights."""
-        return cls.from_model_config(model.config, name, weights_digest(model))
+    def from_model(cls, model: Any, name: str | None = None, *, rounded: bool = False) -> ModelFingerprint:
+        """From a transformers model: its config's shape and :func:`weights_digest` of its weights (and, with
+        ``rounded``, :func:`rounded_weights_digest`: what a new profile records)."""
+        fp = cls.from_model_config(model.config, name, weights_digest(model))
+        return replace(fp, weights_bf16=rounded_weights_digest(model)) if rounded else fp
 
     def describe(self) -> str:
         who = f"{self.name!r}: " if self.name else ""
@@ -262,10 +308,17 @@ class ModelFingerprint:
             "head_dim": self.head_dim,
             "name": self.name,
             "weights": self.weights,
+            **({"weights_bf16": self.weights_bf16} if self.weights_bf16 is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
         return cls(
-            d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("name"), d.get("weights")
+            d["architecture"],
+            d["num_layers"],
+            d["num_kv_heads"],
+            d["head_dim"],
+            d.get("name"),
+            d.get("weights"),
+            d.get("weights_bf16"),
         )

@@ -25,12 +25,15 @@ from typing import Any
 from oakenkv.calibrate.thresholds import (
     ModelFingerprint,
     ModelMismatchError,
+    OtherDtypeWarning,
     Thresholds,
     UnverifiedWeightsWarning,
     weights_digest,
 )
 
-#: Attribute set on a folded model's config: ``(weights digest before the fold, after the fold)``.
+#: Attribute set on a folded model's config: ``(weights digest before the fold, after the fold)``, then, where known,
+#: the rounded digests (``identity.rounded_weights_digest``) of the weights before the fold (when the profile was
+#: matched to them in another dtype) and after it (when the folded model was cast: :func:`cast_folded`), or None.
 FOLD_WEIGHTS = "oakenkv_folded_weights"
 
 
@@ -48,10 +51,28 @@ def _config(model: Any) -> Any:
     return model.config if is_model(model) else model
 
 
-def record_fold(model: Any, before: str) -> None:
+def record_fold(model: Any, before: str, before_rounded: str | None = None) -> None:
     """Mark ``model`` (whose oaken-plus transforms were just folded in, or marked) with the digest of its weights
-    ``before`` the fold and of those it holds now, for :func:`check_profile_model`."""
-    setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model)))
+    ``before`` the fold and of those it holds now, for :func:`check_profile_model`; ``before_rounded``: their
+    rounded digest (``identity.rounded_weights_digest``), when the profile matched them by it (another dtype)."""
+    after = weights_digest(model)
+    setattr(model.config, FOLD_WEIGHTS, (before, after) if before_rounded is None else (before, after, before_rounded))
+
+
+def cast_folded(model: Any, dtype: Any) -> None:
+    """Cast a folded model (:func:`record_fold`) to ``dtype`` in place, keeping its fold record true: the weights
+    after the fold are now the cast ones, and their rounded digest is recorded too, so that the model read back in
+    another dtype (an export written in bfloat16, loaded in float32) is still known for the folded weights
+    (:func:`check_identity`, with ``OtherDtypeWarning``)."""
+    from oakenkv.calibrate.identity import rounded_weights_digest
+
+    record = getattr(model.config, FOLD_WEIGHTS, None)
+    if record is None:
+        raise ValueError("cast_folded: this model carries no fold record (oakenkv.calibrate.plus.apply_profile)")
+    before, _, *rest = record
+    model.to(dtype)
+    before_rounded = rest[0] if rest else None
+    setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model), before_rounded, rounded_weights_digest(model)))
 
 
 def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -> None:
@@ -86,13 +107,26 @@ def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -
                 stacklevel=stacklevel + 1,
             )
         return
-    before, after = record
+    before, after, *rest = record
+    before_rounded = rest[0] if rest else None
+    after_rounded = rest[1] if len(rest) > 1 else None
     if weights_digest(model) != after:
-        raise ModelMismatchError(
-            "this model's weights changed after oaken-plus transforms were folded into them, so they are no longer "
-            "the profiled ones; load the model again and build the cache with OakenCache.from_profile(model, ...)"
+        from oakenkv.calibrate.identity import rounded_weights_digest
+
+        if after_rounded is None or rounded_weights_digest(model) != after_rounded:
+            raise ModelMismatchError(
+                "this model's weights changed after oaken-plus transforms were folded into them, so they are no "
+                "longer the profiled ones; load the model again and build the cache with "
+                "OakenCache.from_profile(model, ...)"
+            )
+        warnings.warn(
+            "this model holds its folded weights in another dtype than they were recorded in (equal when rounded to "
+            "bfloat16): the profile is used as it is",
+            OtherDtypeWarning,
+            stacklevel=stacklevel + 1,
         )
-    thresholds.check_fingerprint(ModelFingerprint.from_model_config(config, weights=before))
+    fp = ModelFingerprint.from_model_config(config, weights=before, weights_bf16=before_rounded)
+    thresholds.check_fingerprint(fp)
     if thresholds.fingerprint.weights is None:
         thresholds._warn_unverified()
 
@@ -149,6 +183,7 @@ def check_profile_model(thresholds: Thresholds, model: Any) -> None:
 __all__ = [
     "FOLD_WEIGHTS",
     "ShapeOnlyWarning",
+    "cast_folded",
     "check_identity",
     "check_profile_model",
     "check_profile_shape",

@@ -38,8 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from oakenkv.calibrate.diskcache import CacheEntry, calibration_key, load_profile
-from oakenkv.calibrate.identity import ModelFingerprint, weights_digest
+from oakenkv.calibrate.diskcache import (
+    CacheEntry,
+    calibration_key,
+    load_profile,
+    load_profile_of_other_dtype,
+    store_profile,
+)
+from oakenkv.calibrate.identity import ModelFingerprint, rounded_weights_digest, weights_digest
 from oakenkv.calibrate.profile import ProgressLog
 from oakenkv.calibrate.recording import (
     AttentionRecord,
@@ -129,7 +135,8 @@ def profile_plus_many(
     query_runs = {min(s.query_runs, runs) for s in searches}
     if len(query_runs) != 1:
         raise ValueError("searches profiled together must record the same query_runs")
-    fingerprint = ModelFingerprint.from_model(model, name=name)  # shape and weights digest of the unfolded model
+    # shape and weights digests (exact and rounded) of the unfolded model
+    fingerprint = ModelFingerprint.from_model(model, name=name, rounded=True)
     try:
         partners = rope_partners(model)
     except TransformError as e:
@@ -328,6 +335,8 @@ def cached_plus_profiles(
                 if found is not None:
                     entry.store(shipped.read_bytes())
                     break
+        if found is None:  # the same weights profiled in another dtype
+            found = load_profile_of_other_dtype(entry, model)
         out.append(found)
         if found is None:
             missing.append((j, entry))
@@ -344,7 +353,7 @@ def cached_plus_profiles(
         model, windows, [searches[j] for j, _ in missing], progress=progress, name=model_name, metadata=meta
     )
     for (j, entry), th in zip(missing, made, strict=True):
-        entry.store(th.to_json())
+        store_profile(entry, th)
         out[j] = th
     return out  # type: ignore[return-value]
 
@@ -370,13 +379,18 @@ def apply_profile(model: Any, thresholds: Thresholds) -> Any:
         check_transforms(thresholds, model)  # nothing to fold: the model must carry exactly the profile's
         return model
     before = weights_digest(model)
+    # the profile of these weights in another dtype (check_identity accepted it by the rounded digest): recorded too
+    fp = thresholds.fingerprint
+    rounded = None
+    if fp.weights_bf16 is not None and fp.weights is not None and before != fp.weights:
+        rounded = rounded_weights_digest(model)
     if t.folds_weights:
         fold_into_model(model, t)
     else:  # nothing to fold: still mark the model, so that another profile's fold is refused later
         from oakenkv.calibrate.transforms import FOLD_MARK
 
         setattr(model.config, FOLD_MARK, t.digest())
-    record_fold(model, before)
+    record_fold(model, before, rounded)
     return model
 
 

@@ -45,7 +45,9 @@ from oakenkv.calibrate.diskcache import (
     calibration_key,
     load_cached_thresholds,
     load_profile,
+    load_profile_of_other_dtype,
     profile_cache_dir,
+    store_profile,
     thresholds_cache_path,
     thresholds_entry,
 )
@@ -168,7 +170,7 @@ def profile_thresholds(
             FewRunsWarning,
             stacklevel=2,
         )
-    fingerprint = ModelFingerprint.from_model(model, name=name)
+    fingerprint = ModelFingerprint.from_model(model, name=name, rounded=True)
     outer_ratios, inner_ratios = candidate_ratios(config, kurtosis_tuning)
     accs = {(layer, kind): RunAccumulator() for layer in range(fingerprint.num_layers) for kind in ("key", "value")}
 
@@ -383,6 +385,8 @@ def cached_thresholds(
     key = calibration_key(model, model_name, spec, ids)
     entry = thresholds_entry(key, config, kurtosis_tuning, cache_dir)
     cached = load_profile(entry)
+    if cached is None:  # the same weights profiled in another dtype
+        cached = load_profile_of_other_dtype(entry, model)
     if cached is not None:
         return cached
     with warnings.catch_warnings():
@@ -402,5 +406,5 @@ def cached_thresholds(
                 "windows_sha256": key.windows_sha256,
             },
         )
-    entry.store(thr.to_json())
+    store_profile(entry, thr)
     return thr

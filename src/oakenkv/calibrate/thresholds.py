@@ -36,7 +36,9 @@ its weights (:func:`weights_digest`, the ``"weights"`` entry of ``"model"``; bot
 ``oakenkv.calibrate.identity`` and re-exported here): thresholds profiled for a base model
 are refused for its fine-tune. Files written before the digest existed have ``"weights"`` absent (or null); they
 still load, and checking them against a model compares the shape only and says so
-(:class:`UnverifiedWeightsWarning`).
+(:class:`UnverifiedWeightsWarning`). Newer profiles also record the digest of the weights rounded to bfloat16
+(``"weights_bf16"``, written only when known): a profile made on a float32 model then serves its bfloat16 copy,
+and the reverse, with :class:`OtherDtypeWarning`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ __all__ = [
     "LayerStats",
     "ModelFingerprint",
     "ModelMismatchError",
+    "OtherDtypeWarning",
     "Thresholds",
     "ThresholdsFileError",
     "UnverifiedWeightsWarning",
@@ -99,6 +102,12 @@ class ModelMismatchError(ValueError):
 class UnverifiedWeightsWarning(UserWarning):
     """A thresholds file without a weights digest (written before oakenkv recorded one) was checked against a
     model: only its shape could be compared, so a fine-tune of the profiled model would go unnoticed."""
+
+
+class OtherDtypeWarning(UserWarning):
+    """A profile was paired with its model's weights in another dtype (a float32 profile with the bfloat16 copy, or
+    the reverse: equal when rounded to bfloat16, ``identity.rounded_weights_digest``): the profile is used as it
+    is; one made in the model's own dtype would have the model's own numbers."""
 
 
 class DuplicateThresholdsWarning(UserWarning):
@@ -271,7 +280,9 @@ class Thresholds:
     def check_fingerprint(self, other: ModelFingerprint) -> None:
         """Raise :class:`ModelMismatchError` naming both models when ``other`` is not this profile's model.
 
-        The shapes must be equal; the weights digests too when both are known. When ``other`` has a digest and
+        The shapes must be equal; the weights digests too when both are known, unless both sides also carry the
+        digest of their weights rounded to bfloat16 (``ModelFingerprint.weights_bf16``) and those are equal: the
+        same weights in another dtype, accepted with :class:`OtherDtypeWarning`. When ``other`` has a digest and
         this profile has none (a file written before oakenkv recorded it), warns
         :class:`UnverifiedWeightsWarning`: only the shape was checked.
         """
@@ -282,6 +293,16 @@ class Thresholds:
             )
         mine, theirs = self.fingerprint.weights, other.weights
         if mine is not None and theirs is not None and mine != theirs:
+            rounded = self.fingerprint.weights_bf16
+            if rounded is not None and rounded == other.weights_bf16:
+                warnings.warn(
+                    "these thresholds were profiled on this model's weights in another dtype (equal when rounded to "
+                    "bfloat16): they are used as they are; profile the model in its own dtype for thresholds of its "
+                    "own numbers",
+                    OtherDtypeWarning,
+                    stacklevel=4,
+                )
+                return
             raise ModelMismatchError(
                 f"these thresholds were profiled for other weights of the same shape ({self.fingerprint.describe()}):"
                 f" weights {short_digest(mine)}... in the profile, {short_digest(theirs)}... in the model (another "
@@ -313,7 +334,10 @@ class Thresholds:
             self.check_fingerprint(ModelFingerprint.from_model_config(model.config))
             self._warn_unverified()
             return
-        self.check_fingerprint(ModelFingerprint.from_model(model))
+        fp = ModelFingerprint.from_model(model)
+        if fp.weights != self.fingerprint.weights and self.fingerprint.weights_bf16 is not None:
+            fp = ModelFingerprint.from_model(model, rounded=True)  # another dtype of the same weights?
+        self.check_fingerprint(fp)
 
     def sha256(self) -> str:
         """Digest (hex) of everything the profile decides: config, model (shape and weights digest), every layer's
