@@ -7,8 +7,10 @@ import math
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from oakenkv.cli import app
@@ -126,13 +128,18 @@ def test_bench_generate_runs_a_selected_point_and_rejects_bad_points(default_mod
     assert bad.exit_code != 0 and "PROMPTxBATCH" in bad.output
 
 
-def test_export_of_a_bfloat16_checkpoint_says_it_writes_float32_weights(default_model, tmp_path):
-    """oakenkv loads a model in float32 and folds the transforms there; exporting a checkpoint saved in bfloat16
-    writes float32 weights (twice its bytes). The command says so instead of changing the dtype silently."""
+@pytest.mark.parametrize("preset", ["oaken", "oaken-plus"])
+def test_export_of_a_bfloat16_checkpoint_writes_bfloat16_weights(default_model, tmp_path, preset):
+    """oakenkv loads a model in float32 and folds the transforms there; the export of a checkpoint saved in
+    bfloat16 is written in bfloat16 (not twice its bytes in float32), and the command says so. Its profile still
+    fits it, read back in bfloat16 or in float32 (the fold record holds the cast weights' digests)."""
     import torch
     import transformers as tf
 
+    from oakenkv.calibrate.match import check_profile_model
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
     from oakenkv.calibrate.profile import profile_thresholds
+    from oakenkv.calibrate.thresholds import OtherDtypeWarning, Thresholds
 
     src = tmp_path / "tiny-bf16"
     torch.manual_seed(0)
@@ -144,13 +151,31 @@ def test_export_of_a_bfloat16_checkpoint_says_it_writes_float32_weights(default_
     default_model.tokenizer.save_pretrained(src)
     model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)  # as oakenkv loads it
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
-    profile_thresholds(model, ids, name="tiny").save(tmp_path / "thr.json")
+    if preset == "oaken":
+        profile_thresholds(model, ids, name="tiny").save(tmp_path / "thr.json")
+    else:
+        profile_plus(model, ids, PlusSearch(alphas=(0.0,), query_positions=8), name="tiny").save(tmp_path / "thr.json")
     out = tmp_path / "export"
-    args = ["export", "--model", str(src), "--preset", "oaken", "--profile", str(tmp_path / "thr.json")]
+    args = ["export", "--model", str(src), "--preset", preset, "--profile", str(tmp_path / "thr.json")]
     res = runner.invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert "is saved in bfloat16; the export holds float32 weights" in res.output
-    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert (
+        "is saved in bfloat16: oakenkv loaded it in float32, folded the profile there and wrote the export in "
+        "bfloat16" in " ".join(res.output.split())
+    )
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert written < 1.1 * sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the checkpoint's bytes
+    th = Thresholds.load(out / "oakenkv-profile.json")
+    for dtype in (torch.bfloat16, torch.float32):
+        back = tf.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            check_profile_model(th, back)
+        other_dtype = [w for w in seen if issubclass(w.category, OtherDtypeWarning)]
+        # the profile was made on the float32 reading: the paper's preset read back in bfloat16 fits it by the
+        # rounded digest; the folded export read back in float32 fits its fold record (bfloat16 weights) by it
+        assert bool(other_dtype) == ((dtype == torch.bfloat16) == (preset == "oaken")), [str(w.message) for w in seen]
 
 
 def test_export_refuses_a_profile_of_the_other_preset_in_the_flags_words(tmp_path):

@@ -67,17 +67,24 @@ def export_cmd(
     from oakenkv.integrations.vllm.export import export_model
 
     loaded = load_model(model)
+    folded_in, saved = loaded.model.dtype, _saved_dtype(loaded.source)
+    cast = saved if saved is not None and saved.is_floating_point and saved != folded_in else None
     path = export_model(
-        loaded.model, loaded.tokenizer, out, preset, profile=thr, source=str(loaded.source), static_grids=static_grids
+        loaded.model,
+        loaded.tokenizer,
+        out,
+        preset,
+        profile=thr,
+        source=str(loaded.source),
+        static_grids=static_grids,
+        dtype=cast,
     )
     kind = ", static grids" if static_grids else ""
-    written, saved = loaded.model.dtype, _saved_dtype(loaded.source)
-    if saved is not None and saved != written:
+    written = loaded.model.dtype
+    if cast is not None:
         typer.echo(
-            f"note: {model} is saved in {_name(saved)}; the export holds {_name(written)} weights (the transforms are "
-            f"folded into the weights oakenkv loads, {_name(written)}, and written as they are: about "
-            f"{written.itemsize / saved.itemsize:.0f}x the checkpoint's bytes; vLLM casts them to its --dtype when it "
-            "serves)",
+            f"note: {model} is saved in {_name(saved)}: oakenkv loaded it in {_name(folded_in)}, folded the profile "
+            f"there and wrote the export in {_name(written)}, as the checkpoint was",
             err=True,
         )
     typer.echo(

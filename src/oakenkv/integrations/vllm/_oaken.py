@@ -9,7 +9,8 @@ used, and why:
   :class:`~oakenkv.format.config.OakenConfig` (group bits, ratios, scale dtype); an oaken-plus profile's
   :class:`~oakenkv.calibrate.transforms.Transforms` (the online key shift and rotation, ``fwht`` for the queries,
   the sink tokens) and, for ``oakenkv export``, ``find_profile`` / ``apply_profile`` (made and folded as
-  ``OakenCache.for_model`` does) and the fold mark ``FOLD_MARK``;
+  ``OakenCache.for_model`` does), the fold mark ``FOLD_MARK`` and, to write an export in the checkpoint's dtype,
+  ``cast_folded`` (which keeps the fold record ``FOLD_WEIGHTS`` true);
 - the format (``oakenkv.format.layout``): :func:`record_size` / :func:`scale_bytes` (dense record = scales + nibbles),
   :func:`sparse_capacity` (longest COO record of a row), :func:`from_records` (records -> ``EncodedBatch``),
   ``CorruptDataError``, ``ERROR_MESSAGES`` and :class:`LayerView`, the fields a decode kernel reads;
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from oakenkv.calibrate.match import FOLD_WEIGHTS, cast_folded
 from oakenkv.calibrate.plus import apply_profile
 from oakenkv.calibrate.presets import PRESETS, find_profile
 from oakenkv.calibrate.thresholds import Thresholds
@@ -84,6 +86,7 @@ def triton_kernels() -> SimpleNamespace:
 __all__ = [
     "ERROR_MESSAGES",
     "FOLD_MARK",
+    "FOLD_WEIGHTS",
     "NO_STATIC_GRID",
     "PRESETS",
     "CorruptDataError",
@@ -94,6 +97,7 @@ __all__ = [
     "Thresholds",
     "Transforms",
     "apply_profile",
+    "cast_folded",
     "decode",
     "decode_rows",
     "encode_records",

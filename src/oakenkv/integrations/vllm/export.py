@@ -58,6 +58,7 @@ def export_model(
     source: str | None = None,
     progress: bool = True,
     static_grids: bool = False,
+    dtype: Any = None,
 ) -> Path:
     """Write ``model`` (a transformers causal LM, in place folded with its profile) and ``tokenizer`` to ``out`` as a
     servable directory with ``oakenkv-profile.json`` (module docstring); returns the profile's path.
@@ -69,6 +70,9 @@ def export_model(
         source: where the model came from (recorded).
         static_grids: write the profile with static middle/inner grids (``OakenConfig.static_grids``: the blocks
             store each token's outer scales alone, 0.33 bit per value less at 192 values per row; docs/format.md).
+        dtype: the ``torch.dtype`` to write the weights in (e.g. the checkpoint's bfloat16 when the model was loaded
+            in float32 to fold); the model is cast after the fold, its fold record kept true
+            (``oakenkv.calibrate.match.cast_folded``). Default: the model's own.
     """
     if preset not in _oaken.PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(_oaken.PRESETS)}")
@@ -86,6 +90,11 @@ def export_model(
         if static_grids:
             thr = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
         _oaken.apply_profile(model, thr)
+        if dtype is not None and dtype != model.dtype:
+            if getattr(model.config, _oaken.FOLD_WEIGHTS, None) is not None:
+                _oaken.cast_folded(model, dtype)
+            else:  # (the paper's preset: nothing folded, nothing recorded)
+                model.to(dtype)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp makes it private; the export is a model directory like any)
