@@ -290,6 +290,30 @@ def test_a_search_with_rotations_runs_without_them_on_a_head_dim_that_is_no_powe
         torch.testing.assert_close(apply_profile(copy.deepcopy(model), th)(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_profiles_seconds_leave_out_the_kernels_compilation(monkeypatch):
+    """The codec kernels compile (or load from numba's cache) before the search's clock starts: a first process's
+    compilation is the profile's ``compile_seconds``, not part of its ``seconds``."""
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import oakenkv.calibrate.plus as plus
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    windows = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    search = PlusSearch(alphas=(0.0,), query_positions=8)
+    profile_plus(model, windows, search)  # compiled now, if it was not
+    real = plus._warm_kernels
+    monkeypatch.setattr(plus, "_warm_kernels", lambda *a: time.sleep(2.0) or real(*a) + 2.0)  # a slow compilation
+    th = profile_plus(model, windows, search)
+    assert th.profile["compile_seconds"] >= 2.0 and th.profile["seconds"] < 2.0
+
+
 def _decided(th: Thresholds) -> tuple[str, list]:
     """Everything a profile decides (thresholds, statistics, transforms, model), and every candidate's error."""
     return th.sha256(), th.profile["choices"]
