@@ -18,28 +18,22 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=300, help="stored tokens per row")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-
-    import numba
+def synthetic_blocks(rows: int, ctx: int) -> SimpleNamespace:
+    """The plugin's blocks at this benchmark's shape, filled: ``rows`` rows of ``ctx`` stored tokens of synthetic
+    heavy-tailed keys and values (3 KV heads x 64, 9 query heads, blocks of 128, oaken-plus's layout with one sink
+    token and key rotation), thresholds at the config's quantiles; the fields the parts read (``view``: layer 0's
+    ``LayerView`` over every token) and ``rng`` to draw the rest from (``benchmarks/experiments/c_decode`` too)."""
     import numpy as np
     import torch
 
     import oakenkv.integrations.vllm.layout as lay_mod
     from oakenkv.format.config import OakenConfig
-    from oakenkv.integrations.vllm import _oaken
 
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
     rng = np.random.default_rng(0)
-    rows, hkv, hd, hq, bs, ctx = a.rows, 3, 64, 9, 128, a.context
+    hkv, hd, hq, bs = 3, 64, 9, 128
     d = hkv * hd
     cfg = OakenConfig()
     lay = lay_mod.BlockLayout.make(d, bs, cfg, sink_tokens=1)
@@ -56,6 +50,35 @@ def main() -> None:
     w.write(pool, upb, slots, torch.from_numpy(k), torch.from_numpy(v))
     tables = lay_mod.BlockTables(lay, upb)
     tables.update(1, table, np.full(rows, ctx, np.int64), np.ones(rows, np.int64))
+    view = tables.layer(0, pool).view(
+        pool, lay.unit, lay.unit, lay.scale_bytes, thr, lay.inner_bits, lay.outer_bits, hkv, rows=rows
+    )._replace(num_tokens=ctx)  # fmt: skip
+    return SimpleNamespace(
+        rng=rng, rows=rows, ctx=ctx, hkv=hkv, hd=hd, hq=hq, bs=bs, d=d, lay=lay, pool=pool, upb=upb, k=k, v=v,
+        thr=thr, w=w, table=table, tables=tables, view=view,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=300, help="stored tokens per row")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+
+    import numba
+    import numpy as np
+    import torch
+
+    import oakenkv.integrations.vllm.layout as lay_mod
+    from oakenkv.integrations.vllm import _oaken
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    b = synthetic_blocks(a.rows, a.context)
+    rng, rows, ctx, hkv, hd, hq, bs = b.rng, b.rows, b.ctx, b.hkv, b.hd, b.hq, b.bs
+    lay, pool, upb, k, v, thr, w, table, tables = b.lay, b.pool, b.upb, b.k, b.v, b.thr, b.w, b.table, b.tables
     params = lay_mod.LayerParams(thr, hkv, 0.125, 0.0, True)
     q = rng.standard_normal((rows, hq, hd)).astype(np.float32)
     if "scratch" in inspect.signature(lay_mod.decode_attention_rows).parameters:
@@ -68,10 +91,7 @@ def main() -> None:
         def decode() -> None:
             lay_mod.decode_attention_rows(tables, 0, pool, q, params, 1)
 
-    lt = tables.layer(0, pool)
-    view = lt.view(
-        pool, lay.unit, lay.unit, lay.scale_bytes, thr, lay.inner_bits, lay.outer_bits, hkv, rows=rows
-    )._replace(num_tokens=ctx)  # fmt: skip
+    view = b.view
     out = np.empty((rows, hq, hd), np.float32)
     lse = np.empty((rows, hq), np.float32)
     status = np.zeros(rows, np.int64)

@@ -68,22 +68,11 @@ static inline int decode_row(const uint8_t* pool, int64_t base, int sb, int d, c
     i = d;
 #endif
 #ifdef DENSELUT
-    {
-        // the row's 16 middle values, each computed as the codec does (lo + code * step, then its side's shift),
-        // and the codes mapped through them by one permute per 16 values
-        const __m512 c16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512 t = _mm512_add_ps(vlo, _mm512_mul_ps(c16, vstep));
-        t = _mm512_add_ps(t, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), vti_lo, vti_hi));
-        for (; i + 32 <= d; i += 32) {
-            __m128i b = _mm_loadu_si128((const __m128i*)(src + (i >> 1)));
-            __m128i l4 = _mm_and_si128(b, m4), h4 = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-            __m128i c0 = _mm_unpacklo_epi8(l4, h4), c1 = _mm_unpackhi_epi8(l4, h4);
-            _mm_storeu_si128((__m128i*)(codes + i), c0);
-            _mm_storeu_si128((__m128i*)(codes + i + 16), c1);
-            _mm512_storeu_ps(row + i, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), t));
-            _mm512_storeu_ps(row + i + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), t));
-        }
-    }
+    // the row's 16 middle values, each computed as the codec does (lo + code * step, then its side's shift): the
+    // codes are mapped through them by one permute per 16 values
+    const __m512 c16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 mids = _mm512_add_ps(vlo, _mm512_mul_ps(c16, vstep));
+    mids = _mm512_add_ps(mids, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mids, zero, _CMP_GT_OQ), vti_lo, vti_hi));
 #endif
     for (; i + 32 <= d; i += 32) {
         __m128i b = _mm_loadu_si128((const __m128i*)(src + (i >> 1)));
@@ -91,12 +80,17 @@ static inline int decode_row(const uint8_t* pool, int64_t base, int sb, int d, c
         __m128i c0 = _mm_unpacklo_epi8(l4, h4), c1 = _mm_unpackhi_epi8(l4, h4);
         _mm_storeu_si128((__m128i*)(codes + i), c0);
         _mm_storeu_si128((__m128i*)(codes + i + 16), c1);
+#ifdef DENSELUT
+        __m512 v0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), mids);
+        __m512 v1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), mids);
+#else
         __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0));
         __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1));
         __m512 v0 = _mm512_add_ps(vlo, _mm512_mul_ps(f0, vstep));
         __m512 v1 = _mm512_add_ps(vlo, _mm512_mul_ps(f1, vstep));
         v0 = _mm512_add_ps(v0, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v0, zero, _CMP_GT_OQ), vti_lo, vti_hi));
         v1 = _mm512_add_ps(v1, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v1, zero, _CMP_GT_OQ), vti_lo, vti_hi));
+#endif
         _mm512_storeu_ps(row + i, v0);
         _mm512_storeu_ps(row + i + 16, v1);
     }
@@ -227,7 +221,6 @@ static inline int decode_row(const uint8_t* pool, int64_t base, int sb, int d, c
             }
 #ifdef SCATTER
             {
-                const __m512i zero_i = _mm512_setzero_si512();
                 for (int g = 0; g < 64; g += 16) {
                     if (g >= n) break;
                     __m128i lb = g == 0 ? _mm512_extracti32x4_epi32(li, 0) : g == 16 ? _mm512_extracti32x4_epi32(li, 1) : g == 32 ? _mm512_extracti32x4_epi32(li, 2) : _mm512_extracti32x4_epi32(li, 3);
@@ -238,7 +231,6 @@ static inline int decode_row(const uint8_t* pool, int64_t base, int sb, int d, c
                     __mmask16 m = n - g >= 16 ? 0xFFFF : (__mmask16)((1u << (n - g)) - 1);
                     _mm512_mask_i32scatter_ps(row, m, p32, val, 4);
                 }
-                (void)zero_i;
                 return 0;
             }
 #endif

@@ -1,6 +1,6 @@
 """Issue #32's experiment: a hand-written AVX-512 decode-attention kernel (``oaken_decode.c`` beside this file)
 against the numba kernel, on the vLLM plugin's ample shape (16 rows x 300 stored tokens, 3 KV heads x 64, 9 query
-heads, oaken-plus's layout: ``benchmarks/bench_vllm_parts.py``'s synthetic heavy-tailed blocks, ~9% outliers).
+heads, oaken-plus's layout: ``benchmarks/bench_vllm_parts.py``'s ``synthetic_blocks``, ~9% outliers).
 
 Needs gcc and an AVX-512 CPU (``-march=native``). For each variant (``oaken_decode.c``'s header): the whole kernel
 (checked against ``packed_decode_attention_serial``: max |difference| of the outputs, and its time), and the row
@@ -47,32 +47,16 @@ def main() -> None:
     import numpy as np
     import torch
 
-    import oakenkv.integrations.vllm.layout as lay_mod
-    from oakenkv.format.config import OakenConfig
     from oakenkv.kernels.cpu import attention as A
+
+    sys.path.insert(0, str(HERE.parent.parent))  # benchmarks/: the blocks of bench_vllm_parts.py
+    from bench_vllm_parts import synthetic_blocks
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    rows, ctx, hkv, hd, hq, bs = a.rows, a.context, 3, 64, 9, 128
-    d = hkv * hd
-    cfg = OakenConfig()
-    lay = lay_mod.BlockLayout.make(d, bs, cfg, sink_tokens=1)
-    per_row = -(-(ctx + 1) // bs)
-    pool, upb = lay_mod.pool_view(torch.zeros(rows * per_row, lay.block_bytes, dtype=torch.uint8), lay)
-    k = rng.standard_t(5, size=(rows * ctx, d)).astype(np.float32)
-    v = (0.5 * rng.standard_t(8, size=(rows * ctx, d))).astype(np.float32)
-    o, i = cfg.outer_ratio / 2, cfg.inner_ratio / 2
-    thr = np.array([np.quantile(x, [o, 0.5 - i, 0.5 + i, 1 - o]) for x in (k, v)], np.float32)
-    w = lay_mod.BlockWriter(lay, thr, "clip", key_shift=np.zeros(d, np.float32), key_rotation=True, head_dim=hd)
-    table = np.arange(rows * per_row, dtype=np.int32).reshape(rows, per_row)
-    slots = np.concatenate([table[r, np.arange(ctx) // bs] * bs + np.arange(ctx) % bs for r in range(rows)])
-    w.write(pool, upb, slots, torch.from_numpy(k), torch.from_numpy(v))
-    tables = lay_mod.BlockTables(lay, upb)
-    tables.update(1, table, np.full(rows, ctx, np.int64), np.ones(rows, np.int64))
-    view = tables.layer(0, pool).view(
-        pool, lay.unit, lay.unit, lay.scale_bytes, thr, lay.inner_bits, lay.outer_bits, hkv, rows=rows
-    )._replace(num_tokens=ctx)  # fmt: skip
+    blocks = synthetic_blocks(a.rows, a.context)
+    rng, rows, ctx, hkv, hd, hq, d = blocks.rng, a.rows, a.context, blocks.hkv, blocks.hd, blocks.hq, blocks.d
+    view, tables = blocks.view, blocks.tables
     q = rng.standard_normal((rows, hq, hd)).astype(np.float32)
     keep = np.ascontiguousarray(tables.keep[:rows])
     names = ("dense_pages", "sparse_pages", "sparse_first", "sparse_counts", "sparse_lengths", "thresholds")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
-from oakenkv.calibrate.identity import ModelFingerprint
+from oakenkv.calibrate.identity import ModelFingerprint, rounded_weights_digest
 from oakenkv.calibrate.spec import CalibrationSpec
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.format.config import OakenConfig
@@ -237,8 +237,6 @@ def load_profile_of_other_dtype(entry: CacheEntry, model: Any) -> Thresholds | N
     """The profile of ``entry`` made on ``model``'s weights in another dtype (same weights when rounded to bfloat16;
     :func:`rounded_entry`), or None. Checked as :func:`load_profile` checks, with the rounded digests in place of
     the weights'; the caller's model check then accepts it with ``OtherDtypeWarning``."""
-    from oakenkv.calibrate.identity import rounded_weights_digest
-
     alias = rounded_entry(entry, rounded_weights_digest(model))
     found = alias.load(Thresholds.load, _rounded_identity, "profile", "profiling again")
     if found is not None and found.fingerprint.weights == entry.key.fingerprint.weights:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from oakenkv.calibrate.identity import rounded_weights_digest
 from oakenkv.calibrate.thresholds import (
     ModelFingerprint,
     ModelMismatchError,
@@ -60,17 +61,15 @@ def record_fold(model: Any, before: str, before_rounded: str | None = None) -> N
 
 
 def cast_folded(model: Any, dtype: Any) -> None:
-    """Cast a folded model (:func:`record_fold`) to ``dtype`` in place, keeping its fold record true: the weights
-    after the fold are now the cast ones, and their rounded digest is recorded too, so that the model read back in
-    another dtype (an export written in bfloat16, loaded in float32) is still known for the folded weights
-    (:func:`check_identity`, with ``OtherDtypeWarning``)."""
-    from oakenkv.calibrate.identity import rounded_weights_digest
-
+    """Cast ``model`` to ``dtype`` in place, keeping the fold record of a folded model (:func:`record_fold`) true: the
+    weights after the fold are now the cast ones, and their rounded digest is recorded too, so that the model read
+    back in another dtype (an export written in bfloat16, loaded in float32) is still known for the folded weights
+    (:func:`check_identity`, with ``OtherDtypeWarning``). A model without a record is only cast."""
     record = getattr(model.config, FOLD_WEIGHTS, None)
-    if record is None:
-        raise ValueError("cast_folded: this model carries no fold record (oakenkv.calibrate.plus.apply_profile)")
-    before, _, *rest = record
     model.to(dtype)
+    if record is None:
+        return
+    before, _, *rest = record
     before_rounded = rest[0] if rest else None
     setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model), before_rounded, rounded_weights_digest(model)))
 
@@ -111,8 +110,6 @@ def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -
     before_rounded = rest[0] if rest else None
     after_rounded = rest[1] if len(rest) > 1 else None
     if weights_digest(model) != after:
-        from oakenkv.calibrate.identity import rounded_weights_digest
-
         if after_rounded is None or rounded_weights_digest(model) != after_rounded:
             raise ModelMismatchError(
                 "this model's weights changed after oaken-plus transforms were folded into them, so they are no "

@@ -59,6 +59,7 @@ from oakenkv.calibrate.search import (
     DEFAULT_SPARSE,
     LayerChoice,
     PlusSearch,
+    _fake_quant,
     allocate_sparse,
     attention_output,
     candidates_per_layer,
@@ -193,7 +194,6 @@ def _warm_kernels(searches: Sequence[PlusSearch], head_dim: int) -> float:
     search's clock starts: a profile's ``seconds`` is the search's, not a first process's compilation (47.6 s
     against 0.7 s on a tiny model, found by a probe). Returns the seconds it took (the profile's
     ``compile_seconds``)."""
-    from oakenkv.calibrate.search import _fake_quant
     from oakenkv.quant.groups import GroupThresholds
 
     t = time.perf_counter()

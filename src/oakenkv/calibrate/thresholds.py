@@ -47,13 +47,19 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 # ModelFingerprint and weights_digest live in oakenkv.calibrate.identity; they are re-exported here, where users have
 # always imported them from.
-from oakenkv.calibrate.identity import MAX_LAYERS, ModelFingerprint, short_digest, weights_digest
+from oakenkv.calibrate.identity import (
+    MAX_LAYERS,
+    ModelFingerprint,
+    rounded_weights_digest,
+    short_digest,
+    weights_digest,
+)
 from oakenkv.format.config import OakenConfig
 from oakenkv.quant.groups import FLOAT32_MAX, GroupThresholds, as_float32, finite_float
 from oakenkv.util.exact import one_of
@@ -336,7 +342,7 @@ class Thresholds:
             return
         fp = ModelFingerprint.from_model(model)
         if fp.weights != self.fingerprint.weights and self.fingerprint.weights_bf16 is not None:
-            fp = ModelFingerprint.from_model(model, rounded=True)  # another dtype of the same weights?
+            fp = replace(fp, weights_bf16=rounded_weights_digest(model))  # another dtype of the same weights?
         self.check_fingerprint(fp)
 
     def sha256(self) -> str:

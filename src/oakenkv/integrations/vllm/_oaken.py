@@ -10,7 +10,7 @@ used, and why:
   :class:`~oakenkv.calibrate.transforms.Transforms` (the online key shift and rotation, ``fwht`` for the queries,
   the sink tokens) and, for ``oakenkv export``, ``find_profile`` / ``apply_profile`` (made and folded as
   ``OakenCache.for_model`` does), the fold mark ``FOLD_MARK`` and, to write an export in the checkpoint's dtype,
-  ``cast_folded`` (which keeps the fold record ``FOLD_WEIGHTS`` true);
+  ``cast_folded`` (which keeps a folded model's fold record true);
 - the format (``oakenkv.format.layout``): :func:`record_size` / :func:`scale_bytes` (dense record = scales + nibbles),
   :func:`sparse_capacity` (longest COO record of a row), :func:`from_records` (records -> ``EncodedBatch``),
   ``CorruptDataError``, ``ERROR_MESSAGES`` and :class:`LayerView`, the fields a decode kernel reads;
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from oakenkv.calibrate.match import FOLD_WEIGHTS, cast_folded
+from oakenkv.calibrate.match import cast_folded
 from oakenkv.calibrate.plus import apply_profile
 from oakenkv.calibrate.presets import PRESETS, find_profile
 from oakenkv.calibrate.thresholds import Thresholds
@@ -86,7 +86,6 @@ def triton_kernels() -> SimpleNamespace:
 __all__ = [
     "ERROR_MESSAGES",
     "FOLD_MARK",
-    "FOLD_WEIGHTS",
     "NO_STATIC_GRID",
     "PRESETS",
     "CorruptDataError",

@@ -91,10 +91,7 @@ def export_model(
             thr = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
         _oaken.apply_profile(model, thr)
         if dtype is not None and dtype != model.dtype:
-            if getattr(model.config, _oaken.FOLD_WEIGHTS, None) is not None:
-                _oaken.cast_folded(model, dtype)
-            else:  # (the paper's preset: nothing folded, nothing recorded)
-                model.to(dtype)
+            _oaken.cast_folded(model, dtype)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp makes it private; the export is a model directory like any)
