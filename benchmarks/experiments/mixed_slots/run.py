@@ -64,12 +64,12 @@ def meta(argv):
     }
 
 
-def build(spec):
+def build(spec, model):
     from oakenkv.assets.models import load_model
     from oakenkv.methods.registry import build_method
 
-    lm = load_model("default")
-    return lm, build_method(spec, lm.model, lm.tokenizer, "default")
+    lm = load_model(model)
+    return lm, build_method(spec, lm.model, lm.tokenizer, model)
 
 
 def sensitivity(a):
@@ -81,7 +81,7 @@ def sensitivity(a):
     from oakenkv.util.compat import cache_kwargs
 
     info = meta(sys.argv)
-    lm, m = build(a.spec)
+    lm, m = build(a.spec, a.model)
     base = m.make_cache().quantizer
     wins = calibration_windows(lm.tokenizer, OAKEN_PLUS.calibration)[: a.windows]
 
@@ -109,7 +109,7 @@ def sensitivity(a):
         rows.append({"widened": [list(p) for p in widened], "kl": kl, "nll": nll, "bits": bits / values,
                      "seconds": time.time() - t})  # fmt: skip
         print(rows[-1], flush=True)
-        out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "spec": a.spec, "slot": a.slot,
+        out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "model": a.model, "spec": a.spec, "slot": a.slot,
                "windows": f"calibration ({OAKEN_PLUS.calibration.tag()}), first {a.windows}", "runs": rows}  # fmt: skip
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=1))
@@ -132,6 +132,8 @@ def chosen(widen, sens_path, layers):
     how, _, count = widen.partition(":")
     if how not in ("top", "top-keys") or not count.isdigit():
         raise SystemExit(f"--widen: none, keys, values, top:N or top-keys:N, got {widen!r}")
+    if sens_path is None:
+        raise SystemExit(f"--widen {widen} ranks by a sensitivity file: give --sensitivity (from the sensitivity step)")
     runs = json.loads(Path(sens_path).read_text())["runs"]
     ranked = sorted((r for r in runs if r["widened"]), key=lambda r: r["kl"])  # lowest KL after widening first
     if how == "top-keys":
@@ -147,14 +149,15 @@ def ppl(a):
     from oakenkv.methods.fakequant import FakeQuantCache
 
     info = meta(sys.argv)
-    lm, m = build(a.spec)
+    lm, m = build(a.spec, a.model)
     widened = chosen(a.widen, a.sensitivity, lm.model.config.num_hidden_layers)
     q = mixed_quantizer(m.make_cache().quantizer, widened, a.slot)
     mixed = dataclasses.replace(m, make_cache=lambda: FakeQuantCache(m.model, q), name=f"{m.name}+{a.widen}@{a.slot}")
     ids = token_windows(lm.tokenizer, load_text("wikitext2"), 2048, None, a.windows)
     torch.set_num_threads(1)
-    res = perplexity(lm.model, ids, mixed, model_name="default")
-    out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "spec": a.spec, "slot": a.slot, "widen": a.widen,
+    res = perplexity(lm.model, ids, mixed, model_name=a.model)
+    out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "model": a.model, "spec": a.spec, "slot": a.slot,
+           "widen": a.widen,
            "widened": [list(p) for p in widened], "ppl": res.ppl, "effective_bits": res.effective_bits,
            "tokens": res.tokens, "windows": res.windows, "window_nll": res.window_nll}  # fmt: skip
     a.json.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +177,7 @@ def main():
     p.add_argument("--sensitivity", type=Path)
     p.add_argument("--windows", type=int, default=20)
     for x in (s, p):
+        x.add_argument("--model", default="default", help="an oakenkv model name (default: the embedded SmolLM2)")
         x.add_argument("--spec", default=SPEC)
         x.add_argument("--slot", type=int, default=4, help="the dense slot width of the widened pairs")
         x.add_argument("--json", type=Path, required=True)
