@@ -16,7 +16,6 @@ import argparse
 import inspect
 import json
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,6 +71,7 @@ def main() -> None:
     import torch
 
     import oakenkv.integrations.vllm.layout as lay_mod
+    from oakenkv.bench.codec import _best_time
     from oakenkv.integrations.vllm import _oaken
 
     torch.set_num_threads(1)
@@ -140,12 +140,7 @@ def main() -> None:
         )
     res = {}
     for name, fn in parts.items():
-        fn()
-        best = float("inf")
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
+        best = _best_time(fn, a.repeats)  # the minimum of --repeats calls after a warm-up
         res[name] = best * 1e6
         print(f"{name:48s} {best * 1e6:9.1f} us")
     if a.json:

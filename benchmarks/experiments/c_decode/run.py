@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +46,7 @@ def main() -> None:
     import numpy as np
     import torch
 
+    from oakenkv.bench.codec import _best_time
     from oakenkv.kernels.cpu import attention as A
 
     sys.path.insert(0, str(HERE.parent.parent))  # benchmarks/: the blocks of bench_vllm_parts.py
@@ -64,14 +64,8 @@ def main() -> None:
     no_coo = np.zeros_like(arr["sparse_lengths"])
     f32 = np.float32
 
-    def best(fn) -> float:
-        fn()
-        b = float("inf")
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            fn()
-            b = min(b, time.perf_counter() - t)
-        return b * 1e6
+    def best(fn) -> float:  # microseconds: the minimum of --repeats calls after a warm-up
+        return _best_time(fn, a.repeats) * 1e6
 
     out_n = np.zeros((rows, hq, hd), np.float32)
     lse_n = np.zeros((rows, hq), np.float32)

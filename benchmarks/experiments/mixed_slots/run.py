@@ -142,8 +142,6 @@ def chosen(widen, sens_path, layers):
 
 
 def ppl(a):
-    import torch
-
     from oakenkv.assets.data import load_text, token_windows
     from oakenkv.eval.ppl import perplexity
     from oakenkv.methods.fakequant import FakeQuantCache
@@ -154,7 +152,6 @@ def ppl(a):
     q = mixed_quantizer(m.make_cache().quantizer, widened, a.slot)
     mixed = dataclasses.replace(m, make_cache=lambda: FakeQuantCache(m.model, q), name=f"{m.name}+{a.widen}@{a.slot}")
     ids = token_windows(lm.tokenizer, load_text("wikitext2"), 2048, None, a.windows)
-    torch.set_num_threads(1)
     res = perplexity(lm.model, ids, mixed, model_name=a.model)
     out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "model": a.model, "spec": a.spec, "slot": a.slot,
            "widen": a.widen,
