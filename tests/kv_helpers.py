@@ -45,21 +45,27 @@ def quick_thresholds(loaded, text: str = "", config: OakenConfig | None = None) 
 #: The kernel sums in another order than SDPA (~1e-4 at its first step); once a later token's keys and values come
 #: out of a forward pass that differs in the last bits, a value next to a rounding boundary of the 4-bit grid takes
 #: the other code, and the difference grows step by step (0.56 measured after 6 steps on an AVX-512 Xeon, where
-#: the default model's greedy tokens then changed at a near tie; they had not on an AVX2 EPYC).
-GREEDY_DRIFT = 1.0
+#: the default model's greedy tokens then changed at a near tie; they had not on an AVX2 EPYC; 1.13 after 7 steps
+#: with the tokens equal, on a Zen 4 running torch's and numba's AVX2 code paths: ATEN_CPU_CAPABILITY=avx2
+#: NUMBA_CPU_NAME=haswell).
+GREEDY_DRIFT = 1.5
 
 
 def assert_same_greedy(want, got, first_atol: float = 1e-3, drift: float = GREEDY_DRIFT) -> None:
     """Two greedy generations (``generate(..., output_logits=True, return_dict_in_generate=True)``) of one model
     whose attention differs only in float summation order (the packed kernel against SDPA over the same stored
-    values): the prompt's logits and the first decode step's agree within ``first_atol``; while the tokens agree,
+    values): the prompt's logits agree within ``first_atol``, the first decode step's within ``10 * first_atol``
+    (its token's keys and values come out of a forward pass that already differs in the last bits, so a value at a
+    rounding boundary may take the other code: 1.4e-3 with torch's and numba's AVX2 code paths, under 1e-3 with
+    AVX-512's); while the tokens agree,
     the logits stay within ``drift``; the tokens agree at every step whose reference margin (top-1 minus top-2
     logit) is at least ``2 * drift``, and may part only at a near tie."""
     prompt = want.sequences.shape[1] - len(want.logits)
     assert torch.equal(want.sequences[:, :prompt], got.sequences[:, :prompt])
     for i, (a, b) in enumerate(zip(want.logits, got.logits, strict=True)):
         diff = float((a - b).abs().max())
-        assert diff <= (first_atol if i < 2 else drift), f"step {i}: logits differ by {diff}"
+        atol = first_atol if i == 0 else 10 * first_atol if i == 1 else drift
+        assert diff <= atol, f"step {i}: logits differ by {diff}"
         ta, tb = want.sequences[:, prompt + i], got.sequences[:, prompt + i]
         if not torch.equal(ta, tb):
             top = a.topk(2, dim=-1).values

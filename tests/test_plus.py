@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from oakenkv.calibrate.plus import PlusSearch, apply_profile, profile_plus
-from oakenkv.calibrate.thresholds import Thresholds, ThresholdsFileError
+from oakenkv.calibrate.thresholds import TIMING_KEYS, Thresholds, ThresholdsFileError
 from oakenkv.calibrate.transforms import (
     LayerTransforms,
     TransformError,
@@ -617,6 +617,6 @@ def test_cli_oaken_plus_profile_on_the_lazy_model_equals_the_eager_search(defaul
     got = Thresholds.load(out).to_dict()
     want = want.to_dict()
     for d in (got, want):
-        d["profile"].pop("seconds")
-        d["profile"].pop("cpu_seconds")
+        for k in TIMING_KEYS:  # compile_seconds too: only the first search of a process compiles (a fresh CI cache)
+            d["profile"].pop(k, None)
     assert got == want

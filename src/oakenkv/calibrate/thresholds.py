@@ -89,6 +89,9 @@ FORMAT_NAME = "oakenkv-thresholds"
 SCHEMA_VERSION = 1
 #: Largest file :meth:`Thresholds.load` reads: a profile of 1000 layers with statistics is about 1 MB.
 MAX_FILE_BYTES = 64 * 2**20
+#: The fields of a profile's "profile" metadata that time its run (wall, CPU, and the oaken-plus search's numba
+#: compilation, which only a process's first search pays): two runs that decide the same profile differ in these.
+TIMING_KEYS = ("seconds", "cpu_seconds", "compile_seconds")
 #: The layout of a profile that carries offline transforms (``oaken-plus``): version 1 plus a "transforms" object.
 #: A reader that knows only version 1 refuses such a file instead of using its thresholds on an untransformed model.
 SCHEMA_VERSION_TRANSFORMS = 2
