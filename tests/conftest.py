@@ -17,6 +17,14 @@ from hypothesis import settings
 # (test modules are imported after this conftest); an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# torch's AVX2 kernels on every x86-64 machine, as `oakenkv eval` runs them (oakenkv.util.numerics): the tests'
+# float paths then compute the same numbers on whichever machine CI lands, AVX-512 or not (stop 50's CI failed
+# on numbers that differ between the two). Set before torch runs its first operation; OAKENKV_NATIVE_NUMERICS=1
+# keeps the CPU's own kernels.
+from oakenkv.util.numerics import pin_cpu_numerics  # (light: os and platform only)
+
+pin_cpu_numerics()
+
 # Triton kernels (oakenkv.kernels.triton) run under the interpreter on CPU tensors when no GPU is there. @triton.jit
 # reads TRITON_INTERPRET when a kernel's module is imported, and any test may import those modules first (the numba
 # dispatcher walk in test_attention.py imports every module), so it is set here, before every test module.

@@ -262,6 +262,11 @@ def test_perplexity_resumes_from_its_checkpoint(default_model, tmp_path, monkeyp
     ckpt.write_text(json.dumps({**state, "windows_sha256": "0" * 64}))
     with pytest.raises(ValueError, match="not a checkpoint of this run"):
         perplexity(m, ids, method, model_name="default", checkpoint=ckpt)
+    # nor are windows computed with other CPU kernels (their numbers differ in the last bits: oakenkv.util.numerics)
+    assert state["torch_cpu_capability"] == resumed.extra["numerics"]["torch_cpu_capability"]
+    ckpt.write_text(json.dumps({**state, "torch_cpu_capability": "OTHER"}))
+    with pytest.raises(ValueError, match="differs in torch_cpu_capability"):
+        perplexity(m, ids, method, model_name="default", checkpoint=ckpt)
 
 
 # ---------------------------------------------------------------------------------------------- commands

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oakenkv.util.numerics import cpu_numerics
 from oakenkv.util.paths import atomic_write
 from oakenkv.util.text import markup_safe, printable
 
@@ -94,9 +95,10 @@ def run_demo(
         quiet: print nothing (the dict is still returned).
 
     Returns:
-        ``{"model", "source", "config", "fp": {"perplexity", "nll", "tokens", "seconds"}, "generation": {...},
-        "oaken": {...}, "oaken_generation": {...}, "oaken_plus": {...}, "oaken_plus_generation": {...},
-        "timings": {...}}`` (the ``oaken_plus`` entries with ``preset="oaken-plus"`` only).
+        ``{"model", "source", "config", "numerics", "fp": {"perplexity", "nll", "tokens", "seconds"},
+        "generation": {...}, "oaken": {...}, "oaken_generation": {...}, "oaken_plus": {...},
+        "oaken_plus_generation": {...}, "timings": {...}}`` (the ``oaken_plus`` entries with
+        ``preset="oaken-plus"`` only).
     """
     if preset not in ("oaken", "oaken-plus"):
         raise ValueError(f"preset must be 'oaken' or 'oaken-plus', got {preset!r}")
@@ -191,6 +193,7 @@ def run_demo(
             "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
         },
         "data": {"text": text_name, "windows": int(ids.shape[0]), "window": window},
+        "numerics": cpu_numerics(),  # torch's CPU kernels: the numbers depend on them (oakenkv.util.numerics)
         "fp": {"perplexity": ppl, "nll": total_nll, "tokens": total_tokens, "seconds": ppl_s},
         "generation": generation,
         "oaken": oaken["oaken"],

@@ -21,6 +21,7 @@ from oakenkv.cli._common import (
     save_output,
     write_json,
 )
+from oakenkv.util.numerics import pin_cpu_numerics
 from oakenkv.util.text import printable
 
 
@@ -56,6 +57,7 @@ def demo(
 ) -> None:
     """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation, FP next
     to oaken-plus and the paper's Oaken."""
+    pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
     check_model(model)

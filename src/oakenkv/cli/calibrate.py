@@ -20,6 +20,7 @@ from oakenkv.cli._common import (
     one_line,
     save_output,
 )
+from oakenkv.util.numerics import pin_cpu_numerics
 from oakenkv.util.paths import MAX_TEXT_BYTES
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def profile_cmd(
     ] = None,
 ) -> None:
     """Profile the per-layer Oaken thresholds of a model on calibration text and save them as JSON."""
+    pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     from oakenkv.assets.data import TEXTS
     from oakenkv.calibrate.presets import PRESETS
     from oakenkv.format.config import OakenConfig

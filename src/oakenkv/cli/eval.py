@@ -19,6 +19,7 @@ from oakenkv.cli._common import (
     write_json,
 )
 from oakenkv.methods.registry import methods_help
+from oakenkv.util.numerics import pin_cpu_numerics
 
 eval_app = typer.Typer(
     help="Evaluate KV-cache methods against each other: WikiText-2 perplexity, zero-shot tasks, reports. METHOD is "
@@ -86,7 +87,13 @@ def eval_ppl(
         ),
     ] = True,
 ) -> None:
-    """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache."""
+    """Perplexity on WikiText-2 test windows with every key and value passed through METHOD's cache.
+
+    On x86-64 torch runs its AVX2 kernels on any CPU, so that results agree between machines.
+
+    OAKENKV_NATIVE_NUMERICS=1 keeps the CPU's own kernels; the result records which ran (extra.numerics).
+    """
+    pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     from oakenkv.eval.args import check_run_args
 
     calibration = calib_spec(calib_text, calib_samples, calib_window, calib_path, method=method, thresholds=thresholds)
@@ -142,6 +149,7 @@ def eval_zeroshot(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
     """Zero-shot accuracy (lm-evaluation-harness, local task data) with METHOD's cache."""
+    pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     from oakenkv.eval.args import ZEROSHOT_TASKS, check_run_args
 
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
@@ -182,6 +190,7 @@ def eval_calibrate(
     calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
 ) -> None:
     """Profile, in one pass, every Oaken configuration the report uses and the baselines' calibrated ranges."""
+    pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     from oakenkv.format.config import OakenConfig
     from oakenkv.methods.registry import sweep_config
 

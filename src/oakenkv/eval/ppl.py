@@ -27,6 +27,7 @@ from oakenkv.calibrate.thresholds import weights_digest
 from oakenkv.eval.args import check_run_args
 from oakenkv.methods.base import BitCounter
 from oakenkv.methods.fakequant import stored_bits
+from oakenkv.util.numerics import cpu_numerics
 from oakenkv.util.paths import atomic_write
 
 
@@ -128,7 +129,8 @@ def perplexity(
             the same as an uninterrupted run's: windows are independent); if it belongs to another run,
             ``ValueError``. Removed when the run completes. A run is identified by content: the model's weights
             (:func:`oakenkv.calibrate.thresholds.weights_digest`), the windows' tokens, the method's settings and what
-            it was calibrated with (its thresholds' and ranges' digests in ``method.extra``), and the chunking; the
+            it was calibrated with (its thresholds' and ranges' digests in ``method.extra``), the chunking, and
+            torch's CPU kernels (``oakenkv.util.numerics``: other kernels round differently); the
             names of the method and model only label it. Re-profiling the thresholds or changing the model at the
             same path between an interrupt and the rerun refuses the checkpoint instead of mixing two runs.
     """
@@ -140,6 +142,7 @@ def perplexity(
     bits = BitCounter()
     spent = 0.0
     weights = weights_digest(model)
+    numerics = cpu_numerics()
     ident = {
         "method": method.name,
         "model": model_name,
@@ -149,6 +152,8 @@ def perplexity(
             json.dumps([method.params, method.extra], sort_keys=True, default=str).encode()
         ).hexdigest(),
         "windows_sha256": hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest(),
+        # windows computed with other CPU kernels are not bit-comparable (oakenkv.util.numerics): never mixed
+        "torch_cpu_capability": numerics["torch_cpu_capability"],
     }
     ckpt = None if checkpoint is None else Path(checkpoint)
     if ckpt is not None and (ckpt.exists() or ckpt.is_symlink()):
@@ -217,6 +222,7 @@ def perplexity(
             "note": method.note,
             **method.extra,
             "model_weights": weights,
+            "numerics": numerics,
         },
     )
     if ckpt is not None:

@@ -315,6 +315,33 @@ def _text(r: dict[str, Any]) -> str:
     return {"wikitext2": "WikiText-2"}.get(r.get("dataset", "wikitext2"), r.get("dataset", ""))
 
 
+def _capability(r: dict[str, Any]) -> str | None:
+    """torch's CPU kernels a result was computed with (``extra.numerics``, oakenkv.util.numerics), or None when the
+    result does not say (made before oakenkv recorded it, or damaged)."""
+    extra = r.get("extra")
+    n = extra.get("numerics") if isinstance(extra, dict) else None
+    cap = n.get("torch_cpu_capability") if isinstance(n, dict) else None
+    return _md(printable(cap, limit=20)) if isinstance(cap, str) else None
+
+
+def numerics_note(rows: list[dict[str, Any]]) -> str:
+    """A line saying which rows were computed with which of torch's CPU kernels, when they were not all computed
+    with the same (known) ones: such rows differ in the last bits before quantization amplifies it, so their paired
+    intervals carry that spread too (docs/results.md, "Numerics between machines"). "" when all agree."""
+    caps = [_capability(r) for r in rows]
+    if len(set(caps)) < 2:
+        return ""
+    by: dict[str, list[str]] = defaultdict(list)
+    for r, c in zip(rows, caps, strict=True):
+        by["not recorded" if c is None else f"torch {c} kernels"].append(str(r.get("method", "?")))  # (checked)
+    parts = [f"{k}: {', '.join(sorted(v))}" for k, v in sorted(by.items())]
+    return (
+        "\nNumerics differ between these rows (" + "; ".join(parts) + "): results computed with other CPU kernels "
+        "differ in the last bits, which quantization amplifies (oakenkv.util.numerics); `oakenkv eval` pins torch's "
+        "AVX2 kernels so that new runs agree on every x86-64 machine."
+    )
+
+
 def ppl_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of one model's perplexity results, FP first then by effective bits."""
     fp = next((r for r in rows if r["method"] == "fp" and not r.get("chunk")), None)
@@ -351,6 +378,9 @@ def ppl_table(rows: list[dict[str, Any]]) -> str:
             "− oaken: the method's perplexity minus Oaken's, with its interval (negative: the method loses less "
             "than Oaken; an interval that holds 0: no difference this evaluation can tell)."
         )
+    note = numerics_note(rows)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from oakenkv.eval.args import ZEROSHOT_TASKS
 from oakenkv.methods.base import BitCounter
 from oakenkv.methods.fakequant import stored_bits
 from oakenkv.methods.registry import FAMILIES
+from oakenkv.util.numerics import cpu_numerics
 
 #: lm-eval task name -> (oakenkv.assets.data task name, the metric the paper reports).
 TASKS = ZEROSHOT_TASKS
@@ -183,6 +184,7 @@ def zeroshot(
             "note": method.note,
             "batch_size": batch_size,
             **method.extra,
+            "numerics": cpu_numerics(),  # torch's CPU kernels (oakenkv.util.numerics)
         },
     )
 

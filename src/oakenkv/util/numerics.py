@@ -1,0 +1,70 @@
+"""The same accuracy numbers on every x86-64 machine: pin the CPU code paths that round differently.
+
+torch picks its vectorized CPU kernels (softmax, scaled-dot-product attention, reductions) by the CPU it runs on:
+AVX-512 where the CPU has it, else AVX2. The two round differently in the last bits; a full-precision model barely
+notices (the default model's first two WikiText-2 windows of 2048: 0.017 nats each), but quantization amplifies
+it, because a value next to a rounding boundary of a 4-bit grid takes the other code and the difference grows layer
+by layer: `oaken-plus` on those windows lost 7.7 nats more per window with AVX-512 kernels than with AVX2 ones on
+one and the same AMD EPYC (5610.40 and 6501.48 against 5602.71 and 6493.76), and an Intel Xeon whose torch ran
+its AVX2 kernels gave the AVX2 numbers bit for bit (docs/results.md, "Numerics between machines"). Paired
+comparisons of runs made on different machines then carried that spread.
+
+So the commands that measure accuracy (``oakenkv eval ppl``, ``eval zeroshot``, ``profile``, ``demo``) run torch's
+AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), MKL's AVX2 code path in its conditional-numerical-reproducibility mode
+(``MKL_CBWR=AVX2``) and oneDNN's AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``): every x86-64 CPU with AVX2 (Intel
+since 2013, AMD since 2015) then computes the same numbers. It costs them no measured time (an oaken-plus
+evaluation of two windows: 26.2-27.9 s either way, same machine; its time is MKL's matmuls and numba's codec,
+which these settings leave at full width or do not touch). numba's codec does not depend on the CPU (it is
+compiled without fast-math: the same numbers for a Skylake and a Zen 4 target, checked).
+
+The variables must be set before torch runs its first operation (it reads them once); a variable the user set
+is left as it is, and ``OAKENKV_NATIVE_NUMERICS=1`` keeps the CPU's own code paths. What a run actually used is
+recorded in its result (:func:`cpu_numerics`), whether or not the pin took effect.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+#: The variables :func:`pin_cpu_numerics` sets, and their values.
+PINNED: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: Set to anything but "" or "0" to keep the CPU's own (possibly wider) code paths.
+OPT_OUT = "OAKENKV_NATIVE_NUMERICS"
+
+
+def _x86_with_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx2" in line.split()
+    except OSError:  # not Linux: no flags to read; torch's own dispatch decides
+        return False
+    return False
+
+
+def pin_cpu_numerics() -> bool:
+    """Set :data:`PINNED`'s variables that are not set (x86-64 with AVX2 only; not with :data:`OPT_OUT`).
+    Call before torch's first operation. Returns whether it set or found the pinned torch capability."""
+    if os.environ.get(OPT_OUT, "") not in ("", "0") or not _x86_with_avx2():
+        return False
+    for k, v in PINNED.items():
+        os.environ.setdefault(k, v)
+    return os.environ["ATEN_CPU_CAPABILITY"].lower() == PINNED["ATEN_CPU_CAPABILITY"]
+
+
+def cpu_numerics() -> dict[str, Any]:
+    """What a run's CPU numerics were: torch's kernel capability in use (``"AVX2"``, ``"AVX512"``, ...), the
+    pinning variables as the process has them, the CPU's architecture. Runs with equal records give equal numbers
+    (the same code, model and data); runs with different ``torch_cpu_capability`` are not bit-comparable."""
+    import torch
+
+    return {
+        "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "env": {k: os.environ.get(k) for k in PINNED},
+        "arch": platform.machine(),
+    }
