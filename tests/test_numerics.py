@@ -15,7 +15,7 @@ from oakenkv.eval.report import numerics_note
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in (*numerics.PINNED, numerics.OPT_OUT):
+    for k in (*numerics.PINNED, numerics.ENV_NATIVE):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -34,7 +34,7 @@ def test_pin_sets_what_is_unset_and_leaves_what_the_user_set(clean_env):
 def test_pin_does_nothing_when_opted_out_or_off_x86(clean_env, why):
     if why == "opt-out":
         clean_env.setattr(numerics, "_x86_with_avx2", lambda: True)
-        clean_env.setenv(numerics.OPT_OUT, "1")
+        clean_env.setenv(numerics.ENV_NATIVE, "1")
     else:
         clean_env.setattr(numerics.platform, "machine", lambda: "aarch64")
     assert not numerics.pin_cpu_numerics()
@@ -52,7 +52,7 @@ print(json.dumps([pinned, cpu_numerics()]))
 
 
 def _probe(how: str, **env: str) -> tuple[bool, dict]:
-    base = {k: v for k, v in os.environ.items() if k not in (*numerics.PINNED, numerics.OPT_OUT)}
+    base = {k: v for k, v in os.environ.items() if k not in (*numerics.PINNED, numerics.ENV_NATIVE)}
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, how], env={**base, **env}, capture_output=True, text=True, check=True
     )
@@ -68,7 +68,7 @@ def test_a_fresh_process_runs_the_pinned_kernels_whatever_the_cpu_has():
     assert pinned and rec["torch_cpu_capability"] == "AVX2"
     assert rec["env"] == numerics.PINNED and rec["arch"].lower() in ("x86_64", "amd64")
     _, native = _probe("none")
-    _, opted_out = _probe("pin", **{numerics.OPT_OUT: "1"})
+    _, opted_out = _probe("pin", **{numerics.ENV_NATIVE: "1"})
     assert opted_out["torch_cpu_capability"] == native["torch_cpu_capability"]
     assert opted_out["env"] == dict.fromkeys(numerics.PINNED)
 

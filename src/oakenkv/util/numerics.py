@@ -28,10 +28,13 @@ import os
 import platform
 from typing import Any
 
-#: The variables :func:`pin_cpu_numerics` sets, and their values.
-PINNED: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+ENV_ATEN = "ATEN_CPU_CAPABILITY"
+ENV_MKL = "MKL_CBWR"
+ENV_ONEDNN = "ONEDNN_MAX_CPU_ISA"
+#: The variables :func:`pin_cpu_numerics` sets, and their values (read back only to be recorded and compared).
+PINNED: dict[str, str] = {ENV_ATEN: "avx2", ENV_MKL: "AVX2", ENV_ONEDNN: "AVX2"}
 #: Set to anything but "" or "0" to keep the CPU's own (possibly wider) code paths.
-OPT_OUT = "OAKENKV_NATIVE_NUMERICS"
+ENV_NATIVE = "OAKENKV_NATIVE_NUMERICS"
 
 
 def _x86_with_avx2() -> bool:
@@ -48,23 +51,33 @@ def _x86_with_avx2() -> bool:
 
 
 def pin_cpu_numerics() -> bool:
-    """Set :data:`PINNED`'s variables that are not set (x86-64 with AVX2 only; not with :data:`OPT_OUT`).
+    """Set :data:`PINNED`'s variables that are not set (x86-64 with AVX2 only; not with :data:`ENV_NATIVE`).
     Call before torch's first operation. Returns whether it set or found the pinned torch capability."""
-    if os.environ.get(OPT_OUT, "") not in ("", "0") or not _x86_with_avx2():
+    if os.environ.get(ENV_NATIVE, "").strip() not in ("", "0") or not _x86_with_avx2():
         return False
     for k, v in PINNED.items():
         os.environ.setdefault(k, v)
-    return os.environ["ATEN_CPU_CAPABILITY"].lower() == PINNED["ATEN_CPU_CAPABILITY"]
+    return os.environ.get(ENV_ATEN, "").strip().lower() == PINNED[ENV_ATEN]
 
 
 def cpu_numerics() -> dict[str, Any]:
     """What a run's CPU numerics were: torch's kernel capability in use (``"AVX2"``, ``"AVX512"``, ...), the
-    pinning variables as the process has them, the CPU's architecture. Runs with equal records give equal numbers
-    (the same code, model and data); runs with different ``torch_cpu_capability`` are not bit-comparable."""
+    pinning variables as the process has them, the CPU's architecture. Runs with different ``torch_cpu_capability``
+    are not bit-comparable; pinned runs gave equal numbers on an Intel Xeon and an AMD EPYC (module doc)."""
     import torch
 
     return {
         "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
-        "env": {k: os.environ.get(k) for k in PINNED},
+        "env": {k: _short(v) for k, v in _pinned_env().items()},
         "arch": platform.machine(),
     }
+
+
+def _pinned_env() -> dict[str, str | None]:
+    """The pinning variables as the process has them (recorded in results, never parsed)."""
+    aten, mkl, onednn = os.environ.get(ENV_ATEN), os.environ.get(ENV_MKL), os.environ.get(ENV_ONEDNN)
+    return {ENV_ATEN: aten, ENV_MKL: mkl, ENV_ONEDNN: onednn}
+
+
+def _short(v: str | None) -> str | None:
+    return v if v is None else v[:64]
