@@ -57,9 +57,8 @@ def assert_same_greedy(want, got, first_atol: float = 1e-3, drift: float = GREED
     values): the prompt's logits agree within ``first_atol``, the first decode step's within ``10 * first_atol``
     (its token's keys and values come out of a forward pass that already differs in the last bits, so a value at a
     rounding boundary may take the other code: 1.4e-3 with torch's and numba's AVX2 code paths, under 1e-3 with
-    AVX-512's); while the tokens agree,
-    the logits stay within ``drift``; the tokens agree at every step whose reference margin (top-1 minus top-2
-    logit) is at least ``2 * drift``, and may part only at a near tie."""
+    AVX-512's); while the tokens agree, the logits stay within ``drift``; the tokens agree at every step whose
+    reference margin (top-1 minus top-2 logit) is at least ``2 * drift``, and may part only at a near tie."""
     prompt = want.sequences.shape[1] - len(want.logits)
     assert torch.equal(want.sequences[:, :prompt], got.sequences[:, :prompt])
     for i, (a, b) in enumerate(zip(want.logits, got.logits, strict=True)):

@@ -5,17 +5,17 @@ AVX-512 where the CPU has it, else AVX2. The two round differently in the last b
 notices (the default model's first two WikiText-2 windows of 2048: 0.017 nats each), but quantization amplifies
 it, because a value next to a rounding boundary of a 4-bit grid takes the other code and the difference grows layer
 by layer: `oaken-plus` on those windows lost 7.7 nats more per window with AVX-512 kernels than with AVX2 ones on
-one and the same AMD EPYC (5610.40 and 6501.48 against 5602.71 and 6493.76), and an Intel Xeon whose torch ran
-its AVX2 kernels gave the AVX2 numbers bit for bit (docs/results.md, "Numerics between machines"). Paired
-comparisons of runs made on different machines then carried that spread.
+one and the same AMD EPYC (5610.40 and 6501.48 against 5602.71 and 6493.76), and the Intel Xeon of earlier
+sessions had given the AVX2 numbers bit for bit (docs/results.md, "Numerics between machines"). Paired
+comparisons of runs made on different machines carried that spread.
 
 So the commands that measure accuracy (``oakenkv eval ppl``, ``eval zeroshot``, ``profile``, ``demo``) run torch's
 AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), MKL's AVX2 code path in its conditional-numerical-reproducibility mode
-(``MKL_CBWR=AVX2``) and oneDNN's AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``): every x86-64 CPU with AVX2 (Intel
-since 2013, AMD since 2015) then computes the same numbers. It costs them no measured time (an oaken-plus
-evaluation of two windows: 26.2-27.9 s either way, same machine; its time is MKL's matmuls and numba's codec,
-which these settings leave at full width or do not touch). numba's codec does not depend on the CPU (it is
-compiled without fast-math: the same numbers for a Skylake and a Zen 4 target, checked).
+(``MKL_CBWR=AVX2``) and oneDNN's AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``), which every x86-64 CPU with AVX2
+(Intel since 2013, AMD since 2015) runs alike: the Intel Xeon's numbers and this AMD EPYC's pinned ones agree bit
+for bit. It cost no measured time here (an oaken-plus evaluation of two windows: 26.2-27.9 s either way; its
+time is MKL's matmuls, which on this AMD CPU took their AVX2 path already, and numba's codec). numba's codec does
+not depend on the CPU (compiled without fast-math: the same numbers for a Skylake and a Zen 4 target, checked).
 
 The variables must be set before torch runs its first operation (it reads them once); a variable the user set
 is left as it is, and ``OAKENKV_NATIVE_NUMERICS=1`` keeps the CPU's own code paths. What a run actually used is
