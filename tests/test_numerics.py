@@ -86,3 +86,30 @@ def test_the_report_says_when_rows_were_computed_with_other_kernels():
     assert "not recorded: kivi4" in note
     # a damaged record is "not recorded", never an exception
     assert "not recorded: x" in numerics_note([_row("fp", "AVX2"), {"method": "x", "extra": {"numerics": [1]}}])
+
+
+_CLI = """
+import sys
+from oakenkv.cli import run
+code = run(sys.argv[1:])
+import torch
+print("capability", code, torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.skipif(not numerics._x86_with_avx2(), reason="pins only x86-64 CPUs with AVX2")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["eval", "ppl", "--method", "int4", "--window", "32", "--max-windows", "1"],
+        ["profile", "--model", "default", "--samples", "2", "--window", "32", "--out", "{tmp}/p.json"],
+    ],
+    ids=["eval-ppl", "profile"],
+)
+def test_the_accuracy_commands_pin_before_torchs_first_operation(default_model, tmp_path, args):
+    """A command that ran a torch operation before pinning would keep the CPU's own kernels: run each in a fresh
+    process with none of the variables set, as a user's shell has it, and read the kernels it ended with."""
+    base = {k: v for k, v in os.environ.items() if k not in (*numerics.PINNED, numerics.ENV_NATIVE)}
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = subprocess.run([sys.executable, "-c", _CLI, *argv], env=base, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "capability 0 AVX2", out.stdout[-2000:] + out.stderr[-2000:]
