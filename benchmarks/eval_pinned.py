@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from oakenkv.bench.results import meta, start
+from oakenkv.eval.report import paired_delta
+from oakenkv.util.paths import atomic_write
 
-from oakenkv.bench.results import meta, start  # noqa: E402
-from oakenkv.eval.report import paired_delta  # noqa: E402
-from oakenkv.util.paths import atomic_write  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BITS3 = "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
 BITS4 = "oaken-plus:bits=4,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import SPEC, build, meta
+from run import SPEC, build, meta, start
 
 
 def lloyd_max(u: np.ndarray, levels: int, iterations: int = 40) -> np.ndarray:
@@ -50,7 +50,7 @@ def main() -> None:
     from oakenkv.util.compat import cache_kwargs
 
     torch.set_num_threads(1)
-    info = meta(sys.argv)
+    start()
     lm, m = build(a.spec, a.model)
     seen: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     quantize = oaken.OakenQuantizer.quantize
@@ -100,7 +100,7 @@ def main() -> None:
               f"codec's own middle group {s['lloyd_max_over_codec_middle']:.3f}; the codec's middle group "
               f"{s['codec_middle_share']:.1%} of its squared error")  # fmt: skip
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    out = {"meta": info, "model": a.model, "spec": a.spec, "window": a.window, "totals": sums, "layers": layers}
+    out = {"meta": meta(), "model": a.model, "spec": a.spec, "window": a.window, "totals": sums, "layers": layers}
     a.json.write_text(json.dumps(out, indent=1))
 
 

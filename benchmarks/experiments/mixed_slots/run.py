@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from oakenkv.bench.results import meta, start  # the command, commit, machine and load of every result file
 
 SPEC = "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
 
@@ -50,20 +48,6 @@ def mixed_quantizer(base, widened, slot):
     return q
 
 
-def meta(argv):
-    def git(*a):
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-
-    return {
-        "command": " ".join(["python", *argv]),
-        "commit": git("rev-parse", "HEAD"),
-        "machine": platform.processor() or platform.machine(),
-        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), ""),
-        "loadavg_start": os.getloadavg(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
 def build(spec, model):
     from oakenkv.assets.models import load_model
     from oakenkv.methods.registry import build_method
@@ -80,7 +64,6 @@ def sensitivity(a):
     from oakenkv.methods.fakequant import FakeQuantCache, stored_bits
     from oakenkv.util.compat import cache_kwargs
 
-    info = meta(sys.argv)
     lm, m = build(a.spec, a.model)
     base = m.make_cache().quantizer
     wins = calibration_windows(lm.tokenizer, OAKEN_PLUS.calibration)[: a.windows]
@@ -109,7 +92,7 @@ def sensitivity(a):
         rows.append({"widened": [list(p) for p in widened], "kl": kl, "nll": nll, "bits": bits / values,
                      "seconds": time.time() - t})  # fmt: skip
         print(rows[-1], flush=True)
-        out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "model": a.model, "spec": a.spec, "slot": a.slot,
+        out = {"meta": meta(), "model": a.model, "spec": a.spec, "slot": a.slot,
                "windows": f"calibration ({OAKEN_PLUS.calibration.tag()}), first {a.windows}", "runs": rows}  # fmt: skip
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=1))
@@ -146,14 +129,13 @@ def ppl(a):
     from oakenkv.eval.ppl import perplexity
     from oakenkv.methods.fakequant import FakeQuantCache
 
-    info = meta(sys.argv)
     lm, m = build(a.spec, a.model)
     widened = chosen(a.widen, a.sensitivity, lm.model.config.num_hidden_layers)
     q = mixed_quantizer(m.make_cache().quantizer, widened, a.slot)
     mixed = dataclasses.replace(m, make_cache=lambda: FakeQuantCache(m.model, q), name=f"{m.name}+{a.widen}@{a.slot}")
     ids = token_windows(lm.tokenizer, load_text("wikitext2"), 2048, None, a.windows)
     res = perplexity(lm.model, ids, mixed, model_name=a.model)
-    out = {"meta": {**info, "loadavg_end": os.getloadavg()}, "model": a.model, "spec": a.spec, "slot": a.slot,
+    out = {"meta": meta(), "model": a.model, "spec": a.spec, "slot": a.slot,
            "widen": a.widen,
            "widened": [list(p) for p in widened], "ppl": res.ppl, "effective_bits": res.effective_bits,
            "tokens": res.tokens, "windows": res.windows, "window_nll": res.window_nll}  # fmt: skip
@@ -184,6 +166,7 @@ def main():
     a = ap.parse_args()
     import torch
 
+    start()
     torch.set_num_threads(1)
     {"sensitivity": sensitivity, "ppl": ppl, "merge": merge}[a.cmd](a)
 

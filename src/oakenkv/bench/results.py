@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from oakenkv.util.paths import atomic_write
+from oakenkv.util.resources import cpu_model_and_flags
 
 __all__ = ["DEFAULT_ROOT", "machine", "meta", "save", "start"]
 
@@ -49,15 +50,7 @@ def start() -> None:
 
 def machine() -> dict[str, Any]:
     """The machine a result was measured on."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-        model = found.group(1).strip() if found else model
-        found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-        flags = set(found.group(1).split()) if found else set()
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     mem = None
     with contextlib.suppress(ValueError, OSError, AttributeError):
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,6 +28,8 @@ import os
 import platform
 from typing import Any
 
+from oakenkv.util.resources import cpu_model_and_flags
+
 ENV_ATEN = "ATEN_CPU_CAPABILITY"
 ENV_MKL = "MKL_CBWR"
 ENV_ONEDNN = "ONEDNN_MAX_CPU_ISA"
@@ -38,16 +40,8 @@ ENV_NATIVE = "OAKENKV_NATIVE_NUMERICS"
 
 
 def _x86_with_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx2" in line.split()
-    except OSError:  # not Linux: no flags to read; torch's own dispatch decides
-        return False
-    return False
+    """An x86-64 CPU that reports AVX2 (not Linux: no flags to read; torch's own dispatch decides)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and "avx2" in cpu_model_and_flags()[1]
 
 
 def pin_cpu_numerics() -> bool:

@@ -6,8 +6,17 @@ Standard library only (the CLI checks its arguments with it before importing tor
 from __future__ import annotations
 
 import os
+import platform
+import re
 
-__all__ = ["ResourceLimitError", "available_memory", "check_memory", "format_bytes", "release_free_memory"]
+__all__ = [
+    "ResourceLimitError",
+    "available_memory",
+    "check_memory",
+    "cpu_model_and_flags",
+    "format_bytes",
+    "release_free_memory",
+]
 
 #: Share of the available memory one job may plan to use (the rest: the model, Python, other processes).
 MEMORY_SHARE = 0.8
@@ -15,6 +24,21 @@ MEMORY_SHARE = 0.8
 
 class ResourceLimitError(ValueError):
     """An argument asks for more memory (or another resource) than the machine has; the message says how much."""
+
+
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags (``avx2``, ``avx512f``, ...) from ``/proc/cpuinfo``; elsewhere
+    ``platform``'s processor name and no flags."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return model, flags
+    found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    model = found.group(1).strip() if found else model
+    found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    return model, set(found.group(1).split()) if found else flags
 
 
 def available_memory() -> int | None:
