@@ -192,6 +192,30 @@ def test_oaken_plus_on_soft_capped_logits_searches_without_the_key_shift():
         profile_from_record(record, fp, PlusSearch(query_positions=16), None)
 
 
+def test_a_soft_capped_prompt_without_padding_stays_causal():
+    """transformers' mask functions return no mask for an unpadded causal prompt and leave causality to SDPA's
+    ``is_causal``; the soft-cap path (float attention: SDPA has no soft cap) of the oaken attention and of the
+    calibration's recording must then mask the future themselves (they attended to every token)."""
+    from oakenkv.calibrate.recording import _recording_attention
+
+    model = _model("gemma2-softcap")  # eager attention; layer 1 is a full-attention layer
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+        with _recording_attention(model, lambda *a: None):
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        oaken = copy.deepcopy(model)
+        enable_oaken_attention(oaken)
+        torch.testing.assert_close(oaken(ids).logits, want, rtol=1e-5, atol=1e-5)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8)
+    upper_left = torch.ones(5, 7, dtype=torch.bool).tril()  # SDPA's is_causal (a static cache's empty tail)
+    got = float_attention(q, k, v, None, 0.3, is_causal=True)
+    torch.testing.assert_close(got, float_attention(q, k, v, upper_left, 0.3), rtol=0, atol=0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.expand(1, 2, 7, 8), v.expand(1, 2, 7, 8), None,
+                                                            is_causal=True, scale=0.3)  # fmt: skip
+    torch.testing.assert_close(got, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
 def test_a_fully_masked_query_gets_zeros_not_nan():
     q = torch.randn(1, 2, 3, 8)
     k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)

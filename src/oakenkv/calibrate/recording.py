@@ -298,10 +298,11 @@ def _recording_attention(model: Any, sink: Callable[[Any, torch.Tensor, torch.Te
     def rec(module, query, key, value, attention_mask, **kw):
         sink(module, query, key, value, kw)
         if kw.get("softcap"):  # SDPA has no soft cap: the eager formula, as the model computes it
-            from oakenkv.quant.attention import float_attention
+            from oakenkv.quant.attention import float_attention, module_is_causal
 
             scaling = kw.get("scaling") or module.scaling
-            return float_attention(query, key, value, attention_mask, scaling, kw["softcap"]), None
+            causal = module_is_causal(module, kw)
+            return float_attention(query, key, value, attention_mask, scaling, kw["softcap"], is_causal=causal), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(_ATTN_NAME, rec)

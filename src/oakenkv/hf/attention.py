@@ -27,7 +27,7 @@ from numba import get_num_threads
 
 from oakenkv.format.layout import ERROR_MESSAGES, CorruptDataError
 from oakenkv.kernels.cpu import attention as attention_cpu
-from oakenkv.quant.attention import float_attention
+from oakenkv.quant.attention import float_attention, module_is_causal
 from oakenkv.store.paged import KEY, VALUE, PagedKVStore
 
 #: The last mask converted by :func:`_keep_mask` and its result. A decode step hands the same mask tensor to every
@@ -288,7 +288,8 @@ def oaken_attention_forward(
     if softcap:
         # SDPA has no soft cap; use the eager formula (Gemma 2 style models) on the float tensors.
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return float_attention(query, key, value, attention_mask, scaling, softcap), None
+        causal = module_is_causal(module, kwargs)
+        return float_attention(query, key, value, attention_mask, scaling, softcap, is_causal=causal), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -13,9 +13,16 @@ def float_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    is_causal: bool = False,
 ) -> torch.Tensor:
     """Plain float32 attention with GQA: query ``[B, Hq, S, hd]``, keys/values ``[B, H, T, hd]``, mask
-    ``[B, 1, S, T]`` (bool or additive) -> ``[B, S, Hq, hd]``."""
+    ``[B, 1, S, T]`` (bool or additive) -> ``[B, S, Hq, hd]``.
+
+    No mask with ``is_causal`` and more than one query is SDPA's ``is_causal=True`` (query ``i`` attends keys
+    ``0..i``: the upper-left alignment transformers relies on when its mask functions return None for a plain
+    causal prompt); no mask otherwise attends everything."""
+    if attention_mask is None and is_causal and query.shape[-2] > 1:
+        attention_mask = torch.ones(query.shape[-2], keys.shape[-2], dtype=torch.bool, device=query.device).tril()
     q = query.to(torch.float32)
     group = q.shape[1] // keys.shape[1]
     k = keys.to(torch.float32).repeat_interleave(group, dim=1)
@@ -34,3 +41,10 @@ def float_attention(
         # kernels do, not softmax's NaN over all -inf (its NaN would reach the next layer's keys)
         p = p.masked_fill((scores == float("-inf")).all(dim=-1, keepdim=True), 0.0)
     return (p @ v).transpose(1, 2).to(query.dtype)
+
+
+def module_is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether an attention call without a mask is causal, as transformers' SDPA function decides it (its mask
+    functions return None for an unpadded causal prompt and leave causality to SDPA's ``is_causal``)."""
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
