@@ -206,6 +206,38 @@ def test_reorder_is_a_table_operation(default_model, thresholds, batch):
     cache.store.pool.check_invariants()
 
 
+def test_a_copied_cache_continues_as_the_original_would(default_model, thresholds, default_tokenizer):
+    """transformers' prefix reuse: prefill a shared prompt once, ``copy.deepcopy`` the cache per request. A copy
+    (or a pickled one) decodes exactly as a cache prefilled afresh, and writes to its own pool, not the original's.
+    (The store's flat view of its pool was copied apart from the pool: the copy's kernels read stale bytes.)"""
+    import copy
+    import pickle
+
+    model = default_model.model
+    prompt = default_tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    steps = torch.tensor([[5], [17], [300]])
+
+    def prefilled():  # the prompt and a first decode step (which brings the store's view of its pool up to date)
+        cache = OakenCache(thresholds, model)
+        model(input_ids=prompt, **cache_kwargs(model, cache))
+        model(input_ids=torch.tensor([[7]]), **cache_kwargs(model, cache))
+        return cache
+
+    def decode(cache):
+        return torch.cat([model(input_ids=s[None], **cache_kwargs(model, cache)).logits for s in steps])
+
+    with torch.no_grad(), oaken_attention(model):
+        want = decode(prefilled())
+        shared = prefilled()
+        before = shared.store.read(3, KEY).clone()
+        for copied in (copy.deepcopy(shared), pickle.loads(pickle.dumps(shared))):
+            torch.testing.assert_close(decode(copied), want, rtol=0, atol=0)
+            assert copied.get_seq_length() == prompt.shape[1] + 4
+        assert shared.get_seq_length() == prompt.shape[1] + 1
+        assert torch.equal(shared.store.read(3, KEY), before)
+        torch.testing.assert_close(decode(shared), want, rtol=0, atol=0)
+
+
 def test_a_first_update_in_chunks_returns_what_the_pages_hold(default_model, thresholds):
     """A first update longer than ``prefill_chunk`` is decoded from its encoded chunks, not read back from the
     pages: the same numbers as the read path and as one chunk; a later update reads the pages."""

@@ -788,6 +788,18 @@ class PagedKVStore:
             static,
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # ``_flat`` holds a view of the pool's storage; copy.deepcopy and pickle copy a view apart from its base,
+        # so a copy's kernels would read stale bytes while its writes went to its own pool (wrong logits, or a
+        # "corrupt" sparse stream). A copy rebuilds the view of its own pool.
+        state = self.__dict__.copy()
+        del state["_flat"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._flat = (self.pool.data, self.pool.data.reshape(-1))
+
     def layer_view(self, layer: int) -> LayerView:
         """Where ``layer``'s keys and values of every row lie in the pool: the :class:`LayerView` a decode kernel
         reads (see its docstring for shapes and layout).
