@@ -72,6 +72,17 @@ def test_for_model_refuses_a_profile_of_the_other_preset_and_unknown_presets(def
     assert model_copy.config._attn_implementation != "oaken"  # nothing was changed
 
 
+def test_a_model_prepared_for_the_papers_preset_can_take_another(default_model, model_copy):
+    """The paper's preset folds nothing, so a model it prepared is still as loaded: ``for_model`` with oaken-plus
+    then finds its profile (here the shipped one) and folds it (it was refused, "its weights carry that preset's
+    transforms"); the other way round the weights are folded, and that is refused."""
+    OakenCache.for_model(model_copy, preset="oaken", profile=quick_thresholds(default_model))
+    cache = OakenCache.for_model(model_copy, preset="oaken-plus")
+    assert cache.store.thresholds.transforms is not None
+    with pytest.raises(ValueError, match="prepared for another preset than 'oaken'"):
+        OakenCache.for_model(model_copy, preset="oaken")
+
+
 def test_presets_are_declared_once():
     from oakenkv.calibrate.search import PlusSearch
     from oakenkv.methods.registry import ALIASES, parse_spec

@@ -1162,6 +1162,23 @@ def test_every_constructor_refuses_a_profile_of_other_weights(constructor):
         build(th, c)
 
 
+def test_calibration_windows_of_another_tokenizer_are_refused_before_work():
+    """A tokenizer of another model (ids beyond the model's embeddings) failed in torch's embedding deep inside the
+    first forward pass, after the profile's set-up; both profilers now refuse the windows in one line first."""
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
+    from oakenkv.calibrate.profile import profile_thresholds
+
+    model = tiny_llama(vocab=64)
+    good = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for bad, match in ((good + 64, r"ids 6\d\.\.1\d\d but the model embeds ids 0\.\.63"), (good - 64, "ids -6")):
+        for profile in (profile_thresholds, lambda m, w: profile_plus(m, w, PlusSearch(query_positions=8))):
+            with pytest.raises(ValueError, match=match):
+                profile(model, bad)
+    with pytest.raises(ValueError, match="at least one window"):
+        profile_thresholds(model, good[:, :0])
+    assert _quiet(profile_thresholds, model, good).fingerprint.num_layers == 2
+
+
 def test_the_config_form_warns_and_a_folded_model_is_checked_by_its_weights():
     import copy
 

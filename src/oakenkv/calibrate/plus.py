@@ -67,7 +67,7 @@ from oakenkv.calibrate.search import (
     choose_transforms,
     ratio_choices,
 )
-from oakenkv.calibrate.spec import CalibrationSpec, calibration_windows
+from oakenkv.calibrate.spec import CalibrationSpec, calibration_windows, check_windows
 from oakenkv.calibrate.thresholds import Thresholds
 from oakenkv.calibrate.transforms import TransformError, Transforms, fold_into_model, is_folded, rope_partners
 
@@ -130,8 +130,7 @@ def profile_plus_many(
     recording at a time (module doc)."""
     if is_folded(model) is not None:
         raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
-        raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
+    check_windows(model, windows)
     runs = int(windows.shape[0])
     query_runs = {min(s.query_runs, runs) for s in searches}
     if len(query_runs) != 1:

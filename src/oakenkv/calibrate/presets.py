@@ -211,12 +211,14 @@ def find_profile(
         return thresholds
     prepared = _PREPARED.get(model)
     if prepared is not None:
-        if (prepared.transforms is not None) != p.transforms or prepared.config.middle_bits != p.middle_bits:
+        if (prepared.transforms is not None) == p.transforms and prepared.config.middle_bits == p.middle_bits:
+            return prepared
+        if prepared.transforms is not None:
             raise ValueError(
                 f"this model was prepared for another preset than {preset!r} (its weights carry that preset's "
                 "transforms); load the model again to use another preset"
             )
-        return prepared
+        # prepared for the paper's preset, which folds nothing: the weights are as loaded, profile them for this one
     from oakenkv.calibrate.transforms import is_folded
 
     if is_folded(model) is not None:

@@ -60,6 +60,7 @@ from oakenkv.calibrate.spec import (
     CalibrationSpec,
     calibration_text,
     calibration_windows,
+    check_windows,
     max_positions,
     warn_if_short,
 )
@@ -154,11 +155,8 @@ def profile_thresholds(
         FewRunsWarning: fewer than RECOMMENDED_RUNS windows.
     """
     config = OakenConfig() if config is None else config
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
-        raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
+    check_windows(model, windows)
     runs, seq = windows.shape
-    if runs < 1 or seq < 1:
-        raise ValueError(f"need at least one window of at least one token, got {tuple(windows.shape)}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if inner_center not in ("median", "zero"):

@@ -132,6 +132,27 @@ def warn_if_short(
         )
 
 
+def check_windows(model: Any, windows: Any) -> None:
+    """Refuse calibration windows a profile cannot use: not an int64 tensor ``[runs, tokens]`` with at least one
+    token, or token ids the model has no embedding for (a tokenizer of another model: torch's embedding would
+    fail deep inside the first forward pass, or a larger table read the wrong rows)."""
+    import torch
+
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.int64:
+        raise ValueError(f"windows must be an int64 tensor [runs, tokens], got {getattr(windows, 'shape', windows)}")
+    if windows.shape[0] < 1 or windows.shape[1] < 1:
+        raise ValueError(f"need at least one window of at least one token, got {tuple(windows.shape)}")
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    size = getattr(embeddings, "num_embeddings", None)
+    low, high = int(windows.min()), int(windows.max())
+    if low < 0 or (size is not None and high >= size):
+        embeds = "no negative ids" if size is None else f"ids 0..{size - 1}"
+        raise ValueError(
+            f"the calibration windows hold token ids {low}..{high} but the model embeds {embeds}: the tokenizer is "
+            "not this model's (pass the model's own tokenizer)"
+        )
+
+
 def calibration_windows(tokenizer: Any, spec: CalibrationSpec) -> torch.Tensor:
     """int64 ``[samples, window]`` token windows of the calibration text (warns if it is WikiText-2, or too short
     for ``samples`` windows)."""
