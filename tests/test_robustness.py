@@ -945,6 +945,61 @@ def test_every_command_refuses_bad_arguments_in_one_line(line, expect, files, ca
     _assert_one_error_line(*_run_cli(argv, capsys), expect)
 
 
+@pytest.fixture(scope="module")
+def short_gpt2(tmp_path_factory, default_tokenizer):
+    """A tiny GPT-2 (a learned table of 32 positions) saved with the default tokenizer, as a local model folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=49152, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    folder = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(cfg).eval().save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        (
+            "eval ppl --method fp --window 64 --max-windows 1",
+            "windows of 64 tokens: 64 positions, but the model has 32 (--window 32",
+        ),
+        ("demo --windows 1 --window 64 --max-new-tokens 2", "windows of 64 tokens: 64 positions, but the model has 32"),
+        ("generate --preset oaken --prompt hello --max-new-tokens 40 --no-chat", "and 40 new tokens: 41 positions"),
+        ("bench decode --context 40 --methods dynamic --steps 1", "a context of 40 tokens and 1 steps: 41 positions"),
+    ],
+)
+def test_windows_and_contexts_past_a_models_positions_are_one_error(line, expect, short_gpt2, capsys):
+    """A learned position table has no row past its length: windows, prompts and contexts longer than the model's
+    positions failed in torch's embedding with a traceback (exit 1); now one line naming the way out, exit 2, as
+    ``profile`` did already."""
+    import shlex
+
+    code, out, err, _ = _run_cli([*shlex.split(line), "--model", str(short_gpt2)], capsys)
+    lines = [x for x in err.strip().splitlines() if x.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and expect in lines[0], (code, err)
+    assert "Traceback" not in out + err
+
+
+def test_a_position_check_refuses_only_past_the_positions_and_a_timing_run_only_with_a_table():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oakenkv.calibrate.spec import check_positions, has_position_table
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    rotary = tiny_llama(vocab=64)  # max_position_embeddings 256, rotary
+    assert has_position_table(gpt2) and not has_position_table(rotary)
+    check_positions(gpt2, 32, "x")
+    with pytest.raises(ValueError, match=r"^x: 33 positions, but the model has 32 \(at most 32\)$"):
+        check_positions(gpt2, 33, "x", "at most {most}")
+    with pytest.raises(ValueError, match="but the model has 32"):
+        check_positions(gpt2, 33, "x", table_only=True)
+    check_positions(rotary, 300, "x", table_only=True)  # a timing run may go past a rotary model's length
+    with pytest.raises(ValueError, match="but the model has 256"):
+        check_positions(rotary, 300, "x")
+
+
 def _commands():
     import typer
 

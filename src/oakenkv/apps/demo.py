@@ -115,6 +115,8 @@ def run_demo(
 
     from oakenkv.assets.data import token_windows
     from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.identity import kv_shape
+    from oakenkv.calibrate.spec import check_positions
 
     console = Console(quiet=quiet)
     # transformers' own per-tensor "Loading weights" bar would interleave with ours.
@@ -125,6 +127,7 @@ def run_demo(
     with console.status(f"Loading model {markup_safe(repr(model))} (the first time converts the GGUF, once)..."):
         lm = load_model(model)
     timings["load_model_s"] = time.perf_counter() - t0
+    check_positions(lm.model, window, f"windows of {window} tokens", "--window {most} or less")
     cfg = lm.model.config
     console.print(
         f"Loaded [bold]{markup_safe(model)}[/bold] ({type(lm.model).__name__}) from {markup_safe(lm.source)} in "
@@ -188,8 +191,8 @@ def run_demo(
         "architecture": type(lm.model).__name__,
         "config": {
             "num_layers": cfg.num_hidden_layers,
-            "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            "num_kv_heads": kv_shape(cfg)[0],
+            "head_dim": kv_shape(cfg)[1],
             "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
         },
         "data": {"text": text_name, "windows": int(ids.shape[0]), "window": window},

@@ -213,6 +213,7 @@ def generate_text(
 
     from transformers import DynamicCache
 
+    from oakenkv.calibrate.spec import check_positions
     from oakenkv.hf.attention import oaken_attention
     from oakenkv.hf.cache import OakenCache, kv_bytes
 
@@ -225,6 +226,9 @@ def generate_text(
         ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[-1] == 0:
         raise ValueError("the prompt is empty (no tokens to continue); give some text")
+    n = ids.shape[-1]
+    what = f"the prompt ({n} tokens) and {max_new_tokens} new tokens"
+    check_positions(model, n + max_new_tokens, what, "a shorter prompt or fewer --max-new-tokens")
     if thresholds is not None:
         cache = OakenCache(thresholds, model, residual=residual)
     else:

@@ -56,14 +56,14 @@ def _best_times(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, flo
 def layer_store(thresholds: Any, config: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Any:
     """A :class:`~oakenkv.store.paged.PagedKVStore` for the model of ``config`` holding one layer's keys and values
     ``[B, H, T, hd]`` (any length: the pool's budget is 16 GiB), appended as a prefill would."""
+    from oakenkv.calibrate.identity import kv_shape
     from oakenkv.store.paged import PagedKVStore
     from oakenkv.store.pages import PoolConfig
 
     store = PagedKVStore(
         thresholds,
         config.num_hidden_layers,
-        config.num_key_value_heads,
-        config.head_dim,
+        *kv_shape(config),
         PoolConfig(budget_bytes=1 << 34),
     )
     chunk = store.prefill_chunk
@@ -98,6 +98,7 @@ def run_attention_bench(
     from oakenkv.assets.data import load_text, token_windows
     from oakenkv.assets.models import load_model
     from oakenkv.bench.decode import record_source_kv, tile_rows
+    from oakenkv.calibrate.identity import kv_shape
     from oakenkv.hf.attention import packed_decode_attention
     from oakenkv.hf.cache import KEY, VALUE, PackedKV
 
@@ -111,7 +112,7 @@ def run_attention_bench(
     layer = cfg.num_hidden_layers // 2 if layer is None else layer
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=source_tokens, max_windows=1)
     k_src, v_src = record_source_kv(loaded.model, ids)[layer]
-    h, hd, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    (h, hd), hq = kv_shape(cfg), cfg.num_attention_heads
     scaling = hd**-0.5
     saved = (torch.get_num_threads(), numba.get_num_threads())
     points = []

@@ -25,6 +25,7 @@ method and how many rounds it won.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -181,6 +182,8 @@ def run_decode_bench(
 
     from oakenkv.assets.data import load_text, token_windows
     from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.identity import kv_shape
+    from oakenkv.calibrate.spec import check_positions, max_positions
 
     for m in methods:
         if m not in METHODS:
@@ -192,10 +195,13 @@ def run_decode_bench(
     if any(c < 1 for c in contexts) or steps < 1 or batch < 1:
         raise ValueError("contexts, steps and batch must be positive")
     loaded = load_model(model)
+    source_tokens = min(source_tokens, max_positions(loaded.model) or source_tokens)  # (tiled to the contexts)
+    longest = f"a context of {max(contexts)} tokens and {steps} steps"
+    check_positions(loaded.model, max(contexts) + steps, longest, "--context", table_only=True)
     ids = token_windows(loaded.tokenizer, load_text("wikitext2"), window=source_tokens, max_windows=1)
     source = record_source_kv(loaded.model, ids)
     cfg = loaded.model.config
-    fp32_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    fp32_per_token = 2 * cfg.num_hidden_layers * math.prod(kv_shape(cfg)) * 4
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for context in contexts:
         caches, filled = {}, {}

@@ -119,6 +119,7 @@ def run_generate_bench(
     import numba
 
     from oakenkv.assets.models import load_model
+    from oakenkv.calibrate.spec import check_positions
 
     methods = list(methods)
     for m in methods:
@@ -135,6 +136,8 @@ def run_generate_bench(
         raise ValueError(f"need new_tokens >= 2 and rounds >= 1, got {new_tokens} and {rounds}")
     load_start = os.getloadavg()  # a shared machine: the load is part of the result
     loaded = load_model(model)
+    longest = max(p for p, _ in grid)
+    check_positions(loaded.model, longest + new_tokens, f"a prompt of {longest} tokens and {new_tokens} new tokens")
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     total = len(grid) * (rounds + 1) * len(methods)

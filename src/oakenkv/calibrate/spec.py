@@ -44,6 +44,27 @@ def max_positions(model: Any) -> int | None:
     return most if isinstance(most, int) else None
 
 
+def check_positions(model: Any, tokens: int, what: str, fix: str | None = None, *, table_only: bool = False) -> None:
+    """ValueError when ``what`` (``tokens`` positions) goes past the positions ``model`` can attend over: a learned
+    position table (GPT-2, OPT) fails inside torch's embedding there, and rotary models were not trained there.
+    ``fix``: the way out, ``{most}`` standing for the model's positions. ``table_only``: refuse only a model with a
+    learned position table (a timing benchmark may run a rotary model past its trained length)."""
+    most = max_positions(model)
+    if most is None or tokens <= most or (table_only and not has_position_table(model)):
+        return
+    way = f" ({fix.format(most=most)})" if fix else ""
+    raise ValueError(f"{what}: {tokens} positions, but the model has {most}{way}")
+
+
+def has_position_table(model: Any) -> bool:
+    """Whether ``model`` looks positions up in a learned table (GPT-2's ``wpe``, OPT's ``embed_positions``, BERT-style
+    ``position_embeddings``), which has no row past its length."""
+    import torch
+
+    names = ("wpe", "embed_positions", "position_embeddings")
+    return any(isinstance(m, torch.nn.Embedding) and n.rsplit(".", 1)[-1] in names for n, m in model.named_modules())
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     """Which text and how much of it calibration uses.

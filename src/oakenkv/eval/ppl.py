@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from oakenkv.calibrate.spec import check_positions
 from oakenkv.calibrate.thresholds import weights_digest
 from oakenkv.eval.args import check_run_args
 from oakenkv.methods.base import BitCounter
@@ -264,6 +265,7 @@ def run_ppl(
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     loaded = load_model(model)
+    check_positions(loaded.model, window, f"windows of {window} tokens", "--window {most} or less")
     source = None
     if text_file is not None:
         text = load_text_file(text_file)
