@@ -24,6 +24,30 @@ def test_help_lists_the_commands():
     assert "info" in result.output and "demo" in result.output
 
 
+def test_no_help_text_is_eaten_as_rich_markup():
+    """typer renders help through rich, which takes ``[word...]`` as a markup tag and drops it: "Calibration
+    windows [default: 16]." printed as "Calibration windows .". A property over every command and option."""
+    import re
+
+    import typer
+
+    def walk(c, path):
+        if hasattr(c, "commands"):
+            for name, sub in c.commands.items():
+                yield from walk(sub, [*path, name])
+        else:
+            yield path, c
+
+    texts = 0
+    for path, cmd in walk(typer.main.get_command(app), []):
+        for where, text in [("", cmd.help), *((p.name, getattr(p, "help", None)) for p in cmd.params)]:
+            assert not re.search(r"\[/?[a-zA-Z]", text or ""), (path, where, text)
+            texts += bool(text)
+    assert texts > 150
+    result = runner.invoke(app, ["eval", "ppl", "--help"], env={"COLUMNS": "250"})
+    assert "Calibration windows (default: 16)." in " ".join(result.output.split())
+
+
 def test_console_script_is_installed():
     exe = shutil.which("oakenkv") or str(Path(sys.executable).parent / "oakenkv")
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)

@@ -225,6 +225,10 @@ def test_the_command_prints_and_writes_the_diagnosis(default_model, tmp_path, mo
         "paper_thresholds": "wikipedia-16x256",
     }
     assert "oaken-plus" not in d["methods"] and (tmp_path / "d.png").stat().st_size > 10_000
+    # without --json the report is the output (the whole diagnosis as JSON followed it: ~23,000 lines)
+    plain = runner.invoke(app, [*args[: args.index("--json")], "--threads", "1"], env={"COLUMNS": "250"})
+    assert plain.exit_code == 0 and "reconstruction SQNR" in plain.output, plain.output
+    assert '"verdict"' not in plain.output and len(plain.output.splitlines()) < 300
 
 
 @pytest.mark.parametrize(

@@ -227,6 +227,7 @@ def diagnose_cmd(
         torch.set_num_threads(threads)
     diag = diagnose_model(model, spec, plus=plus, plus_spec=plus_spec, progress=True)
     print_diagnosis(diag)
-    write_json(diag.to_dict(), json_out)
+    if json_out is not None:  # (without it the report above is the output, not 20,000 lines of JSON after it)
+        write_json(diag.to_dict(), json_out)
     if png is not None:
         typer.echo(f"wrote {save_output(png, lambda p: plot_diagnosis(diag, p), '--png')}")

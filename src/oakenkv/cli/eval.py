@@ -62,13 +62,13 @@ def eval_ppl(
         ),
     ] = None,
     calib_text: Annotated[
-        str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
+        str | None, typer.Option(help="Calibration text for thresholds and baseline ranges (default: wikipedia).")
     ] = None,
     calib_samples: Annotated[
-        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+        int | None, typer.Option(help="Calibration windows (default: 16).", min=1, max=MAX_WINDOWS)
     ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
+        int | None, typer.Option(help="Tokens per calibration window (default: 256).", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[
         str | None, typer.Option(help=("Path of the calibration text file, if not the packaged one."))
@@ -138,13 +138,13 @@ def eval_zeroshot(
     limit: Annotated[int | None, typer.Option(help="Evaluate only the first N documents of each task.", min=1)] = None,
     thresholds: Annotated[Path | None, typer.Option(help="Oaken thresholds file.")] = None,
     calib_text: Annotated[
-        str | None, typer.Option(help="Calibration text for thresholds and baseline ranges [default: wikipedia].")
+        str | None, typer.Option(help="Calibration text for thresholds and baseline ranges (default: wikipedia).")
     ] = None,
     calib_samples: Annotated[
-        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+        int | None, typer.Option(help="Calibration windows (default: 16).", min=1, max=MAX_WINDOWS)
     ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
+        int | None, typer.Option(help="Tokens per calibration window (default: 256).", min=2, max=MAX_TOKENS)
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
 ) -> None:
@@ -180,12 +180,12 @@ def eval_calibrate(
         str,
         typer.Option(help=("Comma-separated outlier shares to profile besides the paper's 10% (outer:inner = 4:6).")),
     ] = "0.08,0.12,0.16,0.20",
-    calib_text: Annotated[str | None, typer.Option(help="Calibration text [default: wikipedia].")] = None,
+    calib_text: Annotated[str | None, typer.Option(help="Calibration text (default: wikipedia).")] = None,
     calib_samples: Annotated[
-        int | None, typer.Option(help="Calibration windows [default: 16].", min=1, max=MAX_WINDOWS)
+        int | None, typer.Option(help="Calibration windows (default: 16).", min=1, max=MAX_WINDOWS)
     ] = None,
     calib_window: Annotated[
-        int | None, typer.Option(help="Tokens per calibration window [default: 256].", min=2, max=MAX_TOKENS)
+        int | None, typer.Option(help="Tokens per calibration window (default: 256).", min=2, max=MAX_TOKENS)
     ] = None,
     calib_path: Annotated[str | None, typer.Option(help="Path of the calibration text file.")] = None,
 ) -> None:
