@@ -426,8 +426,10 @@ def test_cli_trace_and_paper(tmp_path):
     assert tr["requests"] == 50 and tr["mean_batch"] <= 64
     res = CliRunner().invoke(app, ["simulate", "--trace", "bursty"])  # bursty needs a rate
     assert res.exit_code != 0 and "--rate" in str(res.exception)
-    res = CliRunner().invoke(app, ["simulate", "--paper"])
+    res = CliRunner().invoke(app, ["simulate", "--paper", "--json", str(tmp_path / "paper.json")])
     assert res.exit_code == 0 and "Figure 11" in res.output and "-12.1" in res.output
+    figures = json.loads((tmp_path / "paper.json").read_text())  # (--json was ignored with --paper)
+    assert round(figures["Figure 11"]["worst_error_pct"], 1) == 12.1 and len(figures["Figure 5(b)"]["points"]) == 14
 
 
 # ---------------------------------------------------------------- properties

@@ -127,6 +127,11 @@ def profile_cmd(
         raise bad_option(
             "--preset", "oaken-plus chooses its own group ratios on post-RoPE keys; drop the ratio options"
         )
+    if plus and (inner_center != "median" or batch_size != 1):
+        option = "--inner-center" if inner_center != "median" else "--batch-size"
+        raise bad_option(
+            option, "applies to the paper's thresholds (--preset oaken); the oaken-plus search sets its own"
+        )
     if data not in TEXTS and data != "file":
         raise bad_option("--data", f"unknown text {data!r}; known: {', '.join([*TEXTS, 'file'])}")
     if data == "file" and data_path is None:

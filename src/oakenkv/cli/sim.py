@@ -13,6 +13,7 @@ from oakenkv.cli._common import app, bad_option, check_out
 
 @app.command()
 def simulate(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="Model shape, e.g. llama2-7b, llama2-13b, mixtral-8x7b.")] = "llama2-7b",
     systems: Annotated[
         str,
@@ -54,13 +55,26 @@ def simulate(
         float | None,
         typer.Option(help="Mean arrival rate of the --trace in requests/s, > 0 (default: all at once)."),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Random seed of the --trace.")] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed of the --trace.", min=0)] = 0,
 ) -> None:
     """Simulate end-to-end serving throughput of the Oaken accelerator and its baselines (no GPU needed)."""
     from oakenkv.sim import report
 
     if paper:
-        report.print_paper_comparison()
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if p.name not in ("paper", "json_out")
+            and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"
+        ]
+        if given:
+            raise bad_option(
+                "--paper", f"compares with the paper's own figures and takes only --json: drop {', '.join(given)}"
+            )
+        check_out(json_out, "--json")
+        data = report.print_paper_comparison()
+        if json_out is not None:
+            typer.echo(f"wrote {report.write_json(data, json_out)}")
         return
     names = _sim_names(model, systems, kv_format)
     batches = report.parse_int_list(batch, "--batch")

@@ -96,17 +96,24 @@ def _console():
     return Console(width=max(con.width, 110)) if con.width < 110 else con
 
 
-def print_paper_comparison() -> None:
-    """Figure 11 and Figure 5(b): paper, simulated, error, plus the worst and RMS errors."""
+def print_paper_comparison() -> dict:
+    """Figure 11 and Figure 5(b): paper, simulated, error, plus the worst and RMS errors; returns them as a dict
+    (per figure: ``worst_error_pct``, ``rms_error_pct`` and every point)."""
+    import dataclasses
+
     from rich.console import Console
 
     from oakenkv.sim.validate import error_summary, figure5b_table, figure11_table, format_table
 
     con = Console()
+    data = {}
     for name, rows in (("Figure 11", figure11_table()), ("Figure 5(b)", figure5b_table())):
         worst, rms = error_summary(rows)
         con.print(f"\n[bold]{name}[/bold]: worst error {worst:.1f}%, RMS {rms:.1f}%")
         con.print(format_table(rows), markup=False)
+        points = [{**dataclasses.asdict(p), "error_pct": p.error_pct} for p in rows]
+        data[name] = {"worst_error_pct": worst, "rms_error_pct": rms, "points": points}
+    return data
 
 
 def trace_runs(
