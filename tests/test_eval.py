@@ -951,6 +951,13 @@ def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path
     assert report.index("Intro.") < report.index("## The accuracy frontier") < report.index("## Findings")
     assert f"`{tmp_path / '1.json'}`" in report  # each point's JSON file
     assert (tmp_path / "out" / "p_frontier.png").stat().st_size > 1000
+    # results with no peer point: the section says so and links no plot it does not draw
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "fp.json").write_text(json.dumps(rows[0]))
+    report = write_report([lone], tmp_path / "lone.md", tmp_path / "lone.png", frontier=[lone])
+    assert "No frontier" in report and "lone_frontier.png" not in report
+    assert not (tmp_path / "lone_frontier.png").exists()
 
 
 def test_a_text_file_result_gets_its_own_table_and_title(tmp_path):

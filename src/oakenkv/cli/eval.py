@@ -244,5 +244,8 @@ def eval_report(
     loaded = load_results(results)  # every file read and checked before anything is written
     check_out(out, "--out")
     check_out(plot, "--plot")
-    write_report(results, out, plot, header, frontier, loaded=loaded)
-    typer.echo(f"wrote {out} and {plot}")
+    if frontier:
+        check_out(plot.with_name(plot.stem + "_frontier.png"), "--plot")  # (the frontier's plot, beside it)
+    text = write_report(results, out, plot, header, frontier, loaded=loaded)
+    drawn = f", {plot.with_name(plot.stem + '_frontier.png')}" if "_frontier.png)" in text else ""
+    typer.echo(f"wrote {out}, {plot}{drawn}")

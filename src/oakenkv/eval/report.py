@@ -631,8 +631,11 @@ def frontier_section(paths: list[Path], plot: Path) -> str:
             "--json <JSON>` (`benchmarks/eval_frontier.sh`).\n"
         )
         parts.append(table + "\n")
-    if panels:
-        plot_pareto(panels, plot)
+    if not panels:  # no peer point to face: say so, and link no plot that is not drawn
+        return (
+            "## The accuracy frontier\n\nNo frontier: these results hold no peer's point (`eval report --frontier`).\n"
+        )
+    plot_pareto(panels, plot)
     return "\n".join(parts)
 
 
