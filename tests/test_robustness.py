@@ -1587,6 +1587,20 @@ def test_an_existing_output_is_said_before_work_and_a_failed_write_keeps_the_out
     assert Path(saved).read_text() == "the result"
 
 
+def test_a_benchmarks_save_is_tried_before_work(tmp_path, monkeypatch, capsys, no_model_load):
+    """``bench ... --save`` wrote benchmarks/results/<benchmark>/<point>.json only after the run and, when that
+    failed, lost the result; it is tried before work like every output (and written through save_output)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").write_text("a file where the results folder would go")
+    for line in (
+        "bench codec --save --no-real-kv --no-quanto --reps 1 --threads 1",
+        "bench decode --save --context 64 --methods dynamic",
+    ):
+        code, out, err, _ = _run_cli(line.split(), capsys)
+        _assert_one_error_line(code, out, err, 0.0, "'--save'")
+        assert "benchmarks is not a directory" in err
+
+
 def test_an_output_is_tried_in_its_directory(tmp_path, monkeypatch):
     """The check is a trial file in the target directory, not `os.access`: a directory where files cannot be
     created (here: a full file system, simulated) is refused before the work."""

@@ -102,13 +102,27 @@ def meta() -> dict[str, Any]:
     }
 
 
-def save(benchmark: str, point: str, payload: dict[str, Any], root: str | os.PathLike[str] | None = None) -> Path:
-    """Write ``payload`` with :func:`meta` as ``<root>/<benchmark>/<point>.json`` (replacing the point's previous
-    result) and return the path. ``benchmark`` and ``point`` are file-name parts: letters, digits, ``._-``."""
+def result_path(benchmark: str, point: str, root: str | os.PathLike[str] | None = None) -> Path:
+    """``<root>/<benchmark>/<point>.json``, the one current file of a benchmark's point. ``benchmark`` and
+    ``point`` are file-name parts: letters, digits, ``._-``."""
     for what, name in (("benchmark", benchmark), ("point", point)):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"{what} name {name!r} must be letters, digits, '.', '_' or '-'")
-    path = Path(DEFAULT_ROOT if root is None else root) / benchmark / f"{point}.json"
+    return Path(DEFAULT_ROOT if root is None else root) / benchmark / f"{point}.json"
+
+
+def save(
+    benchmark: str,
+    point: str,
+    payload: dict[str, Any],
+    root: str | os.PathLike[str] | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write ``payload`` with :func:`meta` as :func:`result_path` (replacing the point's previous result), or at
+    ``path``, and return the path."""
+    target = result_path(benchmark, point, root)
+    path = target if path is None else Path(path)
     body = {"meta": meta(), **{k: v for k, v in payload.items() if k != "meta"}}
     if isinstance(payload.get("meta"), dict):  # the benchmark's own settings stay, beside the run's
         body["settings"] = payload["meta"]

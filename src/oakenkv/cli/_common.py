@@ -280,7 +280,7 @@ def emit_result(result: dict, json_out: Path | None, save: bool, benchmark: str,
     (``oakenkv.bench.results``)."""
     import json
 
-    from oakenkv.bench.results import meta
+    from oakenkv.bench.results import meta, result_path
     from oakenkv.bench.results import save as save_result
 
     if json_out is not None:
@@ -289,4 +289,14 @@ def emit_result(result: dict, json_out: Path | None, save: bool, benchmark: str,
         text = json.dumps({**result, "run": meta()}, indent=2, default=str) + "\n"
         typer.echo(f"wrote {save_output(json_out, lambda p: atomic_write(p, text), '--json')}")
     if save:
-        typer.echo(f"wrote {save_result(benchmark, point, result)}")
+        where = result_path(benchmark, point)
+        saved = save_output(where, lambda p: save_result(benchmark, point, result, path=p), "--save")
+        typer.echo(f"wrote {saved}")
+
+
+def check_save(save: bool, benchmark: str, point: str) -> None:
+    """:func:`check_out` for ``--save``'s file (``benchmarks/results/<benchmark>/<point>.json``), before work."""
+    if save:
+        from oakenkv.bench.results import result_path
+
+        check_out(result_path(benchmark, point), "--save")

@@ -15,6 +15,7 @@ from oakenkv.cli._common import (
     check_decode_contexts,
     check_model,
     check_out,
+    check_save,
     emit_result,
     load_thresholds,
     set_threads,
@@ -52,6 +53,7 @@ def bench_codec(
     if real_kv:
         _check_real_tokens(real_tokens)
     check_out(json_out, "--json")
+    check_save(save, "codec", f"threads{threads}")
     start_run()
     from rich.console import Console
 
@@ -127,6 +129,7 @@ def bench_decode(
     check_model(model)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    check_save(save, "decode", _point(contexts, batch=batch, residual=residual))
     check_decode_contexts(model, contexts, batch)  # (last: the one check that depends on the machine's load)
     start_run()
     from rich.console import Console
@@ -221,6 +224,7 @@ def bench_attention(
     check_model(model)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    check_save(save, "attention", _point(contexts, batch=batches, threads=counts))
     _check_attention_contexts(model, contexts, max(batches))
     start_run()
     from rich.console import Console
@@ -289,6 +293,8 @@ def bench_generate(
     check_model(model)
     thr_file = load_thresholds(thresholds, model)
     check_out(json_out, "--json")
+    point = "-".join(f"{p}x{b}" for p, b in grid) + (f"_residual{residual}" if residual else "")
+    check_save(save, "generate", point)
     p_max, b_max = max(grid, key=lambda pb: (pb[0] + new_tokens) * pb[1])
     check_decode_contexts(model, [p_max + new_tokens], b_max, option="a prompt of")
     start_run()
@@ -315,5 +321,4 @@ def bench_generate(
             residual=residual, progress=progress,
         )  # fmt: skip
     print_generate_bench(result)
-    point = "-".join(f"{p}x{b}" for p, b in grid) + (f"_residual{residual}" if residual else "")
     emit_result(result, json_out, save, "generate", point)
