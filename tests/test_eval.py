@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -958,6 +959,39 @@ def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path
     report = write_report([lone], tmp_path / "lone.md", tmp_path / "lone.png", frontier=[lone])
     assert "No frontier" in report and "lone_frontier.png" not in report
     assert not (tmp_path / "lone_frontier.png").exists()
+
+
+def test_scoring_a_method_on_its_own_calibration_text_warns(tmp_path):
+    """Only calibrating on wikitext2 warned; `--dataset wikipedia` (the default calibration text) or a --text-file
+    that is the --calib-path scored a method on the very tokens it was calibrated on, silently."""
+    from oakenkv.calibrate.spec import CalibrationSpec
+    from oakenkv.eval.ppl import _warn_if_calibrated_on
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("text " * 100)
+    own = CalibrationSpec("file", 2, 64, str(mine))
+    warned = [
+        ("oaken", None, None, "wikipedia", None),
+        ("oaken-plus", None, None, "wikipedia", None),
+        ("kvquant4", None, None, "wikipedia", None),
+        ("oaken", None, CalibrationSpec("wikipedia-heldout"), "wikipedia-heldout", None),
+        ("oaken-plus-3", None, own, "wikitext2", mine),
+    ]
+    quiet = [
+        ("oaken", None, None, "wikitext2", None),
+        ("oaken", None, None, "wikipedia-heldout", None),
+        ("fp", None, None, "wikipedia", None),
+        ("kivi4", None, None, "wikipedia", None),  # calibrates nothing
+        ("oaken", "thr.json", None, "wikipedia", None),  # a profile file: its calibration is not known here
+        ("oaken", None, own, "wikitext2", tmp_path / "other.txt"),
+    ]
+    for case in warned:
+        with pytest.warns(UserWarning, match="calibrated on the text it is scored on"):
+            _warn_if_calibrated_on(*case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for case in quiet:
+            _warn_if_calibrated_on(*case)
 
 
 def test_a_text_file_result_gets_its_own_table_and_title(tmp_path):

@@ -231,6 +231,32 @@ def perplexity(
     return result
 
 
+def _warn_if_calibrated_on(method: str, thresholds: Any, calibration: Any, dataset: str, text_file: Any) -> None:
+    """Warn when a method that calibrates here is scored on its own calibration text (the same named text, or the
+    same file): its perplexity is then not held-out. (Calibrating on wikitext2 warns where the windows are cut.)"""
+    from oakenkv.calibrate.spec import CalibrationSpec
+    from oakenkv.methods.registry import FAMILIES, parse_spec
+
+    family = FAMILIES[parse_spec(method)[0]]
+    if thresholds is not None or not (family.calibrated or family.profile):
+        return
+    spec = calibration if isinstance(calibration, CalibrationSpec) else CalibrationSpec()
+    if spec.text == "wikitext2":
+        return
+    if text_file is not None:
+        same = spec.text == "file" and Path(spec.text_path).resolve() == Path(text_file).expanduser().resolve()
+        name = str(text_file)
+    else:
+        same, name = spec.text == dataset, dataset
+    if same:
+        warnings.warn(
+            f"{method} is calibrated on the text it is scored on ({name}): its perplexity is not held-out; score "
+            "another text (--dataset wikitext2; Wikipedia's held-out pages: --dataset wikipedia-heldout)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def run_ppl(
     model: str = "default",
     method: str = "oaken",
@@ -264,6 +290,7 @@ def run_ppl(
         raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be None or an int >= 1, got {max_windows!r}")
+    _warn_if_calibrated_on(method, thresholds, calibration, dataset, text_file)
     loaded = load_model(model)
     check_positions(loaded.model, window, f"windows of {window} tokens", "--window {most} or less")
     source = None
