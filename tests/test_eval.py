@@ -1126,3 +1126,10 @@ def test_a_method_whose_residual_window_covers_the_windows_says_nothing_was_quan
         warnings.simplefilter("error", NothingQuantizedWarning)
         short = run_ppl("default", "kivi:bits=4,residual=32", window=64, max_windows=1)
     assert short.effective_bits < 16 and short.ppl != res.ppl
+    # quanto's cache hands its first update back unquantized: one forward per window is FP at 4.5 stored bits
+    with pytest.warns(NothingQuantizedWarning, match=r"quanto4: .* this is FP's perplexity while 4\.50 bits"):
+        one = run_ppl("default", "quanto4", window=64, max_windows=1)
+    assert one.ppl == run_ppl("default", "fp", window=64, max_windows=1).ppl
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingQuantizedWarning)
+        assert run_ppl("default", "quanto4", window=64, max_windows=1, chunk=16).ppl != one.ppl

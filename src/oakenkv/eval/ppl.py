@@ -320,6 +320,14 @@ def run_ppl(
             NothingQuantizedWarning,
             stacklevel=2,
         )
+    if family == "quanto" and chunk is None:
+        warnings.warn(
+            f"{method}: transformers' QuantizedCache returns the unquantized states of its first update, so in one "
+            "forward per window the attention reads no quantized key or value: this is FP's perplexity while "
+            f"{res.effective_bits:.2f} bits per value are stored; feed each window in chunks (--chunk 128)",
+            NothingQuantizedWarning,
+            stacklevel=2,
+        )
     res.stride = stride or window
     res.dataset = dataset if source is None else "file"
     if source is not None:
