@@ -994,6 +994,16 @@ def test_scoring_a_method_on_its_own_calibration_text_warns(tmp_path):
             _warn_if_calibrated_on(*case)
 
 
+def test_a_result_named_twice_is_one_result(tmp_path):
+    from oakenkv.eval.report import load_results
+
+    r = {"kind": "ppl", "method": "fp", "ppl": 10.0, "effective_bits": 16, "tokens": 100, "windows": 1,
+         "model": "default", "window": 101, "stride": 101}  # fmt: skip
+    (tmp_path / "fp.json").write_text(json.dumps(r))
+    twice = [tmp_path, tmp_path / "fp.json", tmp_path / "." / "fp.json"]
+    assert len(load_results(twice)) == 1  # (the report's table had the row twice)
+
+
 def test_a_text_file_result_gets_its_own_table_and_title(tmp_path):
     def ppl(method, p, dataset):
         extra = {"family": method, "text_file": {"path": "/tmp/code.txt"}} if dataset == "file" else {}

@@ -226,6 +226,8 @@ def load_text_file(path: str | os.PathLike[str]) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"text file {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"text file {p} holds only whitespace")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

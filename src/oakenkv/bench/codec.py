@@ -416,7 +416,9 @@ def print_codec_bench(result: dict[str, Any]) -> None:
     console.print(t)
     console.print(
         "enc/mc cpu, dec/mc cpu: the same ratios from CPU time (threads x per-core throughput / memcpy), what "
-        f"dedicated cores would reach; load average during the run: {result['machine']['load_average']}"
+        "dedicated cores would reach; load average during the run: "
+        + ", ".join(f"{x:.2f}" for x in result["machine"]["load_average"])
+        + " (1, 5, 15 min)"
     )
     sc = result.get("storage_comparison")
     if sc:

@@ -242,6 +242,12 @@ def calib_spec(
     ]
     if thresholds is not None and given and FAMILIES[parse_spec(method)[0]].profile is not None:
         raise bad_option(given[0], "the thresholds come from --thresholds, so calibration options do not apply")
+    try:
+        family = FAMILIES[parse_spec(method)[0]]
+    except ValueError:  # (a bad spec is refused with its own message next)
+        family = None
+    if given and family is not None and not (family.calibrated or family.profile):
+        raise bad_option(given[0], f"{family.name} calibrates nothing, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"
     check_input(calib_path, "--calib-path", text=True)  # read whole: regular, capped, text (a FIFO hung the run)

@@ -60,6 +60,9 @@ def demo(
     pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")
+    if preset == "oaken" and (plus_samples is not None or plus_window is not None):
+        option = "--plus-samples" if plus_samples is not None else "--plus-window"
+        raise bad_option(option, "calibrates the oaken-plus profile, which --preset oaken does not run")
     check_model(model)
     check_out(json_out, "--json")
     from oakenkv.apps.demo import run_demo

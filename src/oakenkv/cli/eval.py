@@ -100,10 +100,10 @@ def eval_ppl(
     if text_file is not None and dataset != "wikitext2":
         raise bad_option("--text-file", "give --text-file or --dataset, not both")
     if text_file is not None:
-        from oakenkv.assets.data import check_text_file
+        from oakenkv.assets.data import load_text_file
 
         try:
-            check_text_file(text_file)
+            load_text_file(text_file)  # (read and decoded now: a binary file is refused before the model loads)
         except (OSError, ValueError) as e:
             raise bad_option("--text-file", str(e)) from None
     check_run_args(model, method, thresholds, dataset=dataset, window=window, stride=stride, chunk=chunk)

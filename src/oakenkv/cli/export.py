@@ -51,7 +51,7 @@ def export_cmd(
     try:
         check_export_dir(out)
     except ValueError as e:
-        raise bad_option("--out", str(e).removeprefix(f"--out {out} ").strip()) from None
+        raise bad_option("--out", str(e).removeprefix("--out ").strip()) from None
     check_model(model)
     thr = load_thresholds(profile)
     if thr is not None:  # before the model loads, in the flags' words (find_profile says it in the API's)

@@ -39,6 +39,8 @@ def load_results(paths: list[Path]) -> list[dict[str, Any]]:
             files.append(check_input_file(p, "result file", MAX_RESULT_BYTES))
         else:
             raise FileNotFoundError(f"no such result file or directory: {p}")
+    seen: set[Path] = set()  # (a file named twice, or inside a folder also named, is one result)
+    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     out = []
     for f in files:
         text = read_text_capped(f, "result file", MAX_RESULT_BYTES)

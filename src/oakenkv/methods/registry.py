@@ -355,6 +355,11 @@ def _items(family: str, rest: str) -> list[tuple[str, str]]:
 
 
 def get_family(name: str) -> Family:
+    if name in ALIASES:  # (an alias with parameters after it: _split resolves a bare alias)
+        raise ValueError(
+            f"{name!r} is an alias of {ALIASES[name]!r} and takes no parameters: give them to the spec itself "
+            f"({ALIASES[name]},...)"
+        )
     if name not in FAMILIES:
         raise ValueError(f"unknown method {name!r}; known: {', '.join([*FAMILIES, *ALIASES])}")
     return FAMILIES[name]
@@ -370,7 +375,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         if k not in fam.params:
             raise ValueError(f"method {name!r}: unknown parameter {k!r}; accepted: {', '.join(fam.params) or 'none'}")
         params[k] = fam.params[k].parse(name, k, v)
-    if name == OAKEN.name and params["outer"] + params["inner"] >= 1.0:
+    if "outer" in params and "inner" in params and params["outer"] + params["inner"] >= 1.0:
         raise ValueError(f"method {name!r}: outer + inner must be below 1, got {params['outer'] + params['inner']:g}")
     if params.get("aware") and not params.get("static"):
         raise ValueError(f"method {name!r}: aware=1 scores the search with the static grids: it needs static=1 as well")
@@ -528,6 +533,8 @@ def sweep_config(outlier_share: float) -> OakenConfig:
 
     Figure 12(a) of the paper varies the share of values that go to the sparse (inner + outer) groups.
     """
+    if not (isinstance(outlier_share, float | int) and 0.0 < outlier_share < 1.0):
+        raise ValueError(f"the outlier share must be in (0, 1), got {outlier_share!r}")
     return OakenConfig(outer_ratio=round(0.4 * outlier_share, 6), inner_ratio=round(0.6 * outlier_share, 6))
 
 
