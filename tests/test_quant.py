@@ -91,6 +91,14 @@ def test_wrong_shape_and_dtype_are_clear_errors():
         quantize(torch.zeros(2, 3, 4), THR)
     with pytest.raises(TypeError, match="floating-point"):
         quantize(torch.zeros(2, 4, dtype=torch.int32), THR)
+    # the README's function: no vector values, another array type, a dict for the config (raw torch errors before)
+    with pytest.raises(ValueError, match="at least one value in the last dimension, got \\(8, 0\\)"):
+        quantize_dequantize(torch.zeros(8, 0), THR)
+    with pytest.raises(TypeError, match=r"expects a torch\.Tensor, got ndarray"):
+        quantize_dequantize(np.zeros((2, 8), np.float32), THR)
+    with pytest.raises(TypeError, match="config must be an OakenConfig, got dict"):
+        quantize_dequantize(torch.zeros(2, 8), THR, {"outer_ratio": 0.04})
+    assert quantize_dequantize(torch.zeros(0, 8), THR).shape == (0, 8)  # no vector: nothing to do
 
 
 def test_fp16_overflowing_range_asks_for_fp32_scales():

@@ -315,7 +315,8 @@ class Thresholds:
             raise ModelMismatchError(
                 f"these thresholds were profiled for other weights of the same shape ({self.fingerprint.describe()}):"
                 f" weights {short_digest(mine)}... in the profile, {short_digest(theirs)}... in the model (another "
-                "checkpoint, a fine-tune, or another dtype); profile this model with `oakenkv profile --model ...`"
+                "checkpoint, a fine-tune, another dtype, or a part of the profiled model, such as its base model "
+                "without the LM head: pass the ...ForCausalLM); profile this model with `oakenkv profile --model ...`"
             )
         if mine is None and theirs is not None:
             self._warn_unverified()

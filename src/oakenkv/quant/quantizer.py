@@ -45,7 +45,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -400,7 +400,9 @@ def quantize(
     Returns:
         The codes, group of each value and the per-row grid end points (see :class:`QuantizedVectors`).
     """
-    config = config or OakenConfig()
+    config = _check_config(config)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__} (torch.as_tensor converts it)")
     if x.dim() != 2:
         raise ValueError(f"quantize expects x of shape [N, D] (one row per vector), got {tuple(x.shape)}")
     x32 = _check_input(x)
@@ -502,13 +504,32 @@ def dequantize(q: QuantizedVectors, thr: ThresholdsLike, config: OakenConfig | N
     return out
 
 
+def _check_config(config: Any) -> OakenConfig:
+    """``config``, or the default when None; TypeError for anything but an :class:`OakenConfig`."""
+    if config is None:
+        return OakenConfig()
+    if not isinstance(config, OakenConfig):
+        raise TypeError(
+            f"config must be an OakenConfig, got {type(config).__name__} (from a dict: OakenConfig.from_dict(d))"
+        )
+    return config
+
+
 def quantize_dequantize(x: torch.Tensor, thr: ThresholdsLike, config: OakenConfig | None = None) -> torch.Tensor:
     """Fake quantization: ``dequantize(quantize(x))`` for any leading shape; the last dim is the vector.
 
     Returns a tensor of ``x``'s shape and dtype.
     """
-    if x.dim() < 1:
-        raise ValueError("quantize_dequantize expects at least one dimension (the vector)")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"quantize_dequantize expects a torch.Tensor, got {type(x).__name__} (torch.as_tensor converts it)"
+        )
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(
+            f"quantize_dequantize expects vectors of at least one value in the last dimension, got {tuple(x.shape)}"
+        )
+    if x.numel() == 0:  # no vector: nothing to quantize
+        return x.clone()
     flat = x.reshape(-1, x.shape[-1])
     out = dequantize(quantize(flat, thr, config), thr, config)
     return out.reshape(x.shape).to(x.dtype)
