@@ -39,7 +39,9 @@ PEERS=(fp kivi2 kivi4 kvquant3 kvquant4 int4 int5 int8 fp8)
 DEFAULT_OURS=("oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1" "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1"
               oaken-plus-7 "oaken-plus:bits=7,sparse=0.1"
               "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
-              "oaken-plus:bits=4,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:bits=7,sparse=0.1,alloc=1")
+              "oaken-plus:bits=4,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1" "oaken-plus:bits=7,sparse=0.1,alloc=1"
+              # int8's budget (8.5 bits) with static levels: more sparse share for the bits the scales no longer take
+              "oaken-plus:bits=7,sparse=0.14,static=1,levels=1,alloc=1")
 GEMMA_OURS=("oaken-plus:bits=4,sparse=0.03,rot_k=1,rot_v=1" "oaken-plus:bits=3,sparse=0.03,rot_k=1,rot_v=1"
             "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1" "oaken-plus:bits=3,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1"
             "oaken-plus:bits=4,sparse=0.055,rot_k=1,rot_v=1,static=1,levels=1" "oaken-plus:bits=4,sparse=0.055,static=1,levels=1"

@@ -4,10 +4,14 @@ docs/results.md cites (computed before the pin, with whichever torch kernels eac
 ``oakenkv eval`` now runs torch's AVX2 kernels on every x86-64 CPU (oakenkv.util.numerics); the committed
 20-window files of the default model were made on an Intel Xeon (torch's AVX2 kernels) and on this AMD EPYC (its
 AVX-512 kernels), unrecorded which. This reruns FP, KVQuant-style 4, oaken-plus and the 3- and 4-bit points of the
-frontier, each into ``--out`` (``ppl-<method>.json``, a file that exists is kept), then writes for each method its
-loss against FP and the frontier pairs (paired over the windows), pinned and as committed:
+frontier, then the 8-bit pair (int8 against ``bits=7,sparse=0.1,alloc=1``, a tie as committed) and fp8, KIVI-4 and
+int5 against theirs, each into ``--out`` (``ppl-<method>.json``, a file that exists is kept), then writes for each
+method its loss against FP and the frontier pairs (paired over the windows), pinned and as committed:
 
     python benchmarks/eval_pinned.py --json benchmarks/results/numerics/default-20w.json
+
+Once compared (2026-12-07), the pinned files replaced the committed ones in ``docs/results/default-20w`` (the JSON
+above keeps both sides' numbers); a rerun now compares pinned runs with pinned files.
 """
 
 from __future__ import annotations
@@ -25,9 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BITS3 = "oaken-plus:bits=3,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
 BITS4 = "oaken-plus:bits=4,sparse=0.05,rot_k=1,rot_v=1,static=1,levels=1,alloc=1"
-METHODS = ("fp", "kvquant4", "kvquant3", "oaken-plus", BITS4, BITS3)
+BITS7 = "oaken-plus:bits=7,sparse=0.1,alloc=1"
+LEADING = ("fp", "kvquant4", "kvquant3", "oaken-plus", BITS4, BITS3)
+METHODS = (*LEADING, "int8", BITS7, "fp8", "oaken-plus-7", "kivi4", "int5")
 #: (ours, peer) pairs the frontier table of docs/results.md reports for the default model, 20 windows
-PAIRS = ((BITS4, "kvquant4"), (BITS3, "kvquant3"), ("oaken-plus", "kvquant4"))
+PAIRS = (
+    (BITS4, "kvquant4"),
+    (BITS3, "kvquant3"),
+    ("oaken-plus", "kvquant4"),
+    (BITS7, "int8"),
+    ("oaken-plus-7", "fp8"),
+    ("oaken-plus", "kivi4"),
+    ("oaken-plus", "int5"),
+)
 
 
 def stem(method: str) -> str:

@@ -941,6 +941,10 @@ def test_frontier_pairs_every_peer_with_the_best_preset_at_no_more_bits(tmp_path
     assert lo <= got["kivi2"]["delta"] <= hi < 0
     text = frontier_table(rows)
     assert "| kvquant3 | 3.60 |" in text and "none that small" in text
+    assert "Numerics differ" not in text
+    rows[1]["extra"]["numerics"] = {"torch_cpu_capability": "AVX512"}  # a pair's peer of other kernels: said
+    assert "Numerics differ between these rows (not recorded: " in frontier_table(rows)
+    del rows[1]["extra"]["numerics"]
     assert "| kivi2 | 3.90 |" in text and "| oaken-plus-3 | 3.90 |" in text and "| yes |" in text
     # the report leads with it: after the header's introduction, before its first section
     for i, r in enumerate(rows):

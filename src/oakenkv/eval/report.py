@@ -306,7 +306,9 @@ def frontier_table(rows: list[dict[str, Any]], files: bool = False) -> str:
         "at no more bits; holds: it loses no more than the peer (the point estimate; the interval is the paired "
         "bootstrap over windows)."
     )
-    return "\n".join(lines)
+    shown = {id(r): r for e in entries for r in (fp, e["peer"], e["ours"]) if r is not None}
+    note = numerics_note(list(shown.values()))  # (the pairs' own rows: their kernels are part of the margin)
+    return "\n".join(lines) + (note and "\n" + note)
 
 
 def _text(r: dict[str, Any]) -> str:
