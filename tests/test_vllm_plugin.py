@@ -953,6 +953,79 @@ def test_export_refuses_an_output_that_is_not_an_export(tmp_path):
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine" and not (tmp_path / "new").exists()
 
 
+def test_export_refuses_a_symbolic_link_before_work(tmp_path):
+    """An --out that is a link to a previous export was loaded, folded and written, then failed on rmtree."""
+    from oakenkv.integrations.vllm import PROFILE_FILE
+    from oakenkv.integrations.vllm.export import check_export_dir
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / PROFILE_FILE).write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "old")
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        check_export_dir(tmp_path / "link")
+    check_export_dir(tmp_path / "old")  # the export itself is replaced as before
+
+
+def test_a_profile_name_that_is_not_a_file_is_refused_not_ignored(tmp_path):
+    """``oakenkv-profile.json`` in a served directory that is a directory or a broken link made vLLM serve its own
+    cache without a word; a missing one still means "not an Oaken model"."""
+    from oakenkv.integrations.vllm import PROFILE_FILE, discover
+
+    assert discover(tmp_path) is None
+    (tmp_path / PROFILE_FILE).mkdir()
+    with pytest.raises(ValueError, match="is not a regular profile file"):
+        discover(tmp_path)
+    (tmp_path / PROFILE_FILE).rmdir()
+    (tmp_path / PROFILE_FILE).symlink_to(tmp_path / "gone.json")
+    with pytest.raises(ValueError, match="is not a regular profile file"):
+        discover(tmp_path)
+    (tmp_path / "gone.json").write_text("{}")
+    assert discover(tmp_path) == (tmp_path / "gone.json").resolve()
+
+
+def test_a_second_engine_of_the_process_is_decided_for_its_own_model(monkeypatch, tmp_path):
+    """vLLM caches the attention backend class per process (by head size and dtype, not model): a second in-process
+    engine got the Oaken backend chosen for the first and served its model with the first one's profile (the
+    shape check passed). The backend now decides again for the model it is built for, and refuses one with none."""
+    import oakenkv.integrations.vllm as plugin
+
+    a = Settings(profile=tmp_path / "a.json")
+    decided = []
+
+    def activate(model_dir, hf_config):  # (the real one checks the profile against the served model)
+        decided.append(model_dir)
+        plugin._ACTIVE_FOR[0] = model_dir
+        plugin._ACTIVE = a if model_dir == "A" else None
+        return plugin._ACTIVE
+
+    for key in (ENV_PROFILE, ENV_KERNELS, ENV_THREADS, ENV_CPUS, ENV_SPARSE_BYTES, ENV_OVERFLOW):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(plugin, "activate", activate)
+    monkeypatch.setattr(plugin, "_ACTIVE_FOR", [None])
+    monkeypatch.setattr(plugin, "_ACTIVE", None)
+    assert plugin.settings_for("A", None) is a and plugin.settings_for("A", None) is a
+    assert decided == ["A"]  # an engine's layers: decided once
+    with pytest.raises(RuntimeError, match="earlier engine of this process and reuses it for B"):
+        plugin.settings_for("B", None)
+
+
+def test_triton_kernels_on_the_cpu_engine_need_the_interpreter(monkeypatch, tmp_path):
+    """``OAKENKV_VLLM_KERNELS=triton`` on the CPU engine without Triton's interpreter (or a GPU) started, then
+    killed the engine at its first request ("0 active drivers"); it is refused while the engine starts."""
+    _skip_without_vllm()
+    import oakenkv.integrations.vllm as plugin
+    from oakenkv.integrations.vllm import select
+
+    settings = Settings(profile=tmp_path / "p.json", kernels="triton")
+    monkeypatch.setattr(plugin, "activate", lambda model_dir, hf_config: settings)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton's interpreter"):
+        select.backend_class("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select.backend_class("cpu").__name__ == "OakenCudaAttentionBackend"
+
+
 # ================================================================================================ with vLLM
 
 PROMPTS = ("The capital of France is",)

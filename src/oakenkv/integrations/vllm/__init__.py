@@ -83,6 +83,8 @@ MAX_THREADS = 1024
 _LOCK = threading.Lock()
 #: The settings the worker resolved for the served model (:func:`activate`), when the environment names no profile.
 _ACTIVE: Settings | None = None
+#: The served model (vLLM's ``model``) :func:`activate` last decided for.
+_ACTIVE_FOR: list[str | None] = [None]
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,14 @@ def discover(model_dir: str | os.PathLike[str] | None) -> Path | None:
     if not model_dir:
         return None
     candidate = Path(model_dir).expanduser() / PROFILE_FILE
-    return candidate.resolve() if candidate.is_file() else None
+    if candidate.is_file():
+        return candidate.resolve()
+    if os.path.lexists(candidate):  # a directory, a dangling link, a pipe: not silently vLLM's own cache
+        raise ValueError(
+            f"{candidate} is not a regular profile file (a directory, a broken link or a special file): the plugin "
+            "cannot tell which KV cache to serve; replace it with the export's profile or remove it"
+        )
+    return None
 
 
 def activate(model_dir: str | None, hf_config: Any) -> Settings | None:
@@ -270,6 +279,7 @@ def activate(model_dir: str | None, hf_config: Any) -> Settings | None:
     model (:func:`check_profile`, :func:`check_served`), or None (vLLM's own KV cache). Raises for a profile that
     cannot be served, with the reason, before any weight is loaded."""
     global _ACTIVE
+    _ACTIVE_FOR[0] = None if model_dir is None else str(model_dir)
     settings = Settings.from_env(discover(model_dir))
     if settings is None:
         _ACTIVE = None
@@ -286,6 +296,26 @@ def activate(model_dir: str | None, hf_config: Any) -> Settings | None:
 def settings() -> Settings | None:
     """The plugin's settings in this process: the environment's, else what :func:`activate` found."""
     return Settings.from_env() or _ACTIVE
+
+
+def settings_for(model_dir: str | None, hf_config: Any) -> Settings:
+    """The settings of the engine that serves ``model_dir``, when its attention backend is built. vLLM caches the
+    backend class per process (keyed by head size and dtype, not by model): a second engine of the same process
+    gets the class chosen for the first without asking :mod:`select` again, so the decision is made again here for
+    the model served now (its own profile, checked), and an engine whose model has no profile is refused instead
+    of served with the first engine's."""
+    if model_dir is not None and str(model_dir) != _ACTIVE_FOR[0] and activate(model_dir, hf_config) is None:
+        raise RuntimeError(
+            f"vLLM chose the Oaken attention backend for an earlier engine of this process and reuses it for "
+            f"{model_dir}, which has no Oaken profile ({ENV_PROFILE} unset, no {PROFILE_FILE}); build each "
+            "engine in its own process (vLLM's default, VLLM_ENABLE_V1_MULTIPROCESSING=1)"
+        )
+    s = settings()
+    if s is None:
+        raise RuntimeError(
+            f"the Oaken attention backend needs a profile: {ENV_PROFILE}, or an `oakenkv export` directory"
+        )
+    return s
 
 
 def register() -> None:
@@ -382,6 +412,7 @@ def disable() -> None:
     for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS, ENV_CPUS, ENV_KERNELS):
         os.environ.pop(key, None)
     _ACTIVE = None
+    _ACTIVE_FOR[0] = None
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError:
@@ -405,4 +436,5 @@ __all__ = [
     "load_profile",
     "register",
     "settings",
+    "settings_for",
 ]

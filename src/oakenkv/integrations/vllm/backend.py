@@ -40,7 +40,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
-from oakenkv.integrations.vllm import BACKEND_NAME, ENV_PROFILE, Settings, chunk, load_profile, settings
+from oakenkv.integrations.vllm import BACKEND_NAME, Settings, chunk, load_profile, settings_for
 from oakenkv.integrations.vllm.layout import (
     ROW_THREADS_MIN_TOKENS,
     BlockLayout,
@@ -60,12 +60,11 @@ logger = init_logger("vllm.oakenkv")  # (a child of vLLM's logger: its handlers 
 
 
 def _settings() -> Settings:
-    s = settings()
-    if s is None:
-        raise RuntimeError(
-            f"the Oaken attention backend needs a profile: {ENV_PROFILE}, or an `oakenkv export` directory"
-        )
-    return s
+    """The settings of the engine being built (:func:`oakenkv.integrations.vllm.settings_for` its served model)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    mc = getattr(get_current_vllm_config_or_none(), "model_config", None)
+    return settings_for(getattr(mc, "model", None), getattr(mc, "hf_config", None))
 
 
 def _threads(s: Settings) -> int:

@@ -36,6 +36,8 @@ def check_export_dir(out: Path) -> None:
     """Refuse an output directory that exists and is not empty (a previous export is replaced only when it is one:
     it holds ``oakenkv-profile.json``), or one that cannot be created."""
     out = Path(out)
+    if out.is_symlink():  # (a previous export is replaced by removing it, which a link cannot be)
+        raise ValueError(f"--out {out} is a symbolic link; give the directory it points to, or a new one")
     if out.exists():
         if not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a directory")

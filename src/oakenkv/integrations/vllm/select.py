@@ -41,6 +41,17 @@ def backend_class(platform: str = "cpu") -> type:
         from oakenkv.integrations.vllm.backend import OakenAttentionBackend
 
         return OakenAttentionBackend
+    if platform == "cpu":
+        import torch
+
+        from oakenkv.kernels.triton.interpret import interpreting
+
+        if not interpreting() and not torch.cuda.is_available():  # (Triton finds no driver at the first request)
+            raise ValueError(
+                "OAKENKV_VLLM_KERNELS=triton on vLLM's CPU engine runs the Triton kernels on CPU tensors, which needs "
+                "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests) or a GPU; leave it unset for the numba "
+                "kernels"
+            )
     from oakenkv.integrations.vllm.cuda import OakenCudaAttentionBackend
 
     return OakenCudaAttentionBackend
