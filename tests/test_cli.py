@@ -202,6 +202,37 @@ def test_export_of_a_bfloat16_checkpoint_writes_bfloat16_weights(default_model, 
         assert bool(other_dtype) == ((dtype == torch.bfloat16) == (preset == "oaken")), [str(w.message) for w in seen]
 
 
+def test_a_float32_export_read_back_in_bfloat16_fits_its_profile(default_model, tmp_path):
+    """``vllm serve DIR --dtype bfloat16`` of a float32 export is what docs/vllm.md shows; the profile fitted it, but
+    the export read back in bfloat16 by transformers (to compare with vLLM) was refused: "weights changed after
+    oaken-plus transforms were folded". The fold record now holds the folded weights' rounded digest too."""
+    import torch
+    import transformers as tf
+
+    from oakenkv.calibrate.match import check_profile_model
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
+    from oakenkv.calibrate.thresholds import OtherDtypeWarning, Thresholds
+
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(default_model.tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    tf.LlamaForCausalLM(cfg).save_pretrained(src)
+    default_model.tokenizer.save_pretrained(src)
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    profile_plus(model, ids, PlusSearch(alphas=(0.0,), query_positions=8), name="tiny").save(tmp_path / "thr.json")
+    out = tmp_path / "export"
+    args = ["export", "--model", str(src), "--preset", "oaken-plus", "--profile", str(tmp_path / "thr.json")]
+    assert runner.invoke(app, [*args, "--out", str(out)]).exit_code == 0
+    th = Thresholds.load(out / "oakenkv-profile.json")
+    check_profile_model(th, tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
+    with pytest.warns(OtherDtypeWarning):
+        check_profile_model(th, tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16))
+
+
 def test_export_refuses_a_profile_of_the_other_preset_in_the_flags_words(tmp_path):
     """Checked before the model loads, and said with the command's flags (the API's message says preset='...')."""
     from oakenkv.calibrate.plus import SHIPPED_PROFILES

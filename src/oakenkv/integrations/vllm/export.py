@@ -92,8 +92,9 @@ def export_model(
         if static_grids:
             thr = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
         _oaken.apply_profile(model, thr)
-        if dtype is not None and dtype != model.dtype:
-            _oaken.cast_folded(model, dtype)
+        # (also in the model's own dtype: the fold record then holds the folded weights' rounded digest, so that the
+        # export read back in another dtype, as `vllm serve --dtype bfloat16` does, still fits its profile)
+        _oaken.cast_folded(model, dtype if dtype is not None else model.dtype)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp makes it private; the export is a model directory like any)
