@@ -243,3 +243,19 @@ def test_export_refuses_a_profile_of_the_other_preset_in_the_flags_words(tmp_pat
     assert res.exit_code == 2
     assert "not a profile of --preset oaken; use --preset oaken-plus" in " ".join(res.output.split())
     assert not (tmp_path / "x").exists()
+    args = [
+        "export",
+        "--model",
+        "default",
+        "--preset",
+        "oaken-plus-3",
+        "--profile",
+        str(plus),
+        "--out",
+        str(tmp_path / "x"),
+    ]
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})  # (it was said after the model loaded)
+    assert res.exit_code == 2 and "4-bit dense slots, --preset oaken-plus-3 to 3-bit ones" in " ".join(
+        res.output.split()
+    )
+    assert not (tmp_path / "x").exists()

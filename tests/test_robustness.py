@@ -720,6 +720,8 @@ BAD_35 = [
     ("eval zeroshot --thresholds {d}/other.json", "this profile is for"),
     ("bench decode --thresholds {d}/other.json", "this profile is for"),
     ("bench generate --thresholds {d}/other.json", "this profile is for"),
+    ("export --preset oaken --profile {d}/other.json --out {d}/exp-other", "this profile is for"),
+    ("export --preset oaken-plus-3 --profile {d}/thr.json --out {d}/exp-slot", "has no oaken-plus transforms"),
     ("bench attention --thresholds {d}/other.json", "this profile is for"),
     ("eval ppl --method oaken:outer=nan", "must be a finite number"),
     ("eval ppl --method int:bits=0", "must be >= 2 and <= 8"),

@@ -53,7 +53,7 @@ def export_cmd(
     except ValueError as e:
         raise bad_option("--out", str(e).removeprefix("--out ").strip()) from None
     check_model(model)
-    thr = load_thresholds(profile)
+    thr = load_thresholds(profile, model)  # (its shape against the model's config too, before the model loads)
     if thr is not None:  # before the model loads, in the flags' words (find_profile says it in the API's)
         has, wants = thr.transforms is not None, PRESETS[preset].transforms
         if has != wants:
@@ -62,6 +62,13 @@ def export_cmd(
                 "--profile",
                 f"{profile} {kind}, so it is not a profile of --preset {preset}; use --preset "
                 f"{'oaken-plus' if has else 'oaken'}, or a profile made with `oakenkv profile --preset {preset}`",
+            )
+        slot, wants_slot = thr.config.middle_bits, PRESETS[preset].middle_bits
+        if slot != wants_slot:
+            raise bad_option(
+                "--profile",
+                f"{profile} quantizes to {slot}-bit dense slots, --preset {preset} to {wants_slot}-bit ones; use a "
+                f"profile made with `oakenkv profile --preset {preset}`",
             )
     from oakenkv.assets.models import load_model
     from oakenkv.integrations.vllm.export import export_model
