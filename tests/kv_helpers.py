@@ -1,4 +1,4 @@
-"""Helpers shared by the cache and attention tests: quick thresholds from one short forward pass."""
+"""Helpers shared by the tests: quick thresholds from one short forward pass, the command line's commands."""
 
 from __future__ import annotations
 
@@ -71,3 +71,19 @@ def assert_same_greedy(want, got, first_atol: float = 1e-3, drift: float = GREED
             margin = (top[:, 0] - top[:, 1])[ta != tb]
             assert bool((margin < 2 * drift).all()), f"step {i}: tokens differ at margins {margin.tolist()}"
             return  # the contexts differ from here on
+
+
+def cli_commands() -> list:
+    """``(path, click command)`` of every leaf command of ``oakenkv`` (e.g. ``(["eval", "ppl"], ...)``)."""
+    import typer
+
+    from oakenkv.cli import app
+
+    def walk(c, path):
+        if hasattr(c, "commands"):
+            for name, sub in c.commands.items():
+                yield from walk(sub, [*path, name])
+        else:
+            yield path, c
+
+    return list(walk(typer.main.get_command(app), []))

@@ -29,17 +29,10 @@ def test_no_help_text_is_eaten_as_rich_markup():
     windows [default: 16]." printed as "Calibration windows .". A property over every command and option."""
     import re
 
-    import typer
-
-    def walk(c, path):
-        if hasattr(c, "commands"):
-            for name, sub in c.commands.items():
-                yield from walk(sub, [*path, name])
-        else:
-            yield path, c
+    from kv_helpers import cli_commands
 
     texts = 0
-    for path, cmd in walk(typer.main.get_command(app), []):
+    for path, cmd in cli_commands():
         for where, text in [("", cmd.help), *((p.name, getattr(p, "help", None)) for p in cmd.params)]:
             assert not re.search(r"\[/?[a-zA-Z]", text or ""), (path, where, text)
             texts += bool(text)
@@ -152,6 +145,32 @@ def test_bench_generate_runs_a_selected_point_and_rejects_bad_points(default_mod
     assert bad.exit_code != 0 and "PROMPTxBATCH" in bad.output
 
 
+def _tiny_profiled_checkpoint(tokenizer, tmp_path, dtype, preset: str):
+    """A tiny random Llama saved in ``dtype`` with ``tokenizer`` at ``tmp_path / "tiny"`` (returned), and its
+    ``preset`` profile, made on it read in float32 as oakenkv loads it, at ``tmp_path / "thr.json"``."""
+    import torch
+    import transformers as tf
+
+    from oakenkv.calibrate.plus import PlusSearch, profile_plus
+    from oakenkv.calibrate.profile import profile_thresholds
+
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    tf.LlamaForCausalLM(cfg).to(dtype).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    if preset == "oaken":
+        profile_thresholds(model, ids, name="tiny").save(tmp_path / "thr.json")
+    else:
+        profile_plus(model, ids, PlusSearch(alphas=(0.0,), query_positions=8), name="tiny").save(tmp_path / "thr.json")
+    return src
+
+
 @pytest.mark.parametrize("preset", ["oaken", "oaken-plus"])
 def test_export_of_a_bfloat16_checkpoint_writes_bfloat16_weights(default_model, tmp_path, preset):
     """oakenkv loads a model in float32 and folds the transforms there; the export of a checkpoint saved in
@@ -161,24 +180,9 @@ def test_export_of_a_bfloat16_checkpoint_writes_bfloat16_weights(default_model, 
     import transformers as tf
 
     from oakenkv.calibrate.match import check_profile_model
-    from oakenkv.calibrate.plus import PlusSearch, profile_plus
-    from oakenkv.calibrate.profile import profile_thresholds
     from oakenkv.calibrate.thresholds import OtherDtypeWarning, Thresholds
 
-    src = tmp_path / "tiny-bf16"
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=len(default_model.tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
-    default_model.tokenizer.save_pretrained(src)
-    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)  # as oakenkv loads it
-    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
-    if preset == "oaken":
-        profile_thresholds(model, ids, name="tiny").save(tmp_path / "thr.json")
-    else:
-        profile_plus(model, ids, PlusSearch(alphas=(0.0,), query_positions=8), name="tiny").save(tmp_path / "thr.json")
+    src = _tiny_profiled_checkpoint(default_model.tokenizer, tmp_path, torch.bfloat16, preset)
     out = tmp_path / "export"
     args = ["export", "--model", str(src), "--preset", preset, "--profile", str(tmp_path / "thr.json")]
     res = runner.invoke(app, [*args, "--out", str(out)])
@@ -210,20 +214,9 @@ def test_a_float32_export_read_back_in_bfloat16_fits_its_profile(default_model, 
     import transformers as tf
 
     from oakenkv.calibrate.match import check_profile_model
-    from oakenkv.calibrate.plus import PlusSearch, profile_plus
     from oakenkv.calibrate.thresholds import OtherDtypeWarning, Thresholds
 
-    src = tmp_path / "tiny"
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=len(default_model.tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    tf.LlamaForCausalLM(cfg).save_pretrained(src)
-    default_model.tokenizer.save_pretrained(src)
-    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
-    profile_plus(model, ids, PlusSearch(alphas=(0.0,), query_positions=8), name="tiny").save(tmp_path / "thr.json")
+    src = _tiny_profiled_checkpoint(default_model.tokenizer, tmp_path, torch.float32, "oaken-plus")
     out = tmp_path / "export"
     args = ["export", "--model", str(src), "--preset", "oaken-plus", "--profile", str(tmp_path / "thr.json")]
     assert runner.invoke(app, [*args, "--out", str(out)]).exit_code == 0

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 
+from kv_helpers import cli_commands
 from oakenkv.format.config import OakenConfig
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -1012,21 +1013,6 @@ def test_a_position_check_refuses_only_past_the_positions_and_a_timing_run_only_
         check_positions(rotary, 300, "x")
 
 
-def _commands():
-    import typer
-
-    from oakenkv.cli import app
-
-    def walk(c, path):
-        if hasattr(c, "commands"):
-            for name, sub in c.commands.items():
-                yield from walk(sub, [*path, name])
-        else:
-            yield path, c
-
-    return list(walk(typer.main.get_command(app), []))
-
-
 #: What a command needs besides the option under test, to get past its required arguments.
 _REQUIRED = {("generate",): ["--prompt", "hi"], ("hw", "verilog"): ["quant", "--out", "x.v"]}
 
@@ -1036,7 +1022,7 @@ def test_every_bounded_number_option_refuses_values_out_of_range(capsys, no_mode
     above its maximum, is refused in one line naming the option (and a word instead of a number, tried on the
     first such option of each command)."""
     cases = 0
-    for path, cmd in _commands():
+    for path, cmd in cli_commands():
         worded = False
         for p in cmd.params:
             opts = [o for o in getattr(p, "opts", []) if o.startswith("--")]
@@ -1059,7 +1045,7 @@ def test_every_output_option_refuses_an_unwritable_path_before_work(tmp_path, ca
     a file, is refused before any work."""
     (tmp_path / "file").write_text("x")
     cases = 0
-    for path, cmd in _commands():
+    for path, cmd in cli_commands():
         for p in cmd.params:
             opts = [o for o in getattr(p, "opts", []) if o in ("--json", "--out", "--plot", "--plot-seq")]
             if not opts:

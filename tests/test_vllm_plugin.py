@@ -994,14 +994,14 @@ def test_a_second_engine_of_the_process_is_decided_for_its_own_model(monkeypatch
 
     def activate(model_dir, hf_config):  # (the real one checks the profile against the served model)
         decided.append(model_dir)
-        plugin._ACTIVE_FOR[0] = model_dir
+        plugin._ACTIVE_FOR = model_dir
         plugin._ACTIVE = a if model_dir == "A" else None
         return plugin._ACTIVE
 
     for key in (ENV_PROFILE, ENV_KERNELS, ENV_THREADS, ENV_CPUS, ENV_SPARSE_BYTES, ENV_OVERFLOW):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(plugin, "activate", activate)
-    monkeypatch.setattr(plugin, "_ACTIVE_FOR", [None])
+    monkeypatch.setattr(plugin, "_ACTIVE_FOR", None)
     monkeypatch.setattr(plugin, "_ACTIVE", None)
     assert plugin.settings_for("A", None) is a and plugin.settings_for("A", None) is a
     assert decided == ["A"]  # an engine's layers: decided once

@@ -191,8 +191,7 @@ def run_demo(
         "architecture": type(lm.model).__name__,
         "config": {
             "num_layers": cfg.num_hidden_layers,
-            "num_kv_heads": kv_shape(cfg)[0],
-            "head_dim": kv_shape(cfg)[1],
+            **dict(zip(("num_kv_heads", "head_dim"), kv_shape(cfg), strict=True)),
             "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
         },
         "data": {"text": text_name, "windows": int(ids.shape[0]), "window": window},

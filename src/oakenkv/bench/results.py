@@ -121,8 +121,7 @@ def save(
 ) -> Path:
     """Write ``payload`` with :func:`meta` as :func:`result_path` (replacing the point's previous result), or at
     ``path``, and return the path."""
-    target = result_path(benchmark, point, root)
-    path = target if path is None else Path(path)
+    path = result_path(benchmark, point, root) if path is None else Path(path)
     body = {"meta": meta(), **{k: v for k, v in payload.items() if k != "meta"}}
     if isinstance(payload.get("meta"), dict):  # the benchmark's own settings stay, beside the run's
         body["settings"] = payload["meta"]

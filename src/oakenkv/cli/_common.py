@@ -246,7 +246,7 @@ def calib_spec(
         family = FAMILIES[parse_spec(method)[0]]
     except ValueError:  # (a bad spec is refused with its own message next)
         family = None
-    if given and family is not None and not (family.calibrated or family.profile):
+    if given and family is not None and not family.calibrates:
         raise bad_option(given[0], f"{family.name} calibrates nothing, so calibration options do not apply")
     if calib_path is not None and calib_text is None:
         calib_text = "file"

@@ -238,7 +238,7 @@ def _warn_if_calibrated_on(method: str, thresholds: Any, calibration: Any, datas
     from oakenkv.methods.registry import FAMILIES, parse_spec
 
     family = FAMILIES[parse_spec(method)[0]]
-    if thresholds is not None or not (family.calibrated or family.profile):
+    if thresholds is not None or not family.calibrates:
         return
     spec = calibration if isinstance(calibration, CalibrationSpec) else CalibrationSpec()
     if spec.text == "wikitext2":

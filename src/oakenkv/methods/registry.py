@@ -161,6 +161,11 @@ class Family:
     def defaults(self) -> dict[str, Any]:
         return {k: p.default for k, p in self.params.items()}
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether building it calibrates on text when no profile file is given (its thresholds or ranges)."""
+        return self.calibrated or self.profile is not None
+
 
 FAMILIES: dict[str, Family] = {
     f.name: f

@@ -84,7 +84,7 @@ _LOCK = threading.Lock()
 #: The settings the worker resolved for the served model (:func:`activate`), when the environment names no profile.
 _ACTIVE: Settings | None = None
 #: The served model (vLLM's ``model``) :func:`activate` last decided for.
-_ACTIVE_FOR: list[str | None] = [None]
+_ACTIVE_FOR: str | None = None
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,8 @@ def activate(model_dir: str | None, hf_config: Any) -> Settings | None:
     ``OAKENKV_VLLM_PROFILE`` names, else the served directory's) after every check of the profile against the served
     model (:func:`check_profile`, :func:`check_served`), or None (vLLM's own KV cache). Raises for a profile that
     cannot be served, with the reason, before any weight is loaded."""
-    global _ACTIVE
-    _ACTIVE_FOR[0] = None if model_dir is None else str(model_dir)
+    global _ACTIVE, _ACTIVE_FOR
+    _ACTIVE_FOR = None if model_dir is None else str(model_dir)
     settings = Settings.from_env(discover(model_dir))
     if settings is None:
         _ACTIVE = None
@@ -304,7 +304,7 @@ def settings_for(model_dir: str | None, hf_config: Any) -> Settings:
     gets the class chosen for the first without asking :mod:`select` again, so the decision is made again here for
     the model served now (its own profile, checked), and an engine whose model has no profile is refused instead
     of served with the first engine's."""
-    if model_dir is not None and str(model_dir) != _ACTIVE_FOR[0] and activate(model_dir, hf_config) is None:
+    if model_dir is not None and str(model_dir) != _ACTIVE_FOR and activate(model_dir, hf_config) is None:
         raise RuntimeError(
             f"vLLM chose the Oaken attention backend for an earlier engine of this process and reuses it for "
             f"{model_dir}, which has no Oaken profile ({ENV_PROFILE} unset, no {PROFILE_FILE}); build each "
@@ -408,11 +408,11 @@ def _set_env(
 
 def disable() -> None:
     """Turn the plugin off for engines built afterwards (already built engines keep it)."""
-    global _ACTIVE
+    global _ACTIVE, _ACTIVE_FOR
     for key in (ENV_PROFILE, ENV_SPARSE_BYTES, ENV_OVERFLOW, ENV_THREADS, ENV_CPUS, ENV_KERNELS):
         os.environ.pop(key, None)
     _ACTIVE = None
-    _ACTIVE_FOR[0] = None
+    _ACTIVE_FOR = None
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError:

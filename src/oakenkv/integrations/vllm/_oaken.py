@@ -68,6 +68,7 @@ from oakenkv.kernels.cpu.attention import (
 from oakenkv.kernels.cpu.codec import encode_records, static_grid_array
 from oakenkv.kernels.cpu.helpers import f16_widen, f32_to_f16_bits
 from oakenkv.kernels.cpu.rotate import shift_rotate_rows
+from oakenkv.kernels.triton.interpret import interpreting
 from oakenkv.store.records import put_record
 from oakenkv.store.view import LayerTables, grown
 
@@ -106,6 +107,7 @@ __all__ = [
     "from_records",
     "fwht",
     "grown",
+    "interpreting",
     "merge_sinks",
     "packed_decode_attention",
     "packed_decode_attention_rows",

@@ -42,12 +42,11 @@ def backend_class(platform: str = "cpu") -> type:
 
         return OakenAttentionBackend
     if platform == "cpu":
-        import os
-
         import torch
 
-        interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # (as oakenkv.kernels.triton.interpret reads it)
-        if not interpreting and not torch.cuda.is_available():  # (Triton finds no driver at the first request)
+        from oakenkv.integrations.vllm._oaken import interpreting
+
+        if not interpreting() and not torch.cuda.is_available():  # (Triton finds no driver at the first request)
             raise ValueError(
                 "OAKENKV_VLLM_KERNELS=triton on vLLM's CPU engine runs the Triton kernels on CPU tensors, which needs "
                 "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests) or a GPU; leave it unset for the numba "
