@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -236,19 +237,32 @@ def test_export_refuses_a_profile_of_the_other_preset_in_the_flags_words(tmp_pat
     assert res.exit_code == 2
     assert "not a profile of --preset oaken; use --preset oaken-plus" in " ".join(res.output.split())
     assert not (tmp_path / "x").exists()
-    args = [
-        "export",
-        "--model",
-        "default",
-        "--preset",
-        "oaken-plus-3",
-        "--profile",
-        str(plus),
-        "--out",
-        str(tmp_path / "x"),
-    ]
-    res = runner.invoke(app, args, env={"COLUMNS": "300"})  # (it was said after the model loaded)
-    assert res.exit_code == 2 and "4-bit dense slots, --preset oaken-plus-3 to 3-bit ones" in " ".join(
-        res.output.split()
-    )
+    # a profile of another slot width (it was said after the model loaded)
+    from oakenkv.calibrate.thresholds import Thresholds
+
+    three = tmp_path / "three.json"
+    th = Thresholds.load(plus)
+    dataclasses.replace(th, config=th.config.replace(middle_bits=3, inner_bits=4, outer_bits=4)).save(three)
+    args = ["export", "--model", "default", "--profile", str(three), "--out", str(tmp_path / "x")]
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and "3-bit dense slots, --preset oaken-plus to 4-bit ones" in " ".join(res.output.split())
     assert not (tmp_path / "x").exists()
+    from oakenkv.integrations.vllm import check_profile
+
+    with pytest.raises(ValueError, match="blocks hold 4-bit dense slots, not 3-bit ones"):
+        check_profile(Thresholds.load(three), three)  # (the plugin at start, for such a profile named by its path)
+
+
+@pytest.mark.parametrize("preset", ["oaken-plus-3", "oaken-plus-7"])
+def test_export_refuses_a_preset_the_plugin_cannot_serve(preset, tmp_path):
+    """The plugin's blocks hold 4-bit dense slots: an export of another width was written, then refused by vLLM at
+    start. Refused now before any work, by the CLI and by ``export_model``."""
+    from oakenkv.integrations.vllm.export import export_model
+
+    out = tmp_path / "x"
+    res = runner.invoke(app, ["export", "--preset", preset, "--out", str(out)], env={"COLUMNS": "300"})
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "4-bit dense slots" in said and "export 'oaken-plus' or 'oaken'" in said, said
+    with pytest.raises(ValueError, match=f"preset '{preset}': the vLLM plugin's blocks hold 4-bit dense slots"):
+        export_model(None, None, out, preset)
+    assert not out.exists()

@@ -44,10 +44,14 @@ def export_cmd(
     with its Oaken profile inside (oakenkv-profile.json): `python -m vllm.entrypoints.openai.api_server --model
     OUT` then serves it with Oaken's KV cache (the oakenkv vLLM plugin finds the profile there)."""
     from oakenkv.calibrate.presets import PRESETS
+    from oakenkv.integrations.vllm import slot_refusal
     from oakenkv.integrations.vllm.export import check_export_dir
 
     if preset not in PRESETS:
         raise bad_option("--preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
+    refused = slot_refusal(PRESETS[preset].middle_bits)
+    if refused is not None:
+        raise bad_option("--preset", f"{preset}: {refused}; export 'oaken-plus' or 'oaken'")
     try:
         check_export_dir(out)
     except ValueError as e:

@@ -167,6 +167,22 @@ def _check_version() -> None:
 
 #: What the plugin says to a profile with static levels (``OakenConfig.static_levels``): its blocks and kernels
 #: read records of one static grid per layer and kind, not a level byte per row.
+#: The dense slot width (``OakenConfig.middle_bits``) the plugin's blocks hold; the presets of other widths
+#: (oaken-plus-2, -3, -5, -6, -7) run in OakenCache and eval only.
+SERVED_SLOT_BITS = 4
+
+
+def slot_refusal(middle_bits: int) -> str | None:
+    """Why the plugin cannot serve ``middle_bits``-bit dense slots, or None when it can (:func:`check_profile`, and
+    ``oakenkv export`` before any work)."""
+    if middle_bits == SERVED_SLOT_BITS:
+        return None
+    return (
+        f"the vLLM plugin's blocks hold {SERVED_SLOT_BITS}-bit dense slots, not {middle_bits}-bit ones (oaken-plus-2, "
+        "-3, -5, -6 and -7 run in OakenCache and eval only, for now)"
+    )
+
+
 LEVELS_REFUSED = (
     "the vLLM plugin serves one static middle/inner grid per layer (OakenConfig.static_grids), not static levels "
     "(OakenConfig.static_levels, a level byte per record); this profile runs in OakenCache and eval only, for now"
@@ -187,11 +203,9 @@ def check_profile(thr: Any, path: os.PathLike[str] | str) -> None:
         raise ValueError(f"{path}: vLLM caches keys after RoPE; profile with key_position='post_rope'")
     if cfg.scale_dtype != "float16":
         raise ValueError(f"{path}: the vLLM plugin stores fp16 scales; this profile uses float32 scales")
-    if cfg.middle_bits != 4:
-        raise ValueError(
-            f"{path}: the vLLM plugin's blocks hold 4-bit dense slots; this profile has {cfg.middle_bits}-bit slots "
-            "(oaken-plus-2, -3, -5 and -6 run in OakenCache and eval only, for now)"
-        )
+    refused = slot_refusal(cfg.middle_bits)
+    if refused is not None:
+        raise ValueError(f"{path}: {refused}")
     if cfg.static_levels:
         raise NotImplementedError(f"{path}: {LEVELS_REFUSED}")
 
@@ -424,6 +438,7 @@ def disable() -> None:
 __all__ = [
     "BACKEND_NAME",
     "PROFILE_FILE",
+    "SERVED_SLOT_BITS",
     "SUPPORTED_VLLM",
     "Settings",
     "activate",
@@ -437,4 +452,5 @@ __all__ = [
     "register",
     "settings",
     "settings_for",
+    "slot_refusal",
 ]

@@ -66,7 +66,8 @@ def export_model(
     servable directory with ``oakenkv-profile.json`` (module docstring); returns the profile's path.
 
     Args:
-        preset: ``"oaken-plus"`` (default) or ``"oaken"``.
+        preset: ``"oaken-plus"`` (default) or ``"oaken"`` (the presets of other slot widths are refused: the plugin
+            serves 4-bit slots, ``oakenkv.integrations.vllm.SERVED_SLOT_BITS``).
         profile: a profile (path or ``Thresholds``) of ``preset``'s kind for this model, else found or made as by
             ``OakenCache.for_model``.
         source: where the model came from (recorded).
@@ -78,6 +79,11 @@ def export_model(
     """
     if preset not in _oaken.PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(_oaken.PRESETS)}")
+    from oakenkv.integrations.vllm import slot_refusal
+
+    refused = slot_refusal(_oaken.PRESETS[preset].middle_bits)
+    if refused is not None:  # (before any work: the plugin would refuse the directory at start)
+        raise ValueError(f"preset {preset!r}: {refused}")
     out = Path(out)
     check_export_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
