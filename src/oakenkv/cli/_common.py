@@ -15,8 +15,8 @@ from oakenkv.util.paths import MAX_TEXT_BYTES
 app = typer.Typer(
     name="oakenkv",
     help="Oaken KV-cache quantization (ISCA 2025): profile thresholds, quantize the KV cache of a transformers "
-    "model into a fused dense-and-sparse 4.8-bit format, evaluate it against its peers and simulate the "
-    "Oaken accelerator. Add --debug to any command to see a traceback with its error.",
+    "model into a fused dense-and-sparse format of about 5 bits per value, evaluate it against its peers and "
+    "simulate the Oaken accelerator. Add --debug to any command to see a traceback with its error.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

