@@ -52,10 +52,16 @@ def test_slot_width_and_group_bits_are_validated():
         OakenConfig(middle_bits=2, outer_bits=4)
     with pytest.raises(ValueError, match="inner_bits must be 4 or 5"):
         OakenConfig(inner_bits=3)
-    # replace keeps the explicit bits: a 4-bit config's 5-bit outliers do not fit a 3-bit slot
-    with pytest.raises(ValueError, match="inner_bits"):
-        OakenConfig().replace(middle_bits=3)
-    assert OakenConfig().replace(middle_bits=3, inner_bits=4, outer_bits=4) == OakenConfig(middle_bits=3)
+    # replace carries the group widths along with the slot: replace(middle_bits=5) kept 5-bit outliers (silently a
+    # bit short), replace(middle_bits=3) raised about inner_bits the caller never set
+    for mb in MIDDLE_BITS_CHOICES:
+        assert OakenConfig().replace(middle_bits=mb) == OakenConfig(middle_bits=mb)
+        assert OakenConfig(middle_bits=mb).replace(middle_bits=4) == OakenConfig()
+    narrow = OakenConfig(inner_bits=4, outer_bits=5)  # (inner codes without the COO bit)
+    assert narrow.replace(middle_bits=6) == OakenConfig(middle_bits=6, inner_bits=6, outer_bits=7)
+    assert OakenConfig().replace(middle_bits=3, inner_bits=3) == OakenConfig(middle_bits=3, inner_bits=3)
+    with pytest.raises(ValueError, match="inner_bits must be 3 or 4"):
+        OakenConfig().replace(middle_bits=3, inner_bits=5)
 
 
 def test_versions_refuse_what_they_cannot_hold():

@@ -462,6 +462,28 @@ def test_profile_round_trip_and_refusals(default_model, profile, folded, tmp_pat
         OakenCache.from_profile(type("M", (), {"config": cfg})(), profile)
 
 
+def test_a_folded_model_in_another_dtype_still_gets_its_cache(profile, folded, tmp_path):
+    """``for_model`` folds, then the user casts the model (``.to(torch.bfloat16)``) or saves it and loads it again in
+    bfloat16: every way to a cache was refused ("weights changed after oaken-plus transforms were folded ... build
+    the cache with OakenCache.from_profile", which was what had been called). The fold now records the folded
+    weights' rounded digest, so the same weights in another dtype are accepted (warned); changed ones are not."""
+    import transformers as tf
+
+    from oakenkv.calibrate.thresholds import ModelMismatchError, OtherDtypeWarning
+
+    cast = copy.deepcopy(folded).to(torch.bfloat16)
+    with pytest.warns(OtherDtypeWarning):
+        assert OakenCache.from_profile(cast, profile).store.thresholds is profile
+    cast.save_pretrained(tmp_path / "m")
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    with pytest.warns(OtherDtypeWarning):
+        OakenCache.from_profile(again, profile)
+    with torch.no_grad():
+        again.model.layers[3].mlp.down_proj.weight[0, :8] += 0.5  # changed, not cast: refused
+    with pytest.raises(ModelMismatchError, match="changed after oaken-plus transforms were folded"):
+        OakenCache.from_profile(again, profile)
+
+
 def test_greedy_generation_matches_the_evaluation_cache(default_model, profile, folded):
     """OakenCache (float path and packed decode attention) and the evaluation's fake-quantizing cache quantize
     the same transformed keys and values, so greedy tokens are identical (the packed attention's up to its

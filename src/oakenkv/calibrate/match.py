@@ -55,9 +55,10 @@ def _config(model: Any) -> Any:
 def record_fold(model: Any, before: str, before_rounded: str | None = None) -> None:
     """Mark ``model`` (whose oaken-plus transforms were just folded in, or marked) with the digest of its weights
     ``before`` the fold and of those it holds now, for :func:`check_profile_model`; ``before_rounded``: their
-    rounded digest (``identity.rounded_weights_digest``), when the profile matched them by it (another dtype)."""
-    after = weights_digest(model)
-    setattr(model.config, FOLD_WEIGHTS, (before, after) if before_rounded is None else (before, after, before_rounded))
+    rounded digest (``identity.rounded_weights_digest``), when the profile matched them by it (another dtype).
+    The folded weights' rounded digest is recorded too, so that the folded model cast to another dtype (``.to``, or
+    saved and loaded again in it) is still known by them (:func:`check_identity`, with ``OtherDtypeWarning``)."""
+    setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model), before_rounded, rounded_weights_digest(model)))
 
 
 def cast_folded(model: Any, dtype: Any) -> None:
@@ -112,9 +113,9 @@ def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -
     if weights_digest(model) != after:
         if after_rounded is None or rounded_weights_digest(model) != after_rounded:
             raise ModelMismatchError(
-                "this model's weights changed after oaken-plus transforms were folded into them, so they are no "
-                "longer the profiled ones; load the model again and build the cache with "
-                "OakenCache.from_profile(model, ...)"
+                "this model's weights changed after oaken-plus transforms were folded into them (not only cast to "
+                "another dtype, which is accepted), so they are no longer the profiled ones; load the original, "
+                "unfolded model again and build its cache with OakenCache.for_model (or from_profile)"
             )
         warnings.warn(
             "this model holds its folded weights in another dtype than they were recorded in (equal when rounded to "

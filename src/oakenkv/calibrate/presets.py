@@ -224,7 +224,7 @@ def find_profile(
     if is_folded(model) is not None:
         raise ValueError(
             "this model carries oaken-plus transforms folded in elsewhere: pass profile=... (the profile they came "
-            "from), or load the model again"
+            "from, e.g. an export's oakenkv-profile.json), or load the original, unfolded model"
         )
     tok = tokenizer if tokenizer is not None else _tokenizer(model)
     name = model_name(model)

@@ -178,7 +178,12 @@ class OakenConfig:
         return self.outer_ratio + self.inner_ratio
 
     def replace(self, **changes: Any) -> OakenConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A new ``middle_bits`` carries the group widths along
+        (outliers one bit wider than the slot stay one bit wider) unless ``inner_bits``/``outer_bits`` are given."""
+        mb = changes.get("middle_bits", self.middle_bits)
+        if is_int(mb) and mb != self.middle_bits:
+            for name in ("inner_bits", "outer_bits"):
+                changes.setdefault(name, mb + (getattr(self, name) - self.middle_bits))
         return OakenConfig(**{**asdict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:
