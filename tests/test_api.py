@@ -162,6 +162,26 @@ def test_either_cache_keyword_reaches_the_cache(keyword):
     assert cache.get_seq_length() == out.shape[1] - 1
 
 
+def test_a_forward_that_wants_gradients_is_told_none_flow_through_the_cache():
+    """A loss computed with the cache (no torch.no_grad) back-propagated as if the keys and values were exact, while
+    k_proj and v_proj got no gradient at all: now said, once per cache; nothing said under no_grad."""
+    import warnings
+
+    from oakenkv.hf.cache import NoGradientWarning
+
+    model = _tiny_llama()
+    ids = torch.arange(6)[None]
+    cache = OakenCache.for_model(model, preset="oaken", profile=_tiny_profile(model))
+    with pytest.warns(NoGradientWarning, match="no gradient flows back through the cache") as seen:
+        model(input_ids=ids, labels=ids, use_cache=True, past_key_values=cache).loss.backward()
+    assert sum(w.category is NoGradientWarning for w in seen) == 1  # (two layers, one warning)
+    assert model.model.layers[0].self_attn.k_proj.weight.grad is None  # (what it warns of)
+    cache = OakenCache.for_model(model, preset="oaken", profile=_tiny_profile(model))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", NoGradientWarning)
+        model(input_ids=ids, use_cache=True, past_key_values=cache)
+
+
 def test_a_cache_under_the_other_keyword_beside_a_filled_cache_raises():
     from transformers import DynamicCache
 

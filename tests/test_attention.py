@@ -278,6 +278,37 @@ def test_mask_conversion_is_cached_per_tensor_and_sees_in_place_changes():
         assert _keep_mask(inf, 1, 5).tolist() == [[0, 0, 1, 1, 1]]
 
 
+def test_threads_decoding_at_once_never_get_each_others_mask():
+    """The memo of the last converted mask was a module-global list checked in one statement and returned in
+    another: two threads decoding with different masks of one shape (two generate calls in a threaded server)
+    got each other's mask, about once in 2,000 calls with a short switch interval. It is a tuple replaced whole."""
+    import sys
+    import threading
+
+    from oakenkv.hf.attention import _keep_mask
+
+    before = sys.getswitchinterval()
+    masks = [_mask(2, 40, [3, 3]), _mask(2, 40, [17, 17])]
+    wrong = [0, 0]
+
+    def work(i: int) -> None:
+        want = masks[i][:, 0, 0, :].numpy().astype(np.uint8)
+        for _ in range(40_000):
+            if not np.array_equal(_keep_mask(masks[i], 2, 40), want):
+                wrong[i] += 1
+
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert wrong == [0, 0]
+
+
 def _sparse_outlier_kv(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V whose rows hold only 0-5 outliers each (inner and outer, both signs) at random positions: most rows need
     COO escapes (an entry two chunks ahead, or the same index and group one chunk ahead), which real rows rarely

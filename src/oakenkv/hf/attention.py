@@ -34,8 +34,10 @@ from oakenkv.store.paged import KEY, VALUE, PagedKVStore
 #: layer of an attention type; converting it once instead of once per layer saves time every step. The entry holds a
 #: reference to the tensor, so the ``is`` test cannot be fooled by a recycled object id, and compares its
 #: ``_version`` so an in-place change is seen (inference-mode tensors have no version counter: for them the
-#: identity alone decides; transformers builds a new mask every forward and never edits one in place).
-_KEEP_CACHE: list[Any] = [None, -1, 0, 0, None]
+#: identity alone decides; transformers builds a new mask every forward and never edits one in place). A tuple
+#: replaced whole, read once per call: threads decoding at once (two generate calls in a server) never pair one's
+#: mask with the other's result (a list updated in place did, about once in 2,000 calls under contention).
+_KEEP_CACHE: tuple[Any, ...] = (None, -1, 0, 0, None)
 
 
 #: All ones, for a step without a mask (:func:`_keep_mask` returns views of it; grown as needed).
@@ -70,16 +72,17 @@ def _version(t: torch.Tensor) -> int:
 
 def _keep_mask(attention_mask: torch.Tensor | None, batch: int, num_tokens: int) -> np.ndarray:
     """uint8 ``[B, T]``: 1 where the single query token may attend, from a bool or additive 4-D mask (read only)."""
+    global _KEEP_CACHE, _ONES
     if attention_mask is None:  # (a view of one all-ones buffer: never written, as every cached mask)
-        global _ONES
-        if _ONES.size < batch * num_tokens:
-            _ONES = np.ones(max(2 * _ONES.size, batch * num_tokens), np.uint8)
-        return _ONES[: batch * num_tokens].reshape(batch, num_tokens)
+        ones = _ONES
+        if ones.size < batch * num_tokens:
+            ones = _ONES = np.ones(max(2 * ones.size, batch * num_tokens), np.uint8)
+        return ones[: batch * num_tokens].reshape(batch, num_tokens)
     c = _KEEP_CACHE
     if c[0] is attention_mask and c[1] == _version(attention_mask) and c[2] == batch and c[3] == num_tokens:
         return c[4]
     keep = _convert_mask(attention_mask, batch, num_tokens)
-    _KEEP_CACHE[:] = [attention_mask, _version(attention_mask), batch, num_tokens, keep]
+    _KEEP_CACHE = (attention_mask, _version(attention_mask), batch, num_tokens, keep)
     return keep
 
 
@@ -178,7 +181,7 @@ def packed_decode_attention(
 
 
 #: The last mask :func:`_mask_has_bias` looked at, its version and the answer (as :data:`_KEEP_CACHE`).
-_BIAS_CACHE: list[Any] = [None, -1, False]
+_BIAS_CACHE: tuple[Any, ...] = (None, -1, False)
 
 
 def _mask_has_bias(attention_mask: torch.Tensor | None) -> bool:
@@ -187,13 +190,14 @@ def _mask_has_bias(attention_mask: torch.Tensor | None) -> bool:
     kernels read a mask as a keep mask of one row per sequence, so such a mask takes the float path."""
     if attention_mask is None or attention_mask.dtype == torch.bool:
         return False
+    global _BIAS_CACHE
     c = _BIAS_CACHE
     if c[0] is attention_mask and c[1] == _version(attention_mask):
         return c[2]
     m = attention_mask
     low = torch.finfo(m.dtype).min / 2
     bias = (m.dim() == 4 and m.shape[1] > 1) or bool(((m > low) & (m != 0)).any())
-    _BIAS_CACHE[:] = [attention_mask, _version(attention_mask), bias]
+    _BIAS_CACHE = (attention_mask, _version(attention_mask), bias)
     return bias
 
 

@@ -53,6 +53,7 @@ of its source sequence (pages shared, copied on write), never a copy of the KV b
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,11 @@ BACKENDS = ("auto", "numba", "triton")
 # ------------------------------------------------------------------------------------------------ layers
 
 _MISSING = object()
+
+
+class NoGradientWarning(UserWarning):
+    """An :class:`OakenCache` was given keys and values that require a gradient: it stores them quantized, through
+    numpy, so no gradient flows back through the cache (to ``k_proj``/``v_proj`` and what feeds them)."""
 
 
 class OakenLayer(CacheLayerMixin):
@@ -120,6 +126,14 @@ class OakenLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
+        if self.layer_idx == 0 and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            warnings.warn(  # (once per cache: its first layer's first tokens)
+                "OakenCache stores keys and values quantized, outside autograd: no gradient flows back through the "
+                "cache (k_proj, v_proj and what feeds them get none). Run inference under torch.no_grad() or "
+                "torch.inference_mode(); to train, leave the cache out",
+                NoGradientWarning,
+                stacklevel=4,
+            )
         if self.device.type != "cpu" and not getattr(self.store, "on_device", False):
             raise ValueError(
                 f"OakenCache's host store (numba) keeps its pages in host memory, got tensors on {self.device}: a "
