@@ -94,6 +94,17 @@ def test_threshold_and_input_validation():
         arith.quantize_hw(torch.zeros(4), THR)
     with pytest.raises(ValueError, match="collapse"):
         arith.threshold_fx((-1e-9, 0.0, 0.0, 1.0))
+    # other slot widths were computed with the 4-bit engine's 32-entry step ROM (a 7-bit grid got twice the step)
+    # or packed as 4-bit bytes: refused
+    for mb in (3, 5, 7):
+        with pytest.raises(ValueError, match="4-bit dense slot"):
+            arith.quantize_hw(torch.zeros(1, 4), THR, OakenConfig(middle_bits=mb))
+    from oakenkv.hw.engines import DequantEngineModel, QuantEngineModel
+
+    for bits in ((3, 4, 4), (5, 6, 6), (4, 5)):
+        for engine in (QuantEngineModel, DequantEngineModel):
+            with pytest.raises(ValueError, match="4-bit dense slot"):
+                engine((-4, -1, 1, 4), bits)
 
 
 # ---------------------------------------------------------------------------------------------- the quantizer

@@ -429,6 +429,14 @@ def test_the_streamed_search_on_the_default_model(default_model, profile):
     assert _decided(profile) == _decided(at_once)
 
 
+def test_windows_of_one_token_are_refused_before_the_search(default_model):
+    """Token 0 is the sink, left out of the key statistics: one-token windows died in the search with torch's
+    "amax(): Expected reduction dim 2 to have non-zero size"; two tokens are enough."""
+    ids = torch.tensor([[1], [2]])
+    with pytest.raises(ValueError, match="at least 2 tokens .* got windows of 1"):
+        profile_plus(copy.deepcopy(default_model.model), ids)
+
+
 def test_profile_round_trip_and_refusals(default_model, profile, folded, tmp_path):
     t = profile.transforms
     assert t is not None and t.num_layers == default_model.model.config.num_hidden_layers

@@ -112,6 +112,19 @@ def test_bad_names_and_shapes_raise_clear_errors():
         simulate(SYSTEMS["oaken-hbm"], MODELS["llama2-7b"], 0, 1024, 1024)
     with pytest.raises(ValueError, match="input_len"):
         simulate(SYSTEMS["oaken-hbm"], MODELS["llama2-7b"], 4, 0, 1024)
+    # a fractional or boolean batch or length ran (batch_run=3.5), max_batch(seq_len=0) divided by zero and a
+    # negative one gave a negative batch; numpy integers are counts like ints, and come back as ints
+    s, m = SYSTEMS["oaken-hbm"], MODELS["llama2-7b"]
+    for batch, lens in ((3.5, (1024, 1024)), (True, (1024, 1024)), (4, (5.5, 1024)), (4, (1024, False))):
+        with pytest.raises(ValueError, match="must be an int|must be ints"):
+            simulate(s, m, batch, *lens)
+    for seq_len in (0, -5, 2.0):
+        with pytest.raises(ValueError, match="seq_len must be an int >= 1"):
+            max_batch(s, m, seq_len)
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        max_context(s, m, 1.5)
+    r = simulate(s, m, np.int64(4), np.int64(128), 64)
+    assert r == simulate(s, m, 4, 128, 64) and type(r.batch_run) is int and json.dumps(r.to_dict())
 
 
 # ---------------------------------------------------------------- roofline and capacity

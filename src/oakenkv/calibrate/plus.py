@@ -131,6 +131,11 @@ def profile_plus_many(
     if is_folded(model) is not None:
         raise TransformError("profile oaken-plus on the original model, not on one with transforms folded in")
     check_windows(model, windows)
+    if windows.shape[1] < 2:  # (token 0, the sink, is left out of the key statistics)
+        raise ValueError(
+            f"oaken-plus calibration windows need at least 2 tokens (the first is the attention sink, left out of "
+            f"the key statistics), got windows of {int(windows.shape[1])}"
+        )
     runs = int(windows.shape[0])
     query_runs = {min(s.query_runs, runs) for s in searches}
     if len(query_runs) != 1:

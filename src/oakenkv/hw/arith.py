@@ -186,6 +186,10 @@ def _check_config(config: OakenConfig) -> None:
         raise ValueError("hardware arithmetic stores fp16 scales; use OakenConfig(scale_dtype='float16')")
     if config.static_grids:
         raise NotImplementedError(STATIC_GRIDS_REFUSED)
+    if config.middle_bits != 4:  # (the step ROM has 32 entries: a wider grid got twice the step, silently)
+        raise ValueError(
+            f"hardware arithmetic models the paper's 4-bit dense slot; this config has {config.middle_bits}-bit slots"
+        )
 
 
 def input_fx(x: torch.Tensor) -> torch.Tensor:

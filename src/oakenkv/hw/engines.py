@@ -43,6 +43,14 @@ from oakenkv.quant.quantizer import GROUP_INNER, GROUP_MIDDLE, GROUP_OUTER
 LANES = 64
 
 
+def check_engine_bits(bits: tuple[int, int, int]) -> None:
+    """Refuse group widths the engines do not model: the paper's 4-bit dense slot (two codes a byte) with 4- or 5-bit
+    inner and outer codes (the slot plus the COO entry's bit). Other widths packed 4-bit bytes or indexed past the
+    step ROM's 32 entries, silently or with an IndexError."""
+    if len(bits) != 3 or bits[0] != 4 or any(b not in (4, 5) for b in bits[1:]):
+        raise ValueError(f"the engines model the paper's 4-bit dense slot, bits (4, 4 or 5, 4 or 5); got {bits}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Scalar units shared by both engines
 # --------------------------------------------------------------------------------------------------------------
@@ -142,6 +150,9 @@ class QuantEngineModel:
     bits: tuple[int, int, int] = (4, 5, 5)
     cycles: int = 0
     stats: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_engine_bits(tuple(self.bits))
 
     # Q1 -------------------------------------------------------------------------------------------------------
     def decompose(self, x: list[int]) -> tuple[list[int], list[int]]:
@@ -287,6 +298,9 @@ class DequantEngineModel:
     t: tuple[int, int, int, int]
     bits: tuple[int, int, int] = (4, 5, 5)
     cycles: int = 0
+
+    def __post_init__(self) -> None:
+        check_engine_bits(tuple(self.bits))
 
     @staticmethod
     def parse_stream(stream: list[int], dim: int) -> list[list[int]]:

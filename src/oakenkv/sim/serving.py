@@ -32,6 +32,13 @@ import numpy as np
 from oakenkv.sim.hardware import SystemSpec
 from oakenkv.sim.kvbytes import KVFormat, get_kv_format
 from oakenkv.sim.shapes import ModelShape
+from oakenkv.util.exact import is_int
+
+
+def _is_count(v: object) -> bool:
+    """An int (not a bool) or a numpy integer: a batch or a length (floats and bools were taken and run)."""
+    return is_int(v) or isinstance(v, np.integer)
+
 
 WEIGHT_BYTES = 2  # FP16 weights on every system (the paper quantizes only the KV cache)
 
@@ -62,8 +69,8 @@ class RunResult:
 
 
 def _check_lengths(input_len: int, output_len: int) -> None:
-    if input_len < 1 or output_len < 1:
-        raise ValueError(f"input_len and output_len must be >= 1, got {input_len} and {output_len}")
+    if not (_is_count(input_len) and _is_count(output_len)) or input_len < 1 or output_len < 1:
+        raise ValueError(f"input_len and output_len must be ints >= 1, got {input_len!r} and {output_len!r}")
 
 
 def weight_bytes_stored(model: ModelShape) -> float:
@@ -133,6 +140,8 @@ def memory_needed(model: ModelShape, fmt: KVFormat, batch: int, seq_len: int) ->
 
 def max_batch(system: SystemSpec, model: ModelShape, seq_len: int, kv_format: str | None = None) -> int:
     """Largest number of sequences of final length ``seq_len`` whose weights + KV fit (0 if none)."""
+    if not _is_count(seq_len) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
     fmt = _kv_format(system, kv_format)
     free = system.capacity - weight_bytes_stored(model)
     if free <= 0:
@@ -158,8 +167,8 @@ def policy_max_batch(
 
 def batch_to_run(system: SystemSpec, requested: int, fits: int) -> int:
     """Apply the system's batching policy to a requested batch given the policy's largest batch that fits."""
-    if requested < 1:
-        raise ValueError(f"batch must be >= 1, got {requested}")
+    if not _is_count(requested) or requested < 1:
+        raise ValueError(f"batch must be an int >= 1, got {requested!r}")
     if requested <= fits:
         return requested
     if fits < 1:
@@ -249,6 +258,9 @@ def simulate(
 ) -> RunResult:
     """End-to-end run of ``batch`` requests of input_len:output_len (whole batch prefilled, then decoded)."""
     _check_lengths(input_len, output_len)
+    if not _is_count(batch) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    batch, input_len, output_len = int(batch), int(input_len), int(output_len)  # (numpy ints: plain in the results)
     fmt = _kv_format(system, kv_format)
     final = input_len + output_len
     fits = policy_max_batch(system, model, input_len, output_len, fmt.name)
@@ -298,8 +310,8 @@ def max_context(system: SystemSpec, model: ModelShape, batch: int, kv_format: st
     Returns 0 when the weights alone do not fit. A sliding-window model is unbounded by KV (returns the
     model's maximum position when the window fits).
     """
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    if not _is_count(batch) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     fmt = _kv_format(system, kv_format)
     free = system.capacity - weight_bytes_stored(model)
     if free <= 0:
