@@ -433,7 +433,7 @@ def test_windows_of_one_token_are_refused_before_the_search(default_model):
     """Token 0 is the sink, left out of the key statistics: one-token windows died in the search with torch's
     "amax(): Expected reduction dim 2 to have non-zero size"; two tokens are enough."""
     ids = torch.tensor([[1], [2]])
-    with pytest.raises(ValueError, match="at least 2 tokens .* got windows of 1"):
+    with pytest.raises(ValueError, match=r"at least 2 tokens .* got windows of 1"):
         profile_plus(copy.deepcopy(default_model.model), ids)
 
 

@@ -116,7 +116,7 @@ def test_bad_names_and_shapes_raise_clear_errors():
     # negative one gave a negative batch; numpy integers are counts like ints, and come back as ints
     s, m = SYSTEMS["oaken-hbm"], MODELS["llama2-7b"]
     for batch, lens in ((3.5, (1024, 1024)), (True, (1024, 1024)), (4, (5.5, 1024)), (4, (1024, False))):
-        with pytest.raises(ValueError, match="must be an int|must be ints"):
+        with pytest.raises(ValueError, match=r"must be an int|must be ints"):
             simulate(s, m, batch, *lens)
     for seq_len in (0, -5, 2.0):
         with pytest.raises(ValueError, match="seq_len must be an int >= 1"):
