@@ -182,6 +182,26 @@ def test_a_forward_that_wants_gradients_is_told_none_flow_through_the_cache():
         model(input_ids=ids, use_cache=True, past_key_values=cache)
 
 
+def test_a_cache_built_before_the_model_was_folded_is_refused():
+    """An ``oaken`` cache, then ``for_model(model, "oaken-plus")`` (which folds into the same model in place): the
+    first cache kept running on keys and values its profile no longer described (logit error up 45% on the default
+    model). Refused at its next update; the new cache runs."""
+    from oakenkv.calibrate.transforms import LayerTransforms, Transforms
+
+    model = _tiny_llama()
+    base = _tiny_profile(model)
+    ids = torch.arange(5)[None]
+    old = OakenCache.for_model(model, preset="oaken", profile=base)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, past_key_values=old)
+        plus = dataclasses.replace(base, transforms=Transforms(tuple(LayerTransforms() for _ in range(2)), 2, 16))
+        new = OakenCache.for_model(model, preset="oaken-plus", profile=plus)
+        with pytest.raises(ValueError, match="transforms changed after this cache was built"):
+            model(input_ids=ids[:, :1], use_cache=True, past_key_values=old)
+        model(input_ids=ids, use_cache=True, past_key_values=new)
+    assert new.get_seq_length() == 5
+
+
 def test_a_cache_under_the_other_keyword_beside_a_filled_cache_raises():
     from transformers import DynamicCache
 

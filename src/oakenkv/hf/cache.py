@@ -62,6 +62,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oakenkv.calibrate.identity import kv_shape, layer_kinds
 from oakenkv.calibrate.thresholds import Thresholds
+from oakenkv.calibrate.transforms import FOLD_MARK
 from oakenkv.format.config import DEFAULT_STATIC_LEVELS, OakenConfig
 from oakenkv.hf.attention import ATTN_IMPLEMENTATION, PackedKV, enable_oaken_attention
 from oakenkv.quant.adapt import AdaptConfig
@@ -105,6 +106,9 @@ class OakenLayer(CacheLayerMixin):
         self.evict = evict
         #: The model's config, whose attention implementation decides what a decode step returns.
         self._model_config = model_config
+        #: The oaken-plus transforms folded into the model when the cache was built (their digest, or None): a model
+        #: folded later (``for_model`` for another preset) no longer makes the keys and values it was profiled for.
+        self._fold = None if model_config is None else vars(model_config).get(FOLD_MARK)
 
     @property
     def packed_decode(self) -> bool:
@@ -145,6 +149,13 @@ class OakenLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor | PackedKV, torch.Tensor | PackedKV]:
         """Store new tokens ``[B, H, S, hd]``; return what the attention function needs (module docstring)."""
+        cfg = self._model_config
+        if cfg is not None and vars(cfg).get(FOLD_MARK) != self._fold:
+            raise ValueError(
+                "the model's oaken-plus transforms changed after this cache was built for it (a later for_model "
+                "folded some in): its profile no longer describes the model's keys and values; build a new cache "
+                "with OakenCache.for_model(model, ...)"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store
