@@ -61,9 +61,9 @@ def window_nll(model: Any, windows: Any) -> tuple[float, int]:
         raise ValueError(
             f"windows must be int64 [num_windows, window >= 2], got {windows.dtype} {tuple(windows.shape)}"
         )
-    with torch.inference_mode():
-        logits = model(input_ids=windows, use_cache=False).logits  # [B, S, vocab]
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    with torch.inference_mode():  # (the last token is only a target, as in `oakenkv eval ppl`)
+        logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [B, S-1, vocab]
+        logp = torch.log_softmax(logits.float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)  # [B, S-1]
     return float(nll.sum()), nll.numel()
 

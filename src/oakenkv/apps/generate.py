@@ -284,8 +284,10 @@ def size_against(reference: int, held: int) -> str:
 def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, int, dict[str, float], int]:
     """Next-token NLL of token windows scored through an :class:`~oakenkv.hf.cache.OakenCache`.
 
-    Every window is one prefill: its keys and values are quantized into the pages as they are produced, and
-    attention runs over the dequantized (stored) K/V, as in the paper's evaluation.
+    Every window but its last token (only a target) is one prefill: its keys and values are quantized into the
+    pages as they are produced, and attention runs over the dequantized (stored) K/V, as in the paper's evaluation;
+    the same forward as ``oakenkv eval ppl``'s, so a window's NLL is the same in both (quantization would amplify the
+    last-bit differences of another input length).
 
     Args:
         windows: int64 ``[N, S]`` token ids; all scored in one batch.
@@ -298,9 +300,9 @@ def oaken_window_nll(model: Any, windows: Any, thresholds: Any) -> tuple[float, 
     from oakenkv.hf.cache import OakenCache
 
     cache = OakenCache(thresholds, model)
-    with torch.inference_mode():
-        logits = model(input_ids=windows, use_cache=True, **cache_kwargs(model, cache)).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    with torch.inference_mode():  # (the last token is only a target: not stored, as `eval ppl` does not store it)
+        logits = model(input_ids=windows[:, :-1], use_cache=True, **cache_kwargs(model, cache)).logits
+        logp = torch.log_softmax(logits.float(), dim=-1)
         nll = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1)
     return float(nll.sum()), nll.numel(), cache.bits_per_value(), cache.kv_bytes()
 

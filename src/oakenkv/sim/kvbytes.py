@@ -28,10 +28,12 @@ OAKEN_LEVELS_SCALE_BITS = 40
 def oaken_bits(
     vector_width: int, outlier_fraction: float = OAKEN_OUTLIER_FRACTION, scale_bits: int = OAKEN_SCALE_BITS
 ) -> float:
-    """Effective bits per value of the Oaken fused dense-and-sparse format (mirrors the codec's accounting).
+    """Effective bits per value of the Oaken fused dense-and-sparse format, as the paper counts it.
 
     4 (dense nibble) + 8 x outlier share (COO entry) + scale bits / vector width. Llama2-7B (width 4096):
-    4.82; Llama2-70B (width 1024, GQA): 4.89 -- the paper's numbers.
+    4.82; Llama2-70B (width 1024, GQA): 4.89 -- the paper's numbers. The codec also stores a 16-bit header per
+    row (its sparse length) and the occasional escape entry (docs/format.md: 4.827 at width 4096), which this leaves
+    out, as the paper does (0.004 bit at width 4096: under 0.1% of the simulated bytes).
     """
     if vector_width < 1:
         raise ValueError(f"vector_width must be >= 1, got {vector_width}")
