@@ -165,8 +165,6 @@ def _check_version() -> None:
         )
 
 
-#: What the plugin says to a profile with static levels (``OakenConfig.static_levels``): its blocks and kernels
-#: read records of one static grid per layer and kind, not a level byte per row.
 #: The dense slot width (``OakenConfig.middle_bits``) the plugin's blocks hold; the presets of other widths
 #: (oaken-plus-2, -3, -5, -6, -7) run in OakenCache and eval only.
 SERVED_SLOT_BITS = 4
@@ -183,6 +181,8 @@ def slot_refusal(middle_bits: int) -> str | None:
     )
 
 
+#: What the plugin says to a profile with static levels (``OakenConfig.static_levels``): its blocks and kernels
+#: read records of one static grid per layer and kind, not a level byte per row.
 LEVELS_REFUSED = (
     "the vLLM plugin serves one static middle/inner grid per layer (OakenConfig.static_grids), not static levels "
     "(OakenConfig.static_levels, a level byte per record); this profile runs in OakenCache and eval only, for now"
