@@ -381,6 +381,11 @@ def oaken_demo_side(
             thr = load_or_profile_plus(loaded, thresholds, samples=plus_samples, window=plus_window)
         loaded = plus_model(loaded, thr)
     out["profile_s"] = time.perf_counter() - t0
+    # the codec's and the attention's kernels compile (first run) or load from numba's cache at their first use: not
+    # part of the scoring's tokens/s (a fresh clone's first demo read oaken-plus at a quarter of Oaken's rate)
+    t0 = time.perf_counter()
+    oaken_window_nll(loaded.model, windows[:1, : min(windows.shape[1], 64)], thr)
+    out["kernel_warm_up_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     total_nll, total_tokens, kv = 0.0, 0, 0
     bits: dict[str, float] = {}
