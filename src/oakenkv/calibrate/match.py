@@ -71,8 +71,7 @@ def cast_folded(model: Any, dtype: Any) -> None:
     if record is None:
         return
     before, _, *rest = record
-    before_rounded = rest[0] if rest else None
-    setattr(model.config, FOLD_WEIGHTS, (before, weights_digest(model), before_rounded, rounded_weights_digest(model)))
+    record_fold(model, before, rest[0] if rest else None)  # (the cast weights are now the folded ones)
 
 
 def check_identity(thresholds: Thresholds, model: Any, *, stacklevel: int = 2) -> None:

@@ -40,6 +40,13 @@ def _is_count(v: object) -> bool:
     return is_int(v) or isinstance(v, np.integer)
 
 
+def _count(name: str, v: object) -> int:
+    """``v`` as a plain int when it is a count >= 1 (:func:`_is_count`), else ValueError naming ``name``."""
+    if not _is_count(v) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return int(v)
+
+
 WEIGHT_BYTES = 2  # FP16 weights on every system (the paper quantizes only the KV cache)
 
 
@@ -140,8 +147,7 @@ def memory_needed(model: ModelShape, fmt: KVFormat, batch: int, seq_len: int) ->
 
 def max_batch(system: SystemSpec, model: ModelShape, seq_len: int, kv_format: str | None = None) -> int:
     """Largest number of sequences of final length ``seq_len`` whose weights + KV fit (0 if none)."""
-    if not _is_count(seq_len) or seq_len < 1:
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    _count("seq_len", seq_len)
     fmt = _kv_format(system, kv_format)
     free = system.capacity - weight_bytes_stored(model)
     if free <= 0:
@@ -167,8 +173,7 @@ def policy_max_batch(
 
 def batch_to_run(system: SystemSpec, requested: int, fits: int) -> int:
     """Apply the system's batching policy to a requested batch given the policy's largest batch that fits."""
-    if not _is_count(requested) or requested < 1:
-        raise ValueError(f"batch must be an int >= 1, got {requested!r}")
+    _count("batch", requested)
     if requested <= fits:
         return requested
     if fits < 1:
@@ -258,9 +263,7 @@ def simulate(
 ) -> RunResult:
     """End-to-end run of ``batch`` requests of input_len:output_len (whole batch prefilled, then decoded)."""
     _check_lengths(input_len, output_len)
-    if not _is_count(batch) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    batch, input_len, output_len = int(batch), int(input_len), int(output_len)  # (numpy ints: plain in the results)
+    batch, input_len, output_len = _count("batch", batch), int(input_len), int(output_len)  # (numpy ints: plain)
     fmt = _kv_format(system, kv_format)
     final = input_len + output_len
     fits = policy_max_batch(system, model, input_len, output_len, fmt.name)
@@ -310,8 +313,7 @@ def max_context(system: SystemSpec, model: ModelShape, batch: int, kv_format: st
     Returns 0 when the weights alone do not fit. A sliding-window model is unbounded by KV (returns the
     model's maximum position when the window fits).
     """
-    if not _is_count(batch) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    _count("batch", batch)
     fmt = _kv_format(system, kv_format)
     free = system.capacity - weight_bytes_stored(model)
     if free <= 0:

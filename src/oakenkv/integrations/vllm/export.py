@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oakenkv.integrations.vllm import _oaken
+from oakenkv.integrations.vllm import LEVELS_REFUSED, _oaken, slot_refusal
 from oakenkv.integrations.vllm.served import EXPORT_KEY, PROFILE_FILE, weights_digest
 
 
@@ -79,8 +79,6 @@ def export_model(
     """
     if preset not in _oaken.PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(_oaken.PRESETS)}")
-    from oakenkv.integrations.vllm import slot_refusal
-
     refused = slot_refusal(_oaken.PRESETS[preset].middle_bits)
     if refused is not None:  # (before any work: the plugin would refuse the directory at start)
         raise ValueError(f"preset {preset!r}: {refused}")
@@ -92,8 +90,6 @@ def export_model(
     try:
         thr = _oaken.find_profile(model, preset, tokenizer=tokenizer, profile=profile, progress=progress)
         if thr.config.static_levels:  # (before the model is folded and written: the plugin would refuse it)
-            from oakenkv.integrations.vllm import LEVELS_REFUSED
-
             raise NotImplementedError(LEVELS_REFUSED)
         if static_grids:
             thr = dataclasses.replace(thr, config=thr.config.replace(static_grids=True))
